@@ -1,0 +1,35 @@
+# sluice: every target creates and uses the virtual environment at .venv.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: install up test lint protos model clean
+
+# Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: install
+	$(VENV)/bin/sluice up
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: install lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+model: install
+	$(VENV)/bin/sluice model tiny --trained
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,125 @@
+"""gRPC plumbing shared by every service: server construction with health and reflection, binding,
+graceful drain on SIGTERM/SIGINT, and a health wait for clients.
+
+Every service has the same shape: settings → `create_server(settings)` → servicer → core.
+`create_server` builds the server with `new_server`, adds its servicer, binds with `bind`, and returns
+`(server, port)`; `serve_forever` runs it until a signal, then drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+class ServiceHealth:
+    """The standard grpc.health.v1 service. Serving once `set_serving` is called; NOT_SERVING while
+    draining, so that load balancers stop sending new work before the server stops."""
+
+    def __init__(self, service_names: Iterable[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.names = ["", *service_names]
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+
+def new_server(
+    service_full_names: Iterable[str], *, reuse_port: bool = False
+) -> tuple[grpc.aio.Server, ServiceHealth]:
+    """A grpc.aio server with health and reflection added for the given services
+    (e.g. "sluice.v1.Engine"). The caller adds its own servicer, then calls `bind`."""
+    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = grpc.aio.server(options=options)
+    names = list(service_full_names)
+    health_state = ServiceHealth(names)
+    health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)
+    reflection.enable_server_reflection([*names, reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    return server, health_state
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Binds an insecure port (0 picks a free one) and returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return bound
+
+
+async def serve_forever(
+    server: grpc.aio.Server,
+    health_state: ServiceHealth,
+    *,
+    name: str,
+    port: int,
+    grace_s: float,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Starts the server, marks it serving, and waits for SIGTERM or SIGINT; then marks it not
+    serving, lets calls in flight finish for up to `grace_s` seconds, runs `on_drain`, and returns."""
+    await server.start()
+    await health_state.set_serving(True)
+    log.info("%s serving on port %d", name, port)
+    print(f"{name} listening on port {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("%s draining (grace %.1fs)", name, grace_s)
+    await health_state.set_serving(False)
+    await server.stop(grace_s)
+    if on_drain is not None:
+        await on_drain()
+
+
+def run(main: Awaitable[None]) -> None:
+    """Runs a service's main coroutine on uvloop."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(main)  # type: ignore[arg-type]
+
+
+async def wait_healthy(address: str, *, timeout_s: float, service: str = "") -> None:
+    """Polls grpc.health.v1 Check on `address` until SERVING; raises TimeoutError after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} not healthy after {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)

@@ -1,0 +1,95 @@
+"""Settings for every service: one frozen dataclass each, filled from defaults, `SLUICE_*`
+environment variables and command-line flags, in that order of precedence.
+
+A field `kv_cache_gb` becomes the flag `--kv-cache-gb` and the variable `SLUICE_KV_CACHE_GB`.
+Argument parsing happens only here, called from the `sluice` entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+ENV_PREFIX = "SLUICE_"
+
+
+def env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _convert(kind: Any, raw: str) -> Any:
+    """Converts one string to the field's type (bool, int, float, str, optional and tuple forms)."""
+    origin = typing.get_origin(kind)
+    args = typing.get_args(kind)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":
+        inner = [a for a in args if a is not type(None)]
+        if raw == "" or raw.lower() == "none":
+            return None
+        return _convert(inner[0], raw)
+    if origin is tuple:
+        items = [s.strip() for s in raw.split(",") if s.strip()]
+        return tuple(_convert(args[0], s) for s in items)
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"not a boolean: {raw!r}")
+    return kind(raw)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
+    """Adds one flag per dataclass field; the field's metadata `help` becomes the flag's help."""
+    for field in dataclasses.fields(cls):
+        default = field.default if field.default is not dataclasses.MISSING else None
+        help_text = field.metadata.get("help", "")
+        help_text = f"{help_text} (default: {default!r}; env {env_name(field.name)})".strip()
+        parser.add_argument(flag_name(field.name), dest=field.name, type=str, default=None, help=help_text)
+
+
+def load_settings(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    *,
+    prog: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """Builds `cls` from its defaults, then `SLUICE_*` variables, then flags in `argv`.
+
+    Raises SystemExit with a clear message (argparse's) on an unknown flag or a bad value.
+    """
+    assert dataclasses.is_dataclass(cls)
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().split("\n")[0])
+    add_arguments(cls, parser)
+    namespace = parser.parse_args(list(argv or []))
+    hints = _field_types(cls)
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        raw = getattr(namespace, field.name)
+        source = flag_name(field.name)
+        if raw is None:
+            raw = environ.get(env_name(field.name))
+            source = env_name(field.name)
+        if raw is None:
+            continue
+        try:
+            values[field.name] = _convert(hints[field.name], raw)
+        except ValueError as exc:
+            parser.error(f"{source}: {exc}")
+    return cls(**values)

@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+
+def main() -> None:
+    raise SystemExit("sluice: not yet wired")
