@@ -1,5 +1,85 @@
+"""The `sluice` command: one entry point for every process and tool.
+
+    sluice up [--model DIR] [--port 8000] [--grpc-base-port 50050]   the whole pipeline on this host
+    sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
+    sluice model tiny DIR [--trained]                               write the embedded model
+    sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks
+    sluice health HOST:PORT                                         exit 0 if the service is SERVING
+
+Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
+"""
+
 from __future__ import annotations
 
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
 
-def main() -> None:
-    raise SystemExit("sluice: not yet wired")
+SERVICES = {
+    "tokenizer": "services.tokenizer.server",
+    "engine": "services.engine.server",
+    "detokenizer": "services.detokenizer.server",
+    "gateway": "gateway.server",
+}
+MODELS = {"tiny": "sluice.model.tiny"}
+BENCHMARKS = {
+    "engine": "sluice.bench.engine",
+    "tokenizer": "sluice.bench.tokenizer",
+    "detokenizer": "sluice.bench.detokenizer",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice",
+        description="sluice: a gRPC pipeline for serving LLMs (tokenizer → engine → detokenizer, gateway).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("up", help="run the whole pipeline on this host (sluice up --help)", add_help=False)
+    serve = sub.add_parser("serve", help="run one service (sluice serve NAME --help)", add_help=False)
+    serve.add_argument("name", choices=sorted(SERVICES))
+    model = sub.add_parser("model", help="write a model directory (sluice model tiny --help)", add_help=False)
+    model.add_argument("kind", choices=sorted(MODELS))
+    bench = sub.add_parser("bench", help="run a benchmark (sluice bench NAME --help)", add_help=False)
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
+    health.add_argument("address", help="HOST:PORT")
+    health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+    return parser
+
+
+def _hand_over(module_name: str, argv: list[str]) -> int:
+    module = importlib.import_module(module_name)
+    return int(module.main(argv) or 0)
+
+
+def _health(address: str, timeout_s: float) -> int:
+    import asyncio
+
+    from services.common.grpc_server import wait_healthy
+
+    try:
+        asyncio.run(wait_healthy(address, timeout_s=timeout_s))
+    except TimeoutError as exc:
+        print(f"sluice health: {exc}", file=sys.stderr)
+        return 1
+    print(f"{address} SERVING")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command == "up":
+        return _hand_over("sluice.launcher", rest)
+    if args.command == "serve":
+        return _hand_over(SERVICES[args.name], rest)
+    if args.command == "health":
+        return _health(args.address, args.timeout)
+    if args.command == "model":
+        return _hand_over(MODELS[args.kind], rest)
+    return _hand_over(BENCHMARKS[args.name], rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""compose.yaml and deploy/k8s run the same commands as `sluice up`: every service command in them
+parses with that service's settings, and the addresses the gateway is given match the stages' ports."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from services.common.settings import load_settings
+from sluice.launcher import plan_children
+
+ROOT = Path(__file__).resolve().parents[2]
+SETTINGS = {
+    "tokenizer": ("services.tokenizer.settings", "TokenizerSettings"),
+    "engine": ("services.engine.settings", "EngineSettings"),
+    "detokenizer": ("services.detokenizer.settings", "DetokenizerSettings"),
+    "gateway": ("gateway.settings", "GatewaySettings"),
+}
+STAGES = ("tokenizer", "engine", "detokenizer")
+
+
+def settings_for(name: str, flags: list[str], environ: dict[str, str] | None = None) -> Any:
+    module_name, class_name = SETTINGS[name]
+    cls = getattr(importlib.import_module(module_name), class_name)
+    return load_settings(cls, flags, environ=environ or {})
+
+
+def serve_command(argv: list[str]) -> tuple[str, list[str]]:
+    assert argv[:2] == ["sluice", "serve"], argv
+    return argv[2], argv[3:]
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((ROOT / "compose.yaml").read_text())
+
+
+def k8s_documents() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted((ROOT / "deploy" / "k8s").glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def test_compose_services_parse_and_wire_up() -> None:
+    services = compose()["services"]
+    assert set(STAGES) | {"gateway", "model"} <= set(services)
+    ports = {}
+    for name in (*STAGES, "gateway"):
+        service = services[name]
+        kind, flags = serve_command(service["command"])
+        assert kind == name
+        settings = settings_for(name, flags, {k: str(v) for k, v in service["environment"].items()})
+        assert settings.host == "0.0.0.0"
+        ports[name] = settings.port
+        assert str(settings.port) in " ".join(service["healthcheck"]["test"])
+    gateway = settings_for("gateway", serve_command(services["gateway"]["command"])[1])
+    for stage in STAGES:
+        assert getattr(gateway, stage) == (f"{stage}:{ports[stage]}",)
+        assert services["gateway"]["depends_on"][stage]["condition"] == "service_healthy"
+    assert "8000:8000" in services["gateway"]["ports"]
+
+
+def test_k8s_deployments_parse_and_wire_up() -> None:
+    docs = k8s_documents()
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    ports = {}
+    for name in (*STAGES, "gateway"):
+        deployment = deployments[f"sluice-{name}"]
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        kind, flags = serve_command(container["args"])
+        assert kind == name
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        settings = settings_for(name, flags, env)
+        ports[name] = settings.port
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"] == labels
+        assert services[f"sluice-{name}"]["spec"]["selector"] == labels
+    gateway_args = deployments["sluice-gateway"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    gateway = settings_for("gateway", serve_command(gateway_args)[1])
+    for stage in STAGES:
+        assert getattr(gateway, stage) == (f"sluice-{stage}:{ports[stage]}",)
+        assert services[f"sluice-{stage}"]["spec"]["clusterIP"] == "None"
+    kustomization = next(d for d in docs if d["kind"] == "Kustomization")
+    listed = set(kustomization["resources"])
+    on_disk = {p.name for p in (ROOT / "deploy" / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+
+
+@pytest.mark.parametrize("batching", [None, "dynamic"])
+def test_launcher_flags_parse_for_every_child(batching: str | None) -> None:
+    args = argparse.Namespace(
+        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=batching, device=None
+    )
+    children = plan_children(args, "/models/m")
+    assert [c.name for c in children] == [*STAGES, "gateway"]
+    parsed = {c.name: settings_for(c.name, list(c.flags)) for c in children}
+    for child in children:
+        assert parsed[child.name].host == "127.0.0.1"
+    assert parsed["gateway"].port == 8100
+    assert parsed["gateway"].grpc_port == 51000
+    for stage in STAGES:
+        assert parsed[stage].model == "/models/m"
+        assert getattr(parsed["gateway"], stage) == (f"127.0.0.1:{parsed[stage].port}",)
+    assert len({c.grpc_port for c in children}) == 4
+    if batching:
+        assert parsed["engine"].batching == batching

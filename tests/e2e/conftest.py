@@ -1,0 +1,105 @@
+"""Runs `sluice up` as a real subprocess on free loopback ports and waits for its ready line
+(printed only after every service has answered its health check)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+STARTUP_DEADLINE_S = 300.0
+READY_MARK = "sluice is up"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports() -> tuple[int, int]:
+    """An HTTP port and a gRPC base port whose next three ports are free too."""
+    rng = random.Random()
+    while True:
+        http, base = rng.randrange(20000, 40000), rng.randrange(40000, 60000)
+        if all(_port_free(p) for p in (http, base, base + 1, base + 2, base + 3)):
+            return http, base
+
+
+@dataclass
+class Pipeline:
+    """A running `sluice up`: its process, ports, and everything it printed so far."""
+
+    proc: subprocess.Popen[str]
+    http_port: int
+    grpc_base_port: int
+    lines: list[str] = field(default_factory=list)
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://127.0.0.1:{self.http_port}/v1/ws"
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout_s)
+
+
+def _pump(pipeline: Pipeline) -> None:
+    assert pipeline.proc.stdout is not None
+    for line in pipeline.proc.stdout:
+        pipeline.lines.append(line)
+        if READY_MARK in line:
+            pipeline.ready.set()
+    pipeline.ready.set()
+
+
+def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
+    """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
+    a start-up failure."""
+    http, base = free_ports()
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "up",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(http),
+        "--grpc-base-port",
+        str(base),
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    pipeline = Pipeline(proc, http, base)
+    threading.Thread(target=_pump, args=(pipeline,), daemon=True).start()
+    if not pipeline.ready.wait(STARTUP_DEADLINE_S) or proc.poll() is not None:
+        pipeline.stop(signal.SIGTERM)
+        pytest.fail(f"sluice up did not become ready:\n{pipeline.output()}")
+    return pipeline
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    running = start_pipeline(tiny_model_dir)
+    yield running
+    code = running.stop()
+    assert code == 0, running.output()

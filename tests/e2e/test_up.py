@@ -1,0 +1,121 @@
+"""The whole pipeline, four real processes started by `sluice up`, driven over the WebSocket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+import websockets
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from tests.e2e.conftest import Pipeline, start_pipeline
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ("Once upon a time", "The quick brown fox")
+MAX_TOKENS = 24
+
+
+async def generate_all(url: str, requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Sends every generate on one socket; returns per id the concatenated text and the done frame."""
+    results: dict[str, dict[str, Any]] = {r["id"]: {"text": "", "done": None} for r in requests}
+    async with websockets.connect(url, max_size=None) as ws:
+        for request in requests:
+            await ws.send(json.dumps(request))
+        while any(r["done"] is None for r in results.values()):
+            frame = json.loads(await asyncio.wait_for(ws.recv(), timeout=120))
+            assert frame["type"] in ("delta", "done"), frame
+            if frame["type"] == "delta":
+                assert results[frame["id"]]["done"] is None, "delta after done"
+                results[frame["id"]]["text"] += frame["text"]
+            else:
+                assert results[frame["id"]]["done"] is None, "two done frames"
+                results[frame["id"]]["done"] = frame
+    return results
+
+
+def reference(model_dir: Path, prompt: str, max_new_tokens: int) -> tuple[str, int, int]:
+    """Greedy text and usage from transformers' own generate on the same model directory."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = GenerationConfig.from_pretrained(model_dir)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=config.eos_token_id, pad_token_id=0
+    )
+    new_ids = out[0, ids.shape[1] :].tolist()
+    return tokenizer.decode(new_ids, skip_special_tokens=True), ids.shape[1], len(new_ids)
+
+
+def _requests() -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "generate",
+            "id": f"r{i}",
+            "prompt": prompt,
+            "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
+        }
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def test_two_concurrent_greedy_generations_repeat_exactly(pipeline: Pipeline, tiny_model_dir: Path) -> None:
+    first = asyncio.run(generate_all(pipeline.ws_url, _requests()))
+    second = asyncio.run(generate_all(pipeline.ws_url, _requests()))
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"r{i}"
+        assert first[rid]["text"] == second[rid]["text"]
+        text, prompt_tokens, completion_tokens = reference(tiny_model_dir, prompt, MAX_TOKENS)
+        done = first[rid]["done"]
+        assert first[rid]["text"] == text
+        assert done["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        assert done["finish_reason"] == ("length" if completion_tokens == MAX_TOKENS else "stop")
+
+
+def test_chat_messages_stream_a_reply(pipeline: Pipeline) -> None:
+    request = {
+        "type": "generate",
+        "id": "chat",
+        "messages": [{"role": "user", "content": "hi"}],
+        "params": {"max_tokens": 8, "temperature": 0.7, "seed": 3},
+    }
+    result = asyncio.run(generate_all(pipeline.ws_url, [request]))["chat"]
+    assert result["done"]["finish_reason"] in ("stop", "length")
+    assert 0 < result["done"]["usage"]["completion_tokens"] <= 8
+    assert result["done"]["usage"]["prompt_tokens"] > 1
+
+
+def test_chat_page_is_served(pipeline: Pipeline) -> None:
+    import httpx
+
+    page = httpx.get(f"http://127.0.0.1:{pipeline.http_port}/", timeout=30)
+    assert page.status_code == 200
+    assert "/v1/ws" in page.text
+    assert httpx.get(f"http://127.0.0.1:{pipeline.http_port}/healthz", timeout=30).status_code == 200
+
+
+def test_a_dead_child_is_named_and_up_exits_nonzero(tiny_model_dir: Path) -> None:
+    running = start_pipeline(tiny_model_dir)
+    children = psutil.Process(running.proc.pid).children()
+    engine = next(c for c in children if "engine" in c.cmdline())
+    engine.send_signal(signal.SIGKILL)
+    code = running.proc.wait(timeout=60)
+    assert code == 1
+    assert "engine exited" in running.output()
+    for child in children:
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+
+
+def test_sigterm_stops_every_child(tiny_model_dir: Path) -> None:
+    running = start_pipeline(tiny_model_dir)
+    children = psutil.Process(running.proc.pid).children()
+    assert len(children) == 4
+    assert running.stop(signal.SIGTERM) == 0
+    psutil.wait_procs(children, timeout=30)
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
