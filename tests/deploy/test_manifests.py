@@ -57,7 +57,8 @@ def test_compose_services_parse_and_wire_up() -> None:
         settings = settings_for(name, flags, {k: str(v) for k, v in service["environment"].items()})
         assert settings.host == "0.0.0.0"
         ports[name] = settings.port
-        assert str(settings.port) in " ".join(service["healthcheck"]["test"])
+        health_port = settings.grpc_port if name == "gateway" else settings.port
+        assert f"127.0.0.1:{health_port}" in " ".join(service["healthcheck"]["test"])
     gateway = settings_for("gateway", serve_command(services["gateway"]["command"])[1])
     for stage in STAGES:
         assert getattr(gateway, stage) == (f"{stage}:{ports[stage]}",)
