@@ -1,0 +1,69 @@
+"""`--workers N`: N processes of one service sharing its port with SO_REUSEPORT.
+
+The first process binds (port 0 picks a free one) and starts N-1 children on the bound port; the
+kernel spreads new connections over all of them. On SIGTERM/SIGINT the first process drains, then
+stops its children and waits for them. A child whose parent disappears drains and exits too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib
+import multiprocessing
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+# serve_one(settings, reuse_port=..., on_bound=..., stop_when=...) runs one process's server.
+ServeOne = Callable[..., Awaitable[None]]
+CHILD_JOIN_S = 30.0
+
+
+def _child_main(module_name: str, settings: Any, parent_pid: int) -> None:
+    from services.common import grpc_server
+
+    module = importlib.import_module(module_name)
+    grpc_server.run(module.serve_one(settings, reuse_port=True, stop_when=_parent_gone(parent_pid)))
+
+
+async def _parent_gone(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(1.0)
+
+
+async def signal_self_when(event: Awaitable[None]) -> None:
+    """Sends this process SIGTERM (a graceful drain) when `event` completes."""
+    with contextlib.suppress(asyncio.CancelledError):
+        await event
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) -> None:
+    """Runs `serve_one` here, plus `settings.workers - 1` children of `module_name` (which must define
+    `serve_one`) on the port this process bound."""
+    if settings.workers <= 1:
+        await serve_one(settings, reuse_port=False)
+        return
+    context = multiprocessing.get_context("spawn")
+    children: list[multiprocessing.process.BaseProcess] = []
+
+    def start_children(port: int) -> None:
+        child_settings = dataclasses.replace(settings, port=port, workers=1)
+        for _ in range(settings.workers - 1):
+            child = context.Process(target=_child_main, args=(module_name, child_settings, os.getpid()),
+                                    daemon=False)
+            child.start()
+            children.append(child)
+
+    async def stop_children() -> None:
+        for child in children:
+            if child.is_alive() and child.pid is not None:
+                child.terminate()
+        loop = asyncio.get_running_loop()
+        for child in children:
+            await loop.run_in_executor(None, child.join, CHILD_JOIN_S)
+
+    await serve_one(settings, reuse_port=True, on_bound=start_children, on_drain=stop_children)

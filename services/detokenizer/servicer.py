@@ -1,0 +1,184 @@
+"""gRPC servicer of the detokenizer: protobuf ↔ `incremental.Session`.
+
+Every call owns one Session (its requests' decoding states). The CPU work runs on the worker thread:
+the messages a call sent while its previous ones were processed go as one job, batched with other
+calls' jobs; one call's messages are processed in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from services.common.batching import MicroBatcher
+from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc
+from services.detokenizer.incremental import BadIds, Final, Session, Vocabulary
+
+Job = Callable[[], Any]
+T = TypeVar("T")
+
+
+def _run_jobs(jobs: list[Job]) -> list[Any]:
+    """Runs each job; a job's exception becomes its result, so one failure never fails the batch."""
+    results: list[Any] = []
+    for job in jobs:
+        try:
+            results.append(job())
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
+def _set_final(out: detokenizer_pb2.DetokenizeFinal, final: Final) -> None:
+    out.request_id = final.request_id
+    out.stopped = final.stopped
+    out.stop = final.stop
+    out.num_ids_consumed = final.num_ids_consumed
+    out.error = final.error
+
+
+def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> detokenizer_pb2.DetokenizeOut:
+    """All deltas and finals of one message's entries, processed in order. (The hot path: one chunk
+    per request per engine step, so lookups are hoisted out of the loop.)"""
+    out = detokenizer_pb2.DetokenizeOut()
+    add = out.entries.add
+    chunk_ids = session.chunk
+    for entry in message.entries:
+        kind = entry.WhichOneof("kind")
+        final: Final | None
+        if kind == "chunk":
+            chunk = entry.chunk
+            request_id = chunk.request_id
+            text, final = chunk_ids(request_id, chunk.token_ids)
+        elif kind == "start":
+            start = entry.start
+            request_id, text = start.request_id, ""
+            final = session.start(request_id, prompt_ids=start.prompt_ids,
+                                  skip_special_tokens=start.skip_special_tokens, stop=start.stop,
+                                  include_stop_str_in_output=start.include_stop_str_in_output)
+        elif kind == "close":
+            request_id = entry.close.request_id
+            text, final = session.close(request_id)
+        else:
+            continue
+        if text:
+            delta = add().delta
+            delta.request_id = request_id
+            delta.text = text
+        if final is not None:
+            _set_final(add().final, final)
+    return out
+
+
+async def read_ahead(items: AsyncIterator[T], limit: int) -> AsyncIterator[list[T]]:
+    """The items of a request stream in order, in lists of those that arrived while the previous list
+    was processed (at most `limit` each, and at most `limit` read ahead, so a fast writer meets
+    back-pressure). Reading overlaps processing; a read error is raised after the items before it."""
+    inbox: asyncio.Queue[T | _End] = asyncio.Queue()
+    room = asyncio.Semaphore(limit)
+
+    async def read_all() -> None:
+        try:
+            async for item in items:
+                await room.acquire()
+                inbox.put_nowait(item)
+        finally:
+            inbox.put_nowait(_END)
+
+    reader = asyncio.create_task(read_all())
+    try:
+        done = False
+        while not done:
+            batch: list[T] = []
+            item = await inbox.get()
+            while True:
+                if isinstance(item, _End):
+                    done = True
+                    break
+                batch.append(item)
+                room.release()
+                if len(batch) >= limit or inbox.empty():
+                    break
+                item = inbox.get_nowait()
+            if batch:
+                yield batch
+        await reader
+    finally:
+        reader.cancel()
+
+
+class _End:
+    """Marks the end of a request stream in `read_ahead`'s queue."""
+
+
+_END = _End()
+
+
+class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
+    def __init__(self, vocab: Vocabulary, *, max_batch_size: int, remember_finished: int,
+                 read_ahead: int) -> None:
+        self.vocab = vocab
+        self.remember_finished = remember_finished
+        self.read_ahead = read_ahead
+        self.batcher: MicroBatcher[Job, Any] = MicroBatcher(_run_jobs, max_batch=max_batch_size,
+                                                            name="detokenize")
+
+    async def _process(
+        self, session: Session, messages: list[detokenizer_pb2.DetokenizeIn]
+    ) -> list[detokenizer_pb2.DetokenizeOut]:
+        """Processes one call's messages in order, on the worker thread."""
+        result = await self.batcher.run(lambda: [process_message(session, m) for m in messages])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[detokenizer_pb2.DetokenizeIn],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[detokenizer_pb2.DetokenizeOut]:
+        """One DetokenizeOut per DetokenizeIn, in order."""
+        session = Session(self.vocab, remember_finished=self.remember_finished)
+        async for messages in read_ahead(request_iterator, self.read_ahead):
+            for out in await self._process(session, messages):
+                yield out
+
+    async def DetokenizeStream(
+        self,
+        request_iterator: AsyncIterator[detokenizer_pb2.DetokenizeInEntry],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[detokenizer_pb2.DetokenizeOutEntry]:
+        """Out entries as they come; after the request's final, later entries are read and ignored."""
+        session = Session(self.vocab, remember_finished=self.remember_finished)
+        finished = False
+        async for entries in read_ahead(request_iterator, self.read_ahead):
+            if finished:
+                continue
+            (out,) = await self._process(session, [detokenizer_pb2.DetokenizeIn(entries=entries)])
+            for out_entry in out.entries:
+                yield out_entry
+                if out_entry.WhichOneof("kind") == "final":
+                    finished = True
+                    break
+
+    async def Decode(
+        self, request: detokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> detokenizer_pb2.DecodeResponse:
+        ids, skip = list(request.ids), request.skip_special_tokens
+
+        def decode() -> str:
+            self.vocab.check(ids)
+            return self.vocab.decode(ids, skip_special_tokens=skip)
+
+        result = await self.batcher.run(decode)
+        if isinstance(result, BadIds):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        if isinstance(result, Exception):
+            raise result
+        return detokenizer_pb2.DecodeResponse(text=result)
+
+    def close(self) -> None:
+        self.batcher.close()

@@ -1,0 +1,296 @@
+"""Tokenizer core: text or chat messages → token ids, for one local Hugging Face model directory.
+
+Knows nothing of gRPC. The directory must hold `tokenizer.json`; `tokenizer_config.json` (special
+tokens, chat template), `chat_template.jinja`, `config.json` (context length, eos) and
+`generation_config.json` (eos) are read when present.
+
+Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
+`trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
+`strftime_now` and a JSON `tojson` filter, the variables `messages`, `add_generation_prompt` and the
+special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
+tokens again, so the ids equal `AutoTokenizer.apply_chat_template(..., tokenize=True)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+# Special-token roles named in tokenizer_config.json, in the order Info lists them.
+SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
+
+
+class InvalidInput(ValueError):
+    """The request cannot be tokenized as asked; the message says why (shown to the caller)."""
+
+
+@dataclass(frozen=True)
+class SpecialToken:
+    name: str  # bos, eos, pad, unk, or the token's own text for others
+    text: str
+    id: int
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """How to fit the ids into the limit (`max_tokens`, else the context length): side is "" (too
+    long is an error), "left" (keep the last ids) or "right" (keep the first ids)."""
+
+    side: str = ""
+    max_tokens: int = 0  # 0 = the model's context length
+
+
+@dataclass(frozen=True)
+class TokenizeJob:
+    """One request: `text`, or `messages` (dicts with role and content) for the chat template."""
+
+    text: str | None = None
+    messages: list[dict[str, str]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    truncation: Truncation = Truncation()
+
+
+@dataclass(frozen=True)
+class Encoded:
+    ids: list[int]
+    truncated: bool
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json is a string or an AddedToken dict with `content`."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _pick_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    """`chat_template.jinja` wins over `tokenizer_config.json`; a list of named templates yields the
+    one named `default`."""
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace()` in templates, refusing underscore attributes as transformers does."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set {name!r} on a namespace")
+        super().__setitem__(name, value)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=8)
+def compile_chat_template(source: str) -> jinja2.Template:
+    """Compiles a chat template in an environment configured like transformers'."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _TemplateNamespace
+    return env.from_string(source)
+
+
+class TokenizerCore:
+    """Tokenizes for one model directory. Thread-safe for concurrent `encode_batch` calls (the
+    underlying `tokenizers.Tokenizer` is immutable after loading)."""
+
+    def __init__(self, model_dir: Path | str) -> None:
+        self.model_dir = Path(model_dir)
+        tokenizer_file = self.model_dir / "tokenizer.json"
+        if not tokenizer_file.exists():
+            raise FileNotFoundError(f"{tokenizer_file} not found (need a Hugging Face fast tokenizer)")
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
+        self.tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        tok_config = _read_json(self.model_dir / "tokenizer_config.json")
+        model_config = _read_json(self.model_dir / "config.json")
+        gen_config = _read_json(self.model_dir / "generation_config.json")
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        self.context_length = self._context_length(model_config, tok_config)
+        self.chat_template = _pick_chat_template(self.model_dir, tok_config)
+        self.template_vars = self._template_vars(tok_config)
+        self.special_tokens = self._special_tokens(tok_config)
+        self.eos_token_ids = self._eos_ids(gen_config, model_config)
+
+    # ---- model facts -------------------------------------------------------------------------
+
+    @staticmethod
+    def _context_length(model_config: dict[str, Any], tok_config: dict[str, Any]) -> int:
+        for value in (model_config.get("max_position_embeddings"), tok_config.get("model_max_length")):
+            if isinstance(value, int) and 0 < value < 10**8:
+                return value
+        return 0
+
+    @staticmethod
+    def _template_vars(tok_config: dict[str, Any]) -> dict[str, str]:
+        """The special tokens a template sees (`bos_token`, `eos_token`, ...), as transformers'
+        `special_tokens_map` gives them."""
+        out: dict[str, str] = {}
+        for role in (*SPECIAL_ROLES, "sep", "cls", "mask"):
+            text = _token_text(tok_config.get(f"{role}_token"))
+            if text is not None:
+                out[f"{role}_token"] = text
+        return out
+
+    def _special_tokens(self, tok_config: dict[str, Any]) -> list[SpecialToken]:
+        out: list[SpecialToken] = []
+        seen: set[int] = set()
+        for role in SPECIAL_ROLES:
+            text = self.template_vars.get(f"{role}_token")
+            token_id = self.tokenizer.token_to_id(text) if text is not None else None
+            if text is not None and token_id is not None:
+                out.append(SpecialToken(role, text, token_id))
+                seen.add(token_id)
+        for token_id, added in sorted(self.tokenizer.get_added_tokens_decoder().items()):
+            if added.special and token_id not in seen:
+                out.append(SpecialToken(added.content, added.content, token_id))
+        return out
+
+    def _eos_ids(self, gen_config: dict[str, Any], model_config: dict[str, Any]) -> list[int]:
+        """generation_config.json's eos ids first, then config.json's, then the tokenizer's eos."""
+        ids = _as_id_list(gen_config.get("eos_token_id")) + _as_id_list(model_config.get("eos_token_id"))
+        eos_text = self.template_vars.get("eos_token")
+        eos_id = self.tokenizer.token_to_id(eos_text) if eos_text is not None else None
+        if eos_id is not None:
+            ids.append(eos_id)
+        return list(dict.fromkeys(ids))
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir.name
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool) -> str:
+        """The conversation rendered with the model's chat template. Raises InvalidInput when the
+        model has none, the conversation is empty, or the template rejects it."""
+        if self.chat_template is None:
+            raise InvalidInput(f"model {self.model_name!r} has no chat template; send text instead")
+        if not messages:
+            raise InvalidInput("chat has no messages")
+        template = compile_chat_template(self.chat_template)
+        try:
+            return template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.template_vars,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise InvalidInput(f"chat template rejected the conversation: {exc}") from exc
+
+    def limit(self, truncation: Truncation) -> int:
+        """The most ids a request may have: `max_tokens`, else the context length (0 = no limit)."""
+        if truncation.max_tokens and self.context_length and truncation.max_tokens > self.context_length:
+            raise InvalidInput(
+                f"max_tokens {truncation.max_tokens} exceeds the model's context length {self.context_length}"
+            )
+        return truncation.max_tokens or self.context_length
+
+    def fit(self, ids: list[int], truncation: Truncation) -> Encoded:
+        """Applies the length limit: truncates on the asked side, or raises InvalidInput naming the
+        numbers. Empty ids are invalid."""
+        if not ids:
+            raise InvalidInput("input encodes to no tokens")
+        limit = self.limit(truncation)
+        if not limit or len(ids) <= limit:
+            return Encoded(ids, False)
+        if truncation.side == "left":
+            return Encoded(ids[-limit:], True)
+        if truncation.side == "right":
+            return Encoded(ids[:limit], True)
+        what = "max_tokens" if truncation.max_tokens else "the model's context length"
+        raise InvalidInput(f"input is {len(ids)} tokens, more than {limit} ({what}); shorten it or ask "
+                           "for truncation")
+
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+        """Token ids of each text (in the caller's order)."""
+        if len(texts) == 1:  # no thread-pool round trip for a lone text
+            return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
+        encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def tokenize_many(self, jobs: Sequence[TokenizeJob]) -> list[Encoded | InvalidInput]:
+        """Tokenizes a batch of requests with one `encode_batch` per add_special_tokens value. Each
+        result is the job's ids, or the InvalidInput that explains why it has none."""
+        results: list[Encoded | InvalidInput | None] = [None] * len(jobs)
+        groups: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+        for i, job in enumerate(jobs):
+            try:
+                text, add_special = self._prepare(job)
+            except InvalidInput as exc:
+                results[i] = exc
+                continue
+            groups[add_special].append((i, text))
+        for add_special, members in groups.items():
+            if not members:
+                continue
+            all_ids = self.encode_batch([text for _, text in members], add_special_tokens=add_special)
+            for (i, _), ids in zip(members, all_ids, strict=True):
+                try:
+                    results[i] = self.fit(ids, jobs[i].truncation)
+                except InvalidInput as exc:
+                    results[i] = exc
+        return [r for r in results if r is not None]
+
+    def _prepare(self, job: TokenizeJob) -> tuple[str, bool]:
+        """The text to encode and whether to add special tokens (never for chat: the template did)."""
+        if job.messages is not None:
+            return self.render_chat(job.messages, add_generation_prompt=job.add_generation_prompt), False
+        if not job.text:
+            raise InvalidInput("empty input: give a non-empty text or a chat")
+        return job.text, job.add_special_tokens
+

@@ -1,0 +1,108 @@
+"""gRPC servicer of the tokenizer: protobuf ↔ `TokenizerCore` jobs, run micro-batched off the loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.common.batching import MicroBatcher
+from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.core import Encoded, InvalidInput, TokenizeJob, TokenizerCore, Truncation
+
+_SIDES = {
+    tokenizer_pb2.TRUNCATION_SIDE_UNSPECIFIED: "",
+    tokenizer_pb2.TRUNCATION_SIDE_LEFT: "left",
+    tokenizer_pb2.TRUNCATION_SIDE_RIGHT: "right",
+}
+
+
+def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
+    """Raises InvalidInput for a request that sets neither text nor chat, or an unknown side."""
+    side = _SIDES.get(request.truncation_side)
+    if side is None:
+        raise InvalidInput(f"unknown truncation_side {request.truncation_side}")
+    truncation = Truncation(side=side, max_tokens=request.max_tokens)
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return TokenizeJob(messages=messages, add_generation_prompt=add_prompt, truncation=truncation)
+    if kind == "text":
+        return TokenizeJob(text=request.text, add_special_tokens=add_special, truncation=truncation)
+    raise InvalidInput("empty input: set text or chat")
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, core: TokenizerCore, *, max_batch_size: int) -> None:
+        self.core = core
+        self.batcher: MicroBatcher[TokenizeJob, Encoded | InvalidInput] = MicroBatcher(
+            core.tokenize_many, max_batch=max_batch_size, name="tokenize"
+        )
+
+    async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> Encoded | InvalidInput:
+        try:
+            job = job_from_request(request)
+        except InvalidInput as exc:
+            return exc
+        return await self.batcher.run(job)
+
+    async def Tokenize(
+        self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        result = await self._tokenize(request)
+        if isinstance(result, InvalidInput):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        assert isinstance(result, Encoded)
+        return tokenizer_pb2.TokenizeResponse(request_id=request.request_id, ids=result.ids,
+                                              truncated=result.truncated)
+
+    async def TokenizeStream(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.TokenizeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.TokenizeResponse]:
+        """Every request is tokenized concurrently; answers come back as they are ready. A bad
+        request gets a response with `error` set and the call goes on."""
+        done: asyncio.Queue[tokenizer_pb2.TokenizeResponse | None] = asyncio.Queue()
+
+        async def one(request: tokenizer_pb2.TokenizeRequest) -> None:
+            result = await self._tokenize(request)
+            rid = request.request_id
+            if isinstance(result, InvalidInput):
+                done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, error=str(result)))
+            else:
+                done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, ids=result.ids,
+                                                               truncated=result.truncated))
+
+        async def read_all() -> None:
+            tasks = [asyncio.create_task(one(request)) async for request in request_iterator]
+            await asyncio.gather(*tasks)
+            done.put_nowait(None)
+
+        reader = asyncio.create_task(read_all())
+        try:
+            while (response := await done.get()) is not None:
+                yield response
+            await reader
+        finally:
+            reader.cancel()
+
+    async def Info(
+        self, request: tokenizer_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.InfoResponse:
+        core = self.core
+        return tokenizer_pb2.InfoResponse(
+            model=core.model_name,
+            vocab_size=core.vocab_size,
+            context_length=core.context_length,
+            special_tokens=[tokenizer_pb2.SpecialToken(name=t.name, text=t.text, id=t.id)
+                            for t in core.special_tokens],
+            eos_token_ids=core.eos_token_ids,
+            has_chat_template=core.chat_template is not None,
+        )
+
+    def close(self) -> None:
+        self.batcher.close()
