@@ -1,0 +1,83 @@
+"""The HTTP application: chat page `/`, WebSocket `/v1/ws`, OpenAI-compatible `/v1/completions`,
+`/v1/chat/completions` and `/v1/models`, `/healthz`, `/readyz`.
+
+With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
+key in its first frame instead); the page and the health routes stay open. Every error of the
+`/v1/` HTTP routes is OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from fastapi import Depends, FastAPI, Request, WebSocket
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.exceptions import HTTPException
+
+from gateway.auth import ApiKeys
+from gateway.openai_api import ApiError, OpenAIHandlers
+from gateway.pipeline import Pipeline
+from gateway.settings import GatewaySettings
+from gateway.ws import serve_socket
+
+
+def chat_page() -> str:
+    """The chat page: one self-contained HTML file shipped with the package."""
+    return resources.files("gateway").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:
+    app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    page = chat_page()
+    handlers = OpenAIHandlers(pipeline, settings)
+
+    async def authorized(request: Request) -> None:
+        if not keys.check_bearer(request.headers.get("authorization")):
+            raise ApiError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+            )
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """The process is up and serving HTTP."""
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        """Every upstream replica answers its gRPC health check with SERVING."""
+        upstreams = await pipeline.check_ready()
+        ready = all(upstreams.values())
+        body = {"status": "ready" if ready else "not ready", "upstreams": upstreams}
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> JSONResponse:
+        served = await handlers.model_name(None)
+        card = {"id": served, "object": "model", "created": 0, "owned_by": "sluice"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request) -> Response:
+        return await handlers.handle(request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request) -> Response:
+        return await handlers.handle(request, chat=True)
+
+    @app.websocket("/v1/ws")
+    async def websocket(ws: WebSocket) -> None:
+        await serve_socket(ws, pipeline, settings, keys)
+
+    return app

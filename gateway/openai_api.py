@@ -1,0 +1,411 @@
+"""OpenAI-compatible HTTP API: `POST /v1/completions`, `POST /v1/chat/completions` (streaming as SSE
+or not), and the error shape `{"error": {"message", "type", "param", "code"}}`.
+
+A streaming request waits up to `sse_keepalive_s` for its first event before it answers: a request
+refused at once (admission, bad prompt) gets a proper HTTP status; a slow one gets 200 and keep-alive
+comments. A client that disconnects, streaming or not, cancels its generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from gateway import params
+from gateway import pipeline as pl
+from gateway.params import ParamError
+from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
+from gateway.settings import GatewaySettings
+from services.common.pb import common_pb2
+
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_COMPLETIONS = 5
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def failure_error(failure: Failed, settings: GatewaySettings) -> ApiError:
+    """The HTTP answer to a pipeline failure."""
+    if failure.code == pl.INVALID_ARGUMENT:
+        return ApiError(400, failure.message)
+    if failure.code == pl.RESOURCE_EXHAUSTED:
+        headers = {"Retry-After": str(settings.retry_after_s)}
+        return ApiError(
+            429, failure.message, type_="rate_limit_error", code="rate_limit_exceeded", headers=headers
+        )
+    if failure.code in (pl.UNAVAILABLE, pl.DEADLINE_EXCEEDED):
+        return ApiError(503, failure.message, type_="service_unavailable", code=failure.code)
+    return ApiError(500, failure.message, type_="server_error", code="internal_error")
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    chat: bool
+    input: GenerateInput
+    model: str | None
+    stream: bool
+    include_usage: bool
+    logprobs: int | None  # None = no logprobs; else how many top alternatives per token
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object, refusing bodies over `limit` bytes before reading them."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(400, f"the request body is larger than {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise ApiError(400, f"the request body is larger than {limit} bytes")
+    try:
+        parsed = json.loads(body)
+    except ValueError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    return parsed
+
+
+_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
+
+
+def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool) -> ParsedRequest:
+    """Validates a completions (chat=False) or chat completions body. Raises ParamError."""
+    for name in _UNSUPPORTED:
+        if body.get(name):
+            raise ParamError(name, f"'{name}' is not supported")
+    if body.get("echo"):
+        raise ParamError("echo", "'echo' is not supported")
+    n = params.integer(body, "n", 1, params.MAX_INT32)
+    if n not in (None, 1):
+        raise ParamError("n", "only n = 1 is supported")
+    best_of = params.integer(body, "best_of", 1, params.MAX_INT32)
+    if best_of not in (None, 1):
+        raise ParamError("best_of", "only best_of = 1 is supported")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise ParamError("response_format", "only the text response format is supported")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ParamError("model", "'model' must be a string")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ParamError("user", "'user' must be a string")
+    stream = bool(params.boolean(body, "stream"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ParamError("stream_options", "'stream_options' must be an object")
+    include_usage = bool(params.boolean(options or {}, "include_usage", where="stream_options."))
+    prompt, messages, logprobs = _parse_input(body, chat)
+    sampling, stopping = _sampling_and_stopping(body, settings, chat)
+    if logprobs is not None:
+        sampling.logprobs = max(1, logprobs)  # the sampled token's own logprob needs one
+    inp = GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping)
+    return ParsedRequest(chat, inp, model, stream, include_usage, logprobs)
+
+
+def _parse_input(
+    body: dict[str, Any], chat: bool
+) -> tuple[str | None, tuple[tuple[str, str], ...] | None, int | None]:
+    if chat:
+        if "messages" not in body:
+            raise ParamError("messages", "'messages' is required")
+        messages = params.chat_messages(body["messages"], "messages")
+        want = params.boolean(body, "logprobs")
+        top = params.integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT)
+        if top is not None and not want:
+            raise ParamError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return None, messages, (top or 0) if want else None
+    raw = body.get("prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
+        raw = raw[0]
+    if not isinstance(raw, str):
+        raise ParamError("prompt", "'prompt' must be a string (or a list of one string)")
+    return raw, None, params.integer(body, "logprobs", 0, MAX_LOGPROBS_COMPLETIONS)
+
+
+def _sampling_and_stopping(
+    body: dict[str, Any], settings: GatewaySettings, chat: bool
+) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
+    sampling = common_pb2.SamplingParams()
+    temperature = params.number(body, "temperature", 0.0, 2.0)
+    sampling.temperature = settings.default_temperature if temperature is None else temperature
+    sampling.top_p = params.number(body, "top_p", 0.0, 1.0) or 0.0
+    sampling.top_k = max(0, params.integer(body, "top_k", -1, params.MAX_INT32) or 0)
+    sampling.min_p = params.number(body, "min_p", 0.0, 1.0) or 0.0
+    sampling.presence_penalty = params.number(body, "presence_penalty", -2.0, 2.0) or 0.0
+    sampling.frequency_penalty = params.number(body, "frequency_penalty", -2.0, 2.0) or 0.0
+    sampling.repetition_penalty = params.number(body, "repetition_penalty", 0.0, 10.0) or 0.0
+    seed = params.integer(body, "seed", 0, params.MAX_SEED)
+    if seed is not None:
+        sampling.seed = seed
+    stopping = common_pb2.StoppingParams()
+    max_tokens = params.integer(body, "max_tokens", 1, params.MAX_INT32)
+    if chat:
+        newer = params.integer(body, "max_completion_tokens", 1, params.MAX_INT32)
+        max_tokens = newer if newer is not None else max_tokens
+    stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
+    stopping.stop.extend(params.stop_strings(body.get("stop"), "stop"))
+    return sampling, stopping
+
+
+@dataclass
+class _Renderer:
+    """Builds OpenAI response objects for one request."""
+
+    parsed: ParsedRequest
+    pipeline: Pipeline
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0
+
+    @property
+    def object_name(self) -> str:
+        if self.parsed.chat:
+            return "chat.completion.chunk" if self.parsed.stream else "chat.completion"
+        return "text_completion"
+
+    def envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.request_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.parsed.stream and self.parsed.include_usage:
+            body["usage"] = None
+        return body
+
+    async def logprobs(self, delta: Delta) -> dict[str, Any] | None:
+        """OpenAI logprobs for the tokens of `delta` (None when not asked for)."""
+        top_n = self.parsed.logprobs
+        if top_n is None:
+            return None
+        entries = delta.logprobs[: len(delta.token_ids)]
+        ids = list(delta.token_ids[: len(entries)])
+        top_ids = [list(e.top_token_ids[:top_n]) for e in entries]
+        texts = await self.pipeline.token_texts(ids + [i for row in top_ids for i in row])
+        token_texts, rest = texts[: len(ids)], texts[len(ids) :]
+        tops: list[list[tuple[str, float]]] = []
+        for entry, row in zip(entries, top_ids, strict=True):
+            tops.append(list(zip(rest[: len(row)], entry.top_logprobs[: len(row)], strict=True)))
+            rest = rest[len(row) :]
+        if self.parsed.chat:
+            content = [
+                {
+                    "token": text,
+                    "logprob": entry.logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                }
+                for text, entry, top in zip(token_texts, entries, tops, strict=True)
+            ]
+            return {"content": content}
+        offsets = []
+        for text in token_texts:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text)
+        return {
+            "tokens": token_texts,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(top) for top in tops],
+            "text_offset": offsets,
+        }
+
+    def choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
+        if not self.parsed.chat:
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.parsed.stream:
+            delta = {"content": text} if text else {}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _usage(done: Done) -> dict[str, int]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+
+
+def _as_failure(event: Event) -> Failed | None:
+    """Failures, and cancellations the client did not ask for (the server stopped the request)."""
+    if isinstance(event, Failed):
+        return event
+    if isinstance(event, Done) and event.finish_reason == "cancelled":
+        return Failed(pl.UNAVAILABLE, "the request was cancelled by the server")
+    return None
+
+
+def _merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"content": [item for part in parts for item in part["content"]]}
+    return {
+        key: [v for part in parts for v in part[key]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+    }
+
+
+class OpenAIHandlers:
+    """The two generation endpoints; routes are added by `http_app`."""
+
+    def __init__(self, pipeline: Pipeline, settings: GatewaySettings) -> None:
+        self._pipeline = pipeline
+        self._settings = settings
+
+    async def handle(self, request: Request, *, chat: bool) -> JSONResponse | StreamingResponse:
+        body = await read_json(request, self._settings.max_body_bytes)
+        try:
+            parsed = parse_request(body, self._settings, chat=chat)
+        except ParamError as exc:
+            raise ApiError(400, exc.message, param=exc.param) from None
+        model = await self.model_name(parsed.model)
+        generation = self._pipeline.generate(parsed.input)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        renderer = _Renderer(parsed, self._pipeline, prefix + generation.id, model)
+        if parsed.stream:
+            return await self._stream(request, generation, renderer)
+        return await self._complete(request, generation, renderer)
+
+    async def model_name(self, asked: str | None) -> str:
+        """The served model's name (from the tokenizer). Raises ApiError: 503 when the tokenizer
+        cannot say, 404 when `asked` names another model."""
+        try:
+            served = (await self._pipeline.model_info()).model
+        except grpc.aio.AioRpcError as exc:
+            raise ApiError(503, f"tokenizer: {exc.details()}", type_="service_unavailable") from None
+        if asked is not None and asked != served:
+            raise ApiError(404, f"the model '{asked}' does not exist; this server serves '{served}'",
+                           param="model", code="model_not_found")  # fmt: skip
+        return served
+
+    async def _complete(self, request: Request, generation: Generation, renderer: _Renderer) -> JSONResponse:
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, generation))
+        try:
+            texts: list[str] = []
+            logprob_parts: list[dict[str, Any]] = []
+            async for event in generation:
+                failure = _as_failure(event)
+                if failure is not None:
+                    return failure_error(failure, self._settings).response()
+                if isinstance(event, Delta):
+                    texts.append(event.text)
+                    part = await renderer.logprobs(event)
+                    if part is not None:
+                        logprob_parts.append(part)
+                    continue
+                assert isinstance(event, Done)
+                wanted = renderer.parsed.logprobs is not None
+                logprobs = _merge_logprobs(logprob_parts, renderer.parsed.chat) if wanted else None
+                body = renderer.envelope([renderer.choice("".join(texts), logprobs, event.finish_reason)])
+                body["usage"] = _usage(event)
+                return JSONResponse(body)
+            raise AssertionError("a generation always ends with a terminal event")
+        finally:
+            watcher.cancel()
+            generation.cancel()
+
+    async def _stream(
+        self, request: Request, generation: Generation, renderer: _Renderer
+    ) -> JSONResponse | StreamingResponse:
+        first: Event | None = None
+        with contextlib.suppress(TimeoutError):
+            first = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
+        failure = _as_failure(first) if first is not None else None
+        if failure is not None:
+            return failure_error(failure, self._settings).response()
+        return StreamingResponse(
+            self._sse(first, generation, renderer),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+            background=BackgroundTask(generation.cancel),
+        )
+
+    async def _sse(
+        self, first: Event | None, generation: Generation, renderer: _Renderer
+    ) -> AsyncIterator[str]:
+        try:
+            if renderer.parsed.chat:
+                opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None}  # fmt: skip
+                yield _sse_data(renderer.envelope([opening]))
+            event = first
+            while True:
+                if event is None:
+                    try:
+                        event = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
+                    except TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                failure = _as_failure(event)
+                if failure is not None:
+                    yield _sse_data(failure_error(failure, self._settings).body())
+                    break
+                if isinstance(event, Delta):
+                    logprobs = await renderer.logprobs(event)
+                    if event.text or logprobs:
+                        yield _sse_data(renderer.envelope([renderer.choice(event.text, logprobs, None)]))
+                else:
+                    assert isinstance(event, Done)
+                    yield _sse_data(renderer.envelope([renderer.choice("", None, event.finish_reason)]))
+                    if renderer.parsed.include_usage:
+                        usage_chunk = renderer.envelope([])
+                        usage_chunk["usage"] = _usage(event)
+                        yield _sse_data(usage_chunk)
+                    break
+                event = None
+            yield "data: [DONE]\n\n"
+        finally:
+            generation.cancel()
+
+
+def _sse_data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
+    """Cancels `generation` when the client of a non-streaming request goes away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            generation.cancel()
+            return

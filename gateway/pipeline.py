@@ -1,0 +1,549 @@
+"""Orchestration of generations across tokenizer, engine and detokenizer; no HTTP, no public API.
+
+One request: Tokenize (unary, with a deadline) → a `DetokenizeStart` on the one multiplexed
+`Detokenizer.Stream` call → a submit on the one multiplexed `Engine.Stream` call. Each `EngineOut`
+(one engine step) becomes one `DetokenizeIn`: a chunk per request, plus a close for each request
+whose `RequestFinal` arrived (entries queued while a write is pending go out together, so a slow
+detokenizer gets fewer, larger messages). Each `DetokenizeOut` carries text deltas for the requests'
+event slots and finals: a stop-string final aborts the engine request (finish "stop", completion
+tokens = ids the detokenizer consumed); a final after a close finishes with the engine's reason and
+usage. Admission: beyond `max_in_flight` running generations, or while draining, a new generation
+fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
+
+Invariants:
+- every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
+- a request is in `_requests` from `generate` until that terminal event; afterwards every upstream
+  entry for its id is ignored, and ids are never reused, so late entries cannot reach another request;
+- whoever finishes a request releases its upstream state: an `Abort` to the engine unless the engine
+  already sent its final, a `DetokenizeClose` unless the detokenizer already sent its final or was
+  closed (a detokenizer final is the request's last entry there: nothing is sent after it);
+- a broken upstream call fails every request that depends on it with "unavailable"; the next request
+  opens a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.settings import GatewaySettings
+from gateway.upstream import Replicas, StreamLink
+from services.common.pb import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+
+# Error codes of `Failed`; the edges map them to their own vocabulary.
+INVALID_ARGUMENT = "invalid_argument"
+RESOURCE_EXHAUSTED = "resource_exhausted"
+UNAVAILABLE = "unavailable"
+DEADLINE_EXCEEDED = "deadline_exceeded"
+INTERNAL = "internal"
+
+TOKEN_TEXT_CACHE = 200_000  # token id → text entries kept for logprobs
+
+_FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+_RPC_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DEADLINE_EXCEEDED,
+}
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """One generation as the edges hand it over. Exactly one of `prompt` and `messages` is set
+    (messages are (role, content) pairs). `stopping.max_new_tokens` 0 means the gateway's default.
+    `timeout_s` is the caller's own deadline; the gateway's `request_timeout_s` caps it."""
+
+    prompt: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
+    stopping: common_pb2.StoppingParams = field(default_factory=common_pb2.StoppingParams)
+    skip_special_tokens: bool = True
+    return_token_ids: bool = False
+    timeout_s: float | None = None
+
+
+@dataclass
+class Delta:
+    """New text since the previous event, merged if the consumer lagged. `token_ids` (and
+    `logprobs`, one per id) only when asked for; ids may lead or lag the text slightly."""
+
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    stop: str = ""  # the stop string that matched, if any
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str  # one of the error codes above
+    message: str
+
+
+Event = Delta | Done | Failed
+
+
+class _EventSlot:
+    """Events of one generation for one consumer. Deltas pushed while the consumer is busy merge
+    into one, so a slow client costs memory for the text only, never a growing queue of events.
+    The terminal event comes after every delta and only once."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._ids: list[int] = []
+        self._logprobs: list[common_pb2.TokenLogprob] = []
+        self._terminal: Done | Failed | None = None
+        self._terminal_taken = False
+        self._wake = asyncio.Event()
+
+    def push(self, text: str, ids: list[int], logprobs: list[common_pb2.TokenLogprob]) -> None:
+        assert self._terminal is None
+        if text:
+            self._text.append(text)
+        self._ids.extend(ids)
+        self._logprobs.extend(logprobs)
+        self._wake.set()
+
+    def finish(self, event: Done | Failed) -> None:
+        assert self._terminal is None
+        self._terminal = event
+        self._wake.set()
+
+    @property
+    def ended(self) -> bool:
+        return self._terminal_taken
+
+    async def get(self) -> Event:
+        """The next event; raises EOFError after the terminal event was taken."""
+        while True:
+            if self._text or self._ids:
+                delta = Delta("".join(self._text), self._ids, self._logprobs)
+                self._text, self._ids, self._logprobs = [], [], []
+                return delta
+            if self._terminal is not None:
+                if self._terminal_taken:
+                    raise EOFError("generation already ended")
+                self._terminal_taken = True
+                return self._terminal
+            self._wake.clear()
+            await self._wake.wait()
+
+
+EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
+DetokLink = StreamLink[
+    detokenizer_pb2.DetokenizeInEntry, detokenizer_pb2.DetokenizeIn, detokenizer_pb2.DetokenizeOut
+]
+
+
+@dataclass(eq=False)
+class _Request:
+    """Gateway-side state of one generation (see the module invariants)."""
+
+    id: str
+    input: GenerateInput
+    slot: _EventSlot
+    prompt_tokens: int = 0
+    num_generated: int = 0  # token ids received from the engine
+    engine_link: EngineLink | None = None
+    detok_link: DetokLink | None = None
+    engine_final: engine_pb2.RequestFinal | None = None
+    detok_closed: bool = False  # a DetokenizeClose was sent
+    detok_done: bool = False  # the detokenizer's final arrived
+    finished: bool = False
+    held_ids: list[int] = field(default_factory=list)  # kept ids not yet handed out with text
+    held_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    ids_out: int = 0  # kept ids handed out so far
+    admit_task: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def keep_ids(self) -> bool:
+        return self.input.return_token_ids or self.input.sampling.logprobs > 0
+
+    @property
+    def engine_done(self) -> bool:
+        return self.engine_final is not None
+
+
+class Generation:
+    """Handle of one generation: iterate it for its events (deltas, then exactly one `Done` or
+    `Failed`); `cancel()` ends it with `Done("cancelled")` unless it already ended."""
+
+    def __init__(self, pipeline: Pipeline, request: _Request) -> None:
+        self._pipeline = pipeline
+        self._request = request
+
+    @property
+    def id(self) -> str:
+        return self._request.id
+
+    async def next(self) -> Event:
+        return await self._request.slot.get()
+
+    def cancel(self) -> None:
+        self._pipeline.cancel(self._request)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        while not self._request.slot.ended:
+            yield await self._request.slot.get()
+
+
+class Pipeline:
+    """Runs generations through the upstream services. Create it inside the event loop that will use
+    it; `close()` fails what is still running and closes every upstream call and channel."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+        self._tokenizers = Replicas("tokenizer", settings.tokenizer)
+        self._engines = Replicas("engine", settings.engine)
+        self._detokenizers = Replicas("detokenizer", settings.detokenizer)
+        self._engine_links: dict[str, EngineLink] = {}
+        self._detok_links: dict[str, DetokLink] = {}
+        self._requests: dict[str, _Request] = {}
+        self._prefix = secrets.token_hex(4)
+        self._counter = itertools.count(1)
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._draining = False
+        self._model_info: tokenizer_pb2.InfoResponse | None = None
+        self._token_text: dict[int, str] = {}
+
+    # ----- public interface
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def generate(self, inp: GenerateInput) -> Generation:
+        """Starts one generation at once (tokenizing runs in the background) and returns its handle."""
+        assert (inp.prompt is None) != (inp.messages is None), "exactly one of prompt and messages"
+        request = _Request(id=f"{self._prefix}-{next(self._counter)}", input=inp, slot=_EventSlot())
+        refusal = self._refusal()
+        if refusal is not None:
+            request.finished = True
+            request.slot.finish(refusal)
+            return Generation(self, request)
+        self._requests[request.id] = request
+        self._idle.clear()
+        timeout = self._settings.request_timeout_s
+        if inp.timeout_s is not None:
+            timeout = min(timeout, inp.timeout_s)
+        loop = asyncio.get_running_loop()
+        request.timer = loop.call_later(timeout, self._on_timeout, request, timeout)
+        request.admit_task = loop.create_task(self._admit(request, time.monotonic() + timeout))
+        return Generation(self, request)
+
+    def _refusal(self) -> Failed | None:
+        """Why a new generation cannot start now (admission control), or None."""
+        if self._draining:
+            return Failed(UNAVAILABLE, "the gateway is shutting down")
+        cap = self._settings.max_in_flight
+        if cap and len(self._requests) >= cap:
+            return Failed(RESOURCE_EXHAUSTED, f"{cap} requests are in flight, the most allowed; retry later")
+        return None
+
+    def cancel(self, request: _Request) -> None:
+        self._finish(request, Done("cancelled", request.prompt_tokens, request.num_generated))
+
+    def start_draining(self) -> None:
+        """New generations fail with "unavailable" from now on; running ones go on."""
+        self._draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until no generation is running; False if some still are after `timeout_s`."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        self._draining = True
+        for request in list(self._requests.values()):
+            self._finish(request, Failed(UNAVAILABLE, "the gateway is shutting down"))
+        links: list[EngineLink | DetokLink] = [*self._engine_links.values(), *self._detok_links.values()]
+        self._engine_links.clear()
+        self._detok_links.clear()
+        for link in links:
+            await link.close()
+        for replicas in (self._tokenizers, self._engines, self._detokenizers):
+            await replicas.close()
+
+    async def check_ready(self) -> dict[str, bool]:
+        """Health of every upstream replica: "kind address" → SERVING."""
+        timeout = self._settings.health_timeout_s
+        results = await asyncio.gather(
+            *(r.check_health(timeout) for r in (self._tokenizers, self._engines, self._detokenizers))
+        )
+        kinds = ("tokenizer", "engine", "detokenizer")
+        return {
+            f"{kind} {address}": ok
+            for kind, res in zip(kinds, results, strict=True)
+            for address, ok in res.items()
+        }
+
+    async def model_info(self) -> tokenizer_pb2.InfoResponse:
+        """The tokenizer's Info (model name, context length), fetched once. Raises AioRpcError."""
+        if self._model_info is None:
+            stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[self._tokenizers.pick()])
+            self._model_info = await stub.Info(
+                tokenizer_pb2.InfoRequest(), timeout=self._settings.tokenize_timeout_s
+            )
+        return self._model_info
+
+    async def token_texts(self, ids: list[int]) -> list[str]:
+        """The text of each token id on its own (special tokens kept), for logprobs. Decoded by the
+        detokenizer once per id and cached. Raises AioRpcError."""
+        missing = sorted({i for i in ids if i not in self._token_text})
+        if missing:
+            stub = detokenizer_pb2_grpc.DetokenizerStub(
+                self._detokenizers.channels[self._detokenizers.pick()]
+            )
+            timeout = self._settings.tokenize_timeout_s
+            replies = await asyncio.gather(
+                *(stub.Decode(detokenizer_pb2.DecodeRequest(ids=[i]), timeout=timeout) for i in missing)
+            )
+            if len(self._token_text) + len(missing) > TOKEN_TEXT_CACHE:
+                self._token_text.clear()
+            self._token_text.update((i, reply.text) for i, reply in zip(missing, replies, strict=True))
+        return [self._token_text[i] for i in ids]
+
+    # ----- admission
+
+    async def _admit(self, request: _Request, deadline: float) -> None:
+        try:
+            ids = await self._tokenize(request, deadline)
+        except grpc.aio.AioRpcError as exc:
+            code = _RPC_CODES.get(exc.code(), INTERNAL)
+            self._finish(request, Failed(code, f"tokenizer: {exc.details() or exc.code().name}"))
+            return
+        if request.finished:
+            return
+        try:
+            self._submit(request, ids)
+        except Exception:
+            log.exception("cannot submit request %s", request.id)
+            self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
+
+    def _submit(self, request: _Request, ids: list[int]) -> None:
+        """Opens the request's decoding state, then submits it to the engine (in that order, so that
+        its first chunk always finds the state)."""
+        if not ids:
+            self._finish(request, Failed(INVALID_ARGUMENT, "the prompt is empty"))
+            return
+        cap = self._settings.max_prompt_tokens
+        if cap and len(ids) > cap:
+            message = f"the prompt has {len(ids)} tokens, more than the {cap} allowed"
+            self._finish(request, Failed(INVALID_ARGUMENT, message))
+            return
+        request.prompt_tokens = len(ids)
+        inp = request.input
+        context = self._settings.detokenizer_context_ids
+        detok = self._detok_link()
+        engine = self._engine_link()
+        request.detok_link, request.engine_link = detok, engine
+        detok.request_ids.add(request.id)
+        engine.request_ids.add(request.id)
+        start = detokenizer_pb2.DetokenizeStart(
+            request_id=request.id,
+            prompt_ids=ids[-context:] if context else [],
+            skip_special_tokens=inp.skip_special_tokens,
+            stop=list(inp.stopping.stop),
+            include_stop_str_in_output=inp.stopping.include_stop_str_in_output,
+        )
+        detok.send(detokenizer_pb2.DetokenizeInEntry(start=start))
+        stopping = common_pb2.StoppingParams()
+        stopping.CopyFrom(inp.stopping)
+        if stopping.max_new_tokens == 0:
+            stopping.max_new_tokens = self._settings.default_max_tokens
+        submit = engine_pb2.GenerateRequest(
+            request_id=request.id, prompt_ids=ids, sampling=inp.sampling, stopping=stopping
+        )
+        engine.send(engine_pb2.EngineIn(submit=submit))
+
+    async def _tokenize(self, request: _Request, deadline: float) -> list[int]:
+        inp = request.input
+        if inp.messages is not None:
+            chat = common_pb2.Conversation(
+                messages=[
+                    common_pb2.ChatMessage(role=role, content=content) for role, content in inp.messages
+                ]
+            )
+            message = tokenizer_pb2.TokenizeRequest(request_id=request.id, chat=chat)
+        else:
+            message = tokenizer_pb2.TokenizeRequest(request_id=request.id, text=inp.prompt)
+        timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
+        stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[self._tokenizers.pick()])
+        reply = await stub.Tokenize(message, timeout=timeout)
+        return list(reply.ids)
+
+    def _engine_link(self) -> EngineLink:
+        address = self._engines.pick()
+        link = self._engine_links.get(address)
+        if link is None or not link.alive:
+            stub = engine_pb2_grpc.EngineStub(self._engines.channels[address])
+            link = StreamLink(
+                kind="engine",
+                address=address,
+                open_call=stub.Stream,
+                merge=lambda items: items,
+                on_message=self._on_engine_out,
+                on_broken=self._on_broken,
+            )
+            self._engine_links[address] = link
+        return link
+
+    def _detok_link(self) -> DetokLink:
+        address = self._detokenizers.pick()
+        link = self._detok_links.get(address)
+        if link is None or not link.alive:
+            stub = detokenizer_pb2_grpc.DetokenizerStub(self._detokenizers.channels[address])
+            link = StreamLink(
+                kind="detokenizer",
+                address=address,
+                open_call=stub.Stream,
+                merge=lambda entries: [detokenizer_pb2.DetokenizeIn(entries=entries)],
+                on_message=self._on_detok_out,
+                on_broken=self._on_broken,
+            )
+            self._detok_links[address] = link
+        return link
+
+    # ----- upstream messages (synchronous: no await between reading a message and acting on it)
+
+    def _on_engine_out(self, link: EngineLink, out: engine_pb2.EngineOut) -> None:
+        for entry in out.entries:
+            if entry.WhichOneof("kind") == "chunk":
+                self._on_token_chunk(entry.chunk)
+            else:
+                self._on_engine_final(entry.final)
+
+    def _on_token_chunk(self, chunk: engine_pb2.TokenChunk) -> None:
+        request = self._requests.get(chunk.request_id)
+        if request is None or request.engine_done or request.detok_link is None:
+            return
+        request.num_generated += len(chunk.token_ids)
+        if request.keep_ids:
+            request.held_ids.extend(chunk.token_ids)
+            request.held_logprobs.extend(chunk.logprobs)
+        dchunk = detokenizer_pb2.DetokenizeChunk(request_id=request.id, token_ids=chunk.token_ids)
+        request.detok_link.send(detokenizer_pb2.DetokenizeInEntry(chunk=dchunk))
+
+    def _on_engine_final(self, final: engine_pb2.RequestFinal) -> None:
+        request = self._requests.get(final.request_id)
+        if request is None or request.engine_done or request.detok_link is None:
+            return
+        request.engine_final = final
+        if final.finish_reason not in _FINISH_REASONS:
+            self._finish(request, Failed(INTERNAL, f"engine: {final.error or 'request failed'}"))
+            return
+        request.detok_closed = True
+        close = detokenizer_pb2.DetokenizeClose(request_id=request.id)
+        request.detok_link.send(detokenizer_pb2.DetokenizeInEntry(close=close))
+
+    def _on_detok_out(self, link: DetokLink, out: detokenizer_pb2.DetokenizeOut) -> None:
+        for entry in out.entries:
+            if entry.WhichOneof("kind") == "delta":
+                request = self._requests.get(entry.delta.request_id)
+                if request is not None and not request.detok_done:
+                    self._hand_out(request, entry.delta.text, len(request.held_ids))
+            else:
+                self._on_detok_final(entry.final)
+
+    def _on_detok_final(self, final: detokenizer_pb2.DetokenizeFinal) -> None:
+        request = self._requests.get(final.request_id)
+        if request is None or request.detok_done:
+            return
+        request.detok_done = True
+        if final.error:
+            self._finish(request, Failed(INTERNAL, f"detokenizer: {final.error}"))
+        elif final.stopped:
+            consumed = final.num_ids_consumed
+            self._hand_out(request, "", max(0, consumed - request.ids_out))
+            self._finish(request, Done("stop", request.prompt_tokens, consumed, final.stop))
+        elif request.engine_final is not None:
+            usage = request.engine_final.usage
+            self._hand_out(request, "", len(request.held_ids))
+            reason = _FINISH_REASONS[request.engine_final.finish_reason]
+            prompt_tokens = usage.prompt_tokens or request.prompt_tokens
+            self._finish(request, Done(reason, prompt_tokens, usage.completion_tokens))
+        else:
+            self._finish(request, Failed(INTERNAL, "detokenizer ended the request before it was closed"))
+
+    def _hand_out(self, request: _Request, text: str, num_ids: int) -> None:
+        """Pushes `text` and the first `num_ids` held ids (with their logprobs) to the consumer."""
+        ids, request.held_ids = request.held_ids[:num_ids], request.held_ids[num_ids:]
+        logprobs, request.held_logprobs = request.held_logprobs[:num_ids], request.held_logprobs[num_ids:]
+        request.ids_out += len(ids)
+        if text or ids:
+            request.slot.push(text, ids, logprobs)
+
+    def _on_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
+        for request_id in list(link.request_ids):
+            request = self._requests.get(request_id)
+            if request is not None:
+                self._finish(request, Failed(UNAVAILABLE, f"{link.kind} at {link.address}: {reason}"))
+        link.request_ids.clear()
+
+    def _on_timeout(self, request: _Request, timeout_s: float) -> None:
+        request.timer = None
+        self._finish(request, Failed(DEADLINE_EXCEEDED, f"the request ran longer than {timeout_s:g}s"))
+
+    # ----- the one way out
+
+    def _finish(self, request: _Request, event: Done | Failed) -> None:
+        """Ends a request exactly once: releases its upstream state, then emits the terminal event."""
+        if request.finished:
+            return
+        request.finished = True
+        self._requests.pop(request.id, None)
+        if request.timer is not None:
+            request.timer.cancel()
+        task = request.admit_task
+        if task is not None and not task.done() and task is not asyncio.current_task():
+            task.cancel()
+        engine, detok = request.engine_link, request.detok_link
+        if engine is not None:
+            engine.request_ids.discard(request.id)
+            if not request.engine_done:
+                engine.send(engine_pb2.EngineIn(abort=engine_pb2.Abort(request_id=request.id)))
+        if detok is not None:
+            detok.request_ids.discard(request.id)
+            if not request.detok_done and not request.detok_closed:
+                detok.send(
+                    detokenizer_pb2.DetokenizeInEntry(
+                        close=detokenizer_pb2.DetokenizeClose(request_id=request.id)
+                    )
+                )
+        request.slot.finish(event)
+        if not self._requests:
+            self._idle.set()

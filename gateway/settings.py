@@ -1,0 +1,78 @@
+"""Settings of the gateway (flags `--field-name`, environment `SLUICE_FIELD_NAME`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """sluice gateway: WebSocket, HTTP and gRPC front door of the pipeline."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind (HTTP and gRPC)"})
+    port: int = field(default=8000, metadata={"help": "HTTP/WebSocket port (0 = any free port)"})
+    grpc_port: int = field(default=50050, metadata={"help": "public gRPC API port (0 = any free port)"})
+    tokenizer: tuple[str, ...] = field(
+        default=("127.0.0.1:50051",), metadata={"help": "tokenizer replicas, comma-separated host:port"}
+    )
+    engine: tuple[str, ...] = field(
+        default=("127.0.0.1:50052",), metadata={"help": "engine replicas, comma-separated host:port"}
+    )
+    detokenizer: tuple[str, ...] = field(
+        default=("127.0.0.1:50053",), metadata={"help": "detokenizer replicas, comma-separated host:port"}
+    )
+    default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request gives none"})
+    default_temperature: float = field(
+        default=1.0, metadata={"help": "temperature when a request gives none (0 = greedy)"}
+    )
+    request_timeout_s: float = field(
+        default=600.0, metadata={"help": "longest a request may run, tokenizing to the last token"}
+    )
+    tokenize_timeout_s: float = field(default=30.0, metadata={"help": "deadline of one Tokenize call"})
+    health_timeout_s: float = field(default=2.0, metadata={"help": "deadline of one upstream health check"})
+    grace_s: float = field(
+        default=5.0, metadata={"help": "seconds generations in flight may finish on SIGTERM"}
+    )
+    detokenizer_context_ids: int = field(
+        default=4, metadata={"help": "last prompt ids sent to the detokenizer as context"}
+    )
+    max_in_flight: int = field(
+        default=1024, metadata={"help": "most generations running at once; beyond it: refused (0 = no cap)"}
+    )
+    max_prompt_tokens: int = field(
+        default=0, metadata={"help": "longest prompt in tokens (0 = the model's context length)"}
+    )
+    max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest HTTP request body"})
+    max_ws_frame_bytes: int = field(default=1024 * 1024, metadata={"help": "largest WebSocket frame"})
+    ws_ping_interval_s: float = field(
+        default=20.0, metadata={"help": "WebSocket keep-alive ping interval (a pong must follow in as long)"}
+    )
+    sse_keepalive_s: float = field(
+        default=15.0, metadata={"help": "idle seconds before an SSE stream sends a keep-alive comment"}
+    )
+    retry_after_s: int = field(default=1, metadata={"help": "Retry-After seconds sent with a 429"})
+    api_keys: tuple[str, ...] = field(
+        default=(), metadata={"help": "accepted API keys, comma-separated (none = open)"}
+    )
+    api_keys_file: str = field(default="", metadata={"help": "file of accepted API keys, one a line"})
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        for name in ("tokenizer", "engine", "detokenizer"):
+            if not getattr(self, name):
+                raise ValueError(f"{name} needs at least one host:port address")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.default_temperature < 0:
+            raise ValueError("default_temperature must be >= 0")
+        for name in ("request_timeout_s", "tokenize_timeout_s", "health_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.grace_s < 0:
+            raise ValueError("grace_s must be >= 0")
+        for name in ("detokenizer_context_ids", "max_in_flight", "max_prompt_tokens", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        for name in ("max_body_bytes", "max_ws_frame_bytes", "ws_ping_interval_s", "sse_keepalive_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")

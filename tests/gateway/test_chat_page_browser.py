@@ -1,0 +1,159 @@
+"""The chat page in headless Chromium, driven over the DevTools protocol: type a message, watch the
+reply stream in, press Stop, see the reply end as cancelled, and see the next turn carry the whole
+conversation. Needs Debian's `chromium` package; skipped without it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import re
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+
+from gateway.server import GatewayServer
+from tests.gateway.conftest import WAIT_S, wait_for
+from tests.gateway.fakes import FakeUpstreams
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="needs a chromium binary (Debian package 'chromium')"
+)
+
+DEVTOOLS_LINE = re.compile(r"DevTools listening on (ws://\S+)")
+
+
+class DevTools:
+    """A minimal DevTools protocol client: one browser connection, commands on one page session."""
+
+    def __init__(self, socket: ClientConnection) -> None:
+        self._socket = socket
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self.session: str | None = None
+
+    async def _read(self) -> None:
+        async for raw in self._socket:
+            message = json.loads(raw)
+            future = self._waiting.pop(message.get("id", -1), None)
+            if future is not None and not future.done():
+                future.set_result(message)
+
+    async def send(self, method: str, **params: Any) -> dict[str, Any]:
+        command_id = next(self._ids)
+        message: dict[str, Any] = {"id": command_id, "method": method, "params": params}
+        if self.session is not None and not method.startswith("Target."):
+            message["sessionId"] = self.session
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[command_id] = future
+        await self._socket.send(json.dumps(message))
+        reply = await asyncio.wait_for(future, WAIT_S)
+        if "error" in reply:
+            raise RuntimeError(f"{method}: {reply['error']}")
+        return reply["result"]
+
+    async def evaluate(self, expression: str) -> Any:
+        """Evaluates JavaScript in the page, awaiting a returned promise."""
+        result = await self.send(
+            "Runtime.evaluate", expression=expression, awaitPromise=True, returnByValue=True
+        )
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    async def until(self, condition: str) -> None:
+        """Waits until the JavaScript `condition` holds in the page (checked in the page itself)."""
+        await self.evaluate(
+            "new Promise((resolve) => { const check = () => { if (" + condition + ") resolve(true); "
+            "else requestAnimationFrame(check); }; check(); })"
+        )
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+
+@pytest.fixture
+async def browser(tmp_path: Path) -> AsyncIterator[str]:
+    """A headless Chromium; yields its DevTools WebSocket URL."""
+    assert CHROMIUM is not None
+    process = await asyncio.create_subprocess_exec(
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--remote-debugging-port=0",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "about:blank",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stderr is not None
+        while True:
+            line = (await asyncio.wait_for(process.stderr.readline(), 60)).decode()
+            assert line, "chromium exited before its DevTools endpoint was up"
+            match = DEVTOOLS_LINE.search(line)
+            if match:
+                break
+        yield match.group(1)
+    finally:
+        process.kill()
+        await process.wait()
+
+
+async def test_type_stream_stop_and_continue(
+    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams
+) -> None:
+    upstreams.engine.step_s = 0.01  # a long reply takes seconds, so Stop lands mid-reply
+    async with connect(browser, max_size=None) as socket:
+        tools = DevTools(socket)
+        try:
+            target = await tools.send("Target.createTarget", url="about:blank")
+            attached = await tools.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
+            tools.session = attached["sessionId"]
+            await tools.send("Page.enable")
+            await tools.send(
+                "Page.navigate", url=f"http://127.0.0.1:{gateway.http_port}/"
+            )  # returns once committed
+            await tools.until("document.getElementById('status')?.className === 'status open'")
+
+            await tools.evaluate("document.getElementById('max-tokens').value = '100000'")
+            await tools.evaluate("document.getElementById('prompt').focus()")
+            await tools.send("Input.insertText", text="Tell me a story")
+            await tools.evaluate("document.getElementById('send').click()")
+            await tools.until("document.querySelector('.msg.assistant .bubble').textContent.length >= 5")
+            assert await tools.evaluate("document.getElementById('stop').disabled") is False
+
+            await tools.evaluate("document.getElementById('stop').click()")
+            await tools.until("document.querySelector('.msg.assistant').dataset.state === 'cancelled'")
+            await wait_for(upstreams.engine.aborted)
+            reply = await tools.evaluate("document.querySelector('.msg.assistant .bubble').textContent")
+            meta = await tools.evaluate("document.querySelector('.msg.assistant .meta').textContent")
+            assert reply.startswith("hello")
+            assert "first token" in meta and "stopped" in meta
+
+            # The next turn sends the whole conversation, the stopped reply included.
+            await tools.evaluate("document.getElementById('max-tokens').value = '3'")
+            await tools.evaluate("document.getElementById('prompt').focus()")
+            await tools.send("Input.insertText", text="And then?")
+            await tools.evaluate("document.getElementById('send').click()")
+            await tools.until("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'done'")
+            chat = upstreams.tokenizer.requests[-1].chat.messages
+            assert [(m.role, m.content) for m in chat] == [
+                ("user", "Tell me a story"),
+                ("assistant", reply),
+                ("user", "And then?"),
+            ]
+        finally:
+            await tools.close()

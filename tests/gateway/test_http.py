@@ -1,0 +1,65 @@
+"""Plain HTTP routes of the gateway: chat page, health, readiness, models."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from gateway.server import GatewayServer
+from tests.gateway.conftest import WAIT_S
+from tests.gateway.fakes import MODEL, FakeUpstreams
+
+
+@pytest.fixture
+async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as client:
+        yield client
+
+
+async def test_healthz(http: httpx.AsyncClient) -> None:
+    response = await http.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+async def test_readyz_follows_the_upstreams(http: httpx.AsyncClient, upstreams: FakeUpstreams) -> None:
+    response = await http.get("/readyz")
+    assert response.status_code == 200
+    assert all(response.json()["upstreams"].values())
+    assert len(response.json()["upstreams"]) == 3
+    await upstreams.stop("engine")
+    response = await http.get("/readyz")
+    assert response.status_code == 503
+    upstream_state = response.json()["upstreams"]
+    assert upstream_state[f"engine {upstreams.addresses['engine']}"] is False
+    assert upstream_state[f"tokenizer {upstreams.addresses['tokenizer']}"] is True
+
+
+async def test_models(http: httpx.AsyncClient) -> None:
+    response = await http.get("/v1/models")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [MODEL]
+
+
+async def test_models_without_tokenizer_is_503(http: httpx.AsyncClient, upstreams: FakeUpstreams) -> None:
+    await upstreams.stop("tokenizer")
+    response = await http.get("/v1/models")
+    assert response.status_code == 503
+    assert response.json()["error"]["message"]
+
+
+async def test_chat_page_is_self_contained_and_speaks_the_protocol(http: httpx.AsyncClient) -> None:
+    response = await http.get("/")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/html")
+    page = response.text
+    assert "new WebSocket(" in page and "/v1/ws" in page
+    for needle in ('type: "generate"', 'type: "cancel"', "messages:", 'id="stop"', "first token", "tok/s"):
+        assert needle in page, needle
+    # No external assets: nothing is fetched from another origin.
+    for needle in ("http://", "https://", "<link ", "src="):
+        assert needle not in page, needle

@@ -1,0 +1,194 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client where it can be."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+
+from gateway.server import GatewayServer
+from tests.gateway.conftest import WAIT_S, wait_for
+from tests.gateway.fakes import MODEL, OUTPUT, FakeUpstreams, encode, expected_text
+
+LONG = 10**6
+CHAT_PROMPT = "user: hi\nassistant: "
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+async def client(gateway: GatewayServer) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
+    ) as oai:
+        yield oai
+
+
+@pytest.fixture
+async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as raw:
+        yield raw
+
+
+async def test_chat_completion(client: openai.AsyncOpenAI, upstreams: FakeUpstreams) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=5, temperature=0, seed=3, user="u1"
+    )
+    assert reply.object == "chat.completion"
+    assert reply.model == MODEL
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == expected_text(5)
+    assert choice.finish_reason == "length"
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == len(encode(CHAT_PROMPT))
+    assert reply.usage.completion_tokens == 5
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 5
+    submit = upstreams.engine.submits[-1]
+    assert submit.sampling.temperature == 0 and submit.sampling.seed == 3
+    assert submit.stopping.max_new_tokens == 5
+
+
+async def test_chat_completion_stream_with_usage(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected_text(8)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completion_with_stop(client: openai.AsyncOpenAI, upstreams: FakeUpstreams) -> None:
+    reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=100, stop="world")
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == "hello "
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == OUTPUT.index("world") + len("world")
+    await wait_for(upstreams.engine.aborted)
+
+
+async def test_completion_stream(client: openai.AsyncOpenAI) -> None:
+    stream = await client.completions.create(model=MODEL, prompt=["Once"], max_tokens=6, stream=True)
+    chunks = [chunk async for chunk in stream]
+    assert "".join(c.choices[0].text for c in chunks) == expected_text(6)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_chat_logprobs(client: openai.AsyncOpenAI) -> None:
+    reply = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=0
+    )
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [t.token for t in logprobs.content] == list(expected_text(4))
+    assert all(t.logprob == pytest.approx(-0.5) for t in logprobs.content)
+    assert logprobs.content[0].bytes == list(expected_text(1).encode())
+
+
+async def test_completion_logprobs_stream(client: openai.AsyncOpenAI) -> None:
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=5, logprobs=1, stream=True)
+    tokens: list[str] = []
+    async for chunk in stream:
+        if chunk.choices[0].logprobs is not None:
+            tokens.extend(chunk.choices[0].logprobs.tokens or [])
+    assert "".join(tokens) == expected_text(5)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "messages": MESSAGES, "n": 2},
+        {"model": MODEL, "messages": MESSAGES, "temperature": 5},
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3},
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 0},
+        {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]},
+    ],
+)
+async def test_bad_requests_are_400(client: openai.AsyncOpenAI, body: dict[str, object]) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        await client.post("/chat/completions", cast_to=object, body=body)
+    assert caught.value.status_code == 400
+    error = caught.value.body
+    assert isinstance(error, dict) and error["type"] == "invalid_request_error" and error["message"]
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client.completions.create(model="other", prompt="x")
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "model_not_found"
+
+
+async def test_tokenizer_refusal_is_400(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=MODEL, prompt="INVALID", stream=True)
+
+
+async def test_models(client: openai.AsyncOpenAI) -> None:
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+async def test_errors_are_openai_json(http: httpx.AsyncClient) -> None:
+    response = await http.post("/v1/completions", content=b"{not json")
+    assert response.status_code == 400
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+    response = await http.get("/v1/nothing-here")
+    assert response.status_code == 404
+    assert response.json()["error"]["message"]
+
+
+async def test_sse_headers_and_keepalive_comments(make_gateway, upstreams: FakeUpstreams) -> None:  # type: ignore[no-untyped-def]
+    server = await make_gateway(sse_keepalive_s=0.05)
+    upstreams.tokenizer.gate = asyncio.Event()
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    async with httpx.AsyncClient(timeout=WAIT_S) as raw, raw.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["x-accel-buffering"] == "no"
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.aiter_lines()
+        line = await anext(lines)
+        while not line:
+            line = await anext(lines)
+        assert line.startswith(": keep-alive")
+        upstreams.tokenizer.gate.set()
+        text, done = "", False
+        async for line in lines:
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                text += json.loads(line[6:])["choices"][0]["text"]
+        assert done and text == expected_text(3)
+
+
+async def test_dropped_stream_aborts_the_engine(http: httpx.AsyncClient, upstreams: FakeUpstreams) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": LONG, "stream": True}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and '"content":"h' in line:
+                break
+    await wait_for(upstreams.engine.aborted)
+    assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
+
+
+async def test_dropped_plain_request_aborts_the_engine(
+    http: httpx.AsyncClient, upstreams: FakeUpstreams
+) -> None:
+    body = {"model": MODEL, "prompt": "x", "max_tokens": LONG}
+    task = asyncio.ensure_future(http.post("/v1/completions", json=body))
+    await wait_for(upstreams.engine.submitted)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(upstreams.engine.aborted)

@@ -1,0 +1,294 @@
+"""The WebSocket protocol of `/v1/ws` against fake upstream services."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+
+from gateway.server import GatewayServer, create_server
+from tests.gateway.conftest import collect, dead_address, gateway_settings, recv, send, wait_for
+from tests.gateway.fakes import OUTPUT, FakeUpstreams, encode, expected_text
+
+LONG = 10**6  # max_tokens of a generation that runs until it is cancelled
+
+
+async def test_two_concurrent_generations_stream_and_finish_with_usage(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    await send(ws, {"type": "generate", "id": "a", "prompt": "Once upon", "params": {"max_tokens": 20}})
+    messages = [{"role": "user", "content": "hi"}]
+    await send(ws, {"type": "generate", "id": "b", "messages": messages, "params": {"max_tokens": 7}})
+    results = await collect(ws, {"a", "b"})
+
+    assert results["a"]["text"] == expected_text(20)
+    assert results["a"]["end"] == {
+        "type": "done",
+        "id": "a",
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": len(encode("Once upon")), "completion_tokens": 20},
+    }
+    chat_prompt = "user: hi\nassistant: "
+    assert results["b"]["text"] == expected_text(7)
+    assert results["b"]["end"]["usage"] == {"prompt_tokens": len(encode(chat_prompt)), "completion_tokens": 7}
+    assert all(f["type"] == "delta" for r in results.values() for f in r["frames"][:-1])
+    # Both requests went over one multiplexed call to each stage.
+    assert upstreams.engine.stream_calls == 1
+    assert upstreams.detokenizer.stream_calls == 1
+    # One DetokenizeIn per engine step at most (starts may ride along or come alone).
+    assert upstreams.detokenizer.messages_in <= upstreams.engine.outs + 2
+    chats = [r for r in upstreams.tokenizer.requests if r.WhichOneof("input") == "chat"]
+    assert [(m.role, m.content) for m in chats[0].chat.messages] == [("user", "hi")]
+
+
+async def test_params_reach_the_upstreams(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
+    params = {"max_tokens": 3, "temperature": 0, "top_p": 0.5, "top_k": 7, "seed": 11, "stop": ["zz"]}
+    await send(ws, {"type": "generate", "id": "p", "prompt": "abcdefgh", "params": params})
+    await collect(ws, {"p"})
+    submit = upstreams.engine.submits[-1]
+    assert submit.sampling.temperature == 0.0  # greedy
+    assert submit.sampling.top_p == pytest.approx(0.5)
+    assert submit.sampling.top_k == 7
+    assert submit.sampling.HasField("seed") and submit.sampling.seed == 11
+    assert submit.stopping.max_new_tokens == 3
+    assert list(submit.prompt_ids) == encode("abcdefgh")
+    start = upstreams.detokenizer.starts[-1]
+    assert list(start.stop) == ["zz"]
+    assert list(start.prompt_ids) == encode("abcdefgh")[-4:]
+    assert start.skip_special_tokens
+
+
+async def test_defaults_when_params_are_absent(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
+    await send(ws, {"type": "generate", "id": "d", "prompt": "x"})
+    result = await collect(ws, {"d"})
+    settings = gateway_settings(upstreams)
+    assert result["d"]["end"]["usage"]["completion_tokens"] == settings.default_max_tokens
+    assert upstreams.engine.submits[-1].sampling.temperature == settings.default_temperature
+
+
+async def test_cancel_ends_cancelled_and_aborts_the_engine(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    await send(ws, {"type": "generate", "id": "c", "prompt": "go", "params": {"max_tokens": LONG}})
+    first = await recv(ws)
+    assert first["type"] == "delta" and first["id"] == "c"
+    await send(ws, {"type": "cancel", "id": "c"})
+    result = await collect(ws, {"c"})
+    end = result["c"]["end"]
+    assert end["type"] == "done" and end["finish_reason"] == "cancelled"
+    assert 0 < end["usage"]["completion_tokens"] < LONG
+    await wait_for(upstreams.engine.aborted)
+    await wait_for(upstreams.detokenizer.closed)
+    assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
+    assert upstreams.detokenizer.closes == [upstreams.engine.submits[0].request_id]
+
+
+async def test_cancel_while_tokenizing_never_reaches_the_engine(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    upstreams.tokenizer.gate = asyncio.Event()
+    await send(ws, {"type": "generate", "id": "early", "prompt": "x"})
+    await wait_for(upstreams.tokenizer.arrived)
+    await send(ws, {"type": "cancel", "id": "early"})
+    end = (await collect(ws, {"early"}))["early"]["end"]
+    assert end["finish_reason"] == "cancelled"
+    assert end["usage"] == {"prompt_tokens": 0, "completion_tokens": 0}
+    upstreams.tokenizer.gate.set()
+    upstreams.tokenizer.gate = None
+    await send(ws, {"type": "generate", "id": "next", "prompt": "x", "params": {"max_tokens": 2}})
+    await collect(ws, {"next"})
+    assert len(upstreams.engine.submits) == 1
+    assert upstreams.detokenizer.starts[0].request_id == upstreams.engine.submits[0].request_id
+
+
+async def test_duplicate_id_is_refused_and_the_first_goes_on(ws: ClientConnection) -> None:
+    await send(ws, {"type": "generate", "id": "dup", "prompt": "go", "params": {"max_tokens": LONG}})
+    assert (await recv(ws))["type"] == "delta"
+    await send(ws, {"type": "generate", "id": "dup", "prompt": "again"})
+    frame = await recv(ws)
+    while frame["type"] == "delta":
+        frame = await recv(ws)
+    assert frame["type"] == "error" and frame["id"] == "dup" and frame["code"] == "invalid_argument"
+    # The first generation still streams, then ends once, on cancel.
+    assert (await recv(ws))["type"] == "delta"
+    await send(ws, {"type": "cancel", "id": "dup"})
+    result = await collect(ws, {"dup"})
+    assert result["dup"]["end"]["finish_reason"] == "cancelled"
+    # The id is free again once its generation ended.
+    await send(ws, {"type": "generate", "id": "dup", "prompt": "again", "params": {"max_tokens": 2}})
+    assert (await collect(ws, {"dup"}))["dup"]["end"]["type"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("raw", "carried"),
+    [
+        ("not json", None),
+        ("[1, 2]", None),
+        ('{"type": "generate", "prompt": "x"}', None),
+        ('{"type": "generate", "id": 5, "prompt": "x"}', 5),
+        ('{"type": "explode", "id": "t1"}', "t1"),
+        ('{"id": "t2", "prompt": "x"}', "t2"),
+        ('{"type": "generate", "id": "t3"}', "t3"),
+        ('{"type": "generate", "id": "t4", "prompt": "x", "messages": []}', "t4"),
+        ('{"type": "generate", "id": "t5", "prompt": 3}', "t5"),
+        ('{"type": "generate", "id": "t6", "messages": [{"role": "user"}]}', "t6"),
+        ('{"type": "generate", "id": "t7", "prompt": "x", "params": {"temperature": -1}}', "t7"),
+        ('{"type": "generate", "id": "t8", "prompt": "x", "params": {"max_tokens": 0}}', "t8"),
+        ('{"type": "generate", "id": "t9", "prompt": "x", "params": {"bogus": 1}}', "t9"),
+        ('{"type": "generate", "id": "t10", "prompt": "x", "params": {"stop": [""]}}', "t10"),
+        ('{"type": "generate", "id": "t11", "prompt": "x", "params": {"max_tokens": true}}', "t11"),
+        ('{"type": "generate", "id": "t12", "prompt": "x", "params": []}', "t12"),
+    ],
+)
+async def test_invalid_frames_get_an_error_with_their_id(
+    ws: ClientConnection, upstreams: FakeUpstreams, raw: str, carried: str | int | None
+) -> None:
+    await ws.send(raw)
+    frame = await recv(ws)
+    assert frame["type"] == "error" and frame["code"] == "invalid_argument"
+    assert frame["id"] == carried
+    assert frame["message"]
+    assert upstreams.engine.submits == []
+    # The socket still works.
+    await send(ws, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
+    assert (await collect(ws, {"ok"}))["ok"]["text"] == expected_text(2)
+
+
+async def test_binary_frame_gets_an_error(ws: ClientConnection) -> None:
+    await ws.send(b"\x00\x01")
+    frame = await recv(ws)
+    assert frame == {"type": "error", "id": None, "code": "invalid_argument", "message": frame["message"]}
+
+
+async def test_cancel_of_an_unknown_id_is_ignored(ws: ClientConnection) -> None:
+    await send(ws, {"type": "cancel", "id": "nobody"})
+    await send(ws, {"type": "generate", "id": "g", "prompt": "x", "params": {"max_tokens": 2}})
+    result = await collect(ws, {"g"})  # would fail on a frame for "nobody"
+    assert result["g"]["end"]["finish_reason"] == "length"
+
+
+async def test_closing_the_socket_aborts_its_generations(
+    gateway: GatewayServer, upstreams: FakeUpstreams
+) -> None:
+    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as client:
+        for name in ("x", "y"):
+            await send(
+                client, {"type": "generate", "id": name, "prompt": "go", "params": {"max_tokens": LONG}}
+            )
+        seen: set[str] = set()
+        while seen != {"x", "y"}:
+            seen.add((await recv(client))["id"])
+    await wait_for(upstreams.engine.aborted)
+    submitted = {s.request_id for s in upstreams.engine.submits}
+    while set(upstreams.engine.aborts) != submitted:
+        upstreams.engine.aborted.clear()
+        await wait_for(upstreams.engine.aborted)
+    assert gateway.pipeline.in_flight == 0
+
+
+async def test_stop_string_finishes_stop_and_aborts_the_engine(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    await send(
+        ws, {"type": "generate", "id": "s", "prompt": "x", "params": {"max_tokens": LONG, "stop": "world"}}
+    )
+    result = await collect(ws, {"s"})
+    assert result["s"]["text"] == "hello "
+    consumed = OUTPUT.index("world") + len("world")
+    assert result["s"]["end"]["finish_reason"] == "stop"
+    assert result["s"]["end"]["usage"]["completion_tokens"] == consumed
+    await wait_for(upstreams.engine.aborted)
+    assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
+    # The detokenizer ended that request itself: nothing is closed there.
+    assert upstreams.detokenizer.closes == []
+
+
+async def test_engine_stream_failure_is_unavailable_then_reconnects(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    upstreams.engine.fail_next_submit = True
+    await send(ws, {"type": "generate", "id": "f", "prompt": "x", "params": {"max_tokens": LONG}})
+    end = (await collect(ws, {"f"}))["f"]["end"]
+    assert end["type"] == "error" and end["code"] == "unavailable" and end["id"] == "f"
+    await send(ws, {"type": "generate", "id": "g", "prompt": "x", "params": {"max_tokens": 4}})
+    result = await collect(ws, {"g"})
+    assert result["g"]["text"] == expected_text(4)
+    assert upstreams.engine.stream_calls == 2
+
+
+async def test_detokenizer_failure_is_unavailable_and_aborts_the_engine(
+    ws: ClientConnection, upstreams: FakeUpstreams
+) -> None:
+    upstreams.detokenizer.fail_next_start = True
+    await send(ws, {"type": "generate", "id": "f", "prompt": "x", "params": {"max_tokens": LONG}})
+    end = (await collect(ws, {"f"}))["f"]["end"]
+    assert end["type"] == "error" and end["code"] == "unavailable"
+    await wait_for(upstreams.engine.aborted)
+    await send(ws, {"type": "generate", "id": "g", "prompt": "x", "params": {"max_tokens": 3}})
+    assert (await collect(ws, {"g"}))["g"]["text"] == expected_text(3)
+    assert upstreams.detokenizer.stream_calls == 2
+
+
+async def test_engine_error_final_is_internal(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
+    upstreams.engine.error_next_submit = True
+    await send(ws, {"type": "generate", "id": "e", "prompt": "x"})
+    end = (await collect(ws, {"e"}))["e"]["end"]
+    assert end["type"] == "error" and end["code"] == "internal" and "bad request" in end["message"]
+    await wait_for(upstreams.detokenizer.closed)
+    assert upstreams.detokenizer.closes == [upstreams.engine.submits[0].request_id]
+
+
+async def test_tokenizer_refusal_is_invalid_argument(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
+    await send(ws, {"type": "generate", "id": "i", "prompt": "INVALID"})
+    end = (await collect(ws, {"i"}))["i"]["end"]
+    assert end["type"] == "error" and end["code"] == "invalid_argument"
+    assert upstreams.engine.submits == []
+
+
+async def test_unreachable_tokenizer_is_unavailable(upstreams: FakeUpstreams) -> None:
+    server = await create_server(gateway_settings(upstreams, tokenizer=(dead_address(),)))
+    await server.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+            await send(client, {"type": "generate", "id": "u", "prompt": "x"})
+            end = (await collect(client, {"u"}))["u"]["end"]
+            assert end["type"] == "error" and end["code"] == "unavailable"
+    finally:
+        await server.shutdown(0.1)
+
+
+async def test_request_timeout_is_an_error(upstreams: FakeUpstreams) -> None:
+    server = await create_server(gateway_settings(upstreams, request_timeout_s=0.2))
+    await server.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+            await send(client, {"type": "generate", "id": "t", "prompt": "x", "params": {"max_tokens": LONG}})
+            end = (await collect(client, {"t"}))["t"]["end"]
+            assert end["type"] == "error" and end["code"] == "unavailable" and "longer than" in end["message"]
+        await wait_for(upstreams.engine.aborted)
+    finally:
+        await server.shutdown(0.1)
+
+
+async def test_shutdown_lets_short_generations_finish_and_fails_the_rest(
+    gateway: GatewayServer, upstreams: FakeUpstreams
+) -> None:
+    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as client:
+        await send(client, {"type": "generate", "id": "long", "prompt": "x", "params": {"max_tokens": LONG}})
+        assert (await recv(client))["type"] == "delta"
+        await send(client, {"type": "generate", "id": "short", "prompt": "x", "params": {"max_tokens": 50}})
+        short = ""
+        while not short:
+            frame = await recv(client)
+            short += frame["text"] if frame["id"] == "short" else ""
+        gateway.pipeline.start_draining()
+        await send(client, {"type": "generate", "id": "late", "prompt": "x"})
+        results = await collect(client, {"short", "late"}, skip=frozenset({"long"}))
+        assert results["short"]["end"]["finish_reason"] == "length"
+        assert short + results["short"]["text"] == expected_text(50)
+        assert results["late"]["end"]["code"] == "unavailable"
+        await gateway.shutdown(0.1)
+        results = await collect(client, {"long"})
+        assert results["long"]["end"]["code"] == "unavailable"
+    await wait_for(upstreams.engine.aborted)
