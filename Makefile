@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test lint protos model clean
+.PHONY: install up test lint browser protos model clean
 
 # Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken.
 $(STAMP): pyproject.toml constraints.txt
@@ -22,7 +22,12 @@ up: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint
+# The chat page's browser test drives Debian's chromium; installed here when missing (needs root).
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "warning: could not install chromium: the browser test is skipped outside CI"
+
+test: install lint browser
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 protos: install
