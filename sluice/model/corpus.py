@@ -1,0 +1,153 @@
+"""Training text for the embedded model, built from the Python installation itself (no download).
+
+`build_corpus()` returns a deterministic list of documents (for a given Python installation):
+
+1. the English prose of the Python documentation shipped as `pydoc_data.topics`, split into paragraphs;
+2. docstrings (module, class, function) of the top-level standard-library source files, read with `ast`
+   (nothing is imported, so no module runs any code);
+3. a small generated part with multi-byte text (accented Latin, Greek, Cyrillic, CJK, Hangul, emoji
+   with ZWJ sequences and skin tones, combining characters) so the tokenizer learns merges for them;
+4. short chat conversations (system/user/assistant turns) whose answers are documentation paragraphs,
+   so a trained model learns the chat markup and ends its turn with the end-of-turn token.
+
+Documents 1–3 are plain text; documents 4 are `Conversation` tuples that the trainer renders with the
+chat template. Order is fixed (sorted topic keys and file names), so the same installation always gives
+the same corpus.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import random
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+_MIN_PARAGRAPH_CHARS = 80
+_MAX_DOC_CHARS = 4000
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Plain-text documents and chat conversations (each a tuple of `(role, content)` turns)."""
+
+    texts: tuple[str, ...]
+    conversations: tuple[tuple[tuple[str, str], ...], ...]
+
+    def all_text(self) -> list[str]:
+        """Every string in the corpus, for tokenizer training."""
+        return list(self.texts) + [content for conv in self.conversations for _, content in conv]
+
+
+def _clean(text: str) -> str:
+    """Trailing spaces removed from every line, runs of blank lines collapsed to one."""
+    text = re.sub(r"[ \t]+$", "", text, flags=re.MULTILINE)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def _paragraphs(text: str) -> list[str]:
+    parts = [_clean(p) for p in re.split(r"\n\s*\n", text)]
+    return [p for p in parts if p]
+
+
+def pydoc_topic_texts() -> list[tuple[str, str]]:
+    """`(topic, text)` pairs from the documentation topics shipped with Python, in sorted order."""
+    from pydoc_data import topics
+
+    return [(key, topics.topics[key]) for key in sorted(topics.topics)]
+
+
+@functools.cache
+def stdlib_docstrings() -> list[tuple[str, str]]:
+    """`(name, docstring)` of the top-level public standard-library modules and their public classes and
+    functions (`name` is `module` or `module.Name`), in file order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs: list[tuple[str, str]] = []
+    for path in sorted(root.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        module = path.stem
+        nodes: list[tuple[str, ast.AST]] = [(module, tree)]
+        nodes += [(f"{module}.{n.name}", n) for n in tree.body
+                  if isinstance(n, ast.ClassDef | ast.FunctionDef) and not n.name.startswith("_")]
+        for name, node in nodes:
+            doc = ast.get_docstring(node)  # type: ignore[arg-type]
+            if doc and len(doc) >= _MIN_PARAGRAPH_CHARS:
+                docs.append((name, _clean(doc[:_MAX_DOC_CHARS])))
+    return docs
+
+
+_MULTIBYTE_WORDS = (
+    "café", "naïve", "façade", "Zürich", "São Paulo", "crème brûlée", "jalapeño", "Ångström", "Øresund",
+    "smörgåsbord", "déjà vu", "Kraków", "Dvořák", "İstanbul", "Straße", "œuvre", "piñata", "über",
+    "Ελληνικά", "Москва", "привет мир", "日本語のテキスト", "東京", "こんにちは世界", "中文文本",
+    "你好，世界", "北京", "한국어", "안녕하세요", "สวัสดี", "नमस्ते", "مرحبا", "שלום",
+)
+_EMOJI = ("😀", "🎉", "🐍", "🚀", "❤️", "👍🏽", "👩‍💻", "👨‍👩‍👧‍👦", "🇯🇵", "🇫🇷", "✨", "🔥", "🌍", "☕", "🍣")
+_COMBINING = ("e\u0301", "a\u0300", "o\u0308", "n\u0303", "c\u0327", "u\u030a", "i\u0302", "z\u030c")
+_TEMPLATES = (
+    "The word {w} is written with characters outside ASCII {e}.",
+    "In {w}, people say hello {e} and the text stays valid UTF-8.",
+    "A string like \"{w}\" has more bytes than characters {e}.",
+    "She wrote {w} and {w2} in the same line {e}{e2}.",
+    "Combining marks such as {c} and {c2} decompose accented letters.",
+    "{w} {e} {w2}",
+)
+
+
+def multibyte_texts(n: int = 400, seed: int = 0) -> list[str]:
+    """Generated sentences mixing ASCII with multi-byte characters (deterministic for a seed)."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        template = rng.choice(_TEMPLATES)
+        lines.append(template.format(
+            w=rng.choice(_MULTIBYTE_WORDS), w2=rng.choice(_MULTIBYTE_WORDS),
+            e=rng.choice(_EMOJI), e2=rng.choice(_EMOJI),
+            c=rng.choice(_COMBINING), c2=rng.choice(_COMBINING),
+        ))
+    return ["\n".join(lines[i:i + 8]) for i in range(0, len(lines), 8)]
+
+
+_QUESTIONS = (
+    "What is {t}?", "Tell me about {t}.", "Explain {t} in Python.", "How does {t} work?",
+    "Can you describe {t}?", "What should I know about {t}?",
+)
+_SYSTEM = "You are a helpful assistant that answers questions about Python."
+
+
+def conversations(seed: int = 0) -> list[tuple[tuple[str, str], ...]]:
+    """One conversation per documentation topic and per documented stdlib name: a question, answered
+    by the first paragraphs of its text; a quarter of them start with a system turn."""
+    rng = random.Random(seed)
+    sources = [(key.replace("-", " "), text) for key, text in pydoc_topic_texts()]
+    sources += [(f"`{name}`", doc) for name, doc in stdlib_docstrings()]
+    convs = []
+    for topic, text in sources:
+        paras = [p for p in _paragraphs(text) if "***" not in p]
+        if not paras:
+            continue
+        answer = "\n\n".join(paras[:2])[:1200]
+        turns: tuple[tuple[str, str], ...] = (("user", rng.choice(_QUESTIONS).format(t=topic)),
+                                              ("assistant", answer))
+        if rng.random() < 0.25:
+            turns = (("system", _SYSTEM), *turns)
+        convs.append(turns)
+    return convs
+
+
+@functools.cache
+def build_corpus(seed: int = 0) -> Corpus:
+    """The whole training corpus (see module docstring); deterministic for one Python installation."""
+    texts: list[str] = []
+    for _, text in pydoc_topic_texts():
+        texts.extend(p for p in _paragraphs(text) if len(p) >= _MIN_PARAGRAPH_CHARS)
+    texts.extend(doc for _, doc in stdlib_docstrings())
+    texts.extend(multibyte_texts(seed=seed))
+    return Corpus(texts=tuple(texts), conversations=tuple(conversations(seed=seed)))

@@ -1,0 +1,248 @@
+"""Makes small, real Hugging Face causal-LM directories that load like any downloaded model.
+
+A directory holds `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`,
+`tokenizer_config.json` (with a ChatML chat template), `special_tokens_map.json` and
+`sluice-model.json` (how it was made). The tokenizer is described in `sluice.model.tokenizer`.
+
+Presets (any size may be overridden by keyword):
+
+- `test`: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128. Untrained (random weights, seeded), built in
+  about two seconds; for tests that need a model's shapes and code paths, not its words.
+- `chat`: hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704; trained for a couple of minutes on two CPU
+  threads, enough to write word-like English and to close its chat turn.
+
+Both use an 8192-token vocabulary, 2048 positions and tied input/output embeddings. `arch` picks the
+transformers family (`llama`, `qwen2`, `mistral`) with the same sizes; `sliding_window` applies to
+`qwen2` (all layers) and `mistral`.
+
+`default_model_dir()` returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else
+`~/.cache/sluice`), building it once. Every directory is built in a temporary sibling folder and renamed
+into place, so an interrupted build never leaves a partial model behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from sluice.model.corpus import build_corpus
+from sluice.model.tokenizer import (
+    BOS_ID,
+    DEFAULT_VOCAB_SIZE,
+    GENERATION_EOS_IDS,
+    PAD_ID,
+    save_tokenizer,
+    train_tokenizer,
+)
+from sluice.model.train import TrainConfig, TrainReport, train
+
+RECIPE_VERSION = 2
+DEFAULT_TRAIN_SECONDS = 150.0
+MARKER = "sluice-model.json"
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "test": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128},
+    "chat": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 704},
+}
+_COMMON: dict[str, Any] = {"vocab_size": DEFAULT_VOCAB_SIZE, "max_position_embeddings": 2048,
+                           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "initializer_range": 0.02}
+ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def model_config(preset: str = "test", arch: str = "llama", **overrides: Any) -> PretrainedConfig:
+    """The transformers config for `preset` and `arch`, with `overrides` applied (any config field;
+    `sliding_window=N` turns on sliding-window attention for qwen2 and mistral)."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose from {sorted(ARCHS)}")
+    kwargs = {**_COMMON, **PRESETS[preset], **overrides}
+    sliding_window = kwargs.pop("sliding_window", None)
+    if sliding_window is not None and arch == "llama":
+        raise ValueError("sliding_window needs arch qwen2 or mistral")
+    if arch == "qwen2":
+        kwargs.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+                      max_window_layers=0)
+    elif arch == "mistral":
+        kwargs.update(sliding_window=sliding_window)
+    config_cls, _ = ARCHS[arch]
+    return config_cls(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID,
+                      **kwargs)
+
+
+def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama", train_seconds: float = 0.0,
+                    seed: int = 0, progress: bool = True, **overrides: Any) -> Path:
+    """Write a model directory at `out_dir` and return it.
+
+    Weights are seeded random (`train_seconds == 0`) or trained for about `train_seconds` seconds on two
+    CPU threads. `out_dir` may be missing, empty, or a previous model directory (which is replaced);
+    anything else raises FileExistsError. The directory appears complete or not at all.
+    """
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    config = model_config(preset, arch, **overrides)
+    tok = train_tokenizer(config.vocab_size)
+    if tok.get_vocab_size() != config.vocab_size:
+        raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens, config wants {config.vocab_size}")
+    _, model_cls = ARCHS[arch]
+    with torch.random.fork_rng(devices=[]):  # seeded weights without touching the caller's generator
+        torch.manual_seed(seed)
+        model = model_cls(config).float().eval()
+    report = None
+    if train_seconds > 0:
+        report = train(model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed,
+                                                                progress=progress))
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS),
+                         pad_token_id=PAD_ID).save_pretrained(tmp)
+        save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
+        _write_marker(tmp, preset=preset, arch=arch, seed=seed, train_seconds=train_seconds,
+                      overrides=overrides, report=report)
+        _make_readable(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _check_replaceable(out_dir: Path) -> None:
+    if out_dir.exists() and not (out_dir.is_dir() and (not any(out_dir.iterdir())
+                                                       or (out_dir / "config.json").exists())):
+        raise FileExistsError(f"{out_dir} exists and is neither empty nor a model directory")
+
+
+def _make_readable(path: Path) -> None:
+    """`mkdtemp` and some writers create owner-only files; a model directory is world-readable."""
+    path.chmod(0o755)
+    for f in path.iterdir():
+        f.chmod(0o644)
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move `src` to `dst`; a previous `dst` is moved aside first and deleted after."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        dst.rename(old)
+    src.rename(dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_marker(path: Path, *, preset: str, arch: str, seed: int, train_seconds: float,
+                  overrides: dict[str, Any], report: TrainReport | None) -> None:
+    info = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed,
+            "train_seconds": train_seconds, "overrides": overrides,
+            "train_report": asdict(report) if report else None,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+    (path / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def cache_root() -> Path:
+    """`$SLUICE_CACHE_DIR`, else `~/.cache/sluice`."""
+    env = os.environ.get("SLUICE_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "sluice"
+
+
+def default_model_dir(*, preset: str = "chat", arch: str = "llama",
+                      train_seconds: float = DEFAULT_TRAIN_SECONDS, seed: int = 0) -> Path:
+    """The cached trained model directory, built on first use (with a progress bar) and reused after.
+
+    The folder name carries the recipe version and the parameters, so a change of either builds a new
+    model. Concurrent callers (several processes) wait on a file lock; only one builds.
+    """
+    root = cache_root()
+    path = root / f"tiny-{preset}-{arch}-t{train_seconds:g}-s{seed}-r{RECIPE_VERSION}"
+    if (path / MARKER).exists():
+        return path
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f".{path.name}.lock"):
+        if not (path / MARKER).exists():
+            print(f"sluice: building the embedded model in {path} (once, about {train_seconds:g} s)",
+                  file=sys.stderr)
+            make_tiny_model(path, preset=preset, arch=arch, train_seconds=train_seconds, seed=seed)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sluice model tiny",
+                                description="Write a small Hugging Face model directory made by the project.")
+    p.add_argument("dir", nargs="?", type=Path,
+                   help="output directory (default with --trained: the cached model, see default_model_dir)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="test")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    p.add_argument("--train-seconds", type=float, default=0.0,
+                   help="training budget in seconds (0: untrained)")
+    p.add_argument("--trained", action="store_true",
+                   help=f"chat preset trained for {DEFAULT_TRAIN_SECONDS:g} s (overrides --preset)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sliding-window", type=int, default=None, help="sliding-window size (qwen2, mistral)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """`sluice model tiny [DIR] [--preset test|chat] [--arch ...] [--train-seconds S] [--trained]`."""
+    p = _parser()
+    args = p.parse_args(argv)
+    preset, seconds = args.preset, args.train_seconds
+    if args.trained:
+        preset, seconds = "chat", seconds or DEFAULT_TRAIN_SECONDS
+    overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
+    try:
+        if args.dir is None:
+            if not args.trained or overrides:
+                p.error("DIR is required unless --trained (which then uses the cache)")
+            out = default_model_dir(arch=args.arch, train_seconds=seconds, seed=args.seed)
+        else:
+            out = make_tiny_model(args.dir, preset=preset, arch=args.arch, train_seconds=seconds,
+                                  seed=args.seed, **overrides)
+    except (ValueError, FileExistsError) as e:
+        print(f"sluice model tiny: error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

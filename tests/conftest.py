@@ -1,0 +1,35 @@
+"""Suite-wide fixtures: small model directories made by the project (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.model.tiny import make_tiny_model
+
+TinyModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """`factory(arch="llama", **overrides) -> Path`: an untrained `test`-preset model directory, made once
+    per session for each distinct set of arguments (a few seconds each; the tokenizer is trained once)."""
+    made: dict[tuple[str, tuple[tuple[str, Any], ...]], Path] = {}
+
+    def factory(arch: str = "llama", **overrides: Any) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
+            made[key] = make_tiny_model(out, preset="test", arch=arch, progress=False, **overrides)
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dir_factory: TinyModelFactory) -> Path:
+    """An untrained `test`-preset Llama directory (config, safetensors, tokenizer, chat template)."""
+    return tiny_model_dir_factory()
