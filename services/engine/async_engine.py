@@ -1,0 +1,239 @@
+"""AsyncEngine: the engine's step loop on its own thread, with asyncio-facing callers.
+
+The loop thread owns the `LLMEngine`: it applies queued submits and aborts, runs `step()`, and
+hands outputs to their callers; it sleeps on a condition when there is nothing to do. The event loop
+never runs the model.
+
+A `Caller` is one consumer (a multiplexed gRPC stream or one `Generate` call). Its outputs are
+coalesced per request in a single slot: a reader that falls behind gets several steps' tokens merged
+into one `RequestOutput`, never a growing queue. `await caller.get()` returns everything pending for
+all of the caller's requests at once, so a stream sends one message per step (or fewer).
+
+Request ids are scoped per caller; inside the engine a request is known as `<caller key>/<id>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from services.engine.engine import EngineStats, LLMEngine
+from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Submit:
+    engine_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    trace_context: Mapping[str, str] | None
+
+
+@dataclass
+class _Abort:
+    engine_id: str
+
+
+class Caller:
+    """One consumer's view of the engine. Use from a single event loop; `close()` aborts what is left."""
+
+    def __init__(self, engine: AsyncEngine, key: str, loop: asyncio.AbstractEventLoop) -> None:
+        self._engine = engine
+        self.key = key
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: dict[str, RequestOutput] = {}  # coalesced outputs by request id (insertion order)
+        self._rejected: list[RequestOutput] = []  # error finals of submits that never entered the engine
+        self._event = asyncio.Event()
+        self._in_flight: set[str] = set()
+        self._input_closed = False
+        self._closed = False
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        *,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> None:
+        """Queues a request for the next step. ValueError (nothing queued) on bad input or a request id
+        already in flight for this caller."""
+        if self._closed:
+            raise ValueError("caller is closed")
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self._in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        engine_id = self._engine_id(request_id)
+        self._engine.engine.validate_request(engine_id, prompt_ids, sampling, stopping)
+        self._in_flight.add(request_id)
+        submit = _Submit(engine_id, list(prompt_ids), sampling, stopping, trace_context)
+        self._engine._post(submit, self, request_id)
+
+    def reject(self, request_id: str, message: str) -> None:
+        """Reports a bad submit as a final output with finish_reason "error" (the caller goes on)."""
+        self._rejected.append(RequestOutput(request_id, [], None, True, "error", 0, 0, error=message))
+        self._event.set()
+
+    def abort(self, request_id: str) -> None:
+        """Aborts one request of this caller; idempotent, unknown ids are ignored."""
+        if request_id in self._in_flight:
+            self._engine._post(_Abort(self._engine_id(request_id)), self, request_id)
+
+    def close_input(self) -> None:
+        """No more submits will come: `get` returns [] once nothing is in flight."""
+        self._input_closed = True
+        self._event.set()
+
+    def close(self) -> None:
+        """Aborts every request still in flight and detaches the caller. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._in_flight):
+            self._engine._post(_Abort(self._engine_id(request_id)), self, request_id)
+
+    def done(self) -> bool:
+        return self._input_closed and not self._in_flight and not self._rejected and not self._pending
+
+    async def get(self) -> list[RequestOutput]:
+        """Waits for outputs and returns all pending ones (one per request, merged), rejected submits
+        first. Returns [] when the input is closed and nothing is left."""
+        while True:
+            if self.done():
+                return []
+            self._event.clear()
+            with self._lock:
+                outputs = list(self._pending.values())
+                self._pending.clear()
+            for out in outputs:
+                if out.finished:
+                    self._in_flight.discard(out.request_id)
+            if self._rejected:  # never in flight: a duplicate id must not end the request it duplicates
+                outputs[:0] = self._rejected
+                self._rejected = []
+            if outputs:
+                return outputs
+            await self._event.wait()
+
+    # ---- called on the loop thread -------------------------------------------------------------
+
+    def _deliver(self, request_id: str, out: RequestOutput) -> None:
+        if self._closed:
+            return
+        out.request_id = request_id
+        with self._lock:
+            was_empty = not self._pending
+            slot = self._pending.get(request_id)
+            if slot is None:
+                self._pending[request_id] = out
+            else:
+                slot.merge(out)
+        if was_empty:
+            try:
+                self._loop.call_soon_threadsafe(self._event.set)
+            except RuntimeError:  # the caller's event loop is gone
+                self._closed = True
+
+    def _engine_id(self, request_id: str) -> str:
+        return f"{self.key}/{request_id}"
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` on a dedicated thread. `start()` once, `stop()` at shutdown."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[tuple[_Submit | _Abort, Caller, str]] = []
+        self._owners: dict[str, tuple[Caller, str]] = {}  # engine id → (caller, caller's request id)
+        self._keys = itertools.count()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._stats = engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops the loop thread after its current step; requests still in the engine are dropped."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def open_caller(self) -> Caller:
+        return Caller(self, f"c{next(self._keys)}", asyncio.get_running_loop())
+
+    def idle(self) -> bool:
+        """True when no command is queued and the engine holds no request."""
+        with self._cond:
+            return not self._commands and not self.engine.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        """The engine's figures after its latest step."""
+        return self._stats
+
+    def _post(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
+        with self._cond:
+            self._commands.append((command, caller, request_id))
+            self._cond.notify()
+
+    # ---- the loop thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                for command, caller, request_id in self._commands:
+                    self._apply(command, caller, request_id)
+                self._commands.clear()
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a bug in a step must not kill the loop
+                log.exception("engine step raised")
+                outputs = self.engine.fail_all(f"internal error in engine step: {exc}")
+            self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
+            self._dispatch(outputs)
+
+    def _apply(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
+        if isinstance(command, _Abort):
+            self.engine.abort_request(command.engine_id)
+            return
+        try:
+            self.engine.add_request(
+                command.engine_id,
+                command.prompt_ids,
+                command.sampling,
+                command.stopping,
+                trace_context=command.trace_context,
+            )
+        except ValueError as exc:
+            caller._deliver(
+                request_id, RequestOutput(request_id, [], None, True, "error", 0, 0, error=str(exc))
+            )
+            return
+        self._owners[command.engine_id] = (caller, request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            owner = self._owners.get(out.request_id)
+            if owner is None:
+                continue
+            if out.finished:
+                del self._owners[out.request_id]
+            caller, request_id = owner
+            caller._deliver(request_id, out)

@@ -1,0 +1,135 @@
+"""Paged attention for transformers' model code, registered as the attention implementation
+"sluice_paged" through `transformers.AttentionInterface`.
+
+The engine packs one step into a single `(1, T)` sequence: first one row per decoding request, then
+the chunk of each prefilling request. The model computes Q/K/V and RoPE as usual and calls
+`paged_attention` per layer with the step's `StepMeta` in kwargs. It writes the step's K/V into the
+pool slots of each token, then attends per sequence, never across sequences:
+- decode rows in groups of similar context length: each row's K/V gathered from its blocks, padded
+  to the group's longest context and masked by length, the grouped query heads folded into the query
+  axis;
+- each prefill chunk alone: causal, aligned bottom-right against its cached context (plain causal
+  against its own K/V when it has no context).
+A sliding window (`sliding_window` from the model's layer) hides keys more than `window - 1` positions
+back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "sluice_paged"
+META_KWARG = "sluice_step"
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int  # first row in the packed batch
+    q_len: int  # tokens of this chunk
+    ctx_start: int  # tokens already in the cache before this chunk
+    ctx_slots: torch.Tensor | None  # (ctx_start + q_len,) pool slots of the context; None if ctx_start == 0
+
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int, device: torch.device) -> torch.Tensor:
+        """(q_len, ctx_len) bool, True where attention is allowed; window 0 = none."""
+        m = self.masks.get(window)
+        if m is None:
+            ctx_len = self.ctx_start + self.q_len
+            q_pos = torch.arange(self.ctx_start, ctx_len, device=device)[:, None]
+            k_pos = torch.arange(ctx_len, device=device)[None, :]
+            m = k_pos <= q_pos
+            if window:
+                m &= k_pos > q_pos - window
+            self.masks[window] = m
+        return m
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows [row_start, row_start + rows) of similar context length, attended together."""
+
+    row_start: int
+    slots: torch.Tensor  # (rows, Lmax) pool slots of each row's context, padded with slot 0
+    lens: torch.Tensor  # (rows,) context length of each row, the new token included
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """(rows, 1, 1, Lmax) additive mask: 0 for the keys a row sees, -inf elsewhere; window 0 = none."""
+        m = self.masks.get(window)
+        if m is None:
+            pos = torch.arange(self.slots.shape[1], device=self.slots.device)[None, :]
+            lens = self.lens[:, None]
+            seen = pos < lens
+            if window:
+                seen &= pos >= lens - window
+            m = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+            m = m[:, None, None, :]
+            self.masks[window] = m
+        return m
+
+
+@dataclass
+class StepMeta:
+    """Per-step attention metadata, built once and shared by every layer."""
+
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: K and V pools, each (num_slots, Hkv, D)
+    slot_mapping: torch.Tensor  # (T,) pool slot of each packed token
+    decode_groups: list[DecodeGroup]  # the decode rows come first in the packed batch, one token each
+    prefills: list[PrefillSeq]
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # (1, H, T, D)
+    key: torch.Tensor,  # (1, Hkv, T, D)
+    value: torch.Tensor,  # (1, Hkv, T, D)
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    meta = kwargs.get(META_KWARG)
+    if not isinstance(meta, StepMeta):
+        raise RuntimeError(f"attention '{ATTN_NAME}' needs the engine's step metadata in `{META_KWARG}`")
+    window = int(kwargs.get("sliding_window") or 0)
+    k_pool, v_pool = meta.kv[module.layer_idx]
+    h, t, d = query.shape[1], query.shape[2], query.shape[3]
+    hkv = key.shape[1]
+    group = h // hkv
+    k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
+    v_new = value[0].transpose(0, 1)
+    k_pool.index_copy_(0, meta.slot_mapping, k_new)
+    v_pool.index_copy_(0, meta.slot_mapping, v_new)
+    out = query.new_empty((t, h, d))
+    q = query[0]  # (H, T, D)
+    for g in meta.decode_groups:
+        rows, lmax = g.slots.shape
+        # (H, rows, D) → (rows, Hkv, G, D): the G query heads of a KV head act as G query rows.
+        qd = q[:, g.row_start : g.row_start + rows].reshape(hkv, group, rows, d).permute(2, 0, 1, 3)
+        flat = g.slots.reshape(-1)
+        kd = k_pool.index_select(0, flat).view(rows, lmax, hkv, d).transpose(1, 2)  # (rows, Hkv, Lmax, D)
+        vd = v_pool.index_select(0, flat).view(rows, lmax, hkv, d).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, q.dtype), scale=scaling)
+        out[g.row_start : g.row_start + rows] = od.reshape(rows, h, d)
+    for p in meta.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        qp = q[None, :, rows]  # (1, H, n, D)
+        if p.ctx_slots is None and not window:
+            op = F.scaled_dot_product_attention(
+                qp, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
+            )
+        else:
+            if p.ctx_slots is None:
+                kp, vp = key[:, :, rows], value[:, :, rows]
+            else:
+                kp = k_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
+                vp = v_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask(window, q.device), scale=scaling, enable_gqa=True
+            )
+        out[rows] = op[0].transpose(0, 1)
+    return out[None], None

@@ -1,0 +1,115 @@
+"""Paged KV cache bookkeeping: which block of the pool belongs to whom (no tensors here).
+
+The pool holds `num_blocks` blocks of `block_size` token slots each (the tensors live in the model
+runner). A block is either in use (`ref_count > 0`, owned by one or more requests through their block
+tables) or free (`ref_count == 0`, on the free list). A free block may still hold the KV of a full block
+whose content hash is registered: a later request with the same prefix revives it without recomputing
+(prefix caching). Allocating a fresh block takes the least recently freed one and forgets its hash.
+
+Contract: callers check, then act. `can_allocate` must be true before `allocate`; every block handed
+out by `allocate` or `acquire` is given back exactly once per reference by `free`. With nothing running,
+`num_free_blocks == num_blocks`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+BlockHash = int
+
+
+def chain_hashes(
+    tokens: Sequence[int], block_size: int, start: int, parent: BlockHash | None
+) -> list[BlockHash]:
+    """Hashes of the full blocks of `tokens` from block index `start` on, each chained to the one before
+    (`parent` is the hash of block `start - 1`, None at 0), so equal hashes mean equal whole prefixes."""
+    hashes: list[BlockHash] = []
+    for i in range(start, len(tokens) // block_size):
+        parent = hash((parent, tuple(tokens[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    """Reference-counted blocks, an O(1) free list and the prefix cache map."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[BlockHash | None] = [None] * num_blocks
+        # Ordered set of free block ids: allocation pops the oldest, revival removes from the middle.
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[BlockHash, int] = {}
+        self.prefix_hit_blocks = 0
+        self.prefix_query_blocks = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def match_prefix(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """The blocks holding the longest cached prefix of the chain `hashes` (nothing is acquired)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks: list[int] = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def num_revived(self, blocks: Sequence[int]) -> int:
+        """How many of `blocks` are free now (acquiring them takes them off the free list)."""
+        return sum(1 for b in blocks if self.ref_counts[b] == 0)
+
+    def can_allocate(self, num_new: int, hit_blocks: Sequence[int] = ()) -> bool:
+        """True when `num_new` fresh blocks can be allocated after `hit_blocks` are acquired."""
+        return num_new + (self.num_revived(hit_blocks) if hit_blocks else 0) <= len(self.free)
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Takes one more reference on each cached block of a prefix hit."""
+        for b in blocks:
+            if self.ref_counts[b] == 0:
+                del self.free[b]
+            self.ref_counts[b] += 1
+
+    def allocate(self, num_new: int) -> list[int]:
+        """`num_new` fresh blocks with one reference each; their old cached content is forgotten."""
+        assert num_new <= len(self.free), "allocate without can_allocate"
+        blocks: list[int] = []
+        for _ in range(num_new):
+            b, _ = self.free.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None:
+                if self.cached.get(old) == b:
+                    del self.cached[old]
+                self.block_hash[b] = None
+            self.ref_counts[b] = 1
+            blocks.append(b)
+        return blocks
+
+    def free_blocks(self, blocks: Sequence[int]) -> None:
+        """Drops one reference on each block; a block reaching zero goes to the free list, keeping its
+        cached content. Tail blocks are freed first so that they are reused before shared prefixes."""
+        for b in reversed(blocks):
+            assert self.ref_counts[b] > 0, f"block {b} freed twice"
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+
+    def register(self, block: int, block_hash: BlockHash) -> None:
+        """Records that the full `block` holds the prefix chain ending in `block_hash`."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if block_hash not in self.cached:
+            self.cached[block_hash] = block
+            self.block_hash[block] = block_hash
+
+    def record_query(self, queried: int, hit: int) -> None:
+        self.prefix_query_blocks += queried
+        self.prefix_hit_blocks += hit

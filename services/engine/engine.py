@@ -1,0 +1,342 @@
+"""LLMEngine: the synchronous engine core (no gRPC, no asyncio).
+
+    outputs = engine.step()   # schedule → execute the model → sample → postprocess
+
+One thread drives it: `add_request`, `abort_request` and `step` are not thread-safe
+(services/engine/async_engine.py runs it on its own thread for asyncio callers).
+A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
+("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
+the next step), or a failure inside a step ("error"; the loop goes on).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    """What the engine needs from a model runner (services/engine/model_runner.py, or a fake in tests)."""
+
+    device: torch.device
+    num_blocks: int
+    vocab_size: int
+    eos_ids: frozenset[int]
+    max_position_embeddings: int
+    last_forward_s: float
+
+    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """Runs one step; returns the logits (N, V) of the requests that sample (those whose chunk reaches
+        their last token) and those requests, row i for logits row i."""
+        ...
+
+
+class StepObserver(Protocol):
+    """Metrics and tracing hooks (services/engine/observability.py), called on the engine's thread.
+    A failing hook is logged and never fails a request or the step."""
+
+    def on_arrival(self, request: Request, trace_context: Mapping[str, str] | None = None) -> None: ...
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None: ...
+
+    def on_step_end(
+        self, sched: SchedulerOutput | None, outputs: list[RequestOutput], step_s: float
+    ) -> None: ...
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    num_blocks: int
+    free_blocks: int
+    block_size: int
+    steps: int
+    max_model_len: int
+    model: str
+    forward_time_s: float  # cumulative time inside the model forward
+    step_time_s: float  # cumulative time of whole steps that ran the model
+    forward_share: float  # forward_time_s / step_time_s
+    max_batch: int  # the largest number of requests in one step
+    forward_share_at_max_batch: float  # the same share over the steps with max_batch requests
+    peak_kv_efficiency: float  # tokens stored / token slots allocated, at the step with most blocks in use
+    peak_blocks_used: int
+    num_preemptions: int
+    prefix_hit_rate: float  # cached blocks reused / full prompt blocks looked up
+    generated_tokens: int
+
+
+def default_model_dir() -> str:
+    from sluice.model.tiny import default_model_dir as embedded  # the project's embedded chat model
+
+    return str(embedded())
+
+
+class LLMEngine:
+    def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
+        settings.validate()
+        self.settings = settings
+        if runner is None:
+            from services.engine.model_runner import ModelRunner
+
+            model_dir = settings.model or default_model_dir()
+            runner = ModelRunner(
+                model_dir,
+                device=settings.device,
+                dtype=settings.dtype,
+                block_size=settings.block_size,
+                kv_cache_gb=settings.kv_cache_gb,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                num_kv_blocks=settings.num_kv_blocks,
+            )
+        self.runner = runner
+        self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
+        bs = settings.block_size
+        self.block_manager = BlockManager(runner.num_blocks, bs, settings.enable_prefix_caching)
+        # A request alone must always fit in the pool, so the context length is capped by its size.
+        model_len = settings.max_model_len or runner.max_position_embeddings or runner.num_blocks * bs
+        self.max_model_len = min(model_len, runner.num_blocks * bs)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=settings.batching,
+            batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
+        )
+        self.sampler = Sampler(runner.device, settings.seed)
+        self.requests: dict[str, Request] = {}
+        self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
+        self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
+        self._steps = 0
+        self._forward_s = 0.0
+        self._step_s = 0.0
+        self._max_batch = 0
+        self._max_batch_forward_s = 0.0
+        self._max_batch_step_s = 0.0
+        self._peak_blocks = 0
+        self._peak_efficiency = 0.0
+        self._generated = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def validate_request(
+        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stopping: StoppingParams
+    ) -> None:
+        """Raises ValueError with a clear message when the request cannot be served as given."""
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}, "
+                "so at most max_model_len - 1 prompt tokens"
+            )
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        sampling.validate()
+        stopping.validate()
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        *,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> None:
+        """Queues a request; it joins the batch at a coming step. ValueError on bad input.
+        `trace_context` (W3C traceparent/tracestate) goes to the observer only."""
+        self.validate_request(request_id, prompt_ids, sampling, stopping)
+        req = Request(
+            request_id,
+            list(prompt_ids),
+            sampling,
+            stopping,
+            arrival_time=time.monotonic(),
+            eos_ids=self.runner.eos_ids,
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        if self.observer is not None:
+            self._observe(self.observer.on_arrival, req, trace_context)
+
+    def abort_request(self, request_id: str) -> None:
+        """Ends the request and frees its blocks now; its final output ("cancelled") comes with the next
+        step. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return
+        self.scheduler.finish(req, "cancelled")
+        self._pending.append(self._output(req, []))
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Ends every request with finish_reason "error" (after an unexpected failure of a step)."""
+        outputs, self._pending = self._pending, []
+        for req in list(self.requests.values()):
+            outputs.append(self._fail(req, message))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """schedule → execute → sample → postprocess. Returns the outputs of this step, one per request
+        that got a token or ended."""
+        start = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            if sched.wait_s > 0:
+                time.sleep(sched.wait_s)
+            elif self.scheduler.waiting and not self.scheduler.running:
+                # Unreachable while the context length fits the pool; never spin on a stuck request.
+                stuck = self.scheduler.waiting[0]
+                outputs.append(self._fail(stuck, "request cannot be scheduled: the KV cache is too small"))
+            if outputs and self.observer is not None:
+                self._observe(self.observer.on_step_end, None, outputs, time.perf_counter() - start)
+            return outputs
+        if self.observer is not None:
+            self._observe(self.observer.on_scheduled, sched)
+        try:
+            logits, sampling = self.runner.execute(sched.scheduled)
+            result = self.sampler.sample(logits, sampling)
+        except Exception as exc:  # a failing step fails its requests, never the loop
+            log.exception("engine step failed")
+            for req, _ in sched.scheduled:
+                outputs.append(self._fail(req, f"internal error in engine step: {exc}"))
+        else:
+            self.scheduler.advance(sched)
+            outputs.extend(self._postprocess(sampling, result.token_ids, result.logprobs))
+            self._account(sched, time.perf_counter() - start)
+        if self.observer is not None:
+            self._observe(self.observer.on_step_end, sched, outputs, time.perf_counter() - start)
+        return outputs
+
+    @staticmethod
+    def _observe(hook: Callable[..., None], *args: object) -> None:
+        try:
+            hook(*args)
+        except Exception:
+            log.exception("engine observer failed")
+
+    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+            req.token_ids.append(tok)
+            self._generated += 1
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._output(req, [tok], [lp] if lp is not None else None))
+        return outputs
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        st = req.stopping
+        # The sampler keeps stop tokens out until min_new_tokens tokens came before this one.
+        if req.num_output_tokens > st.min_new_tokens and (
+            tok in st.stop_token_ids or (not st.ignore_eos and tok in req.eos_ids)
+        ):
+            return "stop"
+        if req.num_output_tokens >= req.stopping.max_new_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        self.scheduler.finish(req, "error", message)
+        self.requests.pop(req.request_id, None)
+        return self._output(req, [])
+
+    @staticmethod
+    def _output(req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            logprobs=logprobs,
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            error=req.error,
+        )
+
+    # ---- figures -------------------------------------------------------------------------------
+
+    def _account(self, sched: SchedulerOutput, step_s: float) -> None:
+        self._steps += 1
+        fwd = self.runner.last_forward_s
+        self._forward_s += fwd
+        self._step_s += step_s
+        batch = len(sched.scheduled)
+        if batch > self._max_batch:
+            self._max_batch, self._max_batch_forward_s, self._max_batch_step_s = batch, 0.0, 0.0
+        if batch == self._max_batch:
+            self._max_batch_forward_s += fwd
+            self._max_batch_step_s += step_s
+        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        if used > self._peak_blocks:
+            running = self.scheduler.running
+            stored = sum(r.num_computed_tokens for r in running)
+            allocated = sum(len(r.block_ids) for r in running) * self.block_manager.block_size
+            self._peak_blocks = used
+            self._peak_efficiency = stored / allocated if allocated else 0.0
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            num_blocks=bm.num_blocks,
+            free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size,
+            steps=self._steps,
+            max_model_len=self.max_model_len,
+            model=self.model_name,
+            forward_time_s=self._forward_s,
+            step_time_s=self._step_s,
+            forward_share=self._forward_s / self._step_s if self._step_s else 0.0,
+            max_batch=self._max_batch,
+            forward_share_at_max_batch=(
+                self._max_batch_forward_s / self._max_batch_step_s if self._max_batch_step_s else 0.0
+            ),
+            peak_kv_efficiency=self._peak_efficiency,
+            peak_blocks_used=self._peak_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_hit_rate=bm.prefix_hit_blocks / bm.prefix_query_blocks if bm.prefix_query_blocks else 0.0,
+            generated_tokens=self._generated,
+        )
+
+    def reset_stats(self) -> None:
+        """Zeroes the timing and peak figures (e.g. after a warm-up run)."""
+        self._steps = 0
+        self._forward_s = self._step_s = 0.0
+        self._max_batch = 0
+        self._max_batch_forward_s = self._max_batch_step_s = 0.0
+        self._peak_blocks = 0
+        self._peak_efficiency = 0.0
+        self._generated = 0

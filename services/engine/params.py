@@ -1,0 +1,124 @@
+"""Plain request parameters and per-step outputs of the engine core (no protobuf here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen. `temperature == 0` is greedy; the filters apply only when sampling.
+
+    Penalties follow the usual conventions: `repetition_penalty` (> 0, 1 = off) divides positive and
+    multiplies negative logits of every token seen in the prompt or output; `presence_penalty` and
+    `frequency_penalty` subtract from the logits of tokens in the output (once, and once per occurrence).
+    `seed` gives the request its own random generator: the same seed gives the same output whatever else
+    is in the batch. `logprobs` asks for the top-n (0..20) alternatives of every generated token.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raises ValueError with a clear message when a value is out of range."""
+        for name in _FLOAT_FIELDS:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None and self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class StoppingParams:
+    """When generation ends: EOS (unless `ignore_eos`), a stop token id, `max_new_tokens`, or the model's
+    context length. EOS and stop token ids cannot be produced before `min_new_tokens` tokens."""
+
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one generated token under the model, and the top-n alternatives."""
+
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one step (or several merged steps) produced for one request.
+
+    `new_token_ids` holds only the tokens since the previous output of this request. A finished output
+    is the last one for its request.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+
+    def merge(self, later: RequestOutput) -> None:
+        """Appends a later output of the same request to this one (coalescing for slow readers)."""
+        assert later.request_id == self.request_id
+        self.new_token_ids.extend(later.new_token_ids)
+        if later.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *later.logprobs]
+        self.finished = later.finished
+        self.finish_reason = later.finish_reason
+        self.prompt_tokens = later.prompt_tokens
+        self.completion_tokens = later.completion_tokens
+        self.error = later.error

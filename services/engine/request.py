@@ -1,0 +1,70 @@
+"""One request inside the engine: a list of token ids and counters, nothing more.
+
+A request has no phases: `num_computed_tokens` (tokens whose KV is in the pool) catches up with
+`num_tokens` (prompt plus generated tokens). A step that brings it level samples one more token.
+Prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are all the same
+arithmetic on these counters.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.engine.params import SamplingParams, StoppingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    arrival_time: float = 0.0
+    eos_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    generator: Any = None  # torch.Generator of a seeded request, made by the sampler
+    plain_greedy: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
+        s = self.sampling
+        # Greedy with nothing else to do: the sampler's fast path.
+        self.plain_greedy = (
+            s.greedy and not s.has_penalties and not s.logprobs and not self.stopping.min_new_tokens
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

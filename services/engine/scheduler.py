@@ -1,0 +1,225 @@
+"""The scheduler: which requests run in the next step, and how many tokens each gets.
+
+Each step gets a token budget (`max_num_batched_tokens`) and a cap on running requests
+(`max_num_seqs`). Running requests are served first, oldest first; a request that needs a block when
+none is free preempts the most recently admitted running request (its blocks are freed, its counters
+reset, and it is recomputed later from its prompt plus the tokens it already generated). Waiting requests
+are admitted in arrival order only in a step without preemption, and only when their blocks fit: the pool
+never overflows. A prefill longer than the remaining budget is chunked across steps.
+
+Batching policies share this code and differ only in admission:
+- continuous: a waiting request joins at the next step;
+- dynamic: when the previous batch has finished, a batch of up to `max_num_seqs` forms from the queue
+  once it is full or its oldest request has waited `batch_wait_ms`; it runs to completion;
+- static: the same with a fixed batch size `static_batch_size`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from services.engine.block_manager import BlockManager, chain_hashes
+from services.engine.request import Request, Status
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work: `scheduled[i] = (request, num_new_tokens)`; a request samples a token when this
+    step brings `num_computed_tokens` level with `num_tokens`."""
+
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    wait_s: float = 0.0  # batch forming: how long until the next batch may start
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "continuous",
+        batch_size: int = 0,
+        batch_wait_s: float = 0.0,
+    ) -> None:
+        assert policy in ("continuous", "dynamic", "static")
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.batch_size = min(batch_size or max_num_seqs, max_num_seqs)
+        self.batch_wait_s = batch_wait_s
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.batch: set[Request] = set()  # dynamic/static: members of the batch in progress
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = Status.WAITING
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        """Ends a request wherever it is and frees its blocks. Idempotent."""
+        if request.finished:
+            return
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = Status.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.batch.discard(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, time.monotonic() if now is None else now)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, "a running request always has a token to compute"
+            need = self._blocks_needed(req, n)
+            if need > 0:
+                while not self.bm.can_allocate(need):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    out.preempted.append(victim)
+                    if victim is req:
+                        return budget
+                req.block_ids.extend(self.bm.allocate(need))
+            out.scheduled.append((req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        if self.policy != "continuous" and not self._batch_open(out, now):
+            return
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if self.policy != "continuous" and req not in self.batch:
+                return
+            hit = self._prefix_hit(req)
+            computed = len(hit) * self.block_size
+            n = min(req.num_tokens - computed, budget)
+            need = -(-(computed + n) // self.block_size) - len(hit)
+            if not self.bm.can_allocate(need, hit):
+                return
+            self.bm.acquire(hit)
+            req.block_ids = [*hit, *self.bm.allocate(need)]
+            req.num_computed_tokens = computed
+            req.num_cached_tokens = computed
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append((req, n))
+            budget -= n
+
+    def _batch_open(self, out: SchedulerOutput, now: float) -> bool:
+        """dynamic/static: True while a batch is in progress or a new one may start now."""
+        if self.batch:
+            return True
+        if not self.waiting:
+            return False
+        full = len(self.waiting) >= self.batch_size
+        waited = now - self.waiting[0].arrival_time
+        if not full and waited < self.batch_wait_s:
+            out.wait_s = self.batch_wait_s - waited
+            return False
+        self.batch = {self.waiting[i] for i in range(min(self.batch_size, len(self.waiting)))}
+        return True
+
+    # ---- after the model ran -------------------------------------------------------------------
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Counts the computed tokens of a step and registers blocks that became full."""
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self._register_full_blocks(req)
+
+    def running_requests(self) -> Iterable[Request]:
+        return self.running
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
+
+    def _prefix_hit(self, req: Request) -> list[int]:
+        if not self.bm.enable_prefix_caching:
+            return []
+        # Leave at least one token to compute; it must land in a block of the request's own.
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        if len(req.block_hashes) < max_blocks:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.extend(
+                chain_hashes(
+                    req.token_ids[: max_blocks * self.block_size],
+                    self.block_size,
+                    len(req.block_hashes),
+                    parent,
+                )
+            )
+        hit = self.bm.match_prefix(req.block_hashes[:max_blocks])
+        self.bm.record_query(max_blocks, len(hit))
+        return hit
+
+    def _register_full_blocks(self, req: Request) -> None:
+        if not self.bm.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered_blocks:
+            return
+        if len(req.block_hashes) < full:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            req.block_hashes.extend(
+                chain_hashes(
+                    req.token_ids[: full * self.block_size], self.block_size, len(req.block_hashes), parent
+                )
+            )
+        for i in range(req.num_registered_blocks, full):
+            self.bm.register(req.block_ids[i], req.block_hashes[i])
+        req.num_registered_blocks = full
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.bm.free_blocks(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.num_registered_blocks = 0

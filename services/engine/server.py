@@ -1,0 +1,54 @@
+"""The engine service: `sluice serve engine [--flags]`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from services.common import grpc_server
+from services.common.grpc_server import ServiceHealth
+from services.common.pb import engine_pb2_grpc
+from services.common.settings import load_settings
+from services.engine.async_engine import AsyncEngine
+from services.engine.engine import LLMEngine
+from services.engine.servicer import EngineServicer
+from services.engine.settings import EngineSettings
+
+SERVICE_NAME = "sluice.v1.Engine"
+
+
+async def create_server(
+    settings: EngineSettings,
+) -> tuple[grpc.aio.Server, int, AsyncEngine, ServiceHealth]:
+    """Loads the model (off the event loop), starts the engine's loop thread, and builds and binds the
+    server (port 0 = a free port). The caller starts the server and, at the end, stops both
+    (`await server.stop(grace)`, then `engine.stop()`)."""
+    core = await asyncio.to_thread(LLMEngine, settings)
+    engine = AsyncEngine(core)
+    engine.start()
+    server, health = grpc_server.new_server([SERVICE_NAME])
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    port = grpc_server.bind(server, settings.host, settings.port)
+    return server, port, engine, health
+
+
+async def serve(settings: EngineSettings) -> None:
+    server, port, engine, health = await create_server(settings)
+
+    async def drain() -> None:
+        await asyncio.to_thread(engine.stop)
+
+    await grpc_server.serve_forever(
+        server, health, name="engine", port=port, grace_s=settings.grace_s, on_drain=drain
+    )
+
+
+def main(argv: list[str]) -> int:
+    settings = load_settings(EngineSettings, argv, prog="sluice serve engine")
+    try:
+        settings.validate()
+    except ValueError as exc:
+        raise SystemExit(f"sluice serve engine: {exc}") from exc
+    grpc_server.run(serve(settings))
+    return 0

@@ -1,0 +1,184 @@
+"""gRPC servicer of sluice.v1.Engine: protobuf ↔ the engine core, status codes at the boundary."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.async_engine import AsyncEngine, Caller
+from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def params_from_proto(
+    request: engine_pb2.GenerateRequest, default_max_new_tokens: int
+) -> tuple[SamplingParams, StoppingParams]:
+    """Maps protobuf parameters to the core's, zero values meaning the documented defaults.
+    ValueError on values out of range."""
+    s = request.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty or 1.0,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        seed=s.seed if s.HasField("seed") else None,
+        logprobs=s.logprobs,
+    )
+    st = request.stopping
+    stopping = StoppingParams(
+        max_new_tokens=st.max_new_tokens or default_max_new_tokens,
+        min_new_tokens=st.min_new_tokens,
+        stop_token_ids=tuple(st.stop_token_ids),
+        ignore_eos=st.ignore_eos,
+    )
+    sampling.validate()
+    stopping.validate()
+    return sampling, stopping
+
+
+def chunk_to_proto(out: RequestOutput) -> engine_pb2.TokenChunk:
+    chunk = engine_pb2.TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids)
+    for lp in out.logprobs or ():
+        chunk.logprobs.add(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    return chunk
+
+
+def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
+    return engine_pb2.RequestFinal(
+        request_id=out.request_id,
+        finish_reason=FINISH_REASONS.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+        usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
+        error=out.error or "",
+    )
+
+
+def entries_to_proto(outputs: Iterable[RequestOutput]) -> list[engine_pb2.StepEntry]:
+    """One chunk per request that got tokens, then its final if it ended (same message)."""
+    entries: list[engine_pb2.StepEntry] = []
+    for out in outputs:
+        if out.new_token_ids:
+            entries.append(engine_pb2.StepEntry(chunk=chunk_to_proto(out)))
+        if out.finished:
+            entries.append(engine_pb2.StepEntry(final=final_to_proto(out)))
+    return entries
+
+
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
+    """The caller's W3C trace context from the call's metadata, if any."""
+    found = {k: v for k, v in (context.invocation_metadata() or ()) if k in TRACE_KEYS and isinstance(v, str)}
+    return found or None
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.default_max_new_tokens = engine.engine.settings.default_max_new_tokens
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[engine_pb2.EngineIn], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.EngineOut]:
+        """Submits and aborts in; one EngineOut per step with this caller's chunks and finals out. Bad
+        submits get a final with FINISH_REASON_ERROR; when the call ends its requests are aborted."""
+        caller = self.engine.open_caller()
+        reader = asyncio.create_task(self._read(request_iterator, caller, trace_context(context)))
+        try:
+            while True:
+                outputs = await caller.get()
+                if not outputs:
+                    return
+                yield engine_pb2.EngineOut(entries=entries_to_proto(outputs))
+        finally:
+            reader.cancel()
+            caller.close()
+
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineIn],
+        caller: Caller,
+        trace: dict[str, str] | None,
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "submit":
+                    self._submit(caller, message.submit, trace)
+                elif kind == "abort":
+                    caller.abort(message.abort.request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the client went away mid-read; the writer side ends the call
+            log.debug("engine stream input ended", exc_info=True)
+        finally:
+            caller.close_input()
+
+    def _submit(
+        self, caller: Caller, request: engine_pb2.GenerateRequest, trace: dict[str, str] | None
+    ) -> None:
+        try:
+            sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
+            caller.submit(
+                request.request_id, list(request.prompt_ids), sampling, stopping, trace_context=trace
+            )
+        except ValueError as exc:
+            caller.reject(request.request_id, str(exc))
+
+    async def Generate(
+        self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.GenerateResponse]:
+        """One request per call: chunks, then one final. Bad input → INVALID_ARGUMENT; cancelling the
+        call aborts the request."""
+        caller = self.engine.open_caller()
+        try:
+            try:
+                sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
+                caller.submit(
+                    request.request_id,
+                    list(request.prompt_ids),
+                    sampling,
+                    stopping,
+                    trace_context=trace_context(context),
+                )
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            caller.close_input()
+            while outputs := await caller.get():
+                for out in outputs:
+                    if out.new_token_ids:
+                        yield engine_pb2.GenerateResponse(chunk=chunk_to_proto(out))
+                    if out.finished:
+                        yield engine_pb2.GenerateResponse(final=final_to_proto(out))
+        finally:
+            caller.close()
+
+    async def Stats(
+        self, request: engine_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.StatsResponse:
+        st = self.engine.stats()
+        return engine_pb2.StatsResponse(
+            running=st.running,
+            waiting=st.waiting,
+            num_blocks=st.num_blocks,
+            free_blocks=st.free_blocks,
+            block_size=st.block_size,
+            steps=st.steps,
+            model=st.model,
+            max_model_len=st.max_model_len,
+        )

@@ -1,0 +1,61 @@
+"""Settings of the engine service (flags `--field-name`, environment `SLUICE_FIELD_NAME`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BATCHING_POLICIES = ("continuous", "dynamic", "static")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """sluice engine: continuous batching over a paged KV cache."""
+
+    model: str = field(
+        default="", metadata={"help": "local Hugging Face model directory; '' = embedded model"}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)"})
+    grace_s: float = field(default=5.0, metadata={"help": "seconds calls in flight may finish on SIGTERM"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
+    )
+    batching: str = field(default="continuous", metadata={"help": "continuous | dynamic | static"})
+    batch_wait_ms: float = field(
+        default=10.0, metadata={"help": "dynamic/static: how long a partial batch forms before it runs"}
+    )
+    static_batch_size: int = field(default=16, metadata={"help": "static: fixed batch size"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_gb: float = field(
+        default=0.5,
+        metadata={"help": "KV pool budget in GiB; on CUDA 0 = gpu_memory_utilization of free memory"},
+    )
+    gpu_memory_utilization: float = field(
+        default=0.85, metadata={"help": "CUDA: fraction of free memory for the KV pool when kv_cache_gb is 0"}
+    )
+    num_kv_blocks: int = field(
+        default=0, metadata={"help": "KV pool size in blocks; 0 = from the memory budget"}
+    )
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
+    max_model_len: int = field(default=0, metadata={"help": "context length; 0 = the model's own"})
+    default_max_new_tokens: int = field(
+        default=256, metadata={"help": "max_new_tokens when a request gives 0"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the generator shared by unseeded requests"})
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        if self.batching not in BATCHING_POLICIES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}, got {self.batching!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.default_max_new_tokens < 1:
+            raise ValueError("default_max_new_tokens must be >= 1")

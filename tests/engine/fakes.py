@@ -1,0 +1,74 @@
+"""A model runner without a model: the next token is a hash of the tokens so far, so outputs depend
+only on each request's own tokens (any batching, chunking or preemption must give the same outputs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from services.engine.block_manager import BlockManager
+from services.engine.engine import LLMEngine
+from services.engine.request import Request
+from services.engine.settings import EngineSettings
+
+FAKE_VOCAB = 64
+FAKE_EOS = 2
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * 131 + t + 7) % 1_000_003
+    return 3 + h % (FAKE_VOCAB - 3)  # never EOS unless forced
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, max_len: int = 4096, eos_after: dict[int, int] | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.num_blocks = num_blocks
+        self.vocab_size = FAKE_VOCAB
+        self.eos_ids = frozenset([FAKE_EOS])
+        self.max_position_embeddings = max_len
+        self.last_forward_s = 0.0
+        self.block_manager: BlockManager | None = None
+        self.steps: list[list[tuple[str, int]]] = []
+        self.fail_next = False
+
+    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("injected failure")
+        bm = self.block_manager
+        assert bm is not None
+        self.steps.append([(r.request_id, n) for r, n in scheduled])
+        rows = []
+        sampling = []
+        for req, n in scheduled:
+            end = req.num_computed_tokens + n
+            assert len(req.block_ids) * bm.block_size >= end, "blocks allocated for every scheduled token"
+            first, last = req.num_computed_tokens // bm.block_size, (end - 1) // bm.block_size
+            for b in req.block_ids[first : last + 1]:
+                assert bm.ref_counts[b] == 1, "a step never writes into a shared block"
+            if end == req.num_tokens:
+                row = torch.full((FAKE_VOCAB,), -10.0)
+                row[next_token(req.token_ids)] = 10.0
+                rows.append(row)
+                sampling.append(req)
+        # Reversed, as a runner may order rows as it likes.
+        logits = torch.stack(rows[::-1]) if rows else torch.empty((0, FAKE_VOCAB))
+        return logits, sampling[::-1]
+
+
+def fake_engine(num_blocks: int = 64, **settings: object) -> tuple[LLMEngine, FakeRunner]:
+    runner = FakeRunner(num_blocks)
+    engine = LLMEngine(EngineSettings(**settings), runner=runner)  # type: ignore[arg-type]
+    runner.block_manager = engine.block_manager
+    return engine, runner
+
+
+def expected_output(prompt: Sequence[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]

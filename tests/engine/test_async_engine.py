@@ -1,0 +1,124 @@
+"""The engine loop thread and its asyncio callers, on the fake model."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from services.engine.async_engine import AsyncEngine
+from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from tests.engine.fakes import expected_output, fake_engine
+
+
+@pytest.fixture
+def engine() -> Iterator[AsyncEngine]:
+    core, _ = fake_engine(64)
+    eng = AsyncEngine(core)
+    eng.start()
+    yield eng
+    eng.stop()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+async def until_idle(engine: AsyncEngine) -> None:
+    for _ in range(1000):
+        if engine.idle():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("engine did not go idle")
+
+
+async def collect(caller) -> dict[str, list[RequestOutput]]:  # type: ignore[no-untyped-def]
+    outs: dict[str, list[RequestOutput]] = {}
+    while batch := await caller.get():
+        for o in batch:
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+async def test_slow_reader_gets_merged_outputs(engine: AsyncEngine) -> None:
+    caller = engine.open_caller()
+    for i in range(3):
+        caller.submit(f"r{i}", [5, 6, i + 3], SamplingParams(), StoppingParams(max_new_tokens=10))
+    caller.close_input()
+    await until_idle(engine)
+    batch = await caller.get()
+    assert sorted(o.request_id for o in batch) == ["r0", "r1", "r2"]  # one merged entry per request
+    for o in batch:
+        assert o.finished and o.finish_reason == "length"
+        assert o.new_token_ids == expected_output([5, 6, int(o.request_id[1]) + 3], 10)
+    assert await caller.get() == []
+
+
+async def test_callers_are_separate_and_ids_scoped(engine: AsyncEngine) -> None:
+    a, b = engine.open_caller(), engine.open_caller()
+    a.submit("x", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=4))
+    b.submit("x", [7, 8], SamplingParams(), StoppingParams(max_new_tokens=4))  # same id, other caller
+    with pytest.raises(ValueError, match="in flight"):
+        a.submit("x", [5], SamplingParams(), StoppingParams(max_new_tokens=4))
+    a.close_input()
+    b.close_input()
+    outs_a, outs_b = await asyncio.gather(collect(a), collect(b))
+    assert [t for o in outs_a["x"] for t in o.new_token_ids] == expected_output([5, 6], 4)
+    assert [t for o in outs_b["x"] for t in o.new_token_ids] == expected_output([7, 8], 4)
+
+
+async def test_close_aborts_everything_in_flight(engine: AsyncEngine) -> None:
+    caller = engine.open_caller()
+    for i in range(4):
+        caller.submit(str(i), [5, 6], SamplingParams(), StoppingParams(max_new_tokens=100_000))
+    await caller.get()
+    caller.close()
+    caller.close()
+    await until_idle(engine)
+
+
+async def test_abort_gives_a_cancelled_final(engine: AsyncEngine) -> None:
+    caller = engine.open_caller()
+    caller.submit("a", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=100_000))
+    await caller.get()
+    caller.abort("a")
+    caller.abort("a")
+    caller.close_input()
+    outs = await collect(caller)
+    assert outs["a"][-1].finish_reason == "cancelled"
+    assert sum(o.finished for o in outs["a"]) == 1
+
+
+async def test_a_raising_step_fails_requests_and_the_loop_goes_on(engine: AsyncEngine) -> None:
+    sched = engine.engine.scheduler
+    real = sched.schedule
+    calls = {"n": 0}
+
+    def flaky(now: float | None = None):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("scheduler bug")
+        return real(now)
+
+    sched.schedule = flaky  # type: ignore[method-assign]
+    caller = engine.open_caller()
+    caller.submit("a", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3))
+    outs = await caller.get()
+    assert outs[0].finish_reason == "error" and "scheduler bug" in (outs[0].error or "")
+    caller.submit("b", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3))
+    caller.close_input()
+    got = await collect(caller)
+    assert [t for o in got["b"] for t in o.new_token_ids] == expected_output([5, 6], 3)
+
+
+async def test_rejected_duplicate_leaves_the_original_in_flight(engine: AsyncEngine) -> None:
+    caller = engine.open_caller()
+    caller.submit("a", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=100_000))
+    with pytest.raises(ValueError) as err:
+        caller.submit("a", [7], SamplingParams(), StoppingParams(max_new_tokens=2))
+    caller.reject("a", str(err.value))
+    seen: list[RequestOutput] = []
+    while not any(o.finished and o.finish_reason == "error" for o in seen):
+        seen += await caller.get()
+    caller.abort("a")  # the original is still in flight for this caller
+    caller.close_input()
+    outs = await collect(caller)
+    assert outs["a"][-1].finish_reason == "cancelled"

@@ -1,0 +1,209 @@
+"""The engine gRPC service against a tiny model: Generate, the multiplexed Stream, Stats, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
+from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.engine import LLMEngine
+from services.engine.params import SamplingParams, StoppingParams
+from services.engine.server import create_server
+from services.engine.settings import EngineSettings
+from tests.engine.conftest import TEST_DEVICE
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture
+async def stub(llama_dir: Path) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
+    settings = EngineSettings(
+        model=str(llama_dir),
+        port=0,
+        device=TEST_DEVICE,
+        dtype="float32",
+        num_kv_blocks=64,
+        max_num_batched_tokens=64,
+    )
+    server, port, engine, health = await create_server(settings)
+    await server.start()
+    await health.set_serving(True)
+    address = f"127.0.0.1:{port}"
+    await wait_healthy(address, timeout_s=10)
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        yield engine_pb2_grpc.EngineStub(channel)
+    await server.stop(None)
+    engine.stop()
+
+
+def expected(llama_dir: Path, prompt: list[int], n: int) -> list[int]:
+    engine = LLMEngine(
+        EngineSettings(model=str(llama_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=16)
+    )
+    engine.add_request("x", prompt, SamplingParams(), StoppingParams(max_new_tokens=n))
+    out: list[int] = []
+    while engine.has_unfinished_requests():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    return out
+
+
+def gen_request(
+    rid: str, prompt: list[int] = PROMPT, n: int = 6, **sampling: object
+) -> engine_pb2.GenerateRequest:
+    return engine_pb2.GenerateRequest(
+        request_id=rid,
+        prompt_ids=prompt,
+        sampling=common_pb2.SamplingParams(**sampling),
+        stopping=common_pb2.StoppingParams(max_new_tokens=n),
+    )
+
+
+async def wait_idle(stub: engine_pb2_grpc.EngineStub) -> engine_pb2.StatsResponse:
+    """Polls Stats until nothing runs or waits (aborts are applied by the engine loop)."""
+    for _ in range(500):
+        st = await stub.Stats(engine_pb2.StatsRequest())
+        if st.running == 0 and st.waiting == 0 and st.free_blocks == st.num_blocks:
+            return st
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine not idle: {st}")
+
+
+async def test_generate_streams_greedy_tokens(stub: engine_pb2_grpc.EngineStub, llama_dir: Path) -> None:
+    tokens: list[int] = []
+    finals = []
+    async for msg in stub.Generate(gen_request("g1", n=6, logprobs=2)):
+        if msg.HasField("chunk"):
+            assert msg.chunk.request_id == "g1"
+            assert len(msg.chunk.logprobs) == len(msg.chunk.token_ids)
+            tokens += msg.chunk.token_ids
+        else:
+            finals.append(msg.final)
+    assert tokens == expected(llama_dir, PROMPT, 6)
+    assert len(finals) == 1
+    assert finals[0].usage.prompt_tokens == len(PROMPT) and finals[0].usage.completion_tokens == len(tokens)
+    assert finals[0].finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        gen_request("e1", prompt=[]),
+        gen_request("e2", prompt=[5, 10_000]),
+        gen_request("e3", prompt=[5] * 512),
+        gen_request("e4", logprobs=21),
+        gen_request("e5", temperature=-1.0),
+        gen_request("e6", top_k=-3),
+        gen_request("", prompt=[5]),
+    ],
+)
+async def test_generate_bad_input_is_invalid_argument(
+    stub: engine_pb2_grpc.EngineStub, request_: engine_pb2.GenerateRequest
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in stub.Generate(request_):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details()
+    await wait_idle(stub)
+
+
+async def test_generate_cancel_aborts(stub: engine_pb2_grpc.EngineStub) -> None:
+    call = stub.Generate(gen_request("long", n=400))
+    async for msg in call:
+        assert msg.HasField("chunk")
+        break
+    call.cancel()
+    await wait_idle(stub)
+
+
+async def test_stream_multiplexes_requests(stub: engine_pb2_grpc.EngineStub, llama_dir: Path) -> None:
+    prompts = {f"s{i}": [5 + i, 6, 7 + i, 8] for i in range(6)}
+    queue: asyncio.Queue[engine_pb2.EngineIn | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[engine_pb2.EngineIn]:
+        while (msg := await queue.get()) is not None:
+            yield msg
+
+    call = stub.Stream(requests())
+    for rid, prompt in prompts.items():
+        await queue.put(engine_pb2.EngineIn(submit=gen_request(rid, prompt=prompt, n=5)))
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("s0", prompt=[5], n=3)))  # duplicate in flight
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("bad", prompt=[])))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    finals: dict[str, list[engine_pb2.RequestFinal]] = {}
+    messages = 0
+    async for out in call:
+        messages += 1
+        for entry in out.entries:
+            if entry.HasField("chunk"):
+                tokens[entry.chunk.request_id] += entry.chunk.token_ids
+            else:
+                finals.setdefault(entry.final.request_id, []).append(entry.final)
+        if sum(len(v) for v in finals.values()) == len(prompts) + 2:
+            break
+    await queue.put(None)
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == expected(llama_dir, prompt, 5)
+        assert finals[rid][-1].finish_reason != common_pb2.FINISH_REASON_ERROR
+    reasons = [f.finish_reason for f in finals["s0"]]
+    assert reasons.count(common_pb2.FINISH_REASON_ERROR) == 1 and "in flight" in finals["s0"][0].error
+    assert finals["bad"][0].finish_reason == common_pb2.FINISH_REASON_ERROR and finals["bad"][0].error
+    assert messages < 6 * 5  # one message per step for all requests, not per token
+
+
+async def test_stream_abort_and_stream_end_abort(stub: engine_pb2_grpc.EngineStub) -> None:
+    queue: asyncio.Queue[engine_pb2.EngineIn | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[engine_pb2.EngineIn]:
+        while (msg := await queue.get()) is not None:
+            yield msg
+
+    call = stub.Stream(requests())
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("a", n=400)))
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("b", n=400)))
+    got_final = None
+    async for out in call:
+        for entry in out.entries:
+            if entry.HasField("chunk") and entry.chunk.request_id == "a":
+                await queue.put(engine_pb2.EngineIn(abort=engine_pb2.Abort(request_id="a")))
+                await queue.put(engine_pb2.EngineIn(abort=engine_pb2.Abort(request_id="a")))  # idempotent
+            if entry.HasField("final"):
+                got_final = entry.final
+        if got_final is not None:
+            break
+    assert got_final.request_id == "a" and got_final.finish_reason == common_pb2.FINISH_REASON_CANCELLED
+    st = await stub.Stats(engine_pb2.StatsRequest())
+    assert st.running + st.waiting == 1  # b goes on
+    call.cancel()  # the caller goes away: b is aborted
+    st = await wait_idle(stub)
+    assert st.steps > 0 and st.block_size == 16 and st.max_model_len > 0 and st.model
+
+
+async def test_stream_half_close_finishes_requests(stub: engine_pb2_grpc.EngineStub) -> None:
+    async def requests() -> AsyncIterator[engine_pb2.EngineIn]:
+        yield engine_pb2.EngineIn(submit=gen_request("h", n=4))
+
+    finals = [e.final async for out in stub.Stream(requests()) for e in out.entries if e.HasField("final")]
+    assert [f.request_id for f in finals] == ["h"]
+    assert finals[0].usage.completion_tokens >= 1
+
+
+async def test_concurrent_generate_calls(stub: engine_pb2_grpc.EngineStub, llama_dir: Path) -> None:
+    prompts = [[5 + i, 9, 11 + 2 * i] for i in range(12)]
+
+    async def one(i: int) -> list[int]:
+        tokens: list[int] = []
+        async for msg in stub.Generate(gen_request(f"c{i}", prompt=prompts[i], n=5)):
+            if msg.HasField("chunk"):
+                tokens += msg.chunk.token_ids
+        return tokens
+
+    got = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == expected(llama_dir, prompt, 5)
+    await wait_idle(stub)
