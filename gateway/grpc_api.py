@@ -100,6 +100,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             else True,
             return_token_ids=request.return_token_ids,
             timeout_s=context.time_remaining(),
+            api="grpc",  # the trace context in metadata is the current span's (server interceptor)
         )
         generation = self._pipeline.generate(inp)
         request_id = request.request_id or generation.id

@@ -1,5 +1,5 @@
 """The HTTP application: chat page `/`, WebSocket `/v1/ws`, OpenAI-compatible `/v1/completions`,
-`/v1/chat/completions` and `/v1/models`, `/healthz`, `/readyz`.
+`/v1/chat/completions` and `/v1/models`, `/healthz`, `/readyz`, `/metrics` (Prometheus).
 
 With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
 key in its first frame instead); the page and the health routes stay open. Every error of the
@@ -19,6 +19,7 @@ from gateway.openai_api import ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.ws import serve_socket
+from services.common.metrics import render
 
 
 def chat_page() -> str:
@@ -61,6 +62,12 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
         ready = all(upstreams.values())
         body = {"status": "ready" if ready else "not ready", "upstreams": upstreams}
         return JSONResponse(body, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus exposition of the gateway's metrics."""
+        body, content_type = render(pipeline.metrics.registry)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models() -> JSONResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from starlette.background import BackgroundTask
 
 from gateway import params
 from gateway import pipeline as pl
+from gateway.observability import trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
 from gateway.settings import GatewaySettings
@@ -299,7 +301,9 @@ class OpenAIHandlers:
         except ParamError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         model = await self.model_name(parsed.model)
-        generation = self._pipeline.generate(parsed.input)
+        inp = dataclasses.replace(parsed.input, api="chat" if chat else "completions",
+                                  trace_context=trace_context_from(request.headers.get))
+        generation = self._pipeline.generate(inp)
         prefix = "chatcmpl-" if chat else "cmpl-"
         renderer = _Renderer(parsed, self._pipeline, prefix + generation.id, model)
         if parsed.stream:

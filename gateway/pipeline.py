@@ -24,17 +24,20 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 
+from gateway.observability import RequestTrace
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
+from services.common.metrics import GatewayMetrics
 from services.common.pb import (
     common_pb2,
     detokenizer_pb2,
@@ -74,7 +77,9 @@ _RPC_CODES = {
 class GenerateInput:
     """One generation as the edges hand it over. Exactly one of `prompt` and `messages` is set
     (messages are (role, content) pairs). `stopping.max_new_tokens` 0 means the gateway's default.
-    `timeout_s` is the caller's own deadline; the gateway's `request_timeout_s` caps it."""
+    `timeout_s` is the caller's own deadline; the gateway's `request_timeout_s` caps it.
+    `api` names the edge (metrics label); `trace_context` is the caller's W3C context (traceparent,
+    tracestate), empty for none."""
 
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
@@ -83,6 +88,8 @@ class GenerateInput:
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     timeout_s: float | None = None
+    api: str = ""
+    trace_context: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,6 +191,7 @@ class _Request:
     ids_out: int = 0  # kept ids handed out so far
     admit_task: asyncio.Task[None] | None = None
     timer: asyncio.TimerHandle | None = None
+    trace: RequestTrace | None = None
 
     @property
     def keep_ids(self) -> bool:
@@ -226,6 +234,7 @@ class Pipeline:
         self._tokenizers = Replicas("tokenizer", settings.tokenizer)
         self._engines = Replicas("engine", settings.engine)
         self._detokenizers = Replicas("detokenizer", settings.detokenizer)
+        self.metrics = GatewayMetrics()
         self._engine_links: dict[str, EngineLink] = {}
         self._detok_links: dict[str, DetokLink] = {}
         self._requests: dict[str, _Request] = {}
@@ -247,9 +256,11 @@ class Pipeline:
         """Starts one generation at once (tokenizing runs in the background) and returns its handle."""
         assert (inp.prompt is None) != (inp.messages is None), "exactly one of prompt and messages"
         request = _Request(id=f"{self._prefix}-{next(self._counter)}", input=inp, slot=_EventSlot())
+        request.trace = self._start_trace(request)
         refusal = self._refusal()
         if refusal is not None:
             request.finished = True
+            request.trace.finish(refusal.code, error=refusal.message)
             request.slot.finish(refusal)
             return Generation(self, request)
         self._requests[request.id] = request
@@ -261,6 +272,17 @@ class Pipeline:
         request.timer = loop.call_later(timeout, self._on_timeout, request, timeout)
         request.admit_task = loop.create_task(self._admit(request, time.monotonic() + timeout))
         return Generation(self, request)
+
+    def _start_trace(self, request: _Request) -> RequestTrace:
+        inp = request.input
+        attributes: dict[str, object] = {
+            "gen_ai.request.max_tokens": inp.stopping.max_new_tokens or self._settings.default_max_tokens,
+            "gen_ai.request.temperature": inp.sampling.temperature,
+            "gen_ai.request.top_p": inp.sampling.top_p,
+        }
+        if self._model_info is not None:
+            attributes["gen_ai.request.model"] = self._model_info.model
+        return RequestTrace(self.metrics, request.id, inp.api, inp.trace_context, attributes)
 
     def _refusal(self) -> Failed | None:
         """Why a new generation cannot start now (admission control), or None."""
@@ -340,14 +362,22 @@ class Pipeline:
     # ----- admission
 
     async def _admit(self, request: _Request, deadline: float) -> None:
+        assert request.trace is not None
+        if request.trace.traced and self._model_info is None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self.model_info()
         try:
-            ids = await self._tokenize(request, deadline)
+            with request.trace.active():
+                ids = await self._tokenize(request, deadline)
         except grpc.aio.AioRpcError as exc:
             code = _RPC_CODES.get(exc.code(), INTERNAL)
             self._finish(request, Failed(code, f"tokenizer: {exc.details() or exc.code().name}"))
             return
         if request.finished:
             return
+        request.trace.tokenized(len(ids))
+        if self._model_info is not None:
+            request.trace.set_attribute("gen_ai.request.model", self._model_info.model)
         try:
             self._submit(request, ids)
         except Exception:
@@ -366,6 +396,8 @@ class Pipeline:
             self._finish(request, Failed(INVALID_ARGUMENT, message))
             return
         request.prompt_tokens = len(ids)
+        assert request.trace is not None
+        detok_context, engine_context = request.trace.submit_contexts()
         inp = request.input
         context = self._settings.detokenizer_context_ids
         detok = self._detok_link()
@@ -379,6 +411,7 @@ class Pipeline:
             skip_special_tokens=inp.skip_special_tokens,
             stop=list(inp.stopping.stop),
             include_stop_str_in_output=inp.stopping.include_stop_str_in_output,
+            trace_context=detok_context,
         )
         detok.send(detokenizer_pb2.DetokenizeInEntry(start=start))
         stopping = common_pb2.StoppingParams()
@@ -386,7 +419,8 @@ class Pipeline:
         if stopping.max_new_tokens == 0:
             stopping.max_new_tokens = self._settings.default_max_tokens
         submit = engine_pb2.GenerateRequest(
-            request_id=request.id, prompt_ids=ids, sampling=inp.sampling, stopping=stopping
+            request_id=request.id, prompt_ids=ids, sampling=inp.sampling, stopping=stopping,
+            trace_context=engine_context,
         )
         engine.send(engine_pb2.EngineIn(submit=submit))
 
@@ -443,14 +477,16 @@ class Pipeline:
     def _on_engine_out(self, link: EngineLink, out: engine_pb2.EngineOut) -> None:
         for entry in out.entries:
             if entry.WhichOneof("kind") == "chunk":
-                self._on_token_chunk(entry.chunk)
+                self._on_token_chunk(entry.chunk, out.batch_size)
             else:
                 self._on_engine_final(entry.final)
 
-    def _on_token_chunk(self, chunk: engine_pb2.TokenChunk) -> None:
+    def _on_token_chunk(self, chunk: engine_pb2.TokenChunk, batch_size: int) -> None:
         request = self._requests.get(chunk.request_id)
         if request is None or request.engine_done or request.detok_link is None:
             return
+        if not request.num_generated and request.trace is not None:
+            request.trace.on_chunk(batch_size)
         request.num_generated += len(chunk.token_ids)
         if request.keep_ids:
             request.held_ids.extend(chunk.token_ids)
@@ -463,6 +499,8 @@ class Pipeline:
         if request is None or request.engine_done or request.detok_link is None:
             return
         request.engine_final = final
+        if request.trace is not None:
+            request.trace.engine_done(final.error)
         if final.finish_reason not in _FINISH_REASONS:
             self._finish(request, Failed(INTERNAL, f"engine: {final.error or 'request failed'}"))
             return
@@ -484,6 +522,8 @@ class Pipeline:
         if request is None or request.detok_done:
             return
         request.detok_done = True
+        if request.trace is not None:
+            request.trace.detok_done(final.error)
         if final.error:
             self._finish(request, Failed(INTERNAL, f"detokenizer: {final.error}"))
         elif final.stopped:
@@ -505,6 +545,8 @@ class Pipeline:
         logprobs, request.held_logprobs = request.held_logprobs[:num_ids], request.held_logprobs[num_ids:]
         request.ids_out += len(ids)
         if text or ids:
+            if request.trace is not None:
+                request.trace.on_text()
             request.slot.push(text, ids, logprobs)
 
     def _on_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
@@ -544,6 +586,12 @@ class Pipeline:
                         close=detokenizer_pb2.DetokenizeClose(request_id=request.id)
                     )
                 )
+        if request.trace is not None:
+            if isinstance(event, Done):
+                request.trace.finish(event.finish_reason, finish_reason=event.finish_reason,
+                                     output_tokens=event.completion_tokens)
+            else:
+                request.trace.finish(event.code, error=event.message)
         request.slot.finish(event)
         if not self._requests:
             self._idle.set()

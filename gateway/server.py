@@ -23,7 +23,7 @@ from gateway.grpc_api import GatewayServicer
 from gateway.http_app import create_app
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
-from services.common import grpc_server
+from services.common import grpc_server, telemetry
 from services.common.pb import gateway_pb2_grpc
 from services.common.settings import load_settings
 
@@ -121,6 +121,7 @@ async def create_server(settings: GatewaySettings) -> GatewayServer:
 
 
 async def serve(settings: GatewaySettings) -> None:
+    telemetry.init_tracing("gateway")
     server = await create_server(settings)
     await server.start()
     host = settings.host

@@ -19,6 +19,7 @@ from typing import Any, Generic, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import telemetry
 from services.common.grpc_server import CHANNEL_OPTIONS
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,9 @@ class Replicas:
         self.kind = kind
         self.addresses = tuple(addresses)
         self.channels = {
-            address: grpc.aio.insecure_channel(address, options=UPSTREAM_CHANNEL_OPTIONS)
+            address: grpc.aio.insecure_channel(
+                address, options=UPSTREAM_CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
+            )
             for address in self.addresses
         }
 

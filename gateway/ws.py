@@ -13,6 +13,7 @@ generation of that socket.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from fastapi import WebSocket
 from gateway import params
 from gateway import pipeline as pl
 from gateway.auth import ApiKeys
+from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, Failed, GenerateInput, Generation, Pipeline
 from gateway.settings import GatewaySettings
@@ -101,7 +103,10 @@ def parse_frame(raw: str, settings: GatewaySettings) -> GenerateFrame | CancelFr
 
 
 def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> GenerateInput:
-    params.only_keys(frame, {"type", "id", "prompt", "messages", "params"}, "frame")
+    params.only_keys(frame, {"type", "id", "prompt", "messages", "params", *TRACE_KEYS}, "frame")
+    for key in TRACE_KEYS:
+        if key in frame and not isinstance(frame[key], str):
+            raise ParamError(key, f"'{key}' must be a string (W3C trace context)")
     has_prompt, has_messages = "prompt" in frame, "messages" in frame
     if has_prompt == has_messages:
         raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
@@ -117,7 +122,8 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
     sampling, stopping = _parse_params(given, settings)
-    return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping)
+    return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
+                         trace_context=trace_context_from(frame.get))
 
 
 _PARAMS = {
@@ -252,7 +258,10 @@ class SocketSession:
                 error_frame(frame.id, "invalid_argument", f"id {frame.id!r} is already in flight")
             )
             return
-        generation = self._pipeline.generate(frame.input)
+        inp = frame.input
+        if not inp.trace_context:  # a frame's own traceparent wins over the handshake's header
+            inp = dataclasses.replace(inp, trace_context=trace_context_from(self._ws.headers.get))
+        generation = self._pipeline.generate(inp)
         self._in_flight[frame.id] = generation
         task = asyncio.get_running_loop().create_task(self._stream(frame.id, generation))
         self._tasks.add(task)

@@ -4,6 +4,10 @@ Starts tokenizer, engine, detokenizer and gateway on 127.0.0.1 (gateway HTTP on 
 on --grpc-base-port, the three stages on the next three ports), waits until every one answers its
 health check, prints the chat URL, and then watches: SIGINT/SIGTERM stop all children cleanly
 (SIGTERM, then SIGKILL after a grace period); a child that dies is named and the launcher exits 1.
+
+Observability: `--otlp-endpoint URL` and `--trace-console` reach every child as the standard
+`OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` variables; `--metrics-base-port N` gives the
+tokenizer, engine and detokenizer `/metrics` on ports N, N+1, N+2 (the gateway serves its own on --port).
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
     )
+    add("--otlp-endpoint", default="", help="export every service's spans over OTLP to this URL "
+        "(e.g. http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP)")
+    add("--trace-console", action="store_true", help="print every finished span on the console")
+    add("--metrics-base-port", type=int, default=0,
+        help="tokenizer, engine, detokenizer serve /metrics on this port and the next two (0 = none)")
     return parser.parse_args(argv)
 
 
@@ -66,6 +75,23 @@ def resolve_model(model: str) -> str:
     return str(default_model_dir())
 
 
+def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The children's environment: `env` plus the OTEL_* variables the tracing flags stand for."""
+    env = dict(env)
+    if args.otlp_endpoint:
+        env["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
+    if args.trace_console:
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        env["OTEL_TRACES_EXPORTER"] = "console,otlp" if endpoint else "console"
+    return env
+
+
+def _metrics_flags(args: argparse.Namespace, offset: int) -> tuple[str, ...]:
+    if args.metrics_base_port <= 0:
+        return ()
+    return ("--metrics-port", str(args.metrics_base_port + offset))
+
+
 def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
     base = args.grpc_base_port
     tok, eng, detok = base + 1, base + 2, base + 3
@@ -76,9 +102,11 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
     if args.device:
         engine_extra += ("--device", args.device)
     return [
-        Child("tokenizer", tok, (*common, "--port", str(tok), "--model", model)),
-        Child("engine", eng, (*common, "--port", str(eng), "--model", model, *engine_extra)),
-        Child("detokenizer", detok, (*common, "--port", str(detok), "--model", model)),
+        Child("tokenizer", tok, (*common, "--port", str(tok), "--model", model, *_metrics_flags(args, 0))),
+        Child("engine", eng, (*common, "--port", str(eng), "--model", model, *engine_extra,
+                              *_metrics_flags(args, 1))),
+        Child("detokenizer", detok, (*common, "--port", str(detok), "--model", model,
+                                     *_metrics_flags(args, 2))),
         Child(
             "gateway",
             base,
@@ -97,14 +125,15 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
 class Supervisor:
     """Owns the child processes: starts them, waits for health, stops them all exactly once."""
 
-    def __init__(self, children: list[Child]) -> None:
+    def __init__(self, children: list[Child], env: dict[str, str] | None = None) -> None:
         self.children = children
+        self.env = os.environ.copy() if env is None else env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
         for child in self.children:
             cmd = [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
-            self.procs[child.name] = subprocess.Popen(cmd, env=os.environ.copy())
+            self.procs[child.name] = subprocess.Popen(cmd, env=self.env)
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():
@@ -158,7 +187,7 @@ async def _watch(supervisor: Supervisor, stop: asyncio.Event) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
-    supervisor = Supervisor(plan_children(args, model))
+    supervisor = Supervisor(plan_children(args, model), child_env(args, os.environ.copy()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

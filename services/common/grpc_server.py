@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import telemetry
+
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -57,9 +59,10 @@ def new_server(
     service_full_names: Iterable[str], *, reuse_port: bool = False
 ) -> tuple[grpc.aio.Server, ServiceHealth]:
     """A grpc.aio server with health and reflection added for the given services
-    (e.g. "sluice.v1.Engine"). The caller adds its own servicer, then calls `bind`."""
+    (e.g. "sluice.v1.Engine"), and the tracing interceptors when tracing is on
+    (`telemetry.init_tracing` was called first). The caller adds its own servicer, then calls `bind`."""
     options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
-    server = grpc.aio.server(options=options)
+    server = grpc.aio.server(options=options, interceptors=telemetry.server_interceptors())
     names = list(service_full_names)
     health_state = ServiceHealth(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_state.servicer, server)

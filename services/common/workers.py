@@ -51,8 +51,11 @@ async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) ->
     children: list[multiprocessing.process.BaseProcess] = []
 
     def start_children(port: int) -> None:
-        child_settings = dataclasses.replace(settings, port=port, workers=1)
-        for _ in range(settings.workers - 1):
+        for index in range(1, settings.workers):
+            child_settings = dataclasses.replace(settings, port=port, workers=1)
+            metrics_port = getattr(settings, "metrics_port", 0)
+            if metrics_port > 0:
+                child_settings = dataclasses.replace(child_settings, metrics_port=metrics_port + index)
             child = context.Process(target=_child_main, args=(module_name, child_settings, os.getpid()),
                                     daemon=False)
             child.start()

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.common import grpc_server
+from services.common import grpc_server, metrics, telemetry
 from services.common.pb import detokenizer_pb2_grpc
 from services.common.settings import load_settings
 from services.common.workers import serve_workers, signal_self_when
@@ -42,14 +42,19 @@ async def serve_one(
     on_drain: Callable[[], Awaitable[None]] | None = None,
     stop_when: Awaitable[None] | None = None,
 ) -> None:
-    """One process: serve until SIGTERM/SIGINT (or `stop_when` completes), then drain."""
+    """One process: serve until SIGTERM/SIGINT (or `stop_when` completes), then drain. Tracing is set
+    up from the `OTEL_*` variables; metrics are served when `metrics_port` is set."""
+    telemetry.init_tracing("detokenizer")
     server, port, health, servicer = await create_server(settings, reuse_port=reuse_port)
+    endpoint = metrics.maybe_serve_metrics(servicer.metrics.registry, settings.host, settings.metrics_port)
     if on_bound is not None:
         on_bound(port)
     watcher = asyncio.ensure_future(signal_self_when(stop_when)) if stop_when is not None else None
 
     async def drain() -> None:
         servicer.close()
+        if endpoint is not None:
+            endpoint.close()
         if on_drain is not None:
             await on_drain()
 

@@ -8,12 +8,16 @@ calls' jobs; one call's messages are processed in order.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.batching import MicroBatcher
+from services.common.metrics import DetokenizerMetrics
 from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc
 from services.detokenizer.incremental import BadIds, Final, Session, Vocabulary
 
@@ -117,22 +121,84 @@ class _End:
 _END = _End()
 
 
+class RequestSpans:
+    """One SERVER span per request of a stream call, from its start entry (child of the start's
+    `trace_context`) to its final or close entry; `close` ends the ones still open (the call ended)."""
+
+    def __init__(self, tracer: trace.Tracer, method: str) -> None:
+        self.tracer = tracer
+        self.name = f"sluice.v1.Detokenizer/{method}"
+        self.open: dict[str, trace.Span] = {}
+
+    def before(self, messages: list[detokenizer_pb2.DetokenizeIn]) -> None:
+        for message in messages:
+            for entry in message.entries:
+                kind = entry.WhichOneof("kind")
+                if kind == "start":
+                    start = entry.start
+                    span = self.tracer.start_span(self.name, context=telemetry.extract(start.trace_context),
+                                                  kind=trace.SpanKind.SERVER)
+                    span.set_attribute("sluice.request_id", start.request_id)
+                    previous = self.open.pop(start.request_id, None)
+                    if previous is not None:
+                        previous.end()
+                    self.open[start.request_id] = span
+                elif kind == "close":
+                    self._end(entry.close.request_id, None)
+
+    def after(self, outs: list[detokenizer_pb2.DetokenizeOut]) -> None:
+        for out in outs:
+            for entry in out.entries:
+                if entry.WhichOneof("kind") == "final":
+                    self._end(entry.final.request_id, entry.final)
+
+    def _end(self, request_id: str, final: detokenizer_pb2.DetokenizeFinal | None) -> None:
+        span = self.open.pop(request_id, None)
+        if span is None:
+            return
+        if final is not None:
+            span.set_attribute("sluice.detokenize.stopped", final.stopped)
+            if final.error:
+                span.set_status(trace.Status(trace.StatusCode.ERROR, final.error))
+        span.end()
+
+    def close(self) -> None:
+        for span in self.open.values():
+            span.end()
+        self.open.clear()
+
+
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     def __init__(self, vocab: Vocabulary, *, max_batch_size: int, remember_finished: int,
                  read_ahead: int) -> None:
         self.vocab = vocab
         self.remember_finished = remember_finished
         self.read_ahead = read_ahead
-        self.batcher: MicroBatcher[Job, Any] = MicroBatcher(_run_jobs, max_batch=max_batch_size,
+        self.metrics = DetokenizerMetrics()
+        self.tracer = telemetry.get_tracer(__name__)
+        self.batcher: MicroBatcher[Job, Any] = MicroBatcher(self._run_jobs, max_batch=max_batch_size,
                                                             name="detokenize")
 
+    def _run_jobs(self, jobs: list[Job]) -> list[Any]:
+        self.metrics.batch_size.observe(len(jobs))
+        return _run_jobs(jobs)
+
+    def _spans(self, method: str) -> RequestSpans | None:
+        return RequestSpans(self.tracer, method) if telemetry.tracing_enabled() else None
+
     async def _process(
-        self, session: Session, messages: list[detokenizer_pb2.DetokenizeIn]
+        self, session: Session, messages: list[detokenizer_pb2.DetokenizeIn], spans: RequestSpans | None
     ) -> list[detokenizer_pb2.DetokenizeOut]:
         """Processes one call's messages in order, on the worker thread."""
+        began = time.monotonic()
+        if spans is not None:
+            spans.before(messages)
         result = await self.batcher.run(lambda: [process_message(session, m) for m in messages])
+        self.metrics.duration.observe(time.monotonic() - began)
         if isinstance(result, Exception):
             raise result
+        if spans is not None:
+            spans.after(result)
         return result
 
     async def Stream(
@@ -142,9 +208,14 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     ) -> AsyncIterator[detokenizer_pb2.DetokenizeOut]:
         """One DetokenizeOut per DetokenizeIn, in order."""
         session = Session(self.vocab, remember_finished=self.remember_finished)
-        async for messages in read_ahead(request_iterator, self.read_ahead):
-            for out in await self._process(session, messages):
-                yield out
+        spans = self._spans("Stream")
+        try:
+            async for messages in read_ahead(request_iterator, self.read_ahead):
+                for out in await self._process(session, messages, spans):
+                    yield out
+        finally:
+            if spans is not None:
+                spans.close()
 
     async def DetokenizeStream(
         self,
@@ -153,16 +224,22 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
     ) -> AsyncIterator[detokenizer_pb2.DetokenizeOutEntry]:
         """Out entries as they come; after the request's final, later entries are read and ignored."""
         session = Session(self.vocab, remember_finished=self.remember_finished)
+        spans = self._spans("DetokenizeStream")
         finished = False
-        async for entries in read_ahead(request_iterator, self.read_ahead):
-            if finished:
-                continue
-            (out,) = await self._process(session, [detokenizer_pb2.DetokenizeIn(entries=entries)])
-            for out_entry in out.entries:
-                yield out_entry
-                if out_entry.WhichOneof("kind") == "final":
-                    finished = True
-                    break
+        try:
+            async for entries in read_ahead(request_iterator, self.read_ahead):
+                if finished:
+                    continue
+                message = detokenizer_pb2.DetokenizeIn(entries=entries)
+                (out,) = await self._process(session, [message], spans)
+                for out_entry in out.entries:
+                    yield out_entry
+                    if out_entry.WhichOneof("kind") == "final":
+                        finished = True
+                        break
+        finally:
+            if spans is not None:
+                spans.close()
 
     async def Decode(
         self, request: detokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
@@ -173,7 +250,9 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
             self.vocab.check(ids)
             return self.vocab.decode(ids, skip_special_tokens=skip)
 
+        began = time.monotonic()
         result = await self.batcher.run(decode)
+        self.metrics.duration.observe(time.monotonic() - began)
         if isinstance(result, BadIds):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         if isinstance(result, Exception):

@@ -6,12 +6,13 @@ import asyncio
 
 import grpc
 
-from services.common import grpc_server
+from services.common import grpc_server, metrics, telemetry
 from services.common.grpc_server import ServiceHealth
 from services.common.pb import engine_pb2_grpc
 from services.common.settings import load_settings
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
+from services.engine.observability import EngineObserver
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 
@@ -25,6 +26,13 @@ async def create_server(
     server (port 0 = a free port). The caller starts the server and, at the end, stops both
     (`await server.stop(grace)`, then `engine.stop()`)."""
     core = await asyncio.to_thread(LLMEngine, settings)
+    core.observer = EngineObserver(
+        metrics.EngineMetrics(),
+        scheduler=core.scheduler,
+        block_manager=core.block_manager,
+        model_name=core.model_name,
+        step_sample_rate=settings.trace_step_sample_rate,
+    )
     engine = AsyncEngine(core)
     engine.start()
     server, health = grpc_server.new_server([SERVICE_NAME])
@@ -34,10 +42,18 @@ async def create_server(
 
 
 async def serve(settings: EngineSettings) -> None:
+    """Serves until SIGTERM/SIGINT. Tracing is set up from the `OTEL_*` variables; metrics are served
+    when `metrics_port` is set."""
+    telemetry.init_tracing("engine")
     server, port, engine, health = await create_server(settings)
+    observer = engine.engine.observer
+    assert isinstance(observer, EngineObserver)
+    endpoint = metrics.maybe_serve_metrics(observer.metrics.registry, settings.host, settings.metrics_port)
 
     async def drain() -> None:
         await asyncio.to_thread(engine.stop)
+        if endpoint is not None:
+            endpoint.close()
 
     await grpc_server.serve_forever(
         server, health, name="engine", port=port, grace_s=settings.grace_s, on_drain=drain

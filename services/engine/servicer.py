@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
+from services.common import telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.async_engine import AsyncEngine, Caller
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
@@ -82,7 +83,11 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 
 def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
-    """The caller's W3C trace context from the call's metadata, if any."""
+    """The caller's W3C trace context for a request of this call: the current span's (the server
+    interceptor continues the call's metadata when tracing is on), else the metadata's, if any."""
+    current = telemetry.inject()
+    if current:
+        return current
     found = {k: v for k, v in (context.invocation_metadata() or ()) if k in TRACE_KEYS and isinstance(v, str)}
     return found or None
 
@@ -104,10 +109,14 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 outputs = await caller.get()
                 if not outputs:
                     return
-                yield engine_pb2.EngineOut(entries=entries_to_proto(outputs))
+                yield engine_pb2.EngineOut(entries=entries_to_proto(outputs), batch_size=self._batch_size())
         finally:
             reader.cancel()
             caller.close()
+
+    def _batch_size(self) -> int:
+        """Requests in the engine's latest step (0 when unknown)."""
+        return getattr(self.engine.engine.observer, "last_batch_size", 0)
 
     async def _read(
         self,
@@ -134,8 +143,10 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> None:
         try:
             sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
+            # A request's own context (multiplexed stream) wins over the call's.
+            own = dict(request.trace_context) if request.trace_context else None
             caller.submit(
-                request.request_id, list(request.prompt_ids), sampling, stopping, trace_context=trace
+                request.request_id, list(request.prompt_ids), sampling, stopping, trace_context=own or trace
             )
         except ValueError as exc:
             caller.reject(request.request_id, str(exc))
@@ -154,7 +165,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     list(request.prompt_ids),
                     sampling,
                     stopping,
-                    trace_context=trace_context(context),
+                    trace_context=dict(request.trace_context) or trace_context(context),
                 )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -45,6 +45,10 @@ class EngineSettings:
         default=256, metadata={"help": "max_new_tokens when a request gives 0"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by unseeded requests"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0 = none)"})
+    trace_step_sample_rate: float = field(
+        default=0.0, metadata={"help": "share of engine steps traced, as spans linked to their requests"}
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -59,3 +63,5 @@ class EngineSettings:
                 raise ValueError(f"{name} must be >= 1")
         if self.default_max_new_tokens < 1:
             raise ValueError("default_max_new_tokens must be >= 1")
+        if not 0.0 <= self.trace_step_sample_rate <= 1.0:
+            raise ValueError("trace_step_sample_rate must be between 0 and 1")

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry import trace
 
+from services.common import telemetry
 from services.common.batching import MicroBatcher
+from services.common.metrics import TokenizerMetrics
 from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.core import Encoded, InvalidInput, TokenizeJob, TokenizerCore, Truncation
 
@@ -35,19 +39,53 @@ def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
     raise InvalidInput("empty input: set text or chat")
 
 
+def _annotate(
+    span: trace.Span, request: tokenizer_pb2.TokenizeRequest, result: Encoded | InvalidInput
+) -> None:
+    if not span.is_recording():
+        return
+    span.set_attribute("sluice.request_id", request.request_id)
+    if isinstance(result, InvalidInput):
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(result)))
+    else:
+        span.set_attribute("gen_ai.usage.input_tokens", len(result.ids))
+        span.set_attribute("sluice.truncated", result.truncated)
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, core: TokenizerCore, *, max_batch_size: int) -> None:
         self.core = core
+        self.metrics = TokenizerMetrics()
+        self.tracer = telemetry.get_tracer(__name__)
         self.batcher: MicroBatcher[TokenizeJob, Encoded | InvalidInput] = MicroBatcher(
-            core.tokenize_many, max_batch=max_batch_size, name="tokenize"
+            self._tokenize_many, max_batch=max_batch_size, name="tokenize"
         )
 
+    def _tokenize_many(self, jobs: list[TokenizeJob]) -> list[Encoded | InvalidInput]:
+        self.metrics.batch_size.observe(len(jobs))
+        return self.core.tokenize_many(jobs)
+
     async def _tokenize(self, request: tokenizer_pb2.TokenizeRequest) -> Encoded | InvalidInput:
+        """Tokenizes one request (the current span, if any, gets its attributes)."""
+        start = time.monotonic()
         try:
             job = job_from_request(request)
         except InvalidInput as exc:
-            return exc
-        return await self.batcher.run(job)
+            result: Encoded | InvalidInput = exc
+        else:
+            result = await self.batcher.run(job)
+        self.metrics.duration.observe(time.monotonic() - start)
+        _annotate(trace.get_current_span(), request, result)
+        return result
+
+    async def _tokenize_in_stream(self, request: tokenizer_pb2.TokenizeRequest) -> Encoded | InvalidInput:
+        """One request of a TokenizeStream: its span continues the request's own trace context."""
+        if not telemetry.tracing_enabled():
+            return await self._tokenize(request)
+        with self.tracer.start_as_current_span("sluice.v1.Tokenizer/TokenizeStream",
+                                               context=telemetry.extract(request.trace_context),
+                                               kind=trace.SpanKind.SERVER):
+            return await self._tokenize(request)
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -69,7 +107,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         done: asyncio.Queue[tokenizer_pb2.TokenizeResponse | None] = asyncio.Queue()
 
         async def one(request: tokenizer_pb2.TokenizeRequest) -> None:
-            result = await self._tokenize(request)
+            result = await self._tokenize_in_stream(request)
             rid = request.request_id
             if isinstance(result, InvalidInput):
                 done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, error=str(result)))

@@ -15,4 +15,6 @@ class TokenizerSettings:
     port: int = field(default=50051, metadata={"help": "gRPC port (0 = any free port)"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds calls in flight get to finish on SIGTERM"})
     workers: int = field(default=1, metadata={"help": "processes sharing the port (SO_REUSEPORT)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0 = none); worker "
+                                                           "i of --workers serves on this port + i"})
     max_batch_size: int = field(default=256, metadata={"help": "most requests tokenized in one encode_batch"})

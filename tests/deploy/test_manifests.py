@@ -1,18 +1,23 @@
 """compose.yaml and deploy/k8s run the same commands as `sluice up`: every service command in them
-parses with that service's settings, and the addresses the gateway is given match the stages' ports."""
+parses with that service's settings, and the addresses the gateway is given match the stages' ports.
+Prometheus scrapes every service's metrics port, and the Grafana dashboard queries only metrics the
+code defines."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from services.common.metrics import exposed_names
 from services.common.settings import load_settings
-from sluice.launcher import plan_children
+from sluice.launcher import child_env, plan_children
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
@@ -96,7 +101,8 @@ def test_k8s_deployments_parse_and_wire_up() -> None:
 @pytest.mark.parametrize("batching", [None, "dynamic"])
 def test_launcher_flags_parse_for_every_child(batching: str | None) -> None:
     args = argparse.Namespace(
-        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=batching, device=None
+        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=batching, device=None,
+        metrics_base_port=0,
     )
     children = plan_children(args, "/models/m")
     assert [c.name for c in children] == [*STAGES, "gateway"]
@@ -111,3 +117,78 @@ def test_launcher_flags_parse_for_every_child(batching: str | None) -> None:
     assert len({c.grpc_port for c in children}) == 4
     if batching:
         assert parsed["engine"].batching == batching
+
+
+def _compose_settings(name: str) -> Any:
+    service = compose()["services"][name]
+    environ = {k: str(v) for k, v in service["environment"].items()}
+    return settings_for(name, serve_command(service["command"])[1], environ), environ
+
+
+def test_prometheus_scrapes_every_service() -> None:
+    services = compose()["services"]
+    mounts = services["prometheus"]["volumes"]
+    assert "./deploy/prometheus/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in mounts
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    targets = {
+        job["job_name"]: {t for static in job["static_configs"] for t in static["targets"]}
+        for job in config["scrape_configs"]
+    }
+    for stage in STAGES:
+        settings, environ = _compose_settings(stage)
+        assert settings.metrics_port > 0, stage
+        assert targets[f"sluice-{stage}"] == {f"{stage}:{settings.metrics_port}"}
+        assert environ["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    gateway, environ = _compose_settings("gateway")
+    assert targets["sluice-gateway"] == {f"gateway:{gateway.port}"}
+    assert environ["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    assert "4317:4317" in services["jaeger"]["ports"] and "16686:16686" in services["jaeger"]["ports"]
+
+
+def _dashboard_exprs() -> list[str]:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "sluice.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    assert exprs
+    return exprs
+
+
+def test_dashboard_queries_only_defined_metrics() -> None:
+    used = {name for expr in _dashboard_exprs() for name in re.findall(r"\bsluice_[a-z0-9_]+", expr)}
+    assert used - exposed_names() == set()
+    for needed in ("sluice_generation_tokens_total", "sluice_time_to_first_token_seconds_bucket",
+                   "sluice_inter_token_latency_seconds_bucket", "sluice_requests_running",
+                   "sluice_requests_waiting", "sluice_batch_size_bucket", "sluice_kv_cache_usage_ratio",
+                   "sluice_tokenize_duration_seconds_bucket", "sluice_request_queue_time_seconds_bucket",
+                   "sluice_detokenize_duration_seconds_bucket"):
+        assert needed in used, needed
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
+    grafana = ROOT / "deploy" / "grafana"
+    sources = yaml.safe_load((grafana / "provisioning" / "datasources" / "prometheus.yaml").read_text())
+    prometheus = next(d for d in sources["datasources"] if d["type"] == "prometheus")
+    assert prometheus["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((grafana / "provisioning" / "dashboards" / "sluice.yaml").read_text())
+    dashboards_path = providers["providers"][0]["options"]["path"]
+    volumes = compose()["services"]["grafana"]["volumes"]
+    assert f"./deploy/grafana/dashboards:{dashboards_path}:ro" in volumes
+    assert "./deploy/grafana/provisioning:/etc/grafana/provisioning:ro" in volumes
+    dashboard = json.loads((grafana / "dashboards" / "sluice.json").read_text())
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["uid"] == prometheus["uid"], panel["title"]
+
+
+def test_launcher_passes_tracing_and_metrics_settings() -> None:
+    args = argparse.Namespace(
+        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=None, device=None, metrics_base_port=9200,
+        otlp_endpoint="http://127.0.0.1:4317", trace_console=True,
+    )
+    parsed = {c.name: settings_for(c.name, list(c.flags)) for c in plan_children(args, "/models/m")}
+    assert [parsed[stage].metrics_port for stage in STAGES] == [9200, 9201, 9202]
+    env = child_env(args, {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
+                   "OTEL_TRACES_EXPORTER": "console,otlp"}
+    quiet = argparse.Namespace(otlp_endpoint="", trace_console=False)
+    assert child_env(quiet, {"PATH": "/bin"}) == {"PATH": "/bin"}
+    console_only = argparse.Namespace(otlp_endpoint="", trace_console=True)
+    assert child_env(console_only, {})["OTEL_TRACES_EXPORTER"] == "console"

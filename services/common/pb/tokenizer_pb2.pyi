@@ -18,7 +18,14 @@ TRUNCATION_SIDE_LEFT: TruncationSide
 TRUNCATION_SIDE_RIGHT: TruncationSide
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "add_special_tokens", "add_generation_prompt", "truncation_side", "max_tokens")
+    __slots__ = ("request_id", "text", "chat", "add_special_tokens", "add_generation_prompt", "truncation_side", "max_tokens", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +33,7 @@ class TokenizeRequest(_message.Message):
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: _common_pb2.Conversation
@@ -33,7 +41,8 @@ class TokenizeRequest(_message.Message):
     add_generation_prompt: bool
     truncation_side: TruncationSide
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("request_id", "ids", "truncated", "error")

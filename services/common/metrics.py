@@ -1,0 +1,217 @@
+"""Prometheus metrics of every service, one class per service, each with its own registry.
+
+Each service builds its metrics object once per server (`TokenizerMetrics()`, ...) and serves
+`metrics.registry`: the gateway on its HTTP app at `/metrics` (`render`), the gRPC services on their
+own port (`serve_metrics`, flag `--metrics-port`; 0 = no metrics endpoint, the default). With
+`--workers N`, worker i (0 first) serves on `metrics_port + i`.
+
+Intervals are measured with `time.monotonic()` inside one process; histograms are in seconds.
+Names (the Grafana dashboard and the tests read these):
+
+engine      sluice_time_to_first_token_seconds, sluice_inter_token_latency_seconds,
+            sluice_e2e_request_latency_seconds, sluice_request_queue_time_seconds,
+            sluice_request_prefill_time_seconds, sluice_request_decode_time_seconds (histograms);
+            sluice_requests_running, sluice_requests_waiting, sluice_kv_cache_usage_ratio (gauges);
+            sluice_prompt_tokens_total, sluice_generation_tokens_total,
+            sluice_requests_total{finish_reason}, sluice_prefix_cache_queries_total,
+            sluice_prefix_cache_hits_total, sluice_preemptions_total (counters);
+            sluice_batch_size, sluice_step_tokens, sluice_step_duration_seconds (per engine step)
+tokenizer   sluice_tokenize_duration_seconds, sluice_tokenize_batch_size
+detokenizer sluice_detokenize_duration_seconds, sluice_detokenize_batch_size
+gateway     sluice_gateway_requests_total{api,outcome}, sluice_gateway_requests_in_flight,
+            sluice_gateway_time_to_first_token_seconds, sluice_gateway_e2e_request_latency_seconds,
+            sluice_gateway_stage_duration_seconds{stage}
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+    start_http_server,
+)
+
+log = logging.getLogger(__name__)
+
+# Bucket upper bounds, seconds unless named otherwise.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
+                   120.0, 240.0, 480.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+CPU_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+GATEWAY_STAGES = ("tokenize", "engine_first_token", "detokenize")  # see gateway/observability.py
+
+
+def _registry() -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    return registry
+
+
+class EngineMetrics:
+    """Engine metrics. Per request: `queue_time`, `prefill_time`, `ttft`, `decode_time`, `e2e` once;
+    `itl` once per step in which it got tokens (the step's interval divided over its tokens is not
+    done: one observation per step and request). Per step: `batch_size` (requests in the step),
+    `step_tokens` (tokens computed), `step_duration`, and the gauges."""
+
+    def __init__(self) -> None:
+        r = self.registry = _registry()
+        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival at the engine to first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between successive output tokens "
+                             "of a request.", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival at the engine to finish.",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("sluice_request_queue_time_seconds", "Arrival to first schedule.",
+                                    buckets=REQUEST_BUCKETS, registry=r)
+        self.prefill_time = Histogram("sluice_request_prefill_time_seconds", "First schedule to first token.",
+                                      buckets=REQUEST_BUCKETS, registry=r)
+        self.decode_time = Histogram("sluice_request_decode_time_seconds", "First token to finish.",
+                                     buckets=REQUEST_BUCKETS, registry=r)
+        self.running = Gauge("sluice_requests_running", "Requests in the running batch.", registry=r)
+        self.waiting = Gauge("sluice_requests_waiting", "Requests waiting to be scheduled.", registry=r)
+        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).",
+                              registry=r)
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of finished requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("sluice_requests", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(reason)
+        self.prefix_queries = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                                      "cache.", registry=r)
+        self.prefix_hits = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   registry=r)
+        self.preemptions = Counter("sluice_preemptions", "Requests preempted (KV blocks freed, recomputed "
+                                   "later).", registry=r)
+        self.batch_size = Histogram("sluice_batch_size", "Requests in one engine step.",
+                                    buckets=COUNT_BUCKETS, registry=r)
+        self.step_tokens = Histogram("sluice_step_tokens", "Tokens computed in one engine step.",
+                                     buckets=COUNT_BUCKETS, registry=r)
+        self.step_duration = Histogram("sluice_step_duration_seconds", "Wall time of one engine step.",
+                                       buckets=STEP_BUCKETS, registry=r)
+
+
+class TokenizerMetrics:
+    """`duration`: one observation per tokenize request (arrival at the servicer to ids ready);
+    `batch_size`: requests per encode batch."""
+
+    def __init__(self) -> None:
+        r = self.registry = _registry()
+        self.duration = Histogram("sluice_tokenize_duration_seconds", "Tokenize request, arrival to ids.",
+                                  buckets=CPU_STAGE_BUCKETS, registry=r)
+        self.batch_size = Histogram("sluice_tokenize_batch_size", "Requests in one encode batch.",
+                                    buckets=COUNT_BUCKETS, registry=r)
+
+
+class DetokenizerMetrics:
+    """`duration`: one observation per batch of stream messages processed together (arrival of the
+    batch to its deltas ready) and per Decode call; `batch_size`: jobs per worker batch."""
+
+    def __init__(self) -> None:
+        r = self.registry = _registry()
+        self.duration = Histogram("sluice_detokenize_duration_seconds", "Detokenize work, arrival to text.",
+                                  buckets=CPU_STAGE_BUCKETS, registry=r)
+        self.batch_size = Histogram("sluice_detokenize_batch_size", "Jobs in one decode batch.",
+                                    buckets=COUNT_BUCKETS, registry=r)
+
+
+class GatewayMetrics:
+    """Gateway metrics, seen from the client's side of the pipeline. `stage_duration{stage}`:
+    tokenize call, submit to first token from the engine, and each detokenize round trip."""
+
+    def __init__(self) -> None:
+        r = self.registry = _registry()
+        self.requests = Counter("sluice_gateway_requests", "Requests answered, by API and outcome.",
+                                ["api", "outcome"], registry=r)
+        self.in_flight = Gauge("sluice_gateway_requests_in_flight", "Requests in progress.", registry=r)
+        self.ttft = Histogram("sluice_gateway_time_to_first_token_seconds", "Request arrival at the gateway "
+                              "to first text sent.", buckets=TTFT_BUCKETS, registry=r)
+        self.e2e = Histogram("sluice_gateway_e2e_request_latency_seconds", "Request arrival at the gateway "
+                             "to its end.", buckets=REQUEST_BUCKETS, registry=r)
+        self.stage_duration = Histogram("sluice_gateway_stage_duration_seconds", "Time spent in each "
+                                        "upstream stage.", ["stage"], buckets=TTFT_BUCKETS, registry=r)
+        for stage in GATEWAY_STAGES:
+            self.stage_duration.labels(stage)
+
+
+def observe_many(histogram: Histogram, values: Sequence[float]) -> None:
+    """`histogram.observe(v)` for every value, one locked update per bucket touched instead of two per
+    value (for per-request observations inside one engine step). `histogram` has no labels, or is a
+    labelled child."""
+    if len(values) < 4:
+        for value in values:
+            histogram.observe(value)
+        return
+    bounds = histogram._upper_bounds  # inclusive upper bounds, the last one +Inf
+    counts = [0] * len(bounds)
+    for value in values:
+        counts[bisect.bisect_left(bounds, value)] += 1
+    for bucket, count in zip(histogram._buckets, counts, strict=True):
+        if count:
+            bucket.inc(count)
+    histogram._sum.inc(sum(values))
+
+
+def render(registry: CollectorRegistry) -> tuple[bytes, str]:
+    """The exposition text of `registry` and its content type (for an HTTP `/metrics` handler)."""
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+@dataclass
+class MetricsEndpoint:
+    """A running `/metrics` HTTP server on its own thread; `close` stops it."""
+
+    port: int
+    _server: object
+    _thread: threading.Thread
+
+    def close(self) -> None:
+        self._server.shutdown()  # type: ignore[attr-defined]
+        self._server.server_close()  # type: ignore[attr-defined]
+        self._thread.join(timeout=5.0)
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
+    """Serves `registry` at http://host:port/metrics on a daemon thread (port 0 = any free port)."""
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    bound = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound)
+    return MetricsEndpoint(bound, server, thread)
+
+
+def maybe_serve_metrics(registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint | None:
+    """`serve_metrics` when the service's `metrics_port` setting is set; None for 0 (off)."""
+    if port <= 0:
+        return None
+    return serve_metrics(registry, host, port)
+
+
+def exposed_names() -> set[str]:
+    """Every sample name the services expose (e.g. `sluice_batch_size_bucket`, `sluice_requests_total`),
+    for checking dashboards and alerts against the code."""
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",)}
+    names: set[str] = set()
+    for cls in (EngineMetrics, TokenizerMetrics, DetokenizerMetrics, GatewayMetrics):
+        for family in cls().registry.collect():
+            names.update(family.name + suffix for suffix in suffixes.get(family.type, ("",)))
+    return names

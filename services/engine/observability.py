@@ -1,0 +1,241 @@
+"""Metrics and trace spans of the engine core, recorded on the engine thread once per request event
+and once per step (never per token).
+
+The engine calls, on its own thread:
+    observer.on_arrival(request, trace_context)   in add_request
+    observer.on_scheduled(sched)                   after the scheduler built a step
+    observer.on_step_end(sched, outputs, step_s)   at the end of every step that ran the model, and
+                                                   with sched=None for steps that only emitted finals
+
+Per request it keeps a few timestamps (`time.monotonic()`): arrival, first schedule, first token, last
+token. Spans (only when tracing is on): one `sluice.engine.generate` span per request, from arrival to
+its final output, child of the caller's trace context, with children `queue` (arrival → first
+schedule), `prefill` (first schedule → first token) and `decode` (first token → finish) and the GenAI
+attributes; and one `sluice.engine.step` span for a `step_sample_rate` share of the steps, linked to
+the requests in the step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+
+from services.common import telemetry
+from services.common.metrics import EngineMetrics, observe_many
+from services.engine.params import RequestOutput
+from services.engine.request import Request
+from services.engine.scheduler import SchedulerOutput
+
+MAX_STEP_LINKS = 128
+
+
+@dataclass
+class _Timeline:
+    """What the observer remembers of one request in flight."""
+
+    request: Request
+    span: trace.Span | None
+    first_scheduled: float = 0.0
+    first_token: float = 0.0
+    last_token: float = 0.0
+    batch_at_first_token: int = 0
+
+
+class EngineObserver:
+    """Owns nothing of the engine: it reads the scheduler and block manager it is given for the
+    gauges and counters, and records metrics into `metrics` (and spans when tracing is on)."""
+
+    def __init__(
+        self,
+        metrics: EngineMetrics,
+        *,
+        scheduler: Any,
+        block_manager: Any,
+        model_name: str,
+        step_sample_rate: float = 0.0,
+    ) -> None:
+        self.metrics = metrics
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.model_name = model_name
+        self.step_sample_rate = step_sample_rate
+        self.tracer = telemetry.get_tracer(__name__)
+        self.timelines: dict[str, _Timeline] = {}
+        self._wall_offset_ns = time.time_ns() - time.monotonic_ns()
+        self.last_batch_size = 0  # requests in the latest step (read by the servicer's thread)
+        self._step_credit = 0.0
+        self._preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    def _wall_ns(self, monotonic_s: float) -> int:
+        return int(monotonic_s * 1e9) + self._wall_offset_ns
+
+    # ---- events ---------------------------------------------------------------------------------
+
+    def on_arrival(self, request: Request, trace_context: Mapping[str, str] | None = None) -> None:
+        """A request was queued (its `arrival_time` set). `trace_context` is the caller's W3C context
+        (a request message's `trace_context`, or the call's)."""
+        span = None
+        if telemetry.tracing_enabled():
+            sampling, stopping = request.sampling, request.stopping
+            # AsyncEngine names a request `<caller key>/<caller's id>`; the caller's id is the one to show.
+            caller_id = request.request_id.partition("/")[2] or request.request_id
+            span = self.tracer.start_span(
+                "sluice.engine.generate",
+                context=telemetry.extract(trace_context or {}),
+                kind=SpanKind.SERVER,
+                start_time=self._wall_ns(request.arrival_time),
+                attributes={
+                    "sluice.request_id": caller_id,
+                    "gen_ai.operation.name": "text_completion",
+                    "gen_ai.request.model": self.model_name,
+                    "gen_ai.request.max_tokens": stopping.max_new_tokens,
+                    "gen_ai.request.temperature": sampling.temperature,
+                    "gen_ai.request.top_p": sampling.top_p,
+                    "gen_ai.usage.input_tokens": request.num_prompt_tokens,
+                },
+            )
+        self.timelines[request.request_id] = _Timeline(request, span)
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        now = time.monotonic()
+        queued: list[float] = []
+        timelines = self.timelines
+        for request, _ in sched.scheduled:
+            timeline = timelines.get(request.request_id)
+            if timeline is not None and not timeline.first_scheduled:
+                timeline.first_scheduled = now
+                queued.append(now - request.arrival_time)
+        if queued:
+            observe_many(self.metrics.queue_time, queued)
+
+    def on_step_end(self, sched: SchedulerOutput | None, outputs: list[RequestOutput], step_s: float) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        batch = len(sched.scheduled) if sched is not None else 0
+        step_links = self._sampled_step_links(sched) if sched is not None else None
+        itl: list[float] = []
+        ttft: list[float] = []
+        generated = 0
+        timelines = self.timelines
+        for out in outputs:
+            timeline = timelines.get(out.request_id)
+            if timeline is None:
+                continue
+            if out.new_token_ids:
+                generated += len(out.new_token_ids)
+                if timeline.first_token:
+                    itl.append(now - timeline.last_token)
+                else:
+                    timeline.first_token = now
+                    timeline.batch_at_first_token = batch
+                    ttft.append(now - timeline.request.arrival_time)
+                timeline.last_token = now
+            if out.finished:
+                del timelines[out.request_id]
+                self._finish(timeline, out, now)
+        if generated:
+            m.generation_tokens.inc(generated)
+        observe_many(m.itl, itl)
+        observe_many(m.ttft, ttft)
+        if sched is not None:
+            self.last_batch_size = batch
+            m.batch_size.observe(batch)
+            m.step_tokens.observe(sched.num_tokens)
+            m.step_duration.observe(step_s)
+            if step_links is not None:
+                self._step_span(sched, step_links, now, step_s)
+        self._update_gauges()
+
+    # ---- per request ----------------------------------------------------------------------------
+
+    def _finish(self, timeline: _Timeline, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        request = timeline.request
+        reason = out.finish_reason or "error"
+        m.requests.labels(reason).inc()
+        m.prompt_tokens.inc(out.prompt_tokens)
+        m.e2e.observe(now - request.arrival_time)
+        if timeline.first_token:
+            m.prefill_time.observe(timeline.first_token - timeline.first_scheduled)
+            m.decode_time.observe(now - timeline.first_token)
+        if timeline.span is not None:
+            self._end_span(timeline, out, now)
+
+    def _end_span(self, timeline: _Timeline, out: RequestOutput, now: float) -> None:
+        span = timeline.span
+        assert span is not None
+        request = timeline.request
+        parent = trace.set_span_in_context(span)
+        phases = (
+            ("queue", request.arrival_time, timeline.first_scheduled or now),
+            ("prefill", timeline.first_scheduled, timeline.first_token),
+            ("decode", timeline.first_token, now),
+        )
+        for name, start, end in phases:
+            if start and end:
+                child = self.tracer.start_span(name, context=parent, start_time=self._wall_ns(start))
+                child.end(end_time=self._wall_ns(end))
+        span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason or "error"])
+        span.set_attribute("sluice.num_preemptions", request.num_preemptions)
+        span.set_attribute("sluice.num_cached_tokens", request.num_cached_tokens)
+        if timeline.first_token:
+            span.set_attribute("sluice.time_to_first_token_s", timeline.first_token - request.arrival_time)
+            span.set_attribute("sluice.batch_size_at_first_token", timeline.batch_at_first_token)
+        if out.finish_reason == "error":
+            span.set_status(Status(StatusCode.ERROR, out.error or "error"))
+        span.end(end_time=self._wall_ns(now))
+
+    # ---- per step -------------------------------------------------------------------------------
+
+    def _sampled_step_links(self, sched: SchedulerOutput) -> list[Link] | None:
+        """Links to the requests of this step when it is one of the sampled steps (a deterministic
+        `step_sample_rate` share), else None."""
+        if not self.step_sample_rate or not telemetry.tracing_enabled():
+            return None
+        self._step_credit += self.step_sample_rate
+        if self._step_credit < 1.0:
+            return None
+        self._step_credit -= 1.0
+        links = []
+        for request, _ in sched.scheduled[:MAX_STEP_LINKS]:
+            timeline = self.timelines.get(request.request_id)
+            if timeline is not None and timeline.span is not None:
+                links.append(Link(timeline.span.get_span_context()))
+        return links
+
+    def _step_span(self, sched: SchedulerOutput, links: list[Link], now: float, step_s: float) -> None:
+        span = self.tracer.start_span(
+            "sluice.engine.step",
+            context=telemetry.extract({}),
+            links=links,
+            start_time=self._wall_ns(now - step_s),
+            attributes={
+                "sluice.batch_size": len(sched.scheduled),
+                "sluice.step_tokens": sched.num_tokens,
+                "sluice.preempted": len(sched.preempted),
+            },
+        )
+        span.end(end_time=self._wall_ns(now))
+
+    def _update_gauges(self) -> None:
+        m, scheduler, bm = self.metrics, self.scheduler, self.block_manager
+        m.running.set(len(scheduler.running))
+        m.waiting.set(len(scheduler.waiting))
+        m.kv_usage.set(1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0)
+        preemptions = scheduler.num_preemptions
+        if preemptions != self._preemptions:
+            m.preemptions.inc(preemptions - self._preemptions)
+            self._preemptions = preemptions
+        queries, hits = bm.prefix_query_blocks, bm.prefix_hit_blocks
+        if queries != self._prefix_queries:
+            m.prefix_queries.inc((queries - self._prefix_queries) * bm.block_size)
+            m.prefix_hits.inc((hits - self._prefix_hits) * bm.block_size)
+            self._prefix_queries, self._prefix_hits = queries, hits
