@@ -197,6 +197,8 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         for req in list(self.requests.values()):
             outputs.append(self._fail(req, message))
+        if outputs and self.observer is not None:
+            self._observe(self.observer.on_step_end, None, outputs, 0.0)
         return outputs
 
     def has_unfinished_requests(self) -> bool:

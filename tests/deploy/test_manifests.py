@@ -192,3 +192,18 @@ def test_launcher_passes_tracing_and_metrics_settings() -> None:
     assert child_env(quiet, {"PATH": "/bin"}) == {"PATH": "/bin"}
     console_only = argparse.Namespace(otlp_endpoint="", trace_console=True)
     assert child_env(console_only, {})["OTEL_TRACES_EXPORTER"] == "console"
+
+
+def test_k8s_pods_export_metrics_and_traces() -> None:
+    deployments = [d for d in k8s_documents() if d["kind"] == "Deployment"]
+    assert len(deployments) == 4
+    for deployment in deployments:
+        template = deployment["spec"]["template"]
+        container = template["spec"]["containers"][0]
+        name, flags = serve_command(container["args"])
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://")
+        settings = settings_for(name, flags, env)
+        metrics_port = settings.port if name == "gateway" else settings.metrics_port
+        assert metrics_port > 0
+        assert template["metadata"]["annotations"]["prometheus.io/port"] == str(metrics_port)

@@ -1,6 +1,6 @@
 """The gateway in front of the real tokenizer, engine and detokenizer (in this process, tiny model):
 every way a client can leave frees the engine: running requests and free KV blocks are back to
-their idle values within one second."""
+their idle values soon after (the time taken is printed; run with -s to see it)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ from services.tokenizer.server import create_server as create_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import WAIT_S, collect, recv, send
 
-IDLE_WITHIN_S = 1.0
+# The engine frees an aborted request before its next step: about 10-100 ms here. The bound is far above
+# that, so a loaded machine never fails the test, and far below the 100,000 tokens a request that was
+# not aborted would run for.
+IDLE_WITHIN_S = 10.0
 LONG = 100_000
 
 
@@ -50,10 +53,12 @@ class Stack:
 
     async def assert_idle_soon(self) -> None:
         """Polls the engine's figures until idle; fails if that takes longer than IDLE_WITHIN_S."""
-        deadline = time.monotonic() + IDLE_WITHIN_S
+        start = time.monotonic()
+        deadline = start + IDLE_WITHIN_S
         while True:
             stats = await self.stats()
             if stats.running == 0 and stats.waiting == 0 and stats.free_blocks == stats.num_blocks:
+                print(f"engine idle {1000 * (time.monotonic() - start):.0f} ms after the client left")
                 return
             assert time.monotonic() < deadline, f"engine not idle after {IDLE_WITHIN_S}s: {stats}"
             await asyncio.sleep(0.01)

@@ -95,3 +95,14 @@ def test_prefix_cache_and_preemption_counters() -> None:
     run(engine)
     assert engine.scheduler.num_preemptions > 0
     assert value(m, "sluice_preemptions_total") == engine.scheduler.num_preemptions
+
+
+def test_requests_failed_by_fail_all_are_counted() -> None:
+    engine, m, _ = observed()
+    engine.add_request("a", [5, 6], GREEDY, StoppingParams(max_new_tokens=50))
+    engine.add_request("b", [5, 7], GREEDY, StoppingParams(max_new_tokens=50))
+    engine.step()
+    outputs = engine.fail_all("the step loop failed")
+    assert sorted(o.request_id for o in outputs if o.finish_reason == "error") == ["a", "b"]
+    assert value(m, "sluice_requests_total", {"finish_reason": "error"}) == 2
+    assert value(m, "sluice_e2e_request_latency_seconds_count") == 2
