@@ -1,0 +1,307 @@
+"""The methods the engine benchmark times: transformers baselines and the sluice engine's three policies.
+
+Every method takes the same `BenchContext` and `Workload` and returns a `MethodResult` holding, for each
+request in workload order, exactly its `max_new_tokens[i]` greedy tokens. EOS never ends a request early:
+the transformers baselines run with no EOS id, the engine with `ignore_eos`. Each method first runs a
+short warm-up request outside the timed region.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+
+from sluice.bench.engine_workload import FIRST_PLAIN_ID, PAD_ID, Workload
+
+if TYPE_CHECKING:  # the engine is imported when a sluice method runs, so the baselines run without it
+    from services.engine.engine import LLMEngine
+    from services.engine.settings import EngineSettings
+
+HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
+SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous")
+ALL_METHODS = HF_METHODS + SLUICE_METHODS
+STATIC_BATCH_SIZE = 16
+KV_CACHE_GB = 0.5
+
+Progress = Callable[[int], None]  # called with the number of output tokens just delivered
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every method needs: the model directory, where to run, and the transformers settings."""
+
+    model_dir: Path
+    device: str  # "cpu" | "cuda" | "cuda:N"
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    hf_batch_tokens: tuple[int, ...] = (256, 512, 1024)  # max_batch_tokens tried for hf-continuous
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+@dataclass
+class MethodResult:
+    """Timing and outputs of one method. `outputs[i]` are the tokens of request i (workload order)."""
+
+    name: str
+    wall_s: float
+    output_tokens: int
+    outputs: list[list[int]]
+    setting: str = ""  # the configuration the figures belong to (e.g. hf-continuous's best)
+    forward_share: float | None = None  # engine: time in the model forward / whole step time
+    forward_share_max_batch: float | None = None  # engine: the same over the steps with the largest batch
+    max_batch: int | None = None  # engine: the most requests in one step
+    kv_efficiency: float | None = None  # engine: tokens stored / token slots allocated at peak block use
+    preemptions: int | None = None  # engine: requests preempted (recomputed later)
+    sweep: list[dict[str, Any]] = field(default_factory=list)  # hf-continuous: every setting tried
+    runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat of the method
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _count(outputs: list[list[int]]) -> int:
+    return sum(len(o) for o in outputs)
+
+
+def _warmup_prompt() -> list[int]:
+    return list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 16))
+
+
+@contextmanager
+def _timed(device: str) -> Iterator[list[float]]:
+    """Yields a one-element list that holds the elapsed seconds once the block ends."""
+    elapsed = [0.0]
+    _sync(device)
+    start = time.perf_counter()
+    yield elapsed
+    _sync(device)
+    elapsed[0] = time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- transformers baselines
+
+
+def load_hf_model(ctx: BenchContext) -> PreTrainedModel:
+    """The benchmark model through transformers, with EOS disabled so only max_new_tokens ends generation."""
+    model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=ctx.torch_dtype).to(ctx.device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_ID
+    return model
+
+
+def _greedy_config(max_new_tokens: int, eos_token_id: int | None = None) -> GenerationConfig:
+    """Greedy decoding; `generate` takes no EOS as None, continuous batching as -1."""
+    return GenerationConfig(
+        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=PAD_ID
+    )
+
+
+def _generate(model: PreTrainedModel, batch: list[tuple[int, ...]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy `generate` on a left-padded batch; returns each row's `max_new_tokens` new tokens."""
+    width = max(len(p) for p in batch)
+    ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, prompt in enumerate(batch):  # left padding: prompts end at the right edge
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    out = model.generate(
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        generation_config=_greedy_config(max_new_tokens),
+    )  # (B, width + max_new_tokens)
+    return out[:, width:].tolist()
+
+
+def run_hf_sequential(
+    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
+) -> MethodResult:
+    """One `generate` call per request, in arrival order."""
+    _generate(model, [tuple(_warmup_prompt())], 4)
+    outputs: list[list[int]] = []
+    with _timed(ctx.device) as elapsed:
+        for prompt, n in zip(work.prompts, work.max_new_tokens, strict=True):
+            outputs.append(_generate(model, [prompt], n)[0])
+            progress(n)
+    return MethodResult("hf-sequential", elapsed[0], _count(outputs), outputs)
+
+
+def run_hf_static(
+    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
+) -> MethodResult:
+    """Left-padded batches of `STATIC_BATCH_SIZE` in arrival order, each run to its longest request."""
+    _generate(model, [tuple(_warmup_prompt())] * 2, 4)
+    outputs: list[list[int]] = []
+    with _timed(ctx.device) as elapsed:
+        for start in range(0, len(work), STATIC_BATCH_SIZE):
+            prompts = list(work.prompts[start : start + STATIC_BATCH_SIZE])
+            wanted = work.max_new_tokens[start : start + STATIC_BATCH_SIZE]
+            rows = _generate(model, prompts, max(wanted))
+            outputs.extend(row[:n] for row, n in zip(rows, wanted, strict=True))
+            progress(sum(wanted))
+    return MethodResult(
+        "hf-static", elapsed[0], _count(outputs), outputs, setting=f"batch {STATIC_BATCH_SIZE}"
+    )
+
+
+def _hf_cb_config(max_batch_tokens: int, work: Workload) -> Any:
+    """A `ContinuousBatchingConfig` whose KV cache holds the whole workload at once (no eviction)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
+    page = config.page_size
+    needed = sum(
+        math.ceil((len(p) + n) / page) for p, n in zip(work.prompts, work.max_new_tokens, strict=True)
+    )
+    config.num_blocks = needed + len(work) + 4  # one spare block per request for the token being written
+    return config
+
+
+def _hf_cb_once(
+    model: PreTrainedModel, work: Workload, max_batch_tokens: int, progress: Progress, device: str
+) -> tuple[float, list[list[int]]]:
+    """One timed pass of transformers' continuous batching: all requests added at once, own max_new_tokens.
+
+    Set up as `generate_batch` does (workload hints, warm-up before the loop starts), but with
+    `add_request` so that each request gets its own max_new_tokens.
+    """
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in work.prompts),
+        max_generated_length=max(work.max_new_tokens),
+        num_requests=len(work),
+    )
+    manager = model.init_continuous_batching(
+        generation_config=_greedy_config(max(work.max_new_tokens), eos_token_id=-1),
+        continuous_batching_config=_hf_cb_config(max_batch_tokens, work),
+        workload_hints=hints,
+    )
+    manager.warmup()
+    manager.start()
+    try:
+        manager.add_request(_warmup_prompt(), request_id="warmup", max_new_tokens=4, eos_token_id=-1)
+        _hf_cb_collect(manager, {"warmup"}, lambda _: None)
+        ids = [f"r{i}" for i in range(len(work))]
+        with _timed(device) as elapsed:
+            for rid, prompt, n in zip(ids, work.prompts, work.max_new_tokens, strict=True):
+                manager.add_request(list(prompt), request_id=rid, max_new_tokens=n, eos_token_id=-1)
+            results = _hf_cb_collect(manager, set(ids), progress)
+    finally:
+        manager.stop(block=True)
+        manager.destroy()
+    return elapsed[0], [results[rid] for rid in ids]
+
+
+def _hf_cb_collect(manager: Any, pending: set[str], progress: Progress) -> dict[str, list[int]]:
+    """Waits for every request id in `pending`; raises RuntimeError if one fails or the loop dies."""
+    results: dict[str, list[int]] = {}
+    while len(results) < len(pending):
+        out = manager.get_result(timeout=1.0)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped before finishing")
+            continue
+        if out.request_id not in pending or not out.is_finished():
+            continue
+        if out.error is not None:
+            raise RuntimeError(f"transformers' continuous batching failed {out.request_id}: {out.error}")
+        results[out.request_id] = list(out.generated_tokens)
+        progress(len(out.generated_tokens))
+    return results
+
+
+def run_hf_continuous(
+    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
+) -> MethodResult:
+    """transformers' continuous batching at each `ctx.hf_batch_tokens` setting; the fastest one is reported.
+
+    The progress callback sees every pass (its total is the workload's tokens times the settings tried).
+    """
+    best: MethodResult | None = None
+    sweep: list[dict[str, Any]] = []
+    for tokens in ctx.hf_batch_tokens:
+        wall_s, outputs = _hf_cb_once(model, work, tokens, progress, ctx.device)
+        result = MethodResult(
+            "hf-continuous", wall_s, _count(outputs), outputs, setting=f"max_batch_tokens={tokens}"
+        )
+        sweep.append({"max_batch_tokens": tokens, "wall_s": wall_s, "tokens_per_s": result.tokens_per_s})
+        if best is None or result.tokens_per_s > best.tokens_per_s:
+            best = result
+    assert best is not None
+    best.sweep = sweep
+    return best
+
+
+# ---------------------------------------------------------------- sluice engine
+
+
+def _engine_settings(ctx: BenchContext, batching: str) -> EngineSettings:
+    from services.engine.settings import EngineSettings
+
+    return EngineSettings(
+        model=str(ctx.model_dir),
+        device=ctx.device,
+        dtype=ctx.dtype,
+        batching=batching,
+        static_batch_size=STATIC_BATCH_SIZE,
+        kv_cache_gb=KV_CACHE_GB,
+    )
+
+
+def _drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) -> None:
+    """Steps the engine until it has nothing left, appending each request's new tokens."""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
+            if out.request_id in outputs:
+                outputs[out.request_id].extend(out.new_token_ids)
+                progress(len(out.new_token_ids))
+
+
+def run_sluice(ctx: BenchContext, work: Workload, batching: str, progress: Progress) -> MethodResult:
+    """The engine core with one batching policy: add every request, then `step()` until none is left."""
+    from services.engine.engine import LLMEngine
+    from services.engine.params import SamplingParams, StoppingParams
+
+    engine = LLMEngine(_engine_settings(ctx, batching))
+    greedy = SamplingParams(temperature=0.0)
+    engine.add_request("warmup", _warmup_prompt(), greedy, StoppingParams(max_new_tokens=4, ignore_eos=True))
+    _drain(engine, {}, progress)
+    engine.reset_stats()
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(work))}
+    with _timed(ctx.device) as elapsed:
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.max_new_tokens, strict=True)):
+            stopping = StoppingParams(max_new_tokens=n, ignore_eos=True)
+            engine.add_request(f"r{i}", list(prompt), greedy, stopping)
+        _drain(engine, outputs, progress)
+    stats = engine.stats()
+    ordered = [outputs[f"r{i}"] for i in range(len(work))]
+    return MethodResult(
+        f"sluice-{batching}",
+        elapsed[0],
+        _count(ordered),
+        ordered,
+        setting=f"batching={batching}, {stats.steps} steps",
+        forward_share=stats.forward_share,
+        forward_share_max_batch=stats.forward_share_at_max_batch,
+        max_batch=stats.max_batch,
+        kv_efficiency=stats.peak_kv_efficiency,
+        preemptions=stats.num_preemptions,
+    )
