@@ -19,6 +19,9 @@ from typing import Any
 
 # serve_one(settings, reuse_port=..., on_bound=..., stop_when=...) runs one process's server.
 ServeOne = Callable[..., Awaitable[None]]
+# create() builds and binds one process's server: (server, bound port, health, servicer), where the
+# servicer has `metrics.registry` and a `close()` called once the server has drained.
+Create = Callable[[], Awaitable[tuple[Any, int, Any, Any]]]
 CHILD_JOIN_S = 30.0
 
 
@@ -70,3 +73,39 @@ async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) ->
             await loop.run_in_executor(None, child.join, CHILD_JOIN_S)
 
     await serve_one(settings, reuse_port=True, on_bound=start_children, on_drain=stop_children)
+
+
+async def serve_worker(
+    name: str,
+    settings: Any,
+    create: Create,
+    *,
+    on_bound: Callable[[int], None] | None = None,
+    on_drain: Callable[[], Awaitable[None]] | None = None,
+    stop_when: Awaitable[None] | None = None,
+) -> None:
+    """One process of a pool: sets up tracing (`OTEL_*`), builds the server with `create`, serves
+    metrics when `settings.metrics_port` is set, and serves until SIGTERM/SIGINT (or until `stop_when`
+    completes), then drains: the servicer closes, the metrics endpoint closes, `on_drain` runs."""
+    from services.common import grpc_server, metrics, telemetry
+
+    telemetry.init_tracing(name)
+    server, port, health, servicer = await create()
+    endpoint = metrics.maybe_serve_metrics(servicer.metrics.registry, settings.host, settings.metrics_port)
+    if on_bound is not None:
+        on_bound(port)
+    watcher = asyncio.ensure_future(signal_self_when(stop_when)) if stop_when is not None else None
+
+    async def drain() -> None:
+        servicer.close()
+        if endpoint is not None:
+            endpoint.close()
+        if on_drain is not None:
+            await on_drain()
+
+    try:
+        await grpc_server.serve_forever(server, health, name=name, port=port, grace_s=settings.grace_s,
+                                        on_drain=drain)
+    finally:
+        if watcher is not None:
+            watcher.cancel()

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
-from services.common import grpc_server, metrics, telemetry
+from services.common import grpc_server
+from services.common.models import resolve_model_dir
 from services.common.pb import detokenizer_pb2_grpc
 from services.common.settings import load_settings
-from services.common.workers import serve_workers, signal_self_when
+from services.common.workers import serve_worker, serve_workers
 from services.detokenizer.incremental import Vocabulary
 from services.detokenizer.servicer import DetokenizerServicer
 from services.detokenizer.settings import DetokenizerSettings
-from services.tokenizer.server import resolve_model_dir
 
 SERVICE_NAME = "sluice.v1.Detokenizer"
 
@@ -34,36 +33,10 @@ async def create_server(
     return server, port, health, servicer
 
 
-async def serve_one(
-    settings: DetokenizerSettings,
-    *,
-    reuse_port: bool,
-    on_bound: Callable[[int], None] | None = None,
-    on_drain: Callable[[], Awaitable[None]] | None = None,
-    stop_when: Awaitable[None] | None = None,
-) -> None:
-    """One process: serve until SIGTERM/SIGINT (or `stop_when` completes), then drain. Tracing is set
-    up from the `OTEL_*` variables; metrics are served when `metrics_port` is set."""
-    telemetry.init_tracing("detokenizer")
-    server, port, health, servicer = await create_server(settings, reuse_port=reuse_port)
-    endpoint = metrics.maybe_serve_metrics(servicer.metrics.registry, settings.host, settings.metrics_port)
-    if on_bound is not None:
-        on_bound(port)
-    watcher = asyncio.ensure_future(signal_self_when(stop_when)) if stop_when is not None else None
-
-    async def drain() -> None:
-        servicer.close()
-        if endpoint is not None:
-            endpoint.close()
-        if on_drain is not None:
-            await on_drain()
-
-    try:
-        await grpc_server.serve_forever(server, health, name="detokenizer", port=port,
-                                        grace_s=settings.grace_s, on_drain=drain)
-    finally:
-        if watcher is not None:
-            watcher.cancel()
+async def serve_one(settings: DetokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:
+    """One process of the pool (`services/common/workers.py`); `hooks` are `serve_worker`'s."""
+    create = lambda: create_server(settings, reuse_port=reuse_port)  # noqa: E731
+    await serve_worker("detokenizer", settings, create, **hooks)
 
 
 async def serve(settings: DetokenizerSettings) -> None:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from services.common.models import resolve_model_dir
 from services.engine.block_manager import BlockManager
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.request import Request
@@ -81,12 +82,6 @@ class EngineStats:
     generated_tokens: int
 
 
-def default_model_dir() -> str:
-    from sluice.model.tiny import default_model_dir as embedded  # the project's embedded chat model
-
-    return str(embedded())
-
-
 class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
         settings.validate()
@@ -94,7 +89,7 @@ class LLMEngine:
         if runner is None:
             from services.engine.model_runner import ModelRunner
 
-            model_dir = settings.model or default_model_dir()
+            model_dir = str(resolve_model_dir(settings.model))
             runner = ModelRunner(
                 model_dir,
                 device=settings.device,

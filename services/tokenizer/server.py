@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
-from pathlib import Path
+from typing import Any
 
 import grpc
 
-from services.common import grpc_server, metrics, telemetry
+from services.common import grpc_server
+from services.common.models import resolve_model_dir
 from services.common.pb import tokenizer_pb2_grpc
 from services.common.settings import load_settings
-from services.common.workers import serve_workers, signal_self_when
+from services.common.workers import serve_worker, serve_workers
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
 
 SERVICE_NAME = "sluice.v1.Tokenizer"
-
-
-def resolve_model_dir(model: str) -> Path:
-    """`model`, or the embedded tiny model when empty (built on first use)."""
-    if model:
-        return Path(model)
-    from sluice.model.tiny import default_model_dir
-
-    return default_model_dir()
 
 
 async def create_server(
@@ -41,36 +31,9 @@ async def create_server(
     return server, port, health, servicer
 
 
-async def serve_one(
-    settings: TokenizerSettings,
-    *,
-    reuse_port: bool,
-    on_bound: Callable[[int], None] | None = None,
-    on_drain: Callable[[], Awaitable[None]] | None = None,
-    stop_when: Awaitable[None] | None = None,
-) -> None:
-    """One process: serve until SIGTERM/SIGINT (or `stop_when` completes), then drain. Tracing is set
-    up from the `OTEL_*` variables; metrics are served when `metrics_port` is set."""
-    telemetry.init_tracing("tokenizer")
-    server, port, health, servicer = await create_server(settings, reuse_port=reuse_port)
-    endpoint = metrics.maybe_serve_metrics(servicer.metrics.registry, settings.host, settings.metrics_port)
-    if on_bound is not None:
-        on_bound(port)
-    watcher = asyncio.ensure_future(signal_self_when(stop_when)) if stop_when is not None else None
-
-    async def drain() -> None:
-        servicer.close()
-        if endpoint is not None:
-            endpoint.close()
-        if on_drain is not None:
-            await on_drain()
-
-    try:
-        await grpc_server.serve_forever(server, health, name="tokenizer", port=port, grace_s=settings.grace_s,
-                                        on_drain=drain)
-    finally:
-        if watcher is not None:
-            watcher.cancel()
+async def serve_one(settings: TokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:
+    """One process of the pool (`services/common/workers.py`); `hooks` are `serve_worker`'s."""
+    await serve_worker("tokenizer", settings, lambda: create_server(settings, reuse_port=reuse_port), **hooks)
 
 
 async def serve(settings: TokenizerSettings) -> None:
