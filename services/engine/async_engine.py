@@ -127,17 +127,20 @@ class Caller:
 
     # ---- called on the loop thread -------------------------------------------------------------
 
-    def _deliver(self, request_id: str, out: RequestOutput) -> None:
+    def _deliver(self, outputs: list[tuple[str, RequestOutput]]) -> None:
+        """Adds one step's outputs for this caller, all under one lock, so that `get` never returns
+        part of a step: (caller's request id, output) pairs."""
         if self._closed:
             return
-        out.request_id = request_id
         with self._lock:
             was_empty = not self._pending
-            slot = self._pending.get(request_id)
-            if slot is None:
-                self._pending[request_id] = out
-            else:
-                slot.merge(out)
+            for request_id, out in outputs:
+                out.request_id = request_id
+                slot = self._pending.get(request_id)
+                if slot is None:
+                    self._pending[request_id] = out
+                else:
+                    slot.merge(out)
         if was_empty:
             try:
                 self._loop.call_soon_threadsafe(self._event.set)
@@ -222,13 +225,14 @@ class AsyncEngine:
                 trace_context=command.trace_context,
             )
         except ValueError as exc:
-            caller._deliver(
-                request_id, RequestOutput(request_id, [], None, True, "error", 0, 0, error=str(exc))
-            )
+            refused = RequestOutput(request_id, [], None, True, "error", 0, 0, error=str(exc))
+            caller._deliver([(request_id, refused)])
             return
         self._owners[command.engine_id] = (caller, request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hands one step's outputs to their callers: one delivery per caller per step."""
+        by_caller: dict[Caller, list[tuple[str, RequestOutput]]] = {}
         for out in outputs:
             owner = self._owners.get(out.request_id)
             if owner is None:
@@ -236,4 +240,6 @@ class AsyncEngine:
             if out.finished:
                 del self._owners[out.request_id]
             caller, request_id = owner
-            caller._deliver(request_id, out)
+            by_caller.setdefault(caller, []).append((request_id, out))
+        for caller, delivered in by_caller.items():
+            caller._deliver(delivered)

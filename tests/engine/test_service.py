@@ -129,10 +129,13 @@ async def test_stream_multiplexes_requests(stub: engine_pb2_grpc.EngineStub, lla
         while (msg := await queue.get()) is not None:
             yield msg
 
+    steps_before = (await stub.Stats(engine_pb2.StatsRequest())).steps
     call = stub.Stream(requests())
+    # "long" stays in flight until aborted, so the duplicate below always meets it in flight.
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("long", n=100_000)))
     for rid, prompt in prompts.items():
         await queue.put(engine_pb2.EngineIn(submit=gen_request(rid, prompt=prompt, n=5)))
-    await queue.put(engine_pb2.EngineIn(submit=gen_request("s0", prompt=[5], n=3)))  # duplicate in flight
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("long", prompt=[5], n=3)))  # duplicate in flight
     await queue.put(engine_pb2.EngineIn(submit=gen_request("bad", prompt=[])))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     finals: dict[str, list[engine_pb2.RequestFinal]] = {}
@@ -141,19 +144,28 @@ async def test_stream_multiplexes_requests(stub: engine_pb2_grpc.EngineStub, lla
         messages += 1
         for entry in out.entries:
             if entry.HasField("chunk"):
-                tokens[entry.chunk.request_id] += entry.chunk.token_ids
+                tokens.setdefault(entry.chunk.request_id, []).extend(entry.chunk.token_ids)
             else:
                 finals.setdefault(entry.final.request_id, []).append(entry.final)
-        if sum(len(v) for v in finals.values()) == len(prompts) + 2:
+        done = all(rid in finals for rid in (*prompts, "bad")) and "long" in finals
+        if done and "aborted" not in finals:
+            finals["aborted"] = []
+            await queue.put(engine_pb2.EngineIn(abort=engine_pb2.Abort(request_id="long")))
+        if len(finals.get("long", [])) == 2:
             break
     await queue.put(None)
+    steps = (await stub.Stats(engine_pb2.StatsRequest())).steps - steps_before
     for rid, prompt in prompts.items():
         assert tokens[rid] == expected(llama_dir, prompt, 5)
-        assert finals[rid][-1].finish_reason != common_pb2.FINISH_REASON_ERROR
-    reasons = [f.finish_reason for f in finals["s0"]]
-    assert reasons.count(common_pb2.FINISH_REASON_ERROR) == 1 and "in flight" in finals["s0"][0].error
+        assert [f.finish_reason for f in finals[rid]] == [common_pb2.FINISH_REASON_LENGTH]
+    duplicate, aborted = finals["long"]
+    assert duplicate.finish_reason == common_pb2.FINISH_REASON_ERROR and "in flight" in duplicate.error
+    assert aborted.finish_reason == common_pb2.FINISH_REASON_CANCELLED
     assert finals["bad"][0].finish_reason == common_pb2.FINISH_REASON_ERROR and finals["bad"][0].error
-    assert messages < 6 * 5  # one message per step for all requests, not per token
+    # One message per engine step for all of this caller's requests, not per token; besides the steps
+    # that ran the model: the two refusals and the abort's final.
+    assert messages <= steps + 3
+    assert messages < sum(len(t) for t in tokens.values())
 
 
 async def test_stream_abort_and_stream_end_abort(stub: engine_pb2_grpc.EngineStub) -> None:
