@@ -357,15 +357,17 @@ class OpenAIHandlers:
         failure = _as_failure(first) if first is not None else None
         if failure is not None:
             return failure_error(failure, self._settings).response()
+        # The client's disconnect is heard even while no chunk is being written.
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, generation))
         return StreamingResponse(
-            self._sse(first, generation, renderer),
+            self._sse(first, generation, renderer, watcher),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
             background=BackgroundTask(generation.cancel),
         )
 
     async def _sse(
-        self, first: Event | None, generation: Generation, renderer: _Renderer
+        self, first: Event | None, generation: Generation, renderer: _Renderer, watcher: asyncio.Task[None]
     ) -> AsyncIterator[str]:
         try:
             if renderer.parsed.chat:
@@ -399,6 +401,7 @@ class OpenAIHandlers:
                 event = None
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             generation.cancel()
 
 
@@ -407,7 +410,7 @@ def _sse_data(obj: dict[str, Any]) -> str:
 
 
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
-    """Cancels `generation` when the client of a non-streaming request goes away."""
+    """Cancels `generation` when the client goes away."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
