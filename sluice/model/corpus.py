@@ -3,12 +3,16 @@
 `build_corpus()` returns a deterministic list of documents (for a given Python installation):
 
 1. the English prose of the Python documentation shipped as `pydoc_data.topics`, split into paragraphs;
-2. docstrings (module, class, function) of the top-level standard-library source files, read with `ast`
-   (nothing is imported, so no module runs any code);
+2. the prose paragraphs of docstrings (module, class, function) of the top-level standard-library source
+   files, read with `ast` (nothing is imported, so no module runs any code);
 3. a small generated part with multi-byte text (accented Latin, Greek, Cyrillic, CJK, Hangul, emoji
    with ZWJ sequences and skin tones, combining characters) so the tokenizer learns merges for them;
-4. short chat conversations (system/user/assistant turns) whose answers are documentation paragraphs,
-   so a trained model learns the chat markup and ends its turn with the end-of-turn token.
+4. short chat conversations (system/user/assistant turns) whose answers are a few sentences of
+   documentation prose, so a trained model learns the chat markup and ends its turn with the
+   end-of-turn token.
+
+Prose means paragraphs without code, grammar rules, doctests or tables (no indented lines, no `::`,
+`>>>`, `***`), with hard line wraps joined into single spaces.
 
 Documents 1–3 are plain text; documents 4 are `Conversation` tuples that the trainer renders with the
 chat template. Order is fixed (sorted topic keys and file names), so the same installation always gives
@@ -27,6 +31,7 @@ from pathlib import Path
 
 _MIN_PARAGRAPH_CHARS = 80
 _MAX_DOC_CHARS = 4000
+_MAX_ANSWER_CHARS = 400
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,28 @@ def _clean(text: str) -> str:
 def _paragraphs(text: str) -> list[str]:
     parts = [_clean(p) for p in re.split(r"\n\s*\n", text)]
     return [p for p in parts if p]
+
+
+def _is_prose(paragraph: str) -> bool:
+    lines = paragraph.splitlines()
+    return (not any(line[:1].isspace() for line in lines)
+            and not any(mark in paragraph for mark in ("::", ">>>", "***", "|", "+--", "==="))
+            and paragraph[:1].isalpha() and paragraph.rstrip()[-1:] in ".:!?)")
+
+
+def prose_paragraphs(text: str) -> list[str]:
+    """The prose paragraphs of `text` (see module docstring), each on one line."""
+    return [" ".join(p.split()) for p in _paragraphs(text) if _is_prose(p)]
+
+
+def _answer(paragraphs: list[str]) -> str:
+    """Whole sentences from the start of `paragraphs`, up to `_MAX_ANSWER_CHARS`, ending with a period;
+    empty if the first sentence alone is too long or no sentence ends."""
+    text = " ".join(paragraphs)
+    if len(text) <= _MAX_ANSWER_CHARS and text.endswith("."):
+        return text
+    end = text.rfind(". ", 0, _MAX_ANSWER_CHARS + 1)  # the period at index < _MAX_ANSWER_CHARS
+    return text[:end + 1] if end > 0 else ""
 
 
 def pydoc_topic_texts() -> list[tuple[str, str]]:
@@ -123,17 +150,16 @@ _SYSTEM = "You are a helpful assistant that answers questions about Python."
 
 
 def conversations(seed: int = 0) -> list[tuple[tuple[str, str], ...]]:
-    """One conversation per documentation topic and per documented stdlib name: a question, answered
-    by the first paragraphs of its text; a quarter of them start with a system turn."""
+    """One conversation per documentation topic and per documented stdlib name whose text starts with
+    prose: a question, answered by its first sentences; a quarter of them start with a system turn."""
     rng = random.Random(seed)
     sources = [(key.replace("-", " "), text) for key, text in pydoc_topic_texts()]
     sources += [(f"`{name}`", doc) for name, doc in stdlib_docstrings()]
     convs = []
     for topic, text in sources:
-        paras = [p for p in _paragraphs(text) if "***" not in p]
-        if not paras:
+        answer = _answer(prose_paragraphs(text))
+        if not answer:
             continue
-        answer = "\n\n".join(paras[:2])[:1200]
         turns: tuple[tuple[str, str], ...] = (("user", rng.choice(_QUESTIONS).format(t=topic)),
                                               ("assistant", answer))
         if rng.random() < 0.25:
@@ -146,8 +172,7 @@ def conversations(seed: int = 0) -> list[tuple[tuple[str, str], ...]]:
 def build_corpus(seed: int = 0) -> Corpus:
     """The whole training corpus (see module docstring); deterministic for one Python installation."""
     texts: list[str] = []
-    for _, text in pydoc_topic_texts():
-        texts.extend(p for p in _paragraphs(text) if len(p) >= _MIN_PARAGRAPH_CHARS)
-    texts.extend(doc for _, doc in stdlib_docstrings())
+    for _, text in pydoc_topic_texts() + stdlib_docstrings():
+        texts.extend(p for p in prose_paragraphs(text) if len(p) >= _MIN_PARAGRAPH_CHARS)
     texts.extend(multibyte_texts(seed=seed))
     return Corpus(texts=tuple(texts), conversations=tuple(conversations(seed=seed)))

@@ -8,12 +8,14 @@ Presets (any size may be overridden by keyword):
 
 - `test`: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128. Untrained (random weights, seeded), built in
   about two seconds; for tests that need a model's shapes and code paths, not its words.
-- `chat`: hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704; trained for a couple of minutes on two CPU
-  threads, enough to write word-like English and to close its chat turn.
+- `chat`: hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704, 4096-token vocabulary (the output layer
+  over the vocabulary costs more per step than the layers; half the vocabulary buys twice the steps);
+  trained for a couple of minutes on two CPU threads, enough to write word-like English and to close
+  its chat turn.
 
-Both use an 8192-token vocabulary, 2048 positions and tied input/output embeddings. `arch` picks the
-transformers family (`llama`, `qwen2`, `mistral`) with the same sizes; `sliding_window` applies to
-`qwen2` (all layers) and `mistral`.
+`test` uses an 8192-token vocabulary. Both use 2048 positions and tied input/output embeddings. `arch`
+picks the transformers family (`llama`, `qwen2`, `mistral`) with the same sizes; `sliding_window`
+applies to `qwen2` (all layers) and `mistral`.
 
 `default_model_dir()` returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else
 `~/.cache/sluice`), building it once. Every directory is built in a temporary sibling folder and renamed
@@ -61,7 +63,7 @@ from sluice.model.tokenizer import (
 )
 from sluice.model.train import TrainConfig, TrainReport, train
 
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
@@ -69,7 +71,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "test": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 128},
     "chat": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 704},
+             "intermediate_size": 704, "vocab_size": 4096},
 }
 _COMMON: dict[str, Any] = {"vocab_size": DEFAULT_VOCAB_SIZE, "max_position_embeddings": 2048,
                            "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "initializer_range": 0.02}

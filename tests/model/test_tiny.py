@@ -23,7 +23,9 @@ from sluice.model.tokenizer import (
     IM_START,
     IM_START_ID,
     PAD_ID,
+    train_tokenizer,
 )
+from sluice.model.train import TrainConfig, _batch, encode_corpus
 from tests.conftest import TinyModelFactory
 
 TEXTS = [
@@ -244,3 +246,34 @@ def test_corpus_is_deterministic_and_multilingual() -> None:
     for needle in ("the", "日本語", "👩‍💻", "\u0301", "Zürich"):
         assert needle in text
     assert {role for conv in corpus.conversations for role, _ in conv} == {"system", "user", "assistant"}
+
+
+def test_chat_preset_has_the_smaller_vocabulary() -> None:
+    assert tiny.model_config("chat").vocab_size == 4096
+    assert tiny.model_config("test").vocab_size == 8192
+    assert tiny.model_config("chat", vocab_size=8192).vocab_size == 8192
+
+
+def test_corpus_is_prose_and_answers_are_short_sentences() -> None:
+    corpus = build_corpus()
+    for text in corpus.texts[:1000]:
+        assert ">>>" not in text and "::" not in text
+    answers = [content for conv in corpus.conversations for role, content in conv if role == "assistant"]
+    assert len(answers) > 500
+    for answer in answers:
+        assert answer.endswith(".") and len(answer) <= 400
+        assert "\n" not in answer and ">>>" not in answer
+
+
+@pytest.mark.parametrize(("chat_fraction", "second"), [(1.0, IM_START_ID), (0.0, None)])
+def test_training_windows_start_at_documents(chat_fraction: float, second: int | None) -> None:
+    tok = train_tokenizer(4096)
+    data = encode_corpus(tok, build_corpus())
+    cfg = TrainConfig(seconds=1.0, batch_size=16, seq_len=32, chat_fraction=chat_fraction)
+    batch = _batch(data, cfg, torch.Generator().manual_seed(0))
+    assert batch.shape == (16, 33)
+    assert (batch[:, 0] == BOS_ID).all()
+    if second is None:
+        assert (batch[:, 1] != IM_START_ID).all()
+    else:
+        assert (batch[:, 1] == second).all()
