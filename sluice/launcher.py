@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,13 @@ def _metrics_flags(args: argparse.Namespace, offset: int) -> tuple[str, ...]:
     if args.metrics_base_port <= 0:
         return ()
     return ("--metrics-port", str(args.metrics_base_port + offset))
+
+
+def access_line(environ: Mapping[str, str]) -> str:
+    """Says whether the gateway's APIs need a key (SLUICE_API_KEYS / SLUICE_API_KEYS_FILE)."""
+    if environ.get("SLUICE_API_KEYS") or environ.get("SLUICE_API_KEYS_FILE"):
+        return "API keys required (Authorization: Bearer KEY)"
+    return "no API key configured: every API is open to anyone who can reach these ports"
 
 
 def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
@@ -208,6 +216,7 @@ async def _run(args: argparse.Namespace) -> int:
             return 1
         print(f"sluice is up: chat at http://{args.host}:{args.port}/  (model: {model})", flush=True)
         print(f"  gateway gRPC {args.host}:{args.grpc_base_port}; Ctrl-C stops everything", flush=True)
+        print(f"  {access_line(os.environ)}", flush=True)
         return await _watch(supervisor, stop)
     finally:
         supervisor.stop()

@@ -14,6 +14,7 @@ import torch
 import websockets
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from sluice.launcher import access_line
 from tests.e2e.conftest import Pipeline, start_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -119,3 +120,9 @@ def test_sigterm_stops_every_child(tiny_model_dir: Path) -> None:
     assert running.stop(signal.SIGTERM) == 0
     psutil.wait_procs(children, timeout=30)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_up_says_whether_the_apis_are_open(pipeline: Pipeline) -> None:
+    assert "every API is open" in pipeline.output()
+    assert "required" in access_line({"SLUICE_API_KEYS": "k1"})
+    assert "required" in access_line({"SLUICE_API_KEYS_FILE": "/keys"})
