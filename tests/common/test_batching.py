@@ -6,6 +6,7 @@ import asyncio
 import threading
 
 import pytest
+
 from services.common.batching import MicroBatcher
 
 
