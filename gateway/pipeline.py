@@ -379,14 +379,15 @@ class Pipeline:
         if self._model_info is not None:
             request.trace.set_attribute("gen_ai.request.model", self._model_info.model)
         try:
-            self._submit(request, ids)
+            self._submit(request, ids, deadline)
         except Exception:
             log.exception("cannot submit request %s", request.id)
             self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
 
-    def _submit(self, request: _Request, ids: list[int]) -> None:
+    def _submit(self, request: _Request, ids: list[int], deadline: float) -> None:
         """Opens the request's decoding state, then submits it to the engine (in that order, so that
-        its first chunk always finds the state)."""
+        its first chunk always finds the state). The engine gets the time left until `deadline`
+        (`time.monotonic()`), so it ends the request itself if the gateway's own timer cannot."""
         if not ids:
             self._finish(request, Failed(INVALID_ARGUMENT, "the prompt is empty"))
             return
@@ -420,7 +421,7 @@ class Pipeline:
             stopping.max_new_tokens = self._settings.default_max_tokens
         submit = engine_pb2.GenerateRequest(
             request_id=request.id, prompt_ids=ids, sampling=inp.sampling, stopping=stopping,
-            trace_context=engine_context,
+            trace_context=engine_context, timeout_ms=max(1, int(1000 * (deadline - time.monotonic()))),
         )
         engine.send(engine_pb2.EngineIn(submit=submit))
 

@@ -34,6 +34,7 @@ class _Submit:
     sampling: SamplingParams
     stopping: StoppingParams
     trace_context: Mapping[str, str] | None
+    deadline: float | None
 
 
 @dataclass
@@ -64,9 +65,11 @@ class Caller:
         stopping: StoppingParams,
         *,
         trace_context: Mapping[str, str] | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Queues a request for the next step. ValueError (nothing queued) on bad input or a request id
-        already in flight for this caller."""
+        already in flight for this caller. `deadline` (`time.monotonic()`) ends the request with an
+        error once passed."""
         if self._closed:
             raise ValueError("caller is closed")
         if not request_id:
@@ -76,7 +79,7 @@ class Caller:
         engine_id = self._engine_id(request_id)
         self._engine.engine.validate_request(engine_id, prompt_ids, sampling, stopping)
         self._in_flight.add(request_id)
-        submit = _Submit(engine_id, list(prompt_ids), sampling, stopping, trace_context)
+        submit = _Submit(engine_id, list(prompt_ids), sampling, stopping, trace_context, deadline)
         self._engine._post(submit, self, request_id)
 
     def reject(self, request_id: str, message: str) -> None:
@@ -223,6 +226,7 @@ class AsyncEngine:
                 command.sampling,
                 command.stopping,
                 trace_context=command.trace_context,
+                deadline=command.deadline,
             )
         except ValueError as exc:
             refused = RequestOutput(request_id, [], None, True, "error", 0, 0, error=str(exc))

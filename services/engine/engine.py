@@ -161,9 +161,11 @@ class LLMEngine:
         stopping: StoppingParams,
         *,
         trace_context: Mapping[str, str] | None = None,
+        deadline: float | None = None,
     ) -> None:
         """Queues a request; it joins the batch at a coming step. ValueError on bad input.
-        `trace_context` (W3C traceparent/tracestate) goes to the observer only."""
+        `trace_context` (W3C traceparent/tracestate) goes to the observer only. Past `deadline`
+        (`time.monotonic()`), the request ends with finish_reason "error" ("deadline exceeded")."""
         self.validate_request(request_id, prompt_ids, sampling, stopping)
         req = Request(
             request_id,
@@ -171,6 +173,7 @@ class LLMEngine:
             sampling,
             stopping,
             arrival_time=time.monotonic(),
+            deadline=deadline,
             eos_ids=self.runner.eos_ids,
         )
         self.requests[request_id] = req
@@ -206,6 +209,7 @@ class LLMEngine:
         that got a token or ended."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
+        outputs.extend(self._expire(time.monotonic()))
         sched = self.scheduler.schedule()
         if sched.empty:
             if sched.wait_s > 0:
@@ -263,6 +267,11 @@ class LLMEngine:
         if req.num_output_tokens >= req.stopping.max_new_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """Fails every request past its deadline, freeing its blocks before this step schedules."""
+        expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
+        return [self._fail(req, "deadline exceeded") for req in expired]
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         self.scheduler.finish(req, "error", message)

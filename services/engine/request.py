@@ -28,6 +28,7 @@ class Request:
     sampling: SamplingParams
     stopping: StoppingParams
     arrival_time: float = 0.0
+    deadline: float | None = None  # time.monotonic() past which the request fails; None = none
     eos_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0

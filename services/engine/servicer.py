@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -82,6 +83,14 @@ def entries_to_proto(outputs: Iterable[RequestOutput]) -> list[engine_pb2.StepEn
 TRACE_KEYS = ("traceparent", "tracestate")
 
 
+def deadline_of(request: engine_pb2.GenerateRequest, call_remaining_s: float | None) -> float | None:
+    """The request's deadline on `time.monotonic()`: the earlier of its `timeout_ms` and the call's
+    own gRPC deadline (`call_remaining_s`); None when neither is set."""
+    own_s = request.timeout_ms / 1000 if request.timeout_ms else None
+    remaining = [r for r in (own_s, call_remaining_s) if r]
+    return time.monotonic() + min(remaining) if remaining else None
+
+
 def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
     """The caller's W3C trace context for a request of this call: the current span's (the server
     interceptor continues the call's metadata when tracing is on), else the metadata's, if any."""
@@ -146,7 +155,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             # A request's own context (multiplexed stream) wins over the call's.
             own = dict(request.trace_context) if request.trace_context else None
             caller.submit(
-                request.request_id, list(request.prompt_ids), sampling, stopping, trace_context=own or trace
+                request.request_id,
+                list(request.prompt_ids),
+                sampling,
+                stopping,
+                trace_context=own or trace,
+                deadline=deadline_of(request, None),
             )
         except ValueError as exc:
             caller.reject(request.request_id, str(exc))
@@ -166,6 +180,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                     sampling,
                     stopping,
                     trace_context=dict(request.trace_context) or trace_context(context),
+                    deadline=deadline_of(request, context.time_remaining()),
                 )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

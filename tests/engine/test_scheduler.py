@@ -4,6 +4,7 @@ abort, batching policies. Every test ends with the free list back to full."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -404,3 +405,24 @@ def test_observer_hooks_and_a_failing_observer(engines: list[LLMEngine]) -> None
     assert calls[0] == ("arrival", {"traceparent": "00-ab-cd-01"})
     assert ("scheduled", 2) in calls and ("end", True) in calls
     assert calls[-1] == ("end", False)  # a step that only emitted the cancelled final
+
+
+def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
+    engine, _ = fake_engine(32)
+    now = time.monotonic()
+    engine.add_request(
+        "late", [5, 6, 7], SamplingParams(), StoppingParams(max_new_tokens=1000), deadline=now + 3600
+    )
+    engine.add_request(
+        "on-time", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3), deadline=now + 3600
+    )
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    engine.requests["late"].deadline = now  # its deadline passes while it runs
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    finals = {o.request_id: o for o in outputs if o.finished}
+    assert finals["late"].finish_reason == "error" and finals["late"].error == "deadline exceeded"
+    assert finals["on-time"].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

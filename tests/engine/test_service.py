@@ -219,3 +219,21 @@ async def test_concurrent_generate_calls(stub: engine_pb2_grpc.EngineStub, llama
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == expected(llama_dir, prompt, 5)
     await wait_idle(stub)
+
+
+async def test_stream_request_past_its_timeout_ends_with_an_error(stub: engine_pb2_grpc.EngineStub) -> None:
+    request = gen_request("slow", n=100_000)
+    request.timeout_ms = 200
+    replies = stub.Stream(iter([engine_pb2.EngineIn(submit=request)]))
+    final = None
+    async for out in replies:
+        finals = [e.final for e in out.entries if e.HasField("final")]
+        if finals:
+            final = finals[0]
+            break
+    replies.cancel()
+    assert final is not None and final.request_id == "slow"
+    assert final.finish_reason == common_pb2.FINISH_REASON_ERROR and final.error == "deadline exceeded"
+    assert 0 < final.usage.completion_tokens < 100_000
+    stats = await wait_idle(stub)
+    assert stats.free_blocks == stats.num_blocks

@@ -57,6 +57,8 @@ async def test_params_reach_the_upstreams(ws: ClientConnection, upstreams: FakeU
     assert list(start.stop) == ["zz"]
     assert list(start.prompt_ids) == encode("abcdefgh")[-4:]
     assert start.skip_special_tokens
+    # The engine gets the request's deadline as time left.
+    assert 0 < submit.timeout_ms <= gateway_settings(upstreams).request_timeout_s * 1000
 
 
 async def test_defaults_when_params_are_absent(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
