@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-WHEELS=${SLUICE_WHEELS:-.whl}  # carried wheels (ignore this folder in git; name it in `carry`)
+WHEELS=${SLUICE_WHEELS:-.whl}  # pinned wheels brought along for a machine with no network (not in git)
 PINNED=(transformers protobuf grpcio grpcio-health-checking grpcio-reflection
         opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
         pytest pluggy iniconfig pytest-asyncio pytest-timeout)
