@@ -143,9 +143,5 @@ async def serve(settings: GatewaySettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(GatewaySettings, argv, prog="sluice serve gateway")
-    try:
-        settings.validate()
-    except ValueError as exc:
-        raise SystemExit(f"sluice serve gateway: {exc}") from None
     grpc_server.run(serve(settings))
     return 0

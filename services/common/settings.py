@@ -69,7 +69,8 @@ def load_settings(
     prog: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> T:
-    """Builds `cls` from its defaults, then `SLUICE_*` variables, then flags in `argv`.
+    """Builds `cls` from its defaults, then `SLUICE_*` variables, then flags in `argv`, then runs its
+    `validate()` if it has one (which raises ValueError naming the bad value).
 
     Raises SystemExit with a clear message (argparse's) on an unknown flag or a bad value.
     """
@@ -92,4 +93,11 @@ def load_settings(
             values[field.name] = _convert(hints[field.name], raw)
         except ValueError as exc:
             parser.error(f"{source}: {exc}")
-    return cls(**values)
+    settings = cls(**values)
+    validate = getattr(settings, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ValueError as exc:
+            parser.error(str(exc))
+    return settings

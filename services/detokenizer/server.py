@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import grpc
@@ -35,7 +36,7 @@ async def create_server(
 
 async def serve_one(settings: DetokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:
     """One process of the pool (`services/common/workers.py`); `hooks` are `serve_worker`'s."""
-    create = lambda: create_server(settings, reuse_port=reuse_port)  # noqa: E731
+    create = partial(create_server, settings, reuse_port=reuse_port)
     await serve_worker("detokenizer", settings, create, **hooks)
 
 
@@ -45,7 +46,5 @@ async def serve(settings: DetokenizerSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(DetokenizerSettings, argv, prog="sluice serve detokenizer")
-    if settings.workers < 1:
-        raise SystemExit("sluice serve detokenizer: --workers must be at least 1")
     grpc_server.run(serve(settings))
     return 0

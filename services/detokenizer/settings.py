@@ -23,3 +23,8 @@ class DetokenizerSettings:
                                                           "are decoded (processed together)"})
     remember_finished: int = field(default=65536, metadata={"help": "finished request ids remembered per "
                                                                     "call, whose late chunks are ignored"})
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")

@@ -62,9 +62,5 @@ async def serve(settings: EngineSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(EngineSettings, argv, prog="sluice serve engine")
-    try:
-        settings.validate()
-    except ValueError as exc:
-        raise SystemExit(f"sluice serve engine: {exc}") from exc
     grpc_server.run(serve(settings))
     return 0

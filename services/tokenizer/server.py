@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import grpc
@@ -33,7 +34,8 @@ async def create_server(
 
 async def serve_one(settings: TokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:
     """One process of the pool (`services/common/workers.py`); `hooks` are `serve_worker`'s."""
-    await serve_worker("tokenizer", settings, lambda: create_server(settings, reuse_port=reuse_port), **hooks)
+    create = partial(create_server, settings, reuse_port=reuse_port)
+    await serve_worker("tokenizer", settings, create, **hooks)
 
 
 async def serve(settings: TokenizerSettings) -> None:
@@ -42,7 +44,5 @@ async def serve(settings: TokenizerSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(TokenizerSettings, argv, prog="sluice serve tokenizer")
-    if settings.workers < 1:
-        raise SystemExit("sluice serve tokenizer: --workers must be at least 1")
     grpc_server.run(serve(settings))
     return 0

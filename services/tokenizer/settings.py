@@ -18,3 +18,8 @@ class TokenizerSettings:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0 = none); worker "
                                                            "i of --workers serves on this port + i"})
     max_batch_size: int = field(default=256, metadata={"help": "most requests tokenized in one encode_batch"})
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")

@@ -47,3 +47,38 @@ def test_bad_value_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]) ->
 def test_unknown_flag_is_refused() -> None:
     with pytest.raises(SystemExit):
         load_settings(Example, ["--nope", "1"], environ={})
+
+
+@dataclass(frozen=True)
+class Checked:
+    """Settings with their own check."""
+
+    workers: int = 1
+
+    def validate(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+
+
+def test_validate_runs_after_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_settings(Checked, ["--workers", "3"], environ={}) == Checked(workers=3)
+    with pytest.raises(SystemExit):
+        load_settings(Checked, ["--workers", "0"], environ={})
+    assert "workers must be at least 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("module", "name", "argv"),
+    [
+        ("services.tokenizer.settings", "TokenizerSettings", ["--workers", "0"]),
+        ("services.detokenizer.settings", "DetokenizerSettings", ["--workers", "0"]),
+        ("services.engine.settings", "EngineSettings", ["--batching", "sometimes"]),
+        ("gateway.settings", "GatewaySettings", ["--default-max-tokens", "0"]),
+    ],
+)
+def test_every_service_refuses_bad_settings(module: str, name: str, argv: list[str]) -> None:
+    import importlib
+
+    cls = getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit):
+        load_settings(cls, argv, environ={})
