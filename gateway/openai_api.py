@@ -183,6 +183,7 @@ def _sampling_and_stopping(
         max_tokens = newer if newer is not None else max_tokens
     stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     stopping.stop.extend(params.stop_strings(body.get("stop"), "stop"))
+    params.length_controls(body, stopping)
     return sampling, stopping
 
 

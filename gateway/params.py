@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from services.common.pb import common_pb2
+
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
@@ -101,3 +103,18 @@ def _text_parts(parts: list[Any], where: str) -> str:
             raise ParamError(where, f"{where}: only text content parts are supported")
         texts.append(part["text"])
     return "".join(texts)
+
+
+def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *, where: str = "") -> None:
+    """The vLLM extensions for fixed output lengths, `ignore_eos` (bool) and `min_tokens` (0 to the
+    request's max tokens), set on `stopping`, whose `max_new_tokens` must already be final."""
+    ignore_eos = boolean(obj, "ignore_eos", where=where)
+    if ignore_eos is not None:
+        stopping.ignore_eos = ignore_eos
+    min_tokens = integer(obj, "min_tokens", 0, MAX_INT32, where=where)
+    if min_tokens is None:
+        return
+    if min_tokens > stopping.max_new_tokens:
+        label, most = where + "min_tokens", stopping.max_new_tokens
+        raise ParamError(label, f"{label} ({min_tokens}) must not exceed max_tokens ({most})")
+    stopping.min_new_tokens = min_tokens

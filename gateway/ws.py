@@ -128,7 +128,7 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
 
 _PARAMS = {
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
 }  # fmt: skip
 
 
@@ -154,6 +154,7 @@ def _parse_params(
     max_tokens = params.integer(given, "max_tokens", 1, params.MAX_INT32, where=p)
     stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     stopping.stop.extend(params.stop_strings(given.get("stop"), "params.stop"))
+    params.length_controls(given, stopping, where=p)
     return sampling, stopping
 
 

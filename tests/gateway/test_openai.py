@@ -77,6 +77,19 @@ async def test_completion_with_stop(client: openai.AsyncOpenAI, upstreams: FakeU
     await wait_for(upstreams.engine.aborted)
 
 
+async def test_fixed_length_extensions_reach_the_engine(
+    client: openai.AsyncOpenAI, upstreams: FakeUpstreams
+) -> None:
+    extra = {"ignore_eos": True, "min_tokens": 5}
+    reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body=extra)
+    assert reply.usage is not None and reply.usage.completion_tokens == 5
+    stopping = upstreams.engine.submits[-1].stopping
+    assert (stopping.max_new_tokens, stopping.min_new_tokens, stopping.ignore_eos) == (5, 5, True)
+    await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    stopping = upstreams.engine.submits[-1].stopping
+    assert (stopping.min_new_tokens, stopping.ignore_eos) == (0, False)
+
+
 async def test_completion_stream(client: openai.AsyncOpenAI) -> None:
     stream = await client.completions.create(model=MODEL, prompt=["Once"], max_tokens=6, stream=True)
     chunks = [chunk async for chunk in stream]
@@ -113,6 +126,9 @@ async def test_completion_logprobs_stream(client: openai.AsyncOpenAI) -> None:
         {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3},
         {"model": MODEL, "messages": MESSAGES, "max_tokens": 0},
         {"model": MODEL, "messages": MESSAGES, "tools": [{"type": "function"}]},
+        {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "min_tokens": 5},
+        {"model": MODEL, "messages": MESSAGES, "min_tokens": -1},
+        {"model": MODEL, "messages": MESSAGES, "ignore_eos": "yes"},
     ],
 )
 async def test_bad_requests_are_400(client: openai.AsyncOpenAI, body: dict[str, object]) -> None:

@@ -61,12 +61,23 @@ async def test_params_reach_the_upstreams(ws: ClientConnection, upstreams: FakeU
     assert 0 < submit.timeout_ms <= gateway_settings(upstreams).request_timeout_s * 1000
 
 
+async def test_fixed_length_params_reach_the_engine(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
+    params = {"max_tokens": 6, "ignore_eos": True, "min_tokens": 6}
+    await send(ws, {"type": "generate", "id": "f", "prompt": "x", "params": params})
+    result = await collect(ws, {"f"})
+    assert result["f"]["end"]["usage"]["completion_tokens"] == 6
+    stopping = upstreams.engine.submits[-1].stopping
+    assert (stopping.max_new_tokens, stopping.min_new_tokens, stopping.ignore_eos) == (6, 6, True)
+
+
 async def test_defaults_when_params_are_absent(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
     await send(ws, {"type": "generate", "id": "d", "prompt": "x"})
     result = await collect(ws, {"d"})
     settings = gateway_settings(upstreams)
     assert result["d"]["end"]["usage"]["completion_tokens"] == settings.default_max_tokens
     assert upstreams.engine.submits[-1].sampling.temperature == settings.default_temperature
+    stopping = upstreams.engine.submits[-1].stopping
+    assert (stopping.min_new_tokens, stopping.ignore_eos) == (0, False)
 
 
 async def test_cancel_ends_cancelled_and_aborts_the_engine(
@@ -141,6 +152,11 @@ async def test_duplicate_id_is_refused_and_the_first_goes_on(ws: ClientConnectio
         ('{"type": "generate", "id": "t10", "prompt": "x", "params": {"stop": [""]}}', "t10"),
         ('{"type": "generate", "id": "t11", "prompt": "x", "params": {"max_tokens": true}}', "t11"),
         ('{"type": "generate", "id": "t12", "prompt": "x", "params": []}', "t12"),
+        (
+            '{"type": "generate", "id": "t13", "prompt": "x", "params": {"max_tokens": 4, "min_tokens": 5}}',
+            "t13",
+        ),
+        ('{"type": "generate", "id": "t14", "prompt": "x", "params": {"ignore_eos": 1}}', "t14"),
     ],
 )
 async def test_invalid_frames_get_an_error_with_their_id(
