@@ -1,0 +1,372 @@
+"""Servers that benchmarks start and stop themselves, on free loopback ports.
+
+`Stack`: the whole sluice pipeline (tokenizer, engine, detokenizer, gateway) as four child processes
+of the calling process, built with the launcher's own plan (`sluice/launcher.py`), so their pids are
+known and their CPU time can be read. `PeerServer`: `transformers serve` on the same model directory,
+an OpenAI-compatible peer to measure sluice against.
+
+Both are context managers: entering starts the processes and returns once they answer (raising
+RuntimeError with the last lines a child wrote when one dies or never answers); leaving stops every
+process they started, SIGTERM first, SIGKILL after a grace period. Each child's stdout and stderr go to
+a file in a temporary directory that lives as long as the context. Enter them outside a running
+asyncio event loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+import psutil
+
+from sluice.launcher import STOP_GRACE_S, Child, Supervisor, child_env, plan_children
+
+TAIL_LINES = 20  # lines of a failed child's output quoted in the error
+POLL_S = 0.2
+# transformers' continuous batching sizes its KV cache from device memory unless told; on a CPU that is
+# 60% of RAM. These sizes hold far more than a benchmark's requests (blocks of 256 tokens).
+PEER_CPU_CACHE_ARGS = ("--cb-num-blocks", "128", "--cb-max-batch-tokens", "512")
+
+
+def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """The first of `count` consecutive ports that are free on `host` now (the first found by binding
+    port 0). Raises RuntimeError when no such run turns up in `attempts` tries."""
+    for _ in range(attempts):
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            first = sock.getsockname()[1]
+        if first + count - 1 <= 65535 and all(_port_free(host, first + k) for k in range(1, count)):
+            return first
+    raise RuntimeError(f"no run of {count} free ports found on {host}")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    """The last `lines` lines of a child's output file ("" when it wrote nothing)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _failure(name: str, what: str, log: Path) -> RuntimeError:
+    output = tail(log)
+    shown = f"; its last output:\n{output}" if output else " (it wrote nothing)"
+    return RuntimeError(f"{name} {what}{shown}")
+
+
+def _process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its live descendants (0.0 once it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in processes:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    """How a `Stack` runs the pipeline."""
+
+    model: str  # model directory
+    batching: str = "continuous"  # engine --batching
+    engine_flags: tuple[str, ...] = ()  # extra engine flags
+    host: str = "127.0.0.1"
+    metrics: bool = True  # tokenizer/engine/detokenizer --metrics-port on free ports
+    env: Mapping[str, str] | None = None  # extra environment for every child
+    startup_timeout_s: float = 300.0
+
+
+class _LoggedSupervisor(Supervisor):
+    """The launcher's supervisor with each child's stdout and stderr written to `log_dir/NAME.log`."""
+
+    def __init__(self, children: list[Child], env: dict[str, str], log_dir: Path) -> None:
+        super().__init__(children, env)
+        self.log_dir = log_dir
+        self._logs: list[IO[bytes]] = []
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def start(self) -> None:
+        for child in self.children:
+            log = self.log_path(child.name).open("wb")
+            self._logs.append(log)
+            cmd = [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
+            self.procs[child.name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def death(self) -> RuntimeError | None:
+        """The error to raise for a child that has exited, naming it and quoting its output; or None."""
+        dead = self.dead_child()
+        if dead is None:
+            return None
+        name, code = dead
+        return _failure(name, f"exited with code {code} during start-up", self.log_path(name))
+
+    def stop(self) -> None:
+        super().stop()
+        for log in self._logs:
+            log.close()
+
+
+class Stack:
+    """The four sluice services as children of this process, on free ports of `options.host`.
+
+    `with Stack(options) as stack:` starts them and returns once every one answers its gRPC health check
+    and the gateway's `/readyz` says ready; leaving the block stops them all (also when start-up failed).
+    The ports are chosen when the Stack is made. A child that dies during start-up, or a stack not ready
+    within `startup_timeout_s`, raises RuntimeError naming the child and quoting its last output lines.
+    """
+
+    def __init__(self, options: StackOptions) -> None:
+        self.options = options
+        host = options.host
+        http_port, grpc_base = free_port_run(1, host), free_port_run(4, host)
+        metrics_base = free_port_run(3, host) if options.metrics else 0
+        self.http_url = f"http://{host}:{http_port}"
+        self.openai_url = f"{self.http_url}/v1"
+        self.ws_url = f"ws://{host}:{http_port}/v1/ws"
+        self.grpc_address = f"{host}:{grpc_base}"
+        plan = argparse.Namespace(
+            host=host,
+            port=http_port,
+            grpc_base_port=grpc_base,
+            batching=options.batching,
+            device=None,
+            metrics_base_port=metrics_base,
+            otlp_endpoint="",
+            trace_console=False,
+        )
+        self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
+        self._env = child_env(plan, {**os.environ, **(options.env or {})})
+        self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
+        if options.metrics:
+            for offset, name in enumerate(("tokenizer", "engine", "detokenizer")):
+                self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
+        self.pids: dict[str, int] = {}
+        self._supervisor: _LoggedSupervisor | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def _with_engine_flags(self, child: Child) -> Child:
+        if child.name != "engine" or not self.options.engine_flags:
+            return child
+        return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Starts the four children and waits until they are ready; on failure stops them and raises."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-stack-")
+        self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
+        try:
+            self._supervisor.start()
+            self.pids = {name: proc.pid for name, proc in self._supervisor.procs.items()}
+            self._wait_ready(self._supervisor)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        try:
+            asyncio.run(supervisor.wait_all_healthy(self.options.host, self.options.startup_timeout_s))
+        except RuntimeError as exc:
+            failure = supervisor.death()
+            if failure is None:
+                raise
+            raise failure from exc
+        except TimeoutError as exc:
+            raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
+        self._wait_gateway_ready(supervisor, deadline)
+
+    def _wait_gateway_ready(self, supervisor: _LoggedSupervisor, deadline: float) -> None:
+        """Polls the gateway's /readyz (every upstream SERVING as the gateway sees it) until 200."""
+        while _http_status(f"{self.http_url}/readyz") != 200:
+            failure = supervisor.death()
+            if failure is not None:
+                raise failure
+            if time.monotonic() > deadline:
+                raise _failure("gateway", f"was not ready at {self.http_url}/readyz in time",
+                               supervisor.log_path("gateway"))
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """Stops every child this Stack started (idempotent) and removes their output files."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """User + system CPU seconds each service has used so far (with any worker processes it
+        started), keyed by service name."""
+        return {name: _process_cpu_s(pid) for name, pid in self.pids.items()}
+
+
+def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
+    """The HTTP status of GET `url`, or None when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (OSError, TimeoutError):
+        return None
+
+
+def _get_json(url: str, timeout_s: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return json.load(resp)
+
+
+class PeerServer:
+    """`transformers serve` on a local model directory: an OpenAI-compatible peer on a free port.
+
+    `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1) and returns once
+    `GET /v1/models` answers; `peer.openai_url` is its API base and `peer.model` the model name its
+    requests must carry. With `continuous_batching` it runs transformers' own continuous batching,
+    its KV cache sized by PEER_CPU_CACHE_ARGS on a CPU (on CUDA transformers sizes it, in bfloat16 as
+    the sluice engine runs there). `extra_args` come last, so they override these. The server does not
+    accept vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off. A server that dies or does
+    not answer in `startup_timeout_s` raises RuntimeError quoting its last output lines.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        continuous_batching: bool = True,
+        extra_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+        startup_timeout_s: float = 300.0,
+    ) -> None:
+        self.path = str(Path(model).expanduser().resolve())
+        self.model = self.path
+        self.host = host
+        self.port = free_port_run(1, host)
+        self.openai_url = f"http://{host}:{self.port}/v1"
+        self.startup_timeout_s = startup_timeout_s
+        batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
+        self.args: tuple[str, ...] = (
+            self.path, batching, "--host", host, "--port", str(self.port), "--log-level", "warning",
+            *_peer_device_args(continuous_batching), *extra_args,
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", *self.args]
+
+    def __enter__(self) -> PeerServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _log_path(self) -> Path:
+        assert self._tmp is not None
+        return Path(self._tmp.name) / "transformers-serve.log"
+
+    def start(self) -> None:
+        """Starts the server and waits for `GET /v1/models`; on failure stops it and raises."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-peer-")
+        self._log = self._log_path().open("wb")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        try:
+            self.proc = subprocess.Popen(self.command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+            self._wait_models()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_models(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise _failure("transformers serve", f"exited with code {code} during start-up",
+                               self._log_path())
+            with contextlib.suppress(OSError, TimeoutError, ValueError):
+                listed = _get_json(f"{self.openai_url}/models")["data"]
+                if listed:
+                    self.model = str(listed[0]["id"])
+                return
+            if time.monotonic() > deadline:
+                raise _failure("transformers serve", f"did not answer {self.openai_url}/models in "
+                               f"{self.startup_timeout_s:g} s", self._log_path())
+            time.sleep(POLL_S)
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, SIGKILL after a grace period; idempotent) and removes its log."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def _peer_device_args(continuous_batching: bool) -> tuple[str, ...]:
+    """The peer's device and dtype as the sluice engine picks its own (CUDA bf16 when there is a GPU,
+    CPU fp32 otherwise), with a bounded KV cache for continuous batching on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ("--device", "cuda", "--dtype", "bfloat16")
+    return ("--device", "cpu", "--dtype", "float32", *(PEER_CPU_CACHE_ARGS if continuous_batching else ()))
