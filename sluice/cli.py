@@ -27,6 +27,7 @@ BENCHMARKS = {
     "engine": "sluice.bench.engine",
     "tokenizer": "sluice.bench.tokenizer",
     "detokenizer": "sluice.bench.detokenizer",
+    "serve": "sluice.bench.serve",
 }
 
 
