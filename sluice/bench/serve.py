@@ -349,10 +349,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_meta(argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how the run was made: command, date (UTC), machine, git commit."""
+def run_meta(bench_argv: Sequence[str]) -> dict[str, Any]:
+    """Where and how a benchmark run was made: its command (`bench_argv` is what followed `sluice bench`,
+    the benchmark's name first), date (UTC), machine, git commit."""
     return {
-        "command": shlex.join(["sluice", "bench", "serve", *argv]),
+        "command": shlex.join(["sluice", "bench", *bench_argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": {
             "cpu_count": os.cpu_count(),
@@ -403,7 +404,7 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
     """Prints the table, writes the JSON and the plots; returns the exit status."""
     summary = result.summary()
     if args.json is not None:
-        write_json(args.json, result, run_meta(argv))
+        write_json(args.json, result, run_meta(["serve", *argv]))
         print(f"wrote {args.json}")
     if summary["completed"] == 0:
         first = summary["errors"][0]["message"] if summary["errors"] else "no request completed"

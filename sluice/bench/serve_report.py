@@ -204,32 +204,34 @@ def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple
     return np.arange(bins) * bin_s, counts / bin_s
 
 
-def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
-    """Writes two PNGs into `directory`: `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E) and
-    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    from matplotlib.figure import Figure
-
-    directory.mkdir(parents=True, exist_ok=True)
+def _latency_series(result: ServeResult) -> dict[str, list[float]]:
     ok = [r for r in result.records if r.ok]
-    series = {
+    return {
         "TTFT": [r.ttft_s for r in ok],
         "TPOT": [t for r in ok if (t := r.tpot_s) is not None],
         "ITL": [gap for r in ok for gap in r.itl_s],
         "E2E": [r.e2e_s for r in ok],
     }
-    title = f"sluice bench serve: {result.config.api}, {len(ok)}/{len(result.records)} requests"
+
+
+def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(10, 7), dpi=110)
-    for ax, (name, values) in zip(fig.subplots(2, 2).flat, series.items(), strict=True):
+    for ax, (name, values) in zip(fig.subplots(2, 2).flat, _latency_series(result).items(), strict=True):
         ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
         if ms.size:
             ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
         ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests" if name != "ITL" else "fraction of gaps")
+        ax.set_ylabel("fraction of gaps" if name == "ITL" else "fraction of requests")
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    cdf = directory / f"{prefix}-latency-cdf.png"
-    fig.savefig(cdf, format="png")
+    fig.savefig(path, format="png")
+
+
+def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
+    from matplotlib.figure import Figure
 
     starts, rates = tokens_per_second(result.records)
     fig = Figure(figsize=(8, 4.5), dpi=110)
@@ -240,6 +242,17 @@ def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> 
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    throughput = directory / f"{prefix}-throughput.png"
-    fig.savefig(throughput, format="png")
+    fig.savefig(path, format="png")
+
+
+def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
+    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
+    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
+    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    completed = sum(r.ok for r in result.records)
+    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
+    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
+    _plot_cdfs(cdf, result, title)
+    _plot_throughput(throughput, result, title)
     return [cdf, throughput]
