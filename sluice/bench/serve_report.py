@@ -236,7 +236,8 @@ def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
     starts, rates = tokens_per_second(result.records)
     fig = Figure(figsize=(8, 4.5), dpi=110)
     ax = fig.subplots()
-    ax.step(starts, rates, where="post")
+    if starts.size:
+        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
     ax.set_xlabel("seconds since the start")
     ax.set_ylabel("output tokens/s (1 s bins)")
     ax.set_title(title, fontsize=10)
