@@ -28,6 +28,7 @@ BENCHMARKS = {
     "tokenizer": "sluice.bench.tokenizer",
     "detokenizer": "sluice.bench.detokenizer",
     "serve": "sluice.bench.serve",
+    "pipeline": "sluice.bench.pipeline",
 }
 
 

@@ -156,3 +156,19 @@ def jsonl_requests(path: Path) -> list[BenchRequest]:
     if not requests:
         raise ValueError(f"{path}: no requests in the file")
     return requests
+
+
+def uniform_requests(
+    num: int, seed: int, *, prompt_words: tuple[int, int] = (12, 200), output_len: tuple[int, int] = (8, 256)
+) -> list[BenchRequest]:
+    """`num` requests of random words, prompt words and output tokens uniform in the inclusive ranges
+    (the pipeline benchmark's workload). Same arguments, same requests."""
+    for lo, hi in (prompt_words, output_len):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"a length range must satisfy 1 <= min <= max, got {lo}..{hi}")
+    if num < 1:
+        raise ValueError(f"num must be at least 1, got {num}")
+    rng = np.random.default_rng(seed)
+    words = rng.integers(prompt_words[0], prompt_words[1] + 1, size=num).tolist()
+    outs = rng.integers(output_len[0], output_len[1] + 1, size=num).tolist()
+    return [BenchRequest(_words(rng, n), out, n) for n, out in zip(words, outs, strict=True)]
