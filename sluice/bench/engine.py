@@ -2,8 +2,10 @@
 
 Usage: `sluice bench engine [--device cpu|cuda] [--methods a,b] [--json FILE] [--plot FILE] [--quick]`.
 Writes a random-weight tiny Llama to a temporary directory, builds the workload (64 requests arriving at
-once, prompts 16-256 tokens, outputs 8-256 tokens, fixed seed), times each method on it, and prints a
-table and the targets. Exit status 0 when every method ran, 1 when one failed, 2 on bad arguments.
+once, prompts 16-256 tokens, outputs 8-256 tokens, fixed seed), times each method on it, checks every
+method's greedy outputs against hf-sequential's (near-ties of the reference's logits told apart from real
+differences), and prints a table, the greedy check and the targets. Exit status 0 when every method ran,
+1 when one failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sluice.bench.engine_methods import (
     MethodResult,
     Progress,
     load_hf_model,
+    reference_logits,
     run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
@@ -187,7 +190,20 @@ def main(argv: list[str]) -> int:
         model_dir = write_bench_model(Path(tmp) / "tiny-llama", args.seed)
         ctx = BenchContext(model_dir, args.device, args.dtype, args.hf_batch_tokens)
         results, errors = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
-    return _report(args, work, meta, results, errors)
+        check = check_greedy(ctx, work, results)
+    return _report(args, work, meta, results, errors, check)
+
+
+def check_greedy(
+    ctx: BenchContext, work: Workload, results: dict[str, MethodResult]
+) -> report.GreedyCheck | None:
+    """Every method's greedy outputs against the reference's, judged by the reference's own logits (scored
+    after the timed runs); None when the reference did not run."""
+    ref = results.get(report.REFERENCE)
+    if ref is None:
+        return None
+    logits = reference_logits(ctx, work, ref.outputs)
+    return report.check_greedy(results, logits, report.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
 
 
 def _report(
@@ -196,12 +212,16 @@ def _report(
     meta: dict[str, Any],
     results: dict[str, MethodResult],
     errors: dict[str, str],
+    check: report.GreedyCheck | None,
 ) -> int:
-    """Prints the table and the targets, writes the JSON and the plot; returns the exit status."""
-    rows = report.build_rows(results)
+    """Prints the table, the greedy check and the targets, writes the JSON and the plot; returns the exit
+    status."""
+    rows = report.build_rows(results, check)
     targets = report.evaluate_targets(results, rows, errors)
     print()
     print(report.format_table(rows, errors, len(work)))
+    if check is not None:
+        print(report.format_greedy_check(check, rows))
     hf_cb = results.get("hf-continuous")
     if hf_cb is not None:
         tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
@@ -212,7 +232,7 @@ def _report(
     for target in targets:
         print(target.line())
     if args.json is not None:
-        report.write_json(args.json, report.to_json(rows, errors, targets, meta))
+        report.write_json(args.json, report.to_json(rows, errors, targets, meta, check))
         print(f"wrote {args.json}")
     if args.plot is not None and rows:
         title = f"sluice bench engine: {len(work)} requests, {args.device}, {args.dtype}"

@@ -159,6 +159,20 @@ def run_hf_static(
     )
 
 
+def reference_logits(ctx: BenchContext, work: Workload, outputs: list[list[int]]) -> Iterator[torch.Tensor]:
+    """The logits behind a greedy reference's choices: for each request in workload order, one
+    teacher-forced forward over its prompt and `outputs[i]` yields a (len(outputs[i]), vocab) fp32 CPU
+    tensor whose row j scored `outputs[i][j]`. Loads its own model; runs outside any timed region.
+    """
+    model = load_hf_model(ctx)
+    with torch.inference_mode():
+        for prompt, output in zip(work.prompts, outputs, strict=True):
+            assert output, "every request asks for at least one token"
+            ids = torch.tensor([[*prompt, *output[:-1]]], device=ctx.device)  # (1, P + n - 1)
+            logits = model(input_ids=ids, logits_to_keep=len(output)).logits  # (1, n, vocab)
+            yield logits[0].float().cpu()
+
+
 def _hf_cb_config(max_batch_tokens: int, work: Workload) -> Any:
     """A `ContinuousBatchingConfig` whose KV cache holds the whole workload at once (no eviction)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
