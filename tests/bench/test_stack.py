@@ -1,0 +1,91 @@
+"""The benchmark launchers: a `Stack` of the four sluice services and `transformers serve` as a peer, each
+started on free loopback ports and stopped without leaving a process behind."""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sluice.bench.stack import PeerServer, Stack, StackOptions, free_port_run
+
+pytestmark = pytest.mark.e2e
+SERVICES = {"tokenizer", "engine", "detokenizer", "gateway"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.status, resp.read()
+
+
+def test_free_port_run_is_bindable() -> None:
+    first = free_port_run(3)
+    for port in range(first, first + 3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_stack_starts_serves_and_stops_every_service(tiny_model_dir: Path) -> None:
+    stack = Stack(StackOptions(str(tiny_model_dir)))
+    with stack:
+        assert set(stack.pids) == SERVICES
+        assert all(_alive(pid) for pid in stack.pids.values())
+        status, body = _get(f"{stack.http_url}/readyz")
+        assert status == 200 and json.loads(body)["status"] == "ready"
+        assert set(stack.metrics_urls) == SERVICES
+        status, body = _get(stack.metrics_urls["engine"])
+        assert status == 200 and b"# TYPE" in body
+        cpu = stack.cpu_seconds()
+        assert set(cpu) == SERVICES and all(seconds > 0 for seconds in cpu.values())
+        assert stack.openai_url == f"{stack.http_url}/v1" and stack.ws_url.endswith("/v1/ws")
+    assert not any(_alive(pid) for pid in stack.pids.values())
+
+
+def test_a_service_that_dies_at_start_up_is_named_with_its_output(tmp_path: Path) -> None:
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    stack = Stack(StackOptions(str(empty), metrics=False, startup_timeout_s=120))
+    with pytest.raises(RuntimeError) as failure:
+        stack.start()
+    message = str(failure.value)
+    assert message.split(" ")[0] in {"tokenizer", "engine", "detokenizer"}
+    assert "exited with code" in message and "its last output:" in message
+    assert len(message.splitlines()) > 1
+    assert set(stack.pids) == SERVICES
+    assert not any(_alive(pid) for pid in stack.pids.values())
+
+
+def test_peer_server_answers_a_streaming_completion(tiny_model_dir: Path) -> None:
+    with PeerServer(str(tiny_model_dir)) as peer:
+        pid = peer.proc.pid if peer.proc else 0
+        assert peer.model == str(tiny_model_dir.resolve())
+        body = json.dumps({"model": peer.model, "prompt": "the old house", "max_tokens": 8, "stream": True,
+                           "temperature": 0}).encode()
+        request = urllib.request.Request(f"{peer.openai_url}/completions", body,
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as resp:
+            events = [line[6:] for line in resp.read().splitlines() if line.startswith(b"data: ")]
+        chunks = [json.loads(e) for e in events if e != b"[DONE]"]
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        assert usage and 1 <= usage[-1]["completion_tokens"] <= 8
+        assert any(c["choices"] and c["choices"][0].get("text") for c in chunks)
+    assert pid and not _alive(pid)
+
+
+def test_peer_server_that_cannot_load_its_model_is_reported(tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    with pytest.raises(RuntimeError, match=r"^transformers serve exited with code \d+ during start-up"):
+        PeerServer(str(broken), startup_timeout_s=120).start()
