@@ -86,6 +86,8 @@ class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
         settings.validate()
         self.settings = settings
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
         if runner is None:
             from services.engine.model_runner import ModelRunner
 

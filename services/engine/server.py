@@ -22,10 +22,18 @@ SERVICE_NAME = "sluice.v1.Engine"
 async def create_server(
     settings: EngineSettings,
 ) -> tuple[grpc.aio.Server, int, AsyncEngine, ServiceHealth]:
-    """Loads the model (off the event loop), starts the engine's loop thread, and builds and binds the
-    server (port 0 = a free port). The caller starts the server and, at the end, stops both
-    (`await server.stop(grace)`, then `engine.stop()`)."""
-    core = await asyncio.to_thread(LLMEngine, settings)
+    """Loads the model on the engine's loop thread (off the event loop; see AsyncEngine.build) and
+    builds and binds the server (port 0 = a free port). The caller starts the server and, at the end,
+    stops both (`await server.stop(grace)`, then `engine.stop()`)."""
+    engine = await AsyncEngine.build(lambda: _observed_engine(settings))
+    server, health = grpc_server.new_server([SERVICE_NAME])
+    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    port = grpc_server.bind(server, settings.host, settings.port)
+    return server, port, engine, health
+
+
+def _observed_engine(settings: EngineSettings) -> LLMEngine:
+    core = LLMEngine(settings)
     core.observer = EngineObserver(
         metrics.EngineMetrics(),
         scheduler=core.scheduler,
@@ -33,12 +41,7 @@ async def create_server(
         model_name=core.model_name,
         step_sample_rate=settings.trace_step_sample_rate,
     )
-    engine = AsyncEngine(core)
-    engine.start()
-    server, health = grpc_server.new_server([SERVICE_NAME])
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
-    port = grpc_server.bind(server, settings.host, settings.port)
-    return server, port, engine, health
+    return core
 
 
 async def serve(settings: EngineSettings) -> None:

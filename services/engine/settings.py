@@ -18,6 +18,11 @@ class EngineSettings:
     port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)"})
     grace_s: float = field(default=5.0, metadata={"help": "seconds calls in flight may finish on SIGTERM"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    threads: int = field(
+        default=0,
+        metadata={"help": "torch intra-op threads on CPU (0 = torch's default: one per core); one thread "
+                  "per engine and one engine per core scales best when other processes share the cores"},
+    )
     dtype: str = field(
         default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
     )
@@ -61,6 +66,8 @@ class EngineSettings:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.threads < 0:
+            raise ValueError("threads must be >= 0")
         if self.default_max_new_tokens < 1:
             raise ValueError("default_max_new_tokens must be >= 1")
         if not 0.0 <= self.trace_step_sample_rate <= 1.0:

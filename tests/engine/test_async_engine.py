@@ -122,3 +122,43 @@ async def test_rejected_duplicate_leaves_the_original_in_flight(engine: AsyncEng
     caller.close_input()
     outs = await collect(caller)
     assert outs["a"][-1].finish_reason == "cancelled"
+
+
+async def test_build_constructs_and_steps_the_engine_on_one_thread() -> None:
+    """Every torch operation of the engine process runs on one thread (one OpenMP pool): the factory
+    and every step run on the loop thread, never on the event loop's."""
+    import threading
+
+    threads: dict[str, set[int]] = {"factory": set(), "step": set()}
+
+    def factory():  # type: ignore[no-untyped-def]
+        threads["factory"].add(threading.get_ident())
+        core, _ = fake_engine(64)
+        step = core.step
+
+        def recorded_step():  # type: ignore[no-untyped-def]
+            threads["step"].add(threading.get_ident())
+            return step()
+
+        core.step = recorded_step  # type: ignore[method-assign]
+        return core
+
+    eng = await AsyncEngine.build(factory)
+    try:
+        caller = eng.open_caller()
+        caller.submit("a", [5, 6, 7], SamplingParams(), StoppingParams(max_new_tokens=3, ignore_eos=True))
+        caller.close_input()
+        outs = await collect(caller)
+        assert sum(len(o.new_token_ids) for o in outs["a"]) == 3
+    finally:
+        eng.stop()
+    assert len(threads["factory"]) == 1 and threads["step"] == threads["factory"]
+    assert threading.get_ident() not in threads["step"]
+
+
+async def test_build_raises_what_the_factory_raised() -> None:
+    def factory():  # type: ignore[no-untyped-def]
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        await AsyncEngine.build(factory)
