@@ -5,6 +5,14 @@ on --grpc-base-port, the three stages on the next three ports), waits until ever
 health check, prints the chat URL, and then watches: SIGINT/SIGTERM stop all children cleanly
 (SIGTERM, then SIGKILL after a grace period); a child that dies is named and the launcher exits 1.
 
+The engine shares this host's cores with the other three services and the clients, so it gets
+`--threads` = one less than the cores (at least one; `--engine-threads` overrides), and every child
+runs with `OMP_WAIT_POLICY=PASSIVE` unless the environment sets it: torch's OpenMP workers then sleep
+at a barrier instead of spinning for milliseconds. On the 2-core development machine a two-thread
+engine whose workers spun fell to under 100 output tokens/s as soon as another process was busy, while
+one thread (1,395 tok/s in-process) matched two on a quiet machine (1,362): the measurement is in
+docs/architecture.md.
+
 Observability: `--otlp-endpoint URL` and `--trace-console` reach every child as the standard
 `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` variables; `--metrics-base-port N` gives the
 tokenizer, engine and detokenizer `/metrics` on ports N, N+1, N+2 (the gateway serves its own on --port).
@@ -52,6 +60,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     )
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
+    add("--engine-threads", type=int, default=0, metavar="N",
+        help="engine torch threads (default: one less than the cores, at least 1)")
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
     )
@@ -76,9 +86,16 @@ def resolve_model(model: str) -> str:
     return str(default_model_dir())
 
 
+def default_engine_threads() -> int:
+    """Torch threads for an engine that shares the host with the rest of the pipeline."""
+    return max(1, (os.cpu_count() or 1) - 1)
+
+
 def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The children's environment: `env` plus the OTEL_* variables the tracing flags stand for."""
+    """The children's environment: `env` plus the OTEL_* variables the tracing flags stand for, and
+    OpenMP workers that wait passively (the services share the host's cores)."""
     env = dict(env)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.otlp_endpoint:
         env["OTEL_EXPORTER_OTLP_ENDPOINT"] = args.otlp_endpoint
     if args.trace_console:
@@ -104,7 +121,7 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
     base = args.grpc_base_port
     tok, eng, detok = base + 1, base + 2, base + 3
     common = ("--host", args.host)
-    engine_extra: tuple[str, ...] = ()
+    engine_extra: tuple[str, ...] = ("--threads", str(args.engine_threads or default_engine_threads()))
     if args.batching:
         engine_extra += ("--batching", args.batching)
     if args.device:

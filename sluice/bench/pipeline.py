@@ -36,6 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sluice.bench.serve import run_meta
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.bench.stack import Stack, StackOptions
+from sluice.launcher import default_engine_threads, resolve_model
 
 TARGET_SCALED_RATIO = 0.85
 WARMUP_REQUESTS = 4
@@ -96,14 +97,16 @@ class EndToEndRun:
 
 def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
-    core (built from the same flags the service parses) until every request is done."""
+    core until every request is done. The engine gets the flags `sluice up` gives the service (its
+    thread count included), then `engine_flags`."""
     from services.common.settings import load_settings
     from services.engine.engine import LLMEngine
     from services.engine.params import SamplingParams, StoppingParams
     from services.engine.settings import EngineSettings
     from services.tokenizer.core import TokenizerCore
 
-    settings = load_settings(EngineSettings, ["--model", model, *engine_flags], prog="engine flags")
+    flags = ["--model", model, "--threads", str(default_engine_threads()), *engine_flags]
+    settings = load_settings(EngineSettings, flags, prog="engine flags")
     prompts = TokenizerCore(model).encode_batch([r.prompt for r in requests], add_special_tokens=True)
     engine = LLMEngine(settings)
     greedy = SamplingParams(temperature=0.0)
@@ -278,7 +281,7 @@ def main(argv: list[str]) -> int:
     if args.num_requests < 1 or args.repeat < 1:
         parser.error("--num-requests and --repeat must be at least 1")
     engine_flags = shlex.split(args.engine_flags)
-    model = _model_dir(args.model)
+    model = resolve_model(args.model)
     requests = uniform_requests(args.num_requests, args.seed, prompt_words=args.prompt_words,
                                 output_len=args.output_len)
     (words_lo, words_hi), (out_lo, out_hi) = args.prompt_words, args.output_len
@@ -312,9 +315,3 @@ def main(argv: list[str]) -> int:
         print(f"wrote {args.json}")
     failed = any(e.summary["failed"] for e in end_to_end)
     return 1 if failed else 0
-
-
-def _model_dir(model: str) -> str:
-    from sluice.launcher import resolve_model
-
-    return resolve_model(model)

@@ -165,6 +165,7 @@ class Stack:
             grpc_base_port=grpc_base,
             batching=options.batching,
             device=None,
+            engine_threads=0,
             metrics_base_port=metrics_base,
             otlp_endpoint="",
             trace_console=False,

@@ -17,7 +17,7 @@ import yaml
 
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
-from sluice.launcher import child_env, plan_children
+from sluice.launcher import child_env, default_engine_threads, plan_children
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
@@ -98,11 +98,11 @@ def test_k8s_deployments_parse_and_wire_up() -> None:
     assert listed == on_disk
 
 
-@pytest.mark.parametrize("batching", [None, "dynamic"])
-def test_launcher_flags_parse_for_every_child(batching: str | None) -> None:
+@pytest.mark.parametrize(("batching", "engine_threads"), [(None, 0), ("dynamic", 3)])
+def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threads: int) -> None:
     args = argparse.Namespace(
         host="127.0.0.1", port=8100, grpc_base_port=51000, batching=batching, device=None,
-        metrics_base_port=0,
+        metrics_base_port=0, engine_threads=engine_threads,
     )
     children = plan_children(args, "/models/m")
     assert [c.name for c in children] == [*STAGES, "gateway"]
@@ -111,6 +111,7 @@ def test_launcher_flags_parse_for_every_child(batching: str | None) -> None:
         assert parsed[child.name].host == "127.0.0.1"
     assert parsed["gateway"].port == 8100
     assert parsed["gateway"].grpc_port == 51000
+    assert parsed["engine"].threads == (engine_threads or default_engine_threads())
     for stage in STAGES:
         assert parsed[stage].model == "/models/m"
         assert getattr(parsed["gateway"], stage) == (f"127.0.0.1:{parsed[stage].port}",)
@@ -181,15 +182,16 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
 def test_launcher_passes_tracing_and_metrics_settings() -> None:
     args = argparse.Namespace(
         host="127.0.0.1", port=8100, grpc_base_port=51000, batching=None, device=None, metrics_base_port=9200,
-        otlp_endpoint="http://127.0.0.1:4317", trace_console=True,
+        otlp_endpoint="http://127.0.0.1:4317", trace_console=True, engine_threads=0,
     )
     parsed = {c.name: settings_for(c.name, list(c.flags)) for c in plan_children(args, "/models/m")}
     assert [parsed[stage].metrics_port for stage in STAGES] == [9200, 9201, 9202]
     env = child_env(args, {"PATH": "/bin"})
     assert env == {"PATH": "/bin", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4317",
-                   "OTEL_TRACES_EXPORTER": "console,otlp"}
+                   "OTEL_TRACES_EXPORTER": "console,otlp", "OMP_WAIT_POLICY": "PASSIVE"}
     quiet = argparse.Namespace(otlp_endpoint="", trace_console=False)
-    assert child_env(quiet, {"PATH": "/bin"}) == {"PATH": "/bin"}
+    assert child_env(quiet, {"PATH": "/bin"}) == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert child_env(quiet, {"OMP_WAIT_POLICY": "ACTIVE"}) == {"OMP_WAIT_POLICY": "ACTIVE"}
     console_only = argparse.Namespace(otlp_endpoint="", trace_console=True)
     assert child_env(console_only, {})["OTEL_TRACES_EXPORTER"] == "console"
 
