@@ -441,8 +441,13 @@ class Pipeline:
         reply = await stub.Tokenize(message, timeout=timeout)
         return list(reply.ids)
 
+    def _engine_load(self, address: str) -> int:
+        """Requests in flight on an engine replica, as this gateway sent them."""
+        link = self._engine_links.get(address)
+        return len(link.request_ids) if link is not None and link.alive else 0
+
     def _engine_link(self) -> EngineLink:
-        address = self._engines.pick()
+        address = self._engines.pick(self._engine_load)
         link = self._engine_links.get(address)
         if link is None or not link.alive:
             stub = engine_pb2_grpc.EngineStub(self._engines.channels[address])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -40,8 +41,8 @@ Item = TypeVar("Item")
 
 class Replicas:
     """Channels to every replica of one upstream service (`kind` is "tokenizer", "engine" or
-    "detokenizer"). `pick` chooses the replica for new work: the first one for now, the place where
-    a load-aware choice goes once several replicas are served."""
+    "detokenizer"). `pick` chooses the replica for new work: the least loaded by the caller's measure
+    when one is given (ties go round the replicas in turn), else the next in turn."""
 
     def __init__(self, kind: str, addresses: Sequence[str]) -> None:
         assert addresses, f"{kind}: no address"
@@ -53,9 +54,15 @@ class Replicas:
             )
             for address in self.addresses
         }
+        self._turn = itertools.count()
 
-    def pick(self) -> str:
-        return self.addresses[0]
+    def pick(self, load: Callable[[str], int] | None = None) -> str:
+        """The replica for the next piece of work. `load(address)` (e.g. requests in flight there)."""
+        start = next(self._turn) % len(self.addresses)
+        in_turn = self.addresses[start:] + self.addresses[:start]
+        if load is None:
+            return in_turn[0]
+        return min(in_turn, key=load)
 
     async def check_health(self, timeout_s: float) -> dict[str, bool]:
         """grpc.health.v1 Check of every replica: address → SERVING."""
