@@ -4,6 +4,7 @@
     sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
     sluice model tiny DIR [--trained]                               write the embedded model
     sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks
+    sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice health HOST:PORT                                         exit 0 if the service is SERVING
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "detokenizer": "sluice.bench.detokenizer",
     "serve": "sluice.bench.serve",
     "pipeline": "sluice.bench.pipeline",
+    "compare": "sluice.bench.compare",
 }
 
 
