@@ -43,6 +43,7 @@ POLL_S = 0.2
 # transformers' continuous batching sizes its KV cache from device memory unless told; on a CPU that is
 # 60% of RAM. These sizes hold far more than a benchmark's requests (blocks of 256 tokens).
 PEER_CPU_CACHE_ARGS = ("--cb-num-blocks", "128", "--cb-max-batch-tokens", "512")
+_NO_TRACING = argparse.Namespace(otlp_endpoint="", trace_console=False)  # child_env's flags for the peer
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -264,7 +265,8 @@ def _get_json(url: str, timeout_s: float = 2.0) -> Any:
 class PeerServer:
     """`transformers serve` on a local model directory: an OpenAI-compatible peer on a free port.
 
-    `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1) and returns once
+    `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1; in the environment the
+    launcher gives the sluice services, so its OpenMP workers wait passively too) and returns once
     `GET /v1/models` answers; `peer.openai_url` is its API base and `peer.model` the model name its
     requests must carry. With `continuous_batching` it runs transformers' own continuous batching,
     its KV cache sized by PEER_CPU_CACHE_ARGS on a CPU (on CUDA transformers sizes it, in bfloat16 as
@@ -318,7 +320,8 @@ class PeerServer:
         """Starts the server and waits for `GET /v1/models`; on failure stops it and raises."""
         self._tmp = tempfile.TemporaryDirectory(prefix="sluice-peer-")
         self._log = self._log_path().open("wb")
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = child_env(_NO_TRACING, {**os.environ, **offline})
         try:
             self.proc = subprocess.Popen(self.command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
             self._wait_models()
