@@ -139,7 +139,7 @@ class OpenAIClient:
         async with self._session.post(f"{self._url}/completions", json=body) as resp:
             if resp.status != 200:
                 raise RequestFailed(f"HTTP {resp.status}: {_error_message(await resp.text())}")
-            usage = None
+            usage, finished = None, False
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue  # blank separators and keep-alive comments
@@ -147,15 +147,18 @@ class OpenAIClient:
                 if payload == b"[DONE]":
                     return usage
                 chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RequestFailed(_error_message(payload))
                 choices = chunk.get("choices")
                 if choices:
                     if choices[0].get("text"):
                         clock.chunk()
-                elif chunk.get("usage"):
+                    finished = finished or bool(choices[0].get("finish_reason"))
+                if chunk.get("usage"):  # its own chunk (OpenAI, sluice) or the last choice's (some servers)
                     usage = _usage(chunk["usage"])
-                elif "error" in chunk:
-                    raise RequestFailed(_error_message(payload))
-        raise RequestFailed("the stream ended before [DONE]")
+        if finished:  # servers that close the stream after the finish reason, without [DONE]
+            return usage
+        raise RequestFailed("the stream ended before a finish reason or [DONE]")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -135,11 +135,6 @@ def test_two_policies_at_two_rates(tiny_model_dir: Path, tmp_path: Path) -> None
 
 
 @pytest.mark.e2e
-@pytest.mark.xfail(
-    strict=True,
-    reason="sluice.bench.serve_clients.OpenAIClient waits for `data: [DONE]` and reads usage only from a "
-    "chunk without choices; transformers serve sends no [DONE] and puts usage in its last choices chunk",
-)
 def test_the_peer_runs_the_same_workload(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "peer.json"
     argv = ["--model", str(tiny_model_dir), "--policies", "continuous", "--rates", "inf",
