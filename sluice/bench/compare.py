@@ -1,7 +1,7 @@
 """`sluice bench compare`: sluice's three batching policies, and transformers' own server, under a sweep
 of request rates.
 
-Usage: `sluice bench compare [--model DIR] [--policies static,dynamic,continuous] [--rates 2,4,8,16,inf]
+Usage: `sluice bench compare [--model DIR] [--policies static,dynamic,continuous] [--rates 2,8,32,inf]
 [--num-requests 16] [--input-len 64] [--output-len 128] [--seed 0] [--ttft-bound-ms 1000] [--no-peer]
 [--json FILE] [--plot FILE.png] [--no-progress]`.
 
@@ -39,7 +39,7 @@ from sluice.launcher import resolve_model
 PEER = "transformers-serve"  # `transformers serve --continuous-batching` on the same model
 HEADLINE = "continuous"
 BASELINE = "static"
-DEFAULT_RATES = (2.0, 4.0, 8.0, 16.0, math.inf)
+DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 NUM_WARMUP = 4  # requests sent and awaited before a system's first point
 REQUEST_TIMEOUT_S = 300.0
 PEER_SPEED_TARGET = 2.0  # sluice-continuous output tokens/s ÷ the peer's, at least
@@ -54,9 +54,10 @@ random-word prompts sent as streaming OpenAI completions with Poisson arrivals (
 once). Prints a table of every point, sluice-continuous ÷ peer at each rate, and per policy the
 highest rate whose p99 TTFT stays under --ttft-bound-ms; the targets (continuous's highest rate ≥ 3×
 static's; sluice-continuous ≥ 2× the peer's tokens/s with ≤ 0.5× its p99 TTFT, read at the highest
-rate) are printed as MET / NOT MET / NOT MEASURED. The peer does not accept ignore_eos, so it stops
-at EOS: tokens/s counts the tokens each system produced, and the output says when the peer produced
-fewer than asked. The defaults take about 4 minutes on a 2-core CPU with the embedded model."""
+rate) are printed as MET / NOT MET / NOT MEASURED. Every system runs the same requests greedily and
+stops at EOS (the peer does not accept ignore_eos), so each generates the same tokens; tokens/s counts
+the tokens produced, and "(EOS)" marks points that produced fewer than max_tokens. The defaults take
+about 4 minutes on a 2-core CPU with the embedded model."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--policies", type=_policies, default=BATCHING_POLICIES[::-1], metavar="LIST",
         help=f"sluice batching policies to run (default {policies})")
     add("--rates", type=_rates, default=DEFAULT_RATES, metavar="LIST",
-        help="request rates in requests/s, inf = all at once (default 2,4,8,16,inf)")
-    add("--num-requests", type=_positive_int, default=16, metavar="N", help="requests per point (default 16)")
+        help="request rates in requests/s, inf = all at once (default 2,8,32,inf)")
+    add("--num-requests", type=_positive_int, default=64, metavar="N",
+        help="requests per point (default 64: at rate inf, 64 streams at once)")
     add("--input-len", type=_positive_int, default=64, metavar="N",
         help="mean prompt words, about one token each (default 64)")
     add("--output-len", type=_positive_int, default=128, metavar="N",
@@ -167,7 +169,6 @@ class Endpoint:
 
     url: str  # OpenAI API base
     model: str | None  # the "model" field; None = the first of GET /models
-    ignore_eos: bool  # fixed output lengths (the peer rejects the field, so it stops at EOS)
     cpu_seconds: Callable[[], dict[str, float]]  # CPU seconds per process so far ({} when unknown)
 
 
@@ -178,23 +179,24 @@ Opener = Callable[[], AbstractContextManager[Endpoint]]
 def sluice_endpoint(model: str, policy: str) -> Iterator[Endpoint]:
     """The whole sluice pipeline with the engine's batching `policy`, for the life of the context."""
     with Stack(StackOptions(model, batching=policy, metrics=False)) as stack:
-        yield Endpoint(stack.openai_url, None, True, stack.cpu_seconds)
+        yield Endpoint(stack.openai_url, None, stack.cpu_seconds)
 
 
 @contextmanager
 def peer_endpoint(model: str) -> Iterator[Endpoint]:
     """`transformers serve --continuous-batching` on `model`, for the life of the context."""
     with PeerServer(model) as peer:
-        yield Endpoint(peer.openai_url, peer.model, False, dict)
+        yield Endpoint(peer.openai_url, peer.model, dict)
 
 
 def run_point(
     system: str, endpoint: Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
 ) -> Point:
-    """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`)."""
+    """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`), greedy, each request
+    ending at EOS or max_tokens: the same for every system, since the peer rejects ignore_eos."""
     config = ServeConfig(
         api="openai", url=endpoint.url, model=endpoint.model, request_rate=rate,
-        num_warmup=NUM_WARMUP if warm_up else 0, ignore_eos=endpoint.ignore_eos, seed=seed,
+        num_warmup=NUM_WARMUP if warm_up else 0, ignore_eos=False, seed=seed,
         request_timeout_s=REQUEST_TIMEOUT_S, progress=False,
     )
     before = endpoint.cpu_seconds()
@@ -368,7 +370,7 @@ def format_peer(rows: list[dict[str, Any]]) -> str:
     lines: list[tuple[str, ...]] = [header]
     for row in rows:
         out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
-        note = " (fewer: the peer stops at EOS)" if out < asked else ""
+        note = " (EOS)" if out < asked else ""
         shown = f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
         lines.append((_rate_text(row["rate"]), _fmt(row["tokens_per_s_ratio"], ".2f"),
                       _fmt(row["ttft_p99_ratio"], ".2f"), shown))

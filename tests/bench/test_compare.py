@@ -69,7 +69,7 @@ def test_targets_from_points() -> None:
     assert ttft.value == pytest.approx(0.4) and ttft.met is True
     rows = compare.peer_ratios(runs["continuous"], runs[PEER])
     assert [(row["peer_output_tokens"], row["peer_asked_tokens"]) for row in rows] == [(20, 40)] * 3
-    assert "20/40 (fewer: the peer stops at EOS)" in compare.format_peer(rows)
+    assert "20/40 (EOS)" in compare.format_peer(rows)
 
 
 def test_a_lower_bound_under_the_target_is_not_measured_and_a_losing_headline_not_met() -> None:
@@ -123,7 +123,8 @@ def test_two_policies_at_two_rates(tiny_model_dir: Path, tmp_path: Path) -> None
         assert [p["rate"] for p in system["points"]] == [4.0, "inf"]
         for point in system["points"]:
             assert point["completed"] == 4 and point["failed"] == 0
-            assert point["total_output_tokens"] == point["asked_tokens"] == asked  # ignore_eos held
+            assert point["asked_tokens"] == asked
+            assert 4 <= point["total_output_tokens"] <= asked  # at least one token each; EOS may end one
             assert point["output_throughput"] > 0 and point["ttft_ms"]["p99"] > 0
             assert point["cpu_s"]["engine"] > 0
     meta = doc["meta"]
