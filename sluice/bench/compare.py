@@ -2,7 +2,7 @@
 of request rates.
 
 Usage: `sluice bench compare [--model DIR] [--policies static,dynamic,continuous] [--rates 2,8,32,inf]
-[--num-requests 16] [--input-len 64] [--output-len 128] [--seed 0] [--ttft-bound-ms 1000] [--no-peer]
+[--num-requests 64] [--input-len 64] [--output-len 128] [--seed 0] [--ttft-bound-ms 1000] [--no-peer]
 [--json FILE] [--plot FILE.png] [--no-progress]`.
 
 For each policy it starts the whole pipeline (`Stack`) once and runs `sluice bench serve`'s load
