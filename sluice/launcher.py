@@ -157,8 +157,12 @@ class Supervisor:
 
     def start(self) -> None:
         for child in self.children:
-            cmd = [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
-            self.procs[child.name] = subprocess.Popen(cmd, env=self.env)
+            self.procs[child.name] = subprocess.Popen(self.command(child), env=self.env)
+
+    @staticmethod
+    def command(child: Child) -> list[str]:
+        """The command line that runs `child`."""
+        return [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
 
     def dead_child(self) -> tuple[str, int] | None:
         for name, proc in self.procs.items():

@@ -1,7 +1,7 @@
 """`sluice bench pipeline`: what the four-service trip costs against the engine alone.
 
 Usage: `sluice bench pipeline [--model DIR] [--num-requests 64] [--prompt-words 12,200] [--output-len 8,256]
-[--api openai|ws|grpc] [--engine-flags "..."] [--repeat N] [--json FILE]`.
+[--api openai|ws|grpc] [--engine-flags "..."] [--repeat N] [--json FILE] [--plot FILE.png]`.
 
 Runs one workload (all requests at once, greedy, fixed output lengths) twice on this machine:
 1. **in-process**: the prompts tokenized here exactly as the tokenizer service does, then the engine core
@@ -241,6 +241,32 @@ class Comparison:
         }
 
 
+def write_plot(path: Path, best: Comparison) -> None:
+    """A PNG of two panels: output tokens/s in-process and end to end, and the cores each process used
+    over the end-to-end run."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 4), dpi=120)
+    speed, cores = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
+    rates = [best.in_process.tokens_per_s, best.end_to_end.tokens_per_s]
+    bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
+    speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
+    speed.set_ylabel("output tokens/s")
+    speed.set_title(f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled",
+                    fontsize=9)
+    speed.margins(y=0.15)
+    e2e = best.end_to_end
+    used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
+    cores.barh([name for name, _ in used], [seconds / e2e.wall_s for _, seconds in used], color="#1f77b4")
+    cores.axvline(os.cpu_count() or 1, color="grey", linestyle=":", label="cores of the machine")
+    cores.set_xlabel("cores used over the end-to-end run")
+    cores.legend(fontsize=8, loc="lower right")
+    fig.suptitle("sluice bench pipeline", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+
+
 # ---- the command line ------------------------------------------------------------------------------
 
 
@@ -271,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine flags for both runs, e.g. \"--max-num-batched-tokens 1024\"")
     add("--repeat", type=int, default=1, metavar="N", help="alternate the two runs N times, best of each")
     add("--json", type=Path, default=None, metavar="FILE", help="write every run and the ratios here")
+    add("--plot", type=Path, default=None, metavar="FILE.png", help="write tokens/s and cores used here")
     add("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
@@ -313,5 +340,8 @@ def main(argv: list[str]) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.json}")
+    if args.plot is not None:
+        write_plot(args.plot, best)
+        print(f"wrote {args.plot}")
     failed = any(e.summary["failed"] for e in end_to_end)
     return 1 if failed else 0

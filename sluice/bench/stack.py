@@ -125,8 +125,9 @@ class _LoggedSupervisor(Supervisor):
         for child in self.children:
             log = self.log_path(child.name).open("wb")
             self._logs.append(log)
-            cmd = [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
-            self.procs[child.name] = subprocess.Popen(cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            self.procs[child.name] = subprocess.Popen(
+                self.command(child), env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def death(self) -> RuntimeError | None:
         """The error to raise for a child that has exited, naming it and quoting its output; or None."""

@@ -46,9 +46,9 @@ def test_scaled_ratio_credits_the_generators_share(monkeypatch: pytest.MonkeyPat
 @pytest.mark.e2e
 def test_pipeline_bench_runs_both_ways(tiny_model_dir: Path, tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
-    out = tmp_path / "pipeline.json"
+    out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     argv = ["--model", str(tiny_model_dir), "--num-requests", "5", "--prompt-words", "4,20",
-            "--output-len", "3,9", "--json", str(out), "--no-progress"]
+            "--output-len", "3,9", "--json", str(out), "--plot", str(png), "--no-progress"]
     assert pipeline.main(argv) == 0
     report = json.loads(out.read_text())
     workload = uniform_requests(5, 0, prompt_words=(4, 20), output_len=(3, 9))
@@ -65,5 +65,6 @@ def test_pipeline_bench_runs_both_ways(tiny_model_dir: Path, tmp_path: Path,
     assert counts["engine step"] >= max(r.output_len for r in workload)
     assert best["raw_ratio"] > 0 and best["scaled_ratio"] >= best["raw_ratio"]
     assert report["meta"]["command"].startswith("sluice bench pipeline --model")
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "ratio, scaled" in printed and "engine step" in printed
