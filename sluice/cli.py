@@ -3,8 +3,10 @@
     sluice up [--model DIR] [--port 8000] [--grpc-base-port 50050]   the whole pipeline on this host
     sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
     sluice model tiny DIR [--trained]                               write the embedded model
-    sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks
+    sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks of one component
+    sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
+    sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
     sluice health HOST:PORT                                         exit 0 if the service is SERVING
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
