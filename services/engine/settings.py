@@ -20,8 +20,8 @@ class EngineSettings:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     threads: int = field(
         default=0,
-        metadata={"help": "torch intra-op threads on CPU (0 = torch's default: one per core); one thread "
-                  "per engine and one engine per core scales best when other processes share the cores"},
+        metadata={"help": "torch intra-op threads on CPU (0 = torch's default: one per core; sluice up "
+                  "gives one less than the cores)"},
     )
     dtype: str = field(
         default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
