@@ -3,9 +3,13 @@ abort, batching policies. Every test ends with the free list back to full."""
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +19,7 @@ from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.fakes import FakeRunner, expected_output, fake_engine
 
 GREEDY = SamplingParams()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def stop(n: int, **kw: object) -> StoppingParams:
@@ -89,6 +94,36 @@ def test_chain_hashes_depend_on_whole_prefix() -> None:
     # Same block content after a different prefix hashes differently.
     z = [*range(100, 116), *range(16, 32)]
     assert chain_hashes(z, 16, 0, None)[1] != hx[1]
+
+
+def test_chain_hashes_are_stable_across_processes() -> None:
+    """The prefix cache key is a digest of the token ids, never Python's salted `hash()`."""
+    tokens = [*range(3, 35), 70_000, 2**32 - 1]
+    code = (
+        "from services.engine.block_manager import chain_hashes; "
+        f"print(repr(chain_hashes({tokens!r}, 16, 0, None)))"
+    )
+    printed = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+        )
+        printed.append(done.stdout.strip())
+    assert printed[0] == printed[1] == repr(chain_hashes(tokens, 16, 0, None))
+    assert len(chain_hashes(tokens, 16, 0, None)) == 2
+
+
+def test_chain_hashes_are_sha256_of_parent_and_ids() -> None:
+    import hashlib
+    import struct
+
+    block = list(range(100, 116))
+    first = chain_hashes(block, 16, 0, None)[0]
+    assert first == hashlib.sha256(struct.pack("<16I", *block)).digest()
+    after = chain_hashes([*range(16), *block], 16, 1, first)[0]
+    assert after == hashlib.sha256(first + struct.pack("<16I", *block)).digest()
+    assert after != first  # the same block after another parent is another key
 
 
 def test_prefix_cache_revives_free_blocks_and_forgets_on_reuse() -> None:
