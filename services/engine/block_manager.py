@@ -120,5 +120,6 @@ class BlockManager:
             self.block_hash[block] = block_hash
 
     def record_query(self, queried: int, hit: int) -> None:
+        """Counts one admitted request's prefix look-up: `queried` full blocks, `hit` of them cached."""
         self.prefix_query_blocks += queried
         self.prefix_hit_blocks += hit

@@ -78,7 +78,7 @@ class EngineStats:
     peak_kv_efficiency: float  # tokens stored / token slots allocated, at the step with most blocks in use
     peak_blocks_used: int
     num_preemptions: int
-    prefix_hit_rate: float  # cached blocks reused / full prompt blocks looked up
+    prefix_hit_rate: float  # cached blocks reused / full prompt blocks, once per request at admission
     generated_tokens: int
 
 

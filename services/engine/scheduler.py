@@ -140,6 +140,7 @@ class Scheduler:
             req.num_computed_tokens = computed
             req.num_cached_tokens = computed
             self.waiting.popleft()
+            self._count_prefix_query(req, len(hit))
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -175,11 +176,16 @@ class Scheduler:
     def _blocks_needed(self, req: Request, n: int) -> int:
         return -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
 
+    def _max_hit_blocks(self, req: Request) -> int:
+        # Leave at least one token to compute; it must land in a block of the request's own.
+        return (req.num_tokens - 1) // self.block_size
+
     def _prefix_hit(self, req: Request) -> list[int]:
+        """The cached blocks `req` would start from (a look-up only: a waiting request is looked up at
+        every step until it is admitted)."""
         if not self.bm.enable_prefix_caching:
             return []
-        # Leave at least one token to compute; it must land in a block of the request's own.
-        max_blocks = (req.num_tokens - 1) // self.block_size
+        max_blocks = self._max_hit_blocks(req)
         if len(req.block_hashes) < max_blocks:
             parent = req.block_hashes[-1] if req.block_hashes else None
             req.block_hashes.extend(
@@ -190,9 +196,13 @@ class Scheduler:
                     parent,
                 )
             )
-        hit = self.bm.match_prefix(req.block_hashes[:max_blocks])
-        self.bm.record_query(max_blocks, len(hit))
-        return hit
+        return self.bm.match_prefix(req.block_hashes[:max_blocks])
+
+    def _count_prefix_query(self, req: Request, num_hit: int) -> None:
+        """Prefix-cache statistics count each prompt once, at its first admission: a recompute after
+        preemption finding its own earlier blocks is no hit."""
+        if self.bm.enable_prefix_caching and not req.num_preemptions:
+            self.bm.record_query(self._max_hit_blocks(req), num_hit)
 
     def _register_full_blocks(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching:

@@ -223,6 +223,33 @@ def test_prefix_hits_share_blocks(engines: list[LLMEngine]) -> None:
     assert engine.stats().prefix_hit_rate > 0
 
 
+def test_prefix_hit_rate_counts_each_admission_once(engines: list[LLMEngine]) -> None:
+    shared = list(range(3, 3 + 48))
+    # a takes the whole pool, so b waits, and is looked up at every step, until a has finished.
+    engine, _ = make(engines, num_blocks=4)
+    engine.add_request("a", [*shared, 60], GREEDY, stop(6))
+    engine.add_request("b", [*shared, 61, 62], GREEDY, stop(3))
+    run(engine)
+    bm = engine.block_manager
+    # a: 3 full prompt blocks, none cached; b: the same 3 blocks, all cached by a.
+    assert (bm.prefix_query_blocks, bm.prefix_hit_blocks) == (6, 3)
+    assert engine.stats().prefix_hit_rate == 0.5
+
+
+def test_prefix_hit_rate_is_zero_without_shared_prompts(engines: list[LLMEngine]) -> None:
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 60) for _ in range(rng.randint(17, 40))] for _ in range(8)]
+    engine, _ = make(engines, num_blocks=12, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY, stop(30))
+    outs = run(engine)
+    st = engine.stats()
+    assert st.num_preemptions > 0  # preempted requests re-found their own cached blocks
+    assert engine.block_manager.prefix_query_blocks == sum((len(p) - 1) // 16 for p in prompts)
+    assert st.prefix_hit_rate == 0.0
+    assert all(tokens(outs[str(i)]) == expected_output(p, 30) for i, p in enumerate(prompts))
+
+
 def test_abort_at_every_stage(engines: list[LLMEngine]) -> None:
     engine, _ = make(engines, max_num_batched_tokens=16, max_num_seqs=2)
     for rid in ("waiting", "prefilling", "decoding", "done"):
