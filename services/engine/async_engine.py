@@ -1,8 +1,9 @@
 """AsyncEngine: the engine's step loop on its own thread, with asyncio-facing callers.
 
 The loop thread owns the `LLMEngine`: it applies queued submits and aborts, runs `step()`, and
-hands outputs to their callers; it sleeps on a condition when there is nothing to do. The event loop
-never runs the model.
+hands outputs to their callers; it sleeps on a condition when there is nothing to do, and while a
+dynamic or static batch forms (`LLMEngine.idle_s`), so that a submit or an abort wakes it at once. The
+event loop never runs the model.
 
 `AsyncEngine.build(factory)` also constructs the engine on that thread, so that every torch operation of
 the process runs on one thread. On CPU this matters: torch's OpenMP runtime (libgomp) keeps one worker
@@ -232,8 +233,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._commands and not self.engine.has_unfinished_requests() and not self._stopping:
-                    self._cond.wait()
+                self._wait_for_work()
                 if self._stopping:
                     return
                 for command, caller, request_id in self._commands:
@@ -246,6 +246,16 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal error in engine step: {exc}")
             self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
             self._dispatch(outputs)
+
+    def _wait_for_work(self) -> None:
+        """Waits, holding `_cond`, until a command or a stop arrives, or the engine has a step to run."""
+        while not self._commands and not self._stopping:
+            if not self.engine.has_unfinished_requests():
+                self._cond.wait()
+            elif (idle_s := self.engine.idle_s()) > 0:
+                self._cond.wait(idle_s)
+            else:
+                return
 
     def _apply(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
         if isinstance(command, _Abort):

@@ -121,6 +121,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
+        self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
         self._steps = 0
         self._forward_s = 0.0
         self._step_s = 0.0
@@ -206,17 +207,22 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
 
+    def idle_s(self) -> float:
+        """Seconds left, after the latest step, while a dynamic or static batch forms and no step can run
+        anything (0 when there is work). The driver waits that long, or until it adds or aborts a
+        request, before the next step; a step before then is harmless and finds nothing to run."""
+        return max(0.0, self._forming_until - time.monotonic())
+
     def step(self) -> list[RequestOutput]:
         """schedule → execute → sample → postprocess. Returns the outputs of this step, one per request
-        that got a token or ended."""
+        that got a token or ended. Never blocks: while a batch forms it returns at once (see `idle_s`)."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(time.monotonic()))
         sched = self.scheduler.schedule()
+        self._forming_until = time.monotonic() + sched.wait_s
         if sched.empty:
-            if sched.wait_s > 0:
-                time.sleep(sched.wait_s)
-            elif self.scheduler.waiting and not self.scheduler.running:
+            if sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
                 # Unreachable while the context length fits the pool; never spin on a stuck request.
                 stuck = self.scheduler.waiting[0]
                 outputs.append(self._fail(stuck, "request cannot be scheduled: the KV cache is too small"))

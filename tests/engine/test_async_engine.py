@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
 
 from services.engine.async_engine import AsyncEngine
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
 
 
@@ -85,6 +87,42 @@ async def test_abort_gives_a_cancelled_final(engine: AsyncEngine) -> None:
     outs = await collect(caller)
     assert outs["a"][-1].finish_reason == "cancelled"
     assert sum(o.finished for o in outs["a"]) == 1
+
+
+async def test_a_forming_batch_waits_on_the_loop_so_aborts_and_submits_act_at_once() -> None:
+    """Dynamic batching with a 60 s window: every deadline below is far inside it, so only a loop that an
+    abort or a submit wakes meets them (a step that slept out the window would not)."""
+    core, _ = fake_engine(64, batching="dynamic", max_num_seqs=2, batch_wait_ms=60_000.0)
+    forming = threading.Event()  # set when a step found a batch forming, with time left in its window
+    schedule = core.scheduler.schedule
+
+    def spy(now: float | None = None) -> SchedulerOutput:
+        out = schedule(now)
+        if out.wait_s > 0:
+            forming.set()
+        return out
+
+    core.scheduler.schedule = spy  # type: ignore[method-assign]
+    eng = AsyncEngine(core)
+    eng.start()
+    try:
+        caller = eng.open_caller()
+        caller.submit("a", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=100_000))
+        assert await asyncio.to_thread(forming.wait, 30)
+        caller.abort("a")
+        outs = await asyncio.wait_for(caller.get(), 20)
+        assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "cancelled")]
+        forming.clear()
+        caller.submit("b", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3))
+        assert await asyncio.to_thread(forming.wait, 30)
+        caller.submit("c", [5, 7], SamplingParams(), StoppingParams(max_new_tokens=3))  # the batch is full
+        caller.close_input()
+        got = await asyncio.wait_for(collect(caller), 20)
+        assert [t for o in got["b"] for t in o.new_token_ids] == expected_output([5, 6], 3)
+        assert [t for o in got["c"] for t in o.new_token_ids] == expected_output([5, 7], 3)
+    finally:
+        eng.stop()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
 
 
 async def test_a_raising_step_fails_requests_and_the_loop_goes_on(engine: AsyncEngine) -> None:
