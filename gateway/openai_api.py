@@ -85,7 +85,8 @@ class ParsedRequest:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object, refusing bodies over `limit` bytes before reading them."""
+    """The request body as a JSON object whose strings are all text (`params.check_text`), refusing
+    bodies over `limit` bytes before reading them. Raises ApiError (400)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(400, f"the request body is larger than {limit} bytes")
@@ -95,9 +96,10 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if len(body) > limit:
             raise ApiError(400, f"the request body is larger than {limit} bytes")
     try:
-        parsed = json.loads(body)
-    except ValueError as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        parsed = params.parse_json(body)
+        params.check_text(parsed)
+    except ParamError as exc:
+        raise ApiError(400, exc.message, param=exc.param) from None
     if not isinstance(parsed, dict):
         raise ApiError(400, "the body must be a JSON object")
     return parsed

@@ -1,11 +1,14 @@
 """Validation of client-supplied JSON values shared by the WebSocket and OpenAI-compatible APIs.
 
 Every function raises `ParamError` naming the offending parameter; callers turn it into their own
-error shape (a WebSocket `error` frame, an OpenAI error body).
+error shape (a WebSocket `error` frame, an OpenAI error body). A document is decoded by
+`parse_json` and checked whole by `check_text` before any of its values is read, so every string
+later read, echoed in an error or put in a protobuf is valid Unicode text.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -21,6 +24,49 @@ class ParamError(ValueError):
         super().__init__(message)
         self.param = param
         self.message = message
+
+
+def parse_json(raw: str | bytes | bytearray) -> Any:
+    """The JSON document `raw`. Raises ParamError (param None) when it is not JSON or is nested too
+    deeply to decode."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ParamError(None, "the JSON is nested too deeply") from None
+    except ValueError as exc:
+        raise ParamError(None, f"not valid JSON: {exc}") from None
+
+
+def is_text(value: str) -> bool:
+    """Whether `value` is Unicode text UTF-8 can carry: JSON may hold a lone surrogate such as
+    "\\ud83d" (what JavaScript gives when it slices an emoji), which is not."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_text(document: Any) -> None:
+    """Raises ParamError unless every string of a decoded JSON document, object keys included, is
+    text (`is_text`). The param is the path of the bad string (`messages[0].content`), or of the
+    object holding a bad key (None at the top)."""
+    pending: list[tuple[str, Any]] = [("", document)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str) and not is_text(value):
+            raise _not_text(path, path or "the JSON")
+        if isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not is_text(key):
+                    raise _not_text(path, f"a key of {path}" if path else "a key")
+                pending.append((f"{path}.{key}" if path else key, item))
+
+
+def _not_text(path: str, label: str) -> ParamError:
+    return ParamError(path or None, f"{label} holds a lone surrogate, which is not Unicode text")
 
 
 def only_keys(obj: dict[str, Any], allowed: set[str], where: str) -> None:

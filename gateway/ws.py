@@ -76,18 +76,22 @@ def error_frame(frame_id: str | int | None, code: str, message: str) -> dict[str
 def parse_frame(raw: str, settings: GatewaySettings) -> GenerateFrame | CancelFrame | AuthFrame:
     """Parses one client text frame. Raises FrameError with the carried id on anything invalid."""
     try:
-        frame = json.loads(raw)
-    except ValueError as exc:
-        raise FrameError(None, f"not JSON: {exc}") from None
+        frame = params.parse_json(raw)
+    except ParamError as exc:
+        raise FrameError(None, exc.message) from None
     if not isinstance(frame, dict):
         raise FrameError(None, "a frame must be a JSON object")
+    carried = frame.get("id")
+    frame_id = _echoable_id(carried)
+    try:
+        params.check_text(frame)
+    except ParamError as exc:
+        raise FrameError(frame_id, exc.message) from None
     if frame.get("type") == "auth":
         token = frame.get("token")
         if not isinstance(token, str) or set(frame) != {"type", "token"}:
             raise FrameError(None, 'an auth frame is {"type": "auth", "token": "KEY"}')
         return AuthFrame(token)
-    carried = frame.get("id")
-    frame_id = carried if isinstance(carried, str | int) and not isinstance(carried, bool) else None
     if not isinstance(carried, str) or not carried or len(carried) > MAX_ID_CHARS:
         raise FrameError(frame_id, f"'id' must be a non-empty string of at most {MAX_ID_CHARS} characters")
     kind = frame.get("type")
@@ -100,6 +104,13 @@ def parse_frame(raw: str, settings: GatewaySettings) -> GenerateFrame | CancelFr
     except ParamError as exc:
         raise FrameError(carried, exc.message) from None
     raise FrameError(carried, "'type' must be 'generate' or 'cancel'")
+
+
+def _echoable_id(carried: Any) -> str | int | None:
+    """The id a frame carried, as its error frame may echo it: a string that is text, or an int."""
+    if isinstance(carried, bool) or not isinstance(carried, str | int):
+        return None
+    return None if isinstance(carried, str) and not params.is_text(carried) else carried
 
 
 def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> GenerateInput:

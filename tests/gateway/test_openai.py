@@ -139,6 +139,39 @@ async def test_bad_requests_are_400(client: openai.AsyncOpenAI, body: dict[str, 
     assert isinstance(error, dict) and error["type"] == "invalid_request_error" and error["message"]
 
 
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past any recursion limit
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        # A lone surrogate (what JavaScript gives when it slices an emoji) is not text.
+        (COMPLETIONS, '{"prompt": "a\\ud83d"}', "prompt"),
+        (COMPLETIONS, '{"prompt": "x", "stop": ["ok", "\\udc00"]}', "stop[1]"),
+        (COMPLETIONS, '{"prompt": "x", "stream": true, "stop": "\\ud83d"}', "stop"),
+        (CHAT, '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content"),
+        (CHAT, '{"messages": [{"role": "user", "content": "x"}], "model": "\\ud83d"}', "model"),
+        (CHAT, '{"messages": [{"role": "user", "content": "x"}], "\\ud83d": 1}', None),
+        (CHAT, '{"messages": [{"role": "user", "content": "x", "\\udfff": 1}]}', "messages[0]"),
+        (COMPLETIONS, '{"prompt": "x", "stop": ' + DEEP + "}", None),
+    ],
+)
+async def test_text_that_is_not_unicode_or_too_deep_is_400(
+    http: httpx.AsyncClient,
+    gateway: GatewayServer,
+    upstreams: FakeUpstreams,
+    path: str,
+    raw: str,
+    param: str | None,
+) -> None:
+    response = await http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+
+
 async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         await client.completions.create(model="other", prompt="x")

@@ -12,6 +12,7 @@ from tests.gateway.conftest import collect, dead_address, gateway_settings, recv
 from tests.gateway.fakes import OUTPUT, FakeUpstreams, encode, expected_text
 
 LONG = 10**6  # max_tokens of a generation that runs until it is cancelled
+DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past any recursion limit
 
 
 async def test_two_concurrent_generations_stream_and_finish_with_usage(
@@ -157,10 +158,22 @@ async def test_duplicate_id_is_refused_and_the_first_goes_on(ws: ClientConnectio
             "t13",
         ),
         ('{"type": "generate", "id": "t14", "prompt": "x", "params": {"ignore_eos": 1}}', "t14"),
+        # A lone surrogate (what JavaScript gives when it slices an emoji) is not text.
+        ('{"type": "generate", "id": "t15", "prompt": "a\\ud83d"}', "t15"),
+        ('{"type": "generate", "id": "t16", "messages": [{"role": "user", "content": "\\ud83d"}]}', "t16"),
+        ('{"type": "generate", "id": "t17", "prompt": "x", "params": {"stop": ["\\udc00"]}}', "t17"),
+        ('{"type": "generate", "id": "\\ud83d", "prompt": "x"}', None),
+        ('{"type": "auth", "token": "\\ud83d"}', None),
+        ('{"type": "generate", "id": "t18", "prompt": "x", "\\ud83d": 1}', "t18"),
+        ('{"type": "generate", "id": "t19", "prompt": "x", "params": ' + DEEP + "}", None),
     ],
 )
 async def test_invalid_frames_get_an_error_with_their_id(
-    ws: ClientConnection, upstreams: FakeUpstreams, raw: str, carried: str | int | None
+    ws: ClientConnection,
+    gateway: GatewayServer,
+    upstreams: FakeUpstreams,
+    raw: str,
+    carried: str | int | None,
 ) -> None:
     await ws.send(raw)
     frame = await recv(ws)
@@ -168,6 +181,7 @@ async def test_invalid_frames_get_an_error_with_their_id(
     assert frame["id"] == carried
     assert frame["message"]
     assert upstreams.engine.submits == []
+    assert gateway.pipeline.in_flight == 0
     # The socket still works.
     await send(ws, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
     assert (await collect(ws, {"ok"}))["ok"]["text"] == expected_text(2)
