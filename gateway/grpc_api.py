@@ -11,8 +11,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway import params
 from gateway import pipeline as pl
 from gateway.auth import ApiKeys
+from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, GenerateInput, Pipeline
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -41,8 +43,11 @@ def validate(request: gateway_pb2.PublicGenerateRequest) -> str | None:
     if kind == "chat":
         if not request.chat.messages:
             return "'chat' needs at least one message"
-        if any(not m.role for m in request.chat.messages):
-            return "every chat message needs a role"
+        for i, message in enumerate(request.chat.messages):
+            try:
+                params.chat_role(message.role, f"chat.messages[{i}]")
+            except ParamError as exc:
+                return exc.message
     s = request.sampling
     for name in (
         "temperature",

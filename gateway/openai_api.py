@@ -169,7 +169,7 @@ def _sampling_and_stopping(
     sampling = common_pb2.SamplingParams()
     temperature = params.number(body, "temperature", 0.0, 2.0)
     sampling.temperature = settings.default_temperature if temperature is None else temperature
-    sampling.top_p = params.number(body, "top_p", 0.0, 1.0) or 0.0
+    sampling.top_p = params.top_p(body)
     sampling.top_k = max(0, params.integer(body, "top_k", -1, params.MAX_INT32) or 0)
     sampling.min_p = params.number(body, "min_p", 0.0, 1.0) or 0.0
     sampling.presence_penalty = params.number(body, "presence_penalty", -2.0, 2.0) or 0.0

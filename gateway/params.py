@@ -17,6 +17,7 @@ from services.common.pb import common_pb2
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ParamError(ValueError):
@@ -75,17 +76,27 @@ def only_keys(obj: dict[str, Any], allowed: set[str], where: str) -> None:
         raise ParamError(unknown[0], f"unknown field(s) in {where}: {', '.join(unknown)}")
 
 
-def number(obj: dict[str, Any], name: str, lo: float, hi: float, *, where: str = "") -> float | None:
-    """`obj[name]` as a float in [lo, hi], or None when absent or null."""
+def number(
+    obj: dict[str, Any], name: str, lo: float, hi: float, *, where: str = "", above_lo: bool = False
+) -> float | None:
+    """`obj[name]` as a float in [lo, hi] ((lo, hi] with `above_lo`), or None when absent or null."""
     value = obj.get(name)
     if value is None:
         return None
     label = where + name
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ParamError(label, f"{label} must be a number")
+    if above_lo and not lo < value <= hi:
+        raise ParamError(label, f"{label} must be greater than {lo:g} and at most {hi:g}")
     if not lo <= value <= hi:
         raise ParamError(label, f"{label} must be between {lo:g} and {hi:g}")
     return float(value)
+
+
+def top_p(obj: dict[str, Any], *, where: str = "") -> float:
+    """`obj["top_p"]` in (0, 1] as vLLM takes it; 0.0 (off, in the protobuf) when absent or null.
+    A 0 is refused, not read as off."""
+    return number(obj, "top_p", 0.0, 1.0, where=where, above_lo=True) or 0.0
 
 
 def integer(obj: dict[str, Any], name: str, lo: int, hi: int, *, where: str = "") -> int | None:
@@ -122,10 +133,17 @@ def stop_strings(raw: Any, label: str) -> list[str]:
     return stops
 
 
+def chat_role(role: Any, where: str) -> str:
+    """`role` when it is one of `CHAT_ROLES`; `where` names the message."""
+    if role not in CHAT_ROLES:
+        raise ParamError(where, f"{where} needs a 'role' among {', '.join(CHAT_ROLES)}")
+    return role
+
+
 def chat_messages(raw: Any, label: str) -> tuple[tuple[str, str], ...]:
-    """A non-empty list of {"role", "content"} objects as (role, content) pairs. Content is a string,
-    or (OpenAI style) a list of {"type": "text", "text": ...} parts, joined. Other keys of a message
-    (such as "name") are ignored."""
+    """A non-empty list of {"role", "content"} objects as (role, content) pairs. The role is one of
+    `CHAT_ROLES`; content is a string, or (OpenAI style) a list of {"type": "text", "text": ...}
+    parts, joined. Other keys of a message (such as "name") are ignored."""
     if not isinstance(raw, list) or not raw:
         raise ParamError(label, f"'{label}' must be a non-empty list")
     messages = []
@@ -136,9 +154,9 @@ def chat_messages(raw: Any, label: str) -> tuple[tuple[str, str], ...]:
         role, content = message.get("role"), message.get("content")
         if isinstance(content, list):
             content = _text_parts(content, where)
-        if not isinstance(role, str) or not role or not isinstance(content, str):
-            raise ParamError(where, f"{where} needs a string 'role' and a string 'content'")
-        messages.append((role, content))
+        if not isinstance(content, str):
+            raise ParamError(where, f"{where} needs a string 'content'")
+        messages.append((chat_role(role, where), content))
     return tuple(messages)
 
 

@@ -151,7 +151,7 @@ def _parse_params(
     sampling = common_pb2.SamplingParams()
     temperature = params.number(given, "temperature", 0.0, 100.0, where=p)
     sampling.temperature = settings.default_temperature if temperature is None else temperature
-    sampling.top_p = params.number(given, "top_p", 0.0, 1.0, where=p) or 0.0
+    sampling.top_p = params.top_p(given, where=p)
     top_k = params.integer(given, "top_k", -1, params.MAX_INT32, where=p)
     sampling.top_k = max(0, top_k or 0)  # -1 and 0 both mean off
     sampling.min_p = params.number(given, "min_p", 0.0, 1.0, where=p) or 0.0

@@ -107,6 +107,10 @@ async def test_cancelling_the_call_aborts_the_engine(
         gateway_pb2.PublicGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(temperature=-1)),
         gateway_pb2.PublicGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(logprobs=50)),
         gateway_pb2.PublicGenerateRequest(prompt="x", stopping=common_pb2.StoppingParams(stop=[""])),
+        gateway_pb2.PublicGenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(top_p=1.5)),
+        gateway_pb2.PublicGenerateRequest(
+            chat=common_pb2.Conversation(messages=[common_pb2.ChatMessage(role="wizard", content="x")])
+        ),
     ],
 )
 async def test_invalid_requests(

@@ -129,6 +129,7 @@ async def test_completion_logprobs_stream(client: openai.AsyncOpenAI) -> None:
         {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "min_tokens": 5},
         {"model": MODEL, "messages": MESSAGES, "min_tokens": -1},
         {"model": MODEL, "messages": MESSAGES, "ignore_eos": "yes"},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
     ],
 )
 async def test_bad_requests_are_400(client: openai.AsyncOpenAI, body: dict[str, object]) -> None:
@@ -170,6 +171,19 @@ async def test_text_that_is_not_unicode_or_too_deep_is_400(
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
     assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+
+
+@pytest.mark.parametrize("top_p", [0, -0.5, 1.5])
+@pytest.mark.parametrize("chat", [False, True])
+async def test_top_p_outside_0_1_is_400_naming_it(
+    client: openai.AsyncOpenAI, top_p: float, chat: bool
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        if chat:
+            await client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=top_p)  # type: ignore[arg-type]
+        else:
+            await client.completions.create(model=MODEL, prompt="x", top_p=top_p)
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"] == "top_p"
 
 
 async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:

@@ -166,6 +166,7 @@ async def test_duplicate_id_is_refused_and_the_first_goes_on(ws: ClientConnectio
         ('{"type": "auth", "token": "\\ud83d"}', None),
         ('{"type": "generate", "id": "t18", "prompt": "x", "\\ud83d": 1}', "t18"),
         ('{"type": "generate", "id": "t19", "prompt": "x", "params": ' + DEEP + "}", None),
+        ('{"type": "generate", "id": "t20", "messages": [{"role": "wizard", "content": "x"}]}', "t20"),
     ],
 )
 async def test_invalid_frames_get_an_error_with_their_id(
@@ -185,6 +186,14 @@ async def test_invalid_frames_get_an_error_with_their_id(
     # The socket still works.
     await send(ws, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
     assert (await collect(ws, {"ok"}))["ok"]["text"] == expected_text(2)
+
+
+@pytest.mark.parametrize("top_p", [0, -0.5, 1.5])
+async def test_top_p_outside_0_1_is_refused_naming_it(ws: ClientConnection, top_p: float) -> None:
+    await send(ws, {"type": "generate", "id": "p", "prompt": "x", "params": {"top_p": top_p}})
+    frame = await recv(ws)
+    assert frame["type"] == "error" and frame["id"] == "p" and frame["code"] == "invalid_argument"
+    assert "top_p" in frame["message"]
 
 
 async def test_binary_frame_gets_an_error(ws: ClientConnection) -> None:
