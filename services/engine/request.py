@@ -12,6 +12,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.engine.block_manager import BlockHash
 from services.engine.params import SamplingParams, StoppingParams
 
 
@@ -34,7 +35,7 @@ class Request:
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None

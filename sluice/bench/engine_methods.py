@@ -278,9 +278,12 @@ def _engine_settings(ctx: BenchContext, batching: str) -> EngineSettings:
     )
 
 
-def _drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) -> None:
-    """Steps the engine until it has nothing left, appending each request's new tokens."""
+def drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) -> None:
+    """Steps the engine until it has nothing left, appending the new tokens of each request in `outputs`
+    and reporting them to `progress`; waits out a forming batch (`idle_s`) instead of spinning. A failed
+    request raises RuntimeError."""
     while engine.has_unfinished_requests():
+        time.sleep(engine.idle_s())
         for out in engine.step():
             if out.error is not None:
                 raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
@@ -297,14 +300,14 @@ def run_sluice(ctx: BenchContext, work: Workload, batching: str, progress: Progr
     engine = LLMEngine(_engine_settings(ctx, batching))
     greedy = SamplingParams(temperature=0.0)
     engine.add_request("warmup", _warmup_prompt(), greedy, StoppingParams(max_new_tokens=4, ignore_eos=True))
-    _drain(engine, {}, progress)
+    drain(engine, {}, progress)
     engine.reset_stats()
     outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(work))}
     with _timed(ctx.device) as elapsed:
         for i, (prompt, n) in enumerate(zip(work.prompts, work.max_new_tokens, strict=True)):
             stopping = StoppingParams(max_new_tokens=n, ignore_eos=True)
             engine.add_request(f"r{i}", list(prompt), greedy, stopping)
-        _drain(engine, outputs, progress)
+        drain(engine, outputs, progress)
     stats = engine.stats()
     ordered = [outputs[f"r{i}"] for i in range(len(work))]
     return MethodResult(

@@ -104,6 +104,7 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     from services.engine.params import SamplingParams, StoppingParams
     from services.engine.settings import EngineSettings
     from services.tokenizer.core import TokenizerCore
+    from sluice.bench.engine_methods import drain
 
     flags = ["--model", model, "--threads", str(default_engine_threads()), *engine_flags]
     settings = load_settings(EngineSettings, flags, prog="engine flags")
@@ -111,28 +112,23 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     engine = LLMEngine(settings)
     greedy = SamplingParams(temperature=0.0)
     engine.add_request("warmup", prompts[0], greedy, StoppingParams(max_new_tokens=4, ignore_eos=True))
-    _drain(engine)
+    drain(engine, {}, _no_progress)
     engine.reset_stats()
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(requests))}
     cpu, start = time.process_time(), time.perf_counter()
     for i, (ids, request) in enumerate(zip(prompts, requests, strict=True)):
         stopping = StoppingParams(max_new_tokens=request.output_len, ignore_eos=True)
         engine.add_request(f"r{i}", ids, greedy, stopping)
-    tokens = _drain(engine)
+    drain(engine, outputs, _no_progress)
     wall = time.perf_counter() - start
+    tokens = sum(len(ids) for ids in outputs.values())
     stats = engine.stats()
     return InProcessRun(tokens, wall, time.process_time() - cpu, stats.steps, stats.step_time_s,
                         stats.forward_time_s)
 
 
-def _drain(engine: Any) -> int:
-    """Steps until the engine is empty; returns the tokens generated."""
-    tokens = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.error:
-                raise RuntimeError(f"in-process request {out.request_id} failed: {out.error}")
-            tokens += len(out.new_token_ids)
-    return tokens
+def _no_progress(tokens: int) -> None:
+    """Progress callback of the in-process run: nothing to show."""
 
 
 def run_end_to_end(stack: Stack, api: str, requests: list[BenchRequest], progress: bool) -> EndToEndRun:
