@@ -1,8 +1,10 @@
 """Tokenizer core: text or chat messages → token ids, for one local Hugging Face model directory.
 
-Knows nothing of gRPC. The directory must hold `tokenizer.json`; `tokenizer_config.json` (special
-tokens, chat template), `chat_template.jinja`, `config.json` (context length, eos) and
-`generation_config.json` (eos) are read when present.
+Knows nothing of gRPC. The tokenizer is exactly what `AutoTokenizer.from_pretrained(dir)` builds for
+the model's class (Qwen2's pre-tokenizer for a Qwen2 directory even when `tokenizer.json` says
+otherwise, its special tokens, its chat template); ids come from its Rust backend
+(`tokenizers.Tokenizer`), batched. `config.json` (context length, eos) and `generation_config.json`
+(eos) are read when present.
 
 Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
 `trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
@@ -25,6 +27,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 # Special-token roles named in tokenizer_config.json, in the order Info lists them.
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
@@ -91,17 +94,28 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
-def _pick_chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
-    """`chat_template.jinja` wins over `tokenizer_config.json`; a list of named templates yields the
-    one named `default`."""
-    jinja_file = model_dir / "chat_template.jinja"
-    if jinja_file.exists():
-        return jinja_file.read_text(encoding="utf-8")
-    template = config.get("chat_template")
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+def _pick_chat_template(hf: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's chat template; of a set of named templates, the one named `default`."""
+    template = hf.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
     return template if isinstance(template, str) and template else None
+
+
+def load_backend(model_dir: Path) -> tuple[PreTrainedTokenizerBase, Tokenizer]:
+    """`AutoTokenizer.from_pretrained(model_dir)` (local files only) and its Rust backend, with
+    padding and truncation off. Raises FileNotFoundError when the directory has no tokenizer and
+    ValueError when transformers builds one without a Rust backend."""
+    try:
+        hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except OSError as exc:
+        raise FileNotFoundError(f"{model_dir}: no tokenizer transformers can load ({exc})") from exc
+    backend = getattr(hf, "backend_tokenizer", None)
+    if not isinstance(backend, Tokenizer):
+        raise ValueError(f"{model_dir}: {type(hf).__name__} has no Rust (tokenizers) backend")
+    backend.no_padding()
+    backend.no_truncation()
+    return hf, backend
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
@@ -145,20 +159,15 @@ class TokenizerCore:
 
     def __init__(self, model_dir: Path | str) -> None:
         self.model_dir = Path(model_dir)
-        tokenizer_file = self.model_dir / "tokenizer.json"
-        if not tokenizer_file.exists():
-            raise FileNotFoundError(f"{tokenizer_file} not found (need a Hugging Face fast tokenizer)")
-        self.tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        self.tokenizer.no_padding()
-        self.tokenizer.no_truncation()
+        hf, self.tokenizer = load_backend(self.model_dir)
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
         model_config = _read_json(self.model_dir / "config.json")
         gen_config = _read_json(self.model_dir / "generation_config.json")
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.context_length = self._context_length(model_config, tok_config)
-        self.chat_template = _pick_chat_template(self.model_dir, tok_config)
-        self.template_vars = self._template_vars(tok_config)
-        self.special_tokens = self._special_tokens(tok_config)
+        self.chat_template = _pick_chat_template(hf)
+        self.template_vars = self._template_vars(hf)
+        self.special_tokens = self._special_tokens()
         self.eos_token_ids = self._eos_ids(gen_config, model_config)
 
     # ---- model facts -------------------------------------------------------------------------
@@ -171,17 +180,12 @@ class TokenizerCore:
         return 0
 
     @staticmethod
-    def _template_vars(tok_config: dict[str, Any]) -> dict[str, str]:
-        """The special tokens a template sees (`bos_token`, `eos_token`, ...), as transformers'
-        `special_tokens_map` gives them."""
-        out: dict[str, str] = {}
-        for role in (*SPECIAL_ROLES, "sep", "cls", "mask"):
-            text = _token_text(tok_config.get(f"{role}_token"))
-            if text is not None:
-                out[f"{role}_token"] = text
-        return out
+    def _template_vars(hf: PreTrainedTokenizerBase) -> dict[str, str]:
+        """The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
+        `special_tokens_map`, as `apply_chat_template` passes it."""
+        return {name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)}
 
-    def _special_tokens(self, tok_config: dict[str, Any]) -> list[SpecialToken]:
+    def _special_tokens(self) -> list[SpecialToken]:
         out: list[SpecialToken] = []
         seen: set[int] = set()
         for role in SPECIAL_ROLES:
