@@ -6,8 +6,9 @@ request. The call's own deadline caps the gateway's request timeout.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -16,6 +17,7 @@ from gateway import pipeline as pl
 from gateway.auth import ApiKeys
 from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, GenerateInput, Pipeline
+from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 MAX_LOGPROBS = 20
@@ -35,50 +37,61 @@ _FINISH = {
 }
 
 
-def validate(request: gateway_pb2.PublicGenerateRequest) -> str | None:
-    """The first problem with a request, or None."""
+def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: GatewaySettings) -> GenerateInput:
+    """The pipeline's input for a request, its sampling and stopping values checked by
+    `params.generation_params` as the other APIs' are (a protobuf 0 is the field's off or default,
+    not a value; temperature 0 is greedy). Raises ParamError on the first problem."""
     kind = request.WhichOneof("input")
     if kind is None:
-        return "set 'prompt' or 'chat'"
+        raise ParamError(None, "set 'prompt' or 'chat'")
+    messages = None
     if kind == "chat":
         if not request.chat.messages:
-            return "'chat' needs at least one message"
-        for i, message in enumerate(request.chat.messages):
-            try:
-                params.chat_role(message.role, f"chat.messages[{i}]")
-            except ParamError as exc:
-                return exc.message
-    s = request.sampling
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        if not math.isfinite(getattr(s, name)):
-            return f"sampling.{name} must be finite"
-    if s.temperature < 0:
-        return "sampling.temperature must be >= 0"
-    if not 0 <= s.top_p <= 1 or not 0 <= s.min_p <= 1:
-        return "sampling.top_p and sampling.min_p must be between 0 and 1"
-    if s.top_k < 0:
-        return "sampling.top_k must be >= 0"
-    if s.repetition_penalty < 0:
-        return "sampling.repetition_penalty must be >= 0"
-    if s.logprobs > MAX_LOGPROBS:
-        return f"sampling.logprobs must be at most {MAX_LOGPROBS}"
-    if any(not stop for stop in request.stopping.stop):
-        return "stop strings must not be empty"
-    return None
+            raise ParamError("chat.messages", "'chat' needs at least one message")
+        roles = [params.chat_role(m.role, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)]
+        messages = tuple(zip(roles, (m.content for m in request.chat.messages), strict=True))
+    sampling, stopping = params.generation_params(_generation_values(request), settings)
+    if request.sampling.logprobs > MAX_LOGPROBS:
+        raise ParamError("logprobs", f"sampling.logprobs must be at most {MAX_LOGPROBS}")
+    sampling.logprobs = request.sampling.logprobs
+    stopping.stop_token_ids.extend(request.stopping.stop_token_ids)
+    stopping.include_stop_str_in_output = request.stopping.include_stop_str_in_output
+    return GenerateInput(
+        prompt=request.prompt if kind == "prompt" else None,
+        messages=messages,
+        sampling=sampling,
+        stopping=stopping,
+        skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
+        return_token_ids=request.return_token_ids,
+    )
+
+
+def _generation_values(request: gateway_pb2.PublicGenerateRequest) -> dict[str, Any]:
+    """The request's sampling and stopping fields under the names `params.GENERATION_KEYS` uses."""
+    s, t = request.sampling, request.stopping
+    values: dict[str, Any] = {"temperature": s.temperature, "ignore_eos": t.ignore_eos, "stop": list(t.stop)}
+    unless_zero = {
+        "top_p": s.top_p,
+        "top_k": s.top_k,
+        "min_p": s.min_p,
+        "presence_penalty": s.presence_penalty,
+        "frequency_penalty": s.frequency_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "max_tokens": t.max_new_tokens,
+        "min_tokens": t.min_new_tokens,
+    }
+    values.update((name, value) for name, value in unless_zero.items() if value)  # NaN is kept: refused
+    if s.HasField("seed"):
+        values["seed"] = s.seed
+    return values
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """With API keys on, a call needs `authorization: Bearer KEY` metadata (else UNAUTHENTICATED)."""
 
-    def __init__(self, pipeline: Pipeline, keys: ApiKeys) -> None:
+    def __init__(self, pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> None:
         self._pipeline = pipeline
+        self._settings = settings
         self._keys = keys
 
     async def Generate(
@@ -90,23 +103,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: authorization: Bearer KEY"
                 )
-        problem = validate(request)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        inp = GenerateInput(
-            prompt=request.prompt if request.WhichOneof("input") == "prompt" else None,
-            messages=tuple((m.role, m.content) for m in request.chat.messages)
-            if request.WhichOneof("input") == "chat"
-            else None,
-            sampling=request.sampling,
-            stopping=request.stopping,
-            skip_special_tokens=request.skip_special_tokens
-            if request.HasField("skip_special_tokens")
-            else True,
-            return_token_ids=request.return_token_ids,
-            timeout_s=context.time_remaining(),
-            api="grpc",  # the trace context in metadata is the current span's (server interceptor)
-        )
+        try:
+            inp = generation_input(request, self._settings)
+        except ParamError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        # The trace context in metadata is the current span's (server interceptor).
+        inp = dataclasses.replace(inp, timeout_s=context.time_remaining(), api="grpc")
         generation = self._pipeline.generate(inp)
         request_id = request.request_id or generation.id
         with_ids, with_logprobs = request.return_token_ids, request.sampling.logprobs > 0

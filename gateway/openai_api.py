@@ -166,27 +166,12 @@ def _parse_input(
 def _sampling_and_stopping(
     body: dict[str, Any], settings: GatewaySettings, chat: bool
 ) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
-    sampling = common_pb2.SamplingParams()
-    temperature = params.number(body, "temperature", 0.0, 2.0)
-    sampling.temperature = settings.default_temperature if temperature is None else temperature
-    sampling.top_p = params.top_p(body)
-    sampling.top_k = max(0, params.integer(body, "top_k", -1, params.MAX_INT32) or 0)
-    sampling.min_p = params.number(body, "min_p", 0.0, 1.0) or 0.0
-    sampling.presence_penalty = params.number(body, "presence_penalty", -2.0, 2.0) or 0.0
-    sampling.frequency_penalty = params.number(body, "frequency_penalty", -2.0, 2.0) or 0.0
-    sampling.repetition_penalty = params.number(body, "repetition_penalty", 0.0, 10.0) or 0.0
-    seed = params.integer(body, "seed", 0, params.MAX_SEED)
-    if seed is not None:
-        sampling.seed = seed
-    stopping = common_pb2.StoppingParams()
-    max_tokens = params.integer(body, "max_tokens", 1, params.MAX_INT32)
-    if chat:
+    values = {name: body[name] for name in params.GENERATION_KEYS if name in body}
+    if chat:  # the newer name wins
         newer = params.integer(body, "max_completion_tokens", 1, params.MAX_INT32)
-        max_tokens = newer if newer is not None else max_tokens
-    stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
-    stopping.stop.extend(params.stop_strings(body.get("stop"), "stop"))
-    params.length_controls(body, stopping)
-    return sampling, stopping
+        if newer is not None:
+            values["max_tokens"] = newer
+    return params.generation_params(values, settings)
 
 
 @dataclass

@@ -1,4 +1,12 @@
-"""Validation of client-supplied JSON values shared by the WebSocket and OpenAI-compatible APIs.
+"""Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and
+public gRPC APIs: `generation_params` turns the sampling and stopping values of any of them into the
+protobufs the pipeline takes.
+
+Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a
+positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0 to 10, seed
+0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, at most
+`MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
+detokenizer matches each one against the text after every token).
 
 Every function raises `ParamError` naming the offending parameter; callers turn it into their own
 error shape (a WebSocket `error` frame, an OpenAI error body). A document is decoded by
@@ -12,9 +20,12 @@ import json
 import math
 from typing import Any
 
+from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -130,6 +141,8 @@ def stop_strings(raw: Any, label: str) -> list[str]:
         raise ParamError(label, f"{label} must be a non-empty string or a list of them")
     if len(stops) > MAX_STOP_STRINGS:
         raise ParamError(label, f"{label} takes at most {MAX_STOP_STRINGS} strings")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ParamError(label, f"{label}: a stop string may have at most {MAX_STOP_CHARS} characters")
     return stops
 
 
@@ -182,3 +195,36 @@ def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *,
         label, most = where + "min_tokens", stopping.max_new_tokens
         raise ParamError(label, f"{label} ({min_tokens}) must not exceed max_tokens ({most})")
     stopping.min_new_tokens = min_tokens
+
+
+GENERATION_KEYS = frozenset({
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+})  # fmt: skip
+
+
+def generation_params(
+    values: dict[str, Any], settings: GatewaySettings, *, where: str = ""
+) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
+    """The sampling and stopping protobufs for the values of `GENERATION_KEYS` in `values` (other
+    keys are not read; absent or null = the default: `settings.default_temperature`,
+    `settings.default_max_tokens`, off for the rest). `where` prefixes the names in errors
+    ("params."). Raises ParamError on the first value outside the limits of the module docstring."""
+    sampling = common_pb2.SamplingParams()
+    temperature = number(values, "temperature", 0.0, MAX_TEMPERATURE, where=where)
+    sampling.temperature = settings.default_temperature if temperature is None else temperature
+    sampling.top_p = top_p(values, where=where)
+    sampling.top_k = max(0, integer(values, "top_k", -1, MAX_INT32, where=where) or 0)  # -1, 0: off
+    sampling.min_p = number(values, "min_p", 0.0, 1.0, where=where) or 0.0
+    sampling.presence_penalty = number(values, "presence_penalty", -2.0, 2.0, where=where) or 0.0
+    sampling.frequency_penalty = number(values, "frequency_penalty", -2.0, 2.0, where=where) or 0.0
+    sampling.repetition_penalty = number(values, "repetition_penalty", 0.0, 10.0, where=where) or 0.0
+    seed = integer(values, "seed", 0, MAX_SEED, where=where)
+    if seed is not None:
+        sampling.seed = seed
+    stopping = common_pb2.StoppingParams()
+    max_tokens = integer(values, "max_tokens", 1, MAX_INT32, where=where)
+    stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
+    stopping.stop.extend(stop_strings(values.get("stop"), where + "stop"))
+    length_controls(values, stopping, where=where)
+    return sampling, stopping

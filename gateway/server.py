@@ -65,7 +65,8 @@ class GatewayServer:
         self.settings = settings
         self.pipeline = pipeline
         self.grpc_server, self._health = grpc_server.new_server([SERVICE_NAME])
-        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(pipeline, keys), self.grpc_server)
+        servicer = GatewayServicer(pipeline, settings, keys)
+        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self.grpc_server)
         self.grpc_port = grpc_server.bind(self.grpc_server, settings.host, settings.grpc_port)
         self._socket = _listen(settings.host, settings.port)
         self.http_port: int = self._socket.getsockname()[1]

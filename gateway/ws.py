@@ -28,7 +28,6 @@ from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, Failed, GenerateInput, Generation, Pipeline
 from gateway.settings import GatewaySettings
-from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -132,41 +131,10 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     given = frame.get("params", {})
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
-    sampling, stopping = _parse_params(given, settings)
+    params.only_keys(given, params.GENERATION_KEYS, "params")
+    sampling, stopping = params.generation_params(given, settings, where="params.")
     return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
                          trace_context=trace_context_from(frame.get))
-
-
-_PARAMS = {
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-}  # fmt: skip
-
-
-def _parse_params(
-    given: dict[str, Any], settings: GatewaySettings
-) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
-    params.only_keys(given, _PARAMS, "params")
-    p = "params."
-    sampling = common_pb2.SamplingParams()
-    temperature = params.number(given, "temperature", 0.0, 100.0, where=p)
-    sampling.temperature = settings.default_temperature if temperature is None else temperature
-    sampling.top_p = params.top_p(given, where=p)
-    top_k = params.integer(given, "top_k", -1, params.MAX_INT32, where=p)
-    sampling.top_k = max(0, top_k or 0)  # -1 and 0 both mean off
-    sampling.min_p = params.number(given, "min_p", 0.0, 1.0, where=p) or 0.0
-    sampling.presence_penalty = params.number(given, "presence_penalty", -2.0, 2.0, where=p) or 0.0
-    sampling.frequency_penalty = params.number(given, "frequency_penalty", -2.0, 2.0, where=p) or 0.0
-    sampling.repetition_penalty = params.number(given, "repetition_penalty", 0.0, 10.0, where=p) or 0.0
-    seed = params.integer(given, "seed", 0, params.MAX_SEED, where=p)
-    if seed is not None:
-        sampling.seed = seed
-    stopping = common_pb2.StoppingParams()
-    max_tokens = params.integer(given, "max_tokens", 1, params.MAX_INT32, where=p)
-    stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
-    stopping.stop.extend(params.stop_strings(given.get("stop"), "params.stop"))
-    params.length_controls(given, stopping, where=p)
-    return sampling, stopping
 
 
 # Close codes (RFC 6455): 1000 normal (client's choice), 1008 policy violation (authentication),

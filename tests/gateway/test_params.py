@@ -1,0 +1,101 @@
+"""One validator for the three APIs: the same sampling or stopping value is refused the same way over
+the WebSocket, the OpenAI-compatible HTTP API and the public gRPC API, before anything reaches the
+engine."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+from websockets.asyncio.client import connect
+
+from gateway import params
+from gateway.server import GatewayServer
+from gateway.settings import GatewaySettings
+from services.common.pb import gateway_pb2, gateway_pb2_grpc
+from tests.gateway.conftest import WAIT_S, collect, send
+from tests.gateway.fakes import FakeUpstreams
+
+LONG_STOP = "x" * (params.MAX_STOP_CHARS + 1)
+
+# (values as the JSON APIs take them, the words every API's error message holds)
+REFUSED = [
+    ({"temperature": 5}, "temperature must be between 0 and 2"),
+    ({"top_k": -5}, "top_k must be between -1 and"),
+    ({"presence_penalty": 3}, "presence_penalty must be between -2 and 2"),
+    ({"repetition_penalty": 11}, "repetition_penalty must be between 0 and 10"),
+    ({"top_p": 1.5}, "top_p must be greater than 0 and at most 1"),
+    ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must not exceed max_tokens (4)"),
+    ({"stop": ["ok", LONG_STOP]}, f"at most {params.MAX_STOP_CHARS} characters"),
+    ({"stop": [str(i) for i in range(params.MAX_STOP_STRINGS + 1)]}, f"at most {params.MAX_STOP_STRINGS}"),
+]
+
+# JSON name → (protobuf message, field) of a PublicGenerateRequest
+_GRPC_FIELDS = {
+    "temperature": ("sampling", "temperature"),
+    "top_k": ("sampling", "top_k"),
+    "top_p": ("sampling", "top_p"),
+    "presence_penalty": ("sampling", "presence_penalty"),
+    "repetition_penalty": ("sampling", "repetition_penalty"),
+    "max_tokens": ("stopping", "max_new_tokens"),
+    "min_tokens": ("stopping", "min_new_tokens"),
+}
+
+
+async def refusal_over_ws(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
+    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        await send(client, {"type": "generate", "id": "v", "prompt": "x", "params": values})
+        end = (await collect(client, {"v"}))["v"]["end"]
+    assert end["type"] == "error"
+    return end["code"], end["message"]
+
+
+async def refusal_over_http(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+        response = await http.post("/v1/completions", content=json.dumps({"prompt": "x", **values}))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    return error["type"], error["message"]
+
+
+async def refusal_over_grpc(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
+    request = gateway_pb2.PublicGenerateRequest(prompt="x")
+    for name, value in values.items():
+        if name == "stop":
+            request.stopping.stop.extend(value)
+        else:
+            message, field = _GRPC_FIELDS[name]
+            setattr(getattr(request, message), field, value)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=WAIT_S):
+                pass
+    return caught.value.code().name, caught.value.details() or ""
+
+
+REFUSALS = {
+    "ws": (refusal_over_ws, "invalid_argument"),
+    "http": (refusal_over_http, "invalid_request_error"),
+    "grpc": (refusal_over_grpc, "INVALID_ARGUMENT"),
+}
+
+
+@pytest.mark.parametrize("api", sorted(REFUSALS))
+@pytest.mark.parametrize(("values", "words"), REFUSED)
+async def test_out_of_range_values_are_refused_alike_on_every_api(
+    gateway: GatewayServer, upstreams: FakeUpstreams, api: str, values: dict[str, Any], words: str
+) -> None:
+    refuse, expected_code = REFUSALS[api]
+    code, message = await refuse(gateway, values)
+    assert code == expected_code and words in message
+    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+
+
+def test_limits_are_inclusive() -> None:
+    values = {"temperature": 2, "stop": ["y" * params.MAX_STOP_CHARS] * params.MAX_STOP_STRINGS}
+    sampling, stopping = params.generation_params(values, GatewaySettings())
+    assert sampling.temperature == 2.0 and len(stopping.stop) == params.MAX_STOP_STRINGS
+    assert stopping.stop[0] == "y" * params.MAX_STOP_CHARS
