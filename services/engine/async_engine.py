@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.engine import EngineStats, LLMEngine
+from services.engine.errors import INVALID_ARGUMENT, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,12 @@ class _Submit:
 @dataclass
 class _Abort:
     engine_id: str
+
+
+def error_final(request_id: str, error_class: str, detail: str) -> RequestOutput:
+    """The final output of a request that ends with an error before or outside the engine's steps."""
+    message = error_message(error_class, detail)
+    return RequestOutput(request_id, [], None, True, "error", 0, 0, error=message)
 
 
 class Caller:
@@ -93,8 +100,9 @@ class Caller:
         self._engine._post(submit, self, request_id)
 
     def reject(self, request_id: str, message: str) -> None:
-        """Reports a bad submit as a final output with finish_reason "error" (the caller goes on)."""
-        self._rejected.append(RequestOutput(request_id, [], None, True, "error", 0, 0, error=message))
+        """Reports a bad submit as a final output with finish_reason "error", class `invalid_argument`
+        (the caller goes on)."""
+        self._rejected.append(error_final(request_id, INVALID_ARGUMENT, message))
         self._event.set()
 
     def abort(self, request_id: str) -> None:
@@ -271,8 +279,7 @@ class AsyncEngine:
                 deadline=command.deadline,
             )
         except ValueError as exc:
-            refused = RequestOutput(request_id, [], None, True, "error", 0, 0, error=str(exc))
-            caller._deliver([(request_id, refused)])
+            caller._deliver([(request_id, error_final(request_id, INVALID_ARGUMENT, str(exc)))])
             return
         self._owners[command.engine_id] = (caller, request_id)
 

@@ -6,7 +6,8 @@ One thread drives it: `add_request`, `abort_request` and `step` are not thread-s
 (services/engine/async_engine.py runs it on its own thread for asyncio callers).
 A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
-the next step), or a failure inside a step ("error"; the loop goes on).
+the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
+(services/engine/errors.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from services.common.models import resolve_model_dir
 from services.engine.block_manager import BlockManager
+from services.engine.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.request import Request
 from services.engine.sampler import Sampler
@@ -168,7 +170,7 @@ class LLMEngine:
     ) -> None:
         """Queues a request; it joins the batch at a coming step. ValueError on bad input.
         `trace_context` (W3C traceparent/tracestate) goes to the observer only. Past `deadline`
-        (`time.monotonic()`), the request ends with finish_reason "error" ("deadline exceeded")."""
+        (`time.monotonic()`), the request ends with finish_reason "error" (class `deadline_exceeded`)."""
         self.validate_request(request_id, prompt_ids, sampling, stopping)
         req = Request(
             request_id,
@@ -193,11 +195,12 @@ class LLMEngine:
         self.scheduler.finish(req, "cancelled")
         self._pending.append(self._output(req, []))
 
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Ends every request with finish_reason "error" (after an unexpected failure of a step)."""
+    def fail_all(self, detail: str) -> list[RequestOutput]:
+        """Ends every request with finish_reason "error", class `internal` (after an unexpected failure
+        of a step)."""
         outputs, self._pending = self._pending, []
         for req in list(self.requests.values()):
-            outputs.append(self._fail(req, message))
+            outputs.append(self._fail(req, INTERNAL, detail))
         if outputs and self.observer is not None:
             self._observe(self.observer.on_step_end, None, outputs, 0.0)
         return outputs
@@ -225,7 +228,8 @@ class LLMEngine:
             if sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
                 # Unreachable while the context length fits the pool; never spin on a stuck request.
                 stuck = self.scheduler.waiting[0]
-                outputs.append(self._fail(stuck, "request cannot be scheduled: the KV cache is too small"))
+                detail = "request cannot be scheduled: the KV cache is too small"
+                outputs.append(self._fail(stuck, INTERNAL, detail))
             if outputs and self.observer is not None:
                 self._observe(self.observer.on_step_end, None, outputs, time.perf_counter() - start)
             return outputs
@@ -236,8 +240,8 @@ class LLMEngine:
             result = self.sampler.sample(logits, sampling)
         except Exception as exc:  # a failing step fails its requests, never the loop
             log.exception("engine step failed")
-            for req, _ in sched.scheduled:
-                outputs.append(self._fail(req, f"internal error in engine step: {exc}"))
+            detail = f"internal error in engine step: {exc}"
+            outputs.extend(self._fail(req, INTERNAL, detail) for req, _ in sched.scheduled)
         else:
             self.scheduler.advance(sched)
             outputs.extend(self._postprocess(sampling, result.token_ids, result.logprobs))
@@ -279,10 +283,11 @@ class LLMEngine:
     def _expire(self, now: float) -> list[RequestOutput]:
         """Fails every request past its deadline, freeing its blocks before this step schedules."""
         expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
-        return [self._fail(req, "deadline exceeded") for req in expired]
+        return [self._fail(req, DEADLINE_EXCEEDED, "deadline exceeded") for req in expired]
 
-    def _fail(self, req: Request, message: str) -> RequestOutput:
-        self.scheduler.finish(req, "error", message)
+    def _fail(self, req: Request, error_class: str, detail: str) -> RequestOutput:
+        """Ends the request with finish_reason "error" (a no-op on the state of one already finished)."""
+        self.scheduler.finish(req, "error", error_message(error_class, detail))
         self.requests.pop(req.request_id, None)
         return self._output(req, [])
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.engine.async_engine import AsyncEngine
+from services.engine.errors import INVALID_ARGUMENT, error_class
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
@@ -200,3 +201,14 @@ async def test_build_raises_what_the_factory_raised() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         await AsyncEngine.build(factory)
+
+
+async def test_refused_submits_are_invalid_arguments(engine: AsyncEngine) -> None:
+    caller = engine.open_caller()
+    with pytest.raises(ValueError, match="context length") as err:
+        caller.submit("big", [5] * engine.engine.max_model_len, SamplingParams(), StoppingParams())
+    caller.reject("big", str(err.value))
+    caller.close_input()
+    outs = await asyncio.wait_for(collect(caller), 20)
+    assert outs["big"][-1].finish_reason == "error"
+    assert error_class(outs["big"][-1].error or "") == INVALID_ARGUMENT

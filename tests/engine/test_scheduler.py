@@ -485,6 +485,7 @@ def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
     while engine.has_unfinished_requests():
         outputs += engine.step()
     finals = {o.request_id: o for o in outputs if o.finished}
-    assert finals["late"].finish_reason == "error" and finals["late"].error == "deadline exceeded"
+    assert finals["late"].finish_reason == "error"
+    assert finals["late"].error == "deadline_exceeded: deadline exceeded"
     assert finals["on-time"].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -12,6 +12,7 @@ import pytest
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.engine import LLMEngine
+from services.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, error_class
 from services.engine.params import SamplingParams, StoppingParams
 from services.engine.server import create_server
 from services.engine.settings import EngineSettings
@@ -233,7 +234,22 @@ async def test_stream_request_past_its_timeout_ends_with_an_error(stub: engine_p
             break
     replies.cancel()
     assert final is not None and final.request_id == "slow"
-    assert final.finish_reason == common_pb2.FINISH_REASON_ERROR and final.error == "deadline exceeded"
+    assert final.finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert final.error == "deadline_exceeded: deadline exceeded"
+    assert error_class(final.error) == DEADLINE_EXCEEDED
     assert 0 < final.usage.completion_tokens < 100_000
     stats = await wait_idle(stub)
     assert stats.free_blocks == stats.num_blocks
+
+
+async def test_stream_prompt_at_the_context_length_is_an_invalid_argument(
+    stub: engine_pb2_grpc.EngineStub,
+) -> None:
+    max_model_len = (await stub.Stats(engine_pb2.StatsRequest())).max_model_len
+    request = gen_request("long", prompt=[5] * max_model_len)
+    replies = stub.Stream(iter([engine_pb2.EngineIn(submit=request)]))
+    finals = [e.final async for out in replies for e in out.entries if e.HasField("final")]
+    assert [f.request_id for f in finals] == ["long"]
+    assert finals[0].finish_reason == common_pb2.FINISH_REASON_ERROR
+    assert error_class(finals[0].error) == INVALID_ARGUMENT
+    assert "context length" in finals[0].error
