@@ -41,15 +41,24 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 class ServiceHealth:
     """The standard grpc.health.v1 service. Serving once `set_serving` is called; NOT_SERVING while
-    draining, so that load balancers stop sending new work before the server stops."""
+    draining, so that load balancers stop sending new work before the server stops, and for good once
+    `set_failed` is called (the service cannot serve any more)."""
 
     def __init__(self, service_names: Iterable[str]) -> None:
         self.servicer = health.aio.HealthServicer()
         self.names = ["", *service_names]
+        self.failed = False
+
+    async def set_failed(self) -> None:
+        """NOT_SERVING from now on, whatever `set_serving` is called with later."""
+        self.failed = True
+        await self.set_serving(False)
 
     async def set_serving(self, serving: bool) -> None:
         status = (
-            health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            health_pb2.HealthCheckResponse.SERVING
+            if serving and not self.failed
+            else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in self.names:
             await self.servicer.set(name, status)

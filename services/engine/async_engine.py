@@ -18,6 +18,11 @@ into one `RequestOutput`, never a growing queue. `await caller.get()` returns ev
 all of the caller's requests at once, so a stream sends one message per step (or fewer).
 
 Request ids are scoped per caller; inside the engine a request is known as `<caller key>/<id>`.
+
+A step that raises fails the engine's requests and the loop goes on. If the loop itself fails (failing
+those requests raised too), it ends every caller's requests with an `unavailable` error final at once,
+refuses later submits the same way, and calls the `on_fatal` callbacks (the server marks itself not
+serving).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.engine.engine import EngineStats, LLMEngine
-from services.engine.errors import INVALID_ARGUMENT, error_message
+from services.engine.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
@@ -185,6 +190,8 @@ class AsyncEngine:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
+        self._failure: str | None = None  # why the loop stopped, after an unrecoverable failure
+        self._fatal_callbacks: list[Callable[[str], None]] = []
 
     def start(self) -> None:
         """Starts the loop on a new thread."""
@@ -231,14 +238,38 @@ class AsyncEngine:
         """The engine's figures after its latest step."""
         return self._stats
 
+    def failure(self) -> str | None:
+        """None while the loop serves; after an unrecoverable failure, why it stopped."""
+        return self._failure
+
+    def on_fatal(self, callback: Callable[[str], None]) -> None:
+        """Calls `callback(reason)` once if the loop stops after an unrecoverable failure: on the loop
+        thread then, or here at once if it already has. The callback must not block."""
+        with self._cond:
+            if self._failure is None:
+                self._fatal_callbacks.append(callback)
+                return
+        callback(self._failure)
+
     def _post(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
         with self._cond:
-            self._commands.append((command, caller, request_id))
-            self._cond.notify()
+            if self._failure is None:
+                self._commands.append((command, caller, request_id))
+                self._cond.notify()
+                return
+        if isinstance(command, _Submit):
+            caller._deliver([(request_id, error_final(request_id, UNAVAILABLE, self._failure))])
 
     # ---- the loop thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the loop is about to die: no caller may wait on it
+            log.exception("engine loop failed")
+            self._fail_callers(f"engine loop stopped: {exc}")
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 self._wait_for_work()
@@ -251,7 +282,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as exc:  # a bug in a step must not kill the loop
                 log.exception("engine step raised")
-                outputs = self.engine.fail_all(f"internal error in engine step: {exc}")
+                outputs = self.engine.fail_all(f"internal error in engine step: {exc}")  # may raise: fatal
             self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
             self._dispatch(outputs)
 
@@ -296,3 +327,24 @@ class AsyncEngine:
             by_caller.setdefault(caller, []).append((request_id, out))
         for caller, delivered in by_caller.items():
             caller._deliver(delivered)
+
+    def _fail_callers(self, reason: str) -> None:
+        """Ends every request the loop knows of (in the engine or still queued) with an `unavailable`
+        error final, refuses later submits, and calls the `on_fatal` callbacks."""
+        with self._cond:
+            self._failure = reason
+            owners = list(self._owners.values())
+            owners += [(caller, rid) for cmd, caller, rid in self._commands if isinstance(cmd, _Submit)]
+            self._owners, self._commands = {}, []
+            callbacks, self._fatal_callbacks = self._fatal_callbacks, []
+        by_caller: dict[Caller, list[tuple[str, RequestOutput]]] = {}
+        for caller, request_id in owners:
+            final = error_final(request_id, UNAVAILABLE, reason)
+            by_caller.setdefault(caller, []).append((request_id, final))
+        for caller, finals in by_caller.items():
+            caller._deliver(finals)
+        for callback in callbacks:
+            try:
+                callback(reason)
+            except Exception:
+                log.exception("engine on_fatal callback failed")

@@ -197,7 +197,7 @@ class LLMEngine:
 
     def fail_all(self, detail: str) -> list[RequestOutput]:
         """Ends every request with finish_reason "error", class `internal` (after an unexpected failure
-        of a step)."""
+        of a step outside the model's execution)."""
         outputs, self._pending = self._pending, []
         for req in list(self.requests.values()):
             outputs.append(self._fail(req, INTERNAL, detail))
@@ -236,19 +236,23 @@ class LLMEngine:
         if self.observer is not None:
             self._observe(self.observer.on_scheduled, sched)
         try:
-            logits, sampling = self.runner.execute(sched.scheduled)
-            result = self.sampler.sample(logits, sampling)
+            outputs.extend(self._run_scheduled(sched))
         except Exception as exc:  # a failing step fails its requests, never the loop
             log.exception("engine step failed")
             detail = f"internal error in engine step: {exc}"
             outputs.extend(self._fail(req, INTERNAL, detail) for req, _ in sched.scheduled)
         else:
-            self.scheduler.advance(sched)
-            outputs.extend(self._postprocess(sampling, result.token_ids, result.logprobs))
             self._account(sched, time.perf_counter() - start)
         if self.observer is not None:
             self._observe(self.observer.on_step_end, sched, outputs, time.perf_counter() - start)
         return outputs
+
+    def _run_scheduled(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """execute → sample → advance → postprocess: the outputs of the scheduled requests."""
+        logits, sampling = self.runner.execute(sched.scheduled)
+        result = self.sampler.sample(logits, sampling)
+        self.scheduler.advance(sched)
+        return self._postprocess(sampling, result.token_ids, result.logprobs)
 
     @staticmethod
     def _observe(hook: Callable[..., None], *args: object) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import grpc
 
@@ -18,6 +20,8 @@ from services.engine.settings import EngineSettings
 
 SERVICE_NAME = "sluice.v1.Engine"
 
+log = logging.getLogger(__name__)
+
 
 async def create_server(
     settings: EngineSettings,
@@ -27,9 +31,28 @@ async def create_server(
     stops both (`await server.stop(grace)`, then `engine.stop()`)."""
     engine = await AsyncEngine.build(lambda: _observed_engine(settings))
     server, health = grpc_server.new_server([SERVICE_NAME])
+    _report_fatal(engine, health)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
     port = grpc_server.bind(server, settings.host, settings.port)
     return server, port, engine, health
+
+
+def _report_fatal(engine: AsyncEngine, health: ServiceHealth) -> None:
+    """Marks the service NOT_SERVING for good if the engine's loop stops after an unrecoverable failure."""
+    loop = asyncio.get_running_loop()
+    tasks: set[asyncio.Task[None]] = set()
+
+    def mark_failed() -> None:
+        task = loop.create_task(health.set_failed())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def on_fatal(reason: str) -> None:
+        log.error("engine unavailable: %s", reason)
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody asks for health
+            loop.call_soon_threadsafe(mark_failed)
+
+    engine.on_fatal(on_fatal)
 
 
 def _observed_engine(settings: EngineSettings) -> LLMEngine:

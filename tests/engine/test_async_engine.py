@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from services.engine.async_engine import AsyncEngine
-from services.engine.errors import INVALID_ARGUMENT, error_class
+from services.engine.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
@@ -201,6 +201,75 @@ async def test_build_raises_what_the_factory_raised() -> None:
 
     with pytest.raises(ValueError, match="no such model"):
         await AsyncEngine.build(factory)
+
+
+async def test_a_step_failing_after_the_model_fails_only_that_steps_requests() -> None:
+    """A step that raises past the model's execution (here advancing the scheduled requests) fails the
+    requests it ran; a request that waited outside that step still completes."""
+    core, _ = fake_engine(64, max_num_seqs=1)
+    real = core.scheduler.advance
+    calls = {"n": 0}
+
+    def flaky(sched: SchedulerOutput) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("advance bug")
+        real(sched)
+
+    core.scheduler.advance = flaky  # type: ignore[method-assign]
+    eng = AsyncEngine(core)
+    eng.start()
+    try:
+        caller = eng.open_caller()
+        caller.submit("a", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=5))
+        caller.submit("b", [5, 7], SamplingParams(), StoppingParams(max_new_tokens=3))
+        caller.close_input()
+        got = await asyncio.wait_for(collect(caller), 20)
+    finally:
+        eng.stop()
+    assert got["a"][-1].finish_reason == "error" and error_class(got["a"][-1].error or "") == INTERNAL
+    assert "advance bug" in (got["a"][-1].error or "")
+    assert [t for o in got["b"] for t in o.new_token_ids] == expected_output([5, 7], 3)
+    assert got["b"][-1].finish_reason == "length"
+    assert eng.failure() is None
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+async def test_a_failing_fail_all_ends_every_caller_and_reports_the_failure() -> None:
+    """When failing a broken step's requests raises too, the loop cannot go on: every caller gets an
+    `unavailable` final at once, later submits too, and the on_fatal callbacks learn why."""
+    core, _ = fake_engine(64)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broken engine")
+
+    core.step = broken  # type: ignore[method-assign]
+    core.fail_all = broken  # type: ignore[method-assign]
+    eng = AsyncEngine(core)
+    reasons: list[str] = []
+    eng.on_fatal(reasons.append)
+    eng.start()
+    try:
+        a, b = eng.open_caller(), eng.open_caller()
+        a.submit("x", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=5))
+        b.submit("y", [5, 7], SamplingParams(), StoppingParams(max_new_tokens=5))
+        a.close_input()
+        outs_a, outs_b = await asyncio.wait_for(asyncio.gather(collect(a), b.get()), 20)
+        assert [o.request_id for o in outs_b] == ["y"]
+        for out in (outs_a["x"][-1], outs_b[0]):
+            assert out.finished and out.finish_reason == "error"
+            assert error_class(out.error or "") == UNAVAILABLE and "broken engine" in (out.error or "")
+        b.submit("z", [5], SamplingParams(), StoppingParams(max_new_tokens=2))
+        b.close_input()
+        late = await asyncio.wait_for(collect(b), 20)
+        assert error_class(late["z"][-1].error or "") == UNAVAILABLE
+    finally:
+        eng.stop()
+    assert eng.failure() is not None and "broken engine" in eng.failure()  # type: ignore[operator]
+    assert reasons == [eng.failure()]
+    late_reasons: list[str] = []
+    eng.on_fatal(late_reasons.append)  # registered after the failure: called at once
+    assert late_reasons == reasons
 
 
 async def test_refused_submits_are_invalid_arguments(engine: AsyncEngine) -> None:

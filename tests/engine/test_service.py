@@ -8,11 +8,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.engine import LLMEngine
-from services.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, error_class
+from services.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.engine.params import SamplingParams, StoppingParams
 from services.engine.server import create_server
 from services.engine.settings import EngineSettings
@@ -253,3 +254,45 @@ async def test_stream_prompt_at_the_context_length_is_an_invalid_argument(
     assert finals[0].finish_reason == common_pb2.FINISH_REASON_ERROR
     assert error_class(finals[0].error) == INVALID_ARGUMENT
     assert "context length" in finals[0].error
+
+
+async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> None:
+    """A step that raises, then failing its requests that raises too: the loop cannot go on. Callers get
+    `unavailable` finals at once (no hang) and the service reports NOT_SERVING."""
+    settings = EngineSettings(model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32")
+    server, port, engine, health = await create_server(settings)
+    await server.start()
+    await health.set_serving(True)
+    address = f"127.0.0.1:{port}"
+    await wait_healthy(address, timeout_s=10)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("broken engine")
+
+    engine.engine.step = broken  # type: ignore[method-assign]
+    engine.engine.fail_all = broken  # type: ignore[method-assign]
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            replies = stub.Stream(iter([engine_pb2.EngineIn(submit=gen_request("a"))]))
+            finals = await asyncio.wait_for(_finals(replies), 30)
+            assert [f.request_id for f in finals] == ["a"]
+            assert error_class(finals[0].error) == UNAVAILABLE and "broken engine" in finals[0].error
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            status = health_pb2.HealthCheckResponse.SERVING
+            for _ in range(500):
+                status = (await health_stub.Check(health_pb2.HealthCheckRequest())).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.01)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await health.set_serving(True)  # a failed service stays NOT_SERVING
+            status = (await health_stub.Check(health_pb2.HealthCheckRequest())).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await server.stop(None)
+        engine.stop()
+
+
+async def _finals(replies: AsyncIterator[engine_pb2.EngineOut]) -> list[engine_pb2.RequestFinal]:
+    return [e.final async for out in replies for e in out.entries if e.HasField("final")]
