@@ -7,6 +7,7 @@ request. The call's own deadline caps the gateway's request timeout.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +20,8 @@ from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, GenerateInput, Pipeline
 from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20
 
@@ -95,6 +98,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._keys = keys
 
     async def Generate(
+        self, request: gateway_pb2.PublicGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.PublicGenerateResponse]:
+        """Any failure of the gateway itself is INTERNAL "internal error" (the log has the details)."""
+        try:
+            async for response in self._generate(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("Generate failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    async def _generate(
         self, request: gateway_pb2.PublicGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.PublicGenerateResponse]:
         if self._keys.enabled:

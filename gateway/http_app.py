@@ -3,11 +3,13 @@
 
 With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
 key in its first frame instead); the page and the health routes stay open. Every error of the
-`/v1/` HTTP routes is OpenAI-style JSON.
+`/v1/` HTTP routes, and every 5xx of any route, is OpenAI-style JSON that names no internal address
+and holds no stack trace.
 """
 
 from __future__ import annotations
 
+import logging
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request, WebSocket
@@ -20,6 +22,8 @@ from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.ws import serve_socket
 from services.common.metrics import render
+
+log = logging.getLogger(__name__)
 
 
 def chat_page() -> str:
@@ -45,6 +49,12 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        """Any other failure: a JSON 500 that names no internals (the log has the details)."""
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return ApiError(500, "internal error", type_="server_error", code="internal_error").response()
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
 from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2
+
+log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
@@ -69,8 +72,10 @@ def failure_error(failure: Failed, settings: GatewaySettings) -> ApiError:
         return ApiError(
             429, failure.message, type_="rate_limit_error", code="rate_limit_exceeded", headers=headers
         )
-    if failure.code in (pl.UNAVAILABLE, pl.DEADLINE_EXCEEDED):
+    if failure.code == pl.UNAVAILABLE:
         return ApiError(503, failure.message, type_="service_unavailable", code=failure.code)
+    if failure.code == pl.DEADLINE_EXCEEDED:
+        return ApiError(504, failure.message, type_="timeout_error", code=failure.code)
     return ApiError(500, failure.message, type_="server_error", code="internal_error")
 
 
@@ -85,16 +90,17 @@ class ParsedRequest:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object whose strings are all text (`params.check_text`), refusing
-    bodies over `limit` bytes before reading them. Raises ApiError (400)."""
+    """The request body as a JSON object whose strings are all text (`params.check_text`). Raises
+    ApiError: 413 for a body over `limit` bytes, from its Content-Length before reading any of it (or
+    once the bytes read pass `limit` when it has none); 400 for anything else."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(400, f"the request body is larger than {limit} bytes")
+        raise _too_large(limit)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ApiError(400, f"the request body is larger than {limit} bytes")
+            raise _too_large(limit)
     try:
         parsed = params.parse_json(body)
         params.check_text(parsed)
@@ -103,6 +109,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ApiError(400, "the body must be a JSON object")
     return parsed
+
+
+def _too_large(limit: int) -> ApiError:
+    message = f"the request body is larger than {limit} bytes"
+    return ApiError(413, message, code="request_too_large")
 
 
 _UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
@@ -304,7 +315,9 @@ class OpenAIHandlers:
         try:
             served = (await self._pipeline.model_info()).model
         except grpc.aio.AioRpcError as exc:
-            raise ApiError(503, f"tokenizer: {exc.details()}", type_="service_unavailable") from None
+            log.warning("model info from the tokenizer failed: %s: %s", exc.code().name, exc.details())
+            message, kind = "tokenizer unavailable", "service_unavailable"
+            raise ApiError(503, message, type_=kind, code="unavailable") from None
         if asked is not None and asked != served:
             raise ApiError(404, f"the model '{asked}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")  # fmt: skip

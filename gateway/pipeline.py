@@ -165,6 +165,17 @@ class _EventSlot:
             await self._wake.wait()
 
 
+def _tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
+    """A failed Tokenize call as the client sees it: the tokenizer's own words when it refused the
+    input, else only the class of the failure (the log has the details, addresses included)."""
+    code = _RPC_CODES.get(exc.code(), INTERNAL)
+    if code in (INVALID_ARGUMENT, RESOURCE_EXHAUSTED):
+        return Failed(code, f"tokenizer: {exc.details() or exc.code().name}")
+    log.warning("tokenize failed: %s: %s", exc.code().name, exc.details())
+    words = {UNAVAILABLE: "unavailable", DEADLINE_EXCEEDED: "deadline exceeded"}.get(code, "failed")
+    return Failed(code, f"tokenizer {words}")
+
+
 EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
 DetokLink = StreamLink[
     detokenizer_pb2.DetokenizeInEntry, detokenizer_pb2.DetokenizeIn, detokenizer_pb2.DetokenizeOut
@@ -370,8 +381,7 @@ class Pipeline:
             with request.trace.active():
                 ids = await self._tokenize(request, deadline)
         except grpc.aio.AioRpcError as exc:
-            code = _RPC_CODES.get(exc.code(), INTERNAL)
-            self._finish(request, Failed(code, f"tokenizer: {exc.details() or exc.code().name}"))
+            self._finish(request, _tokenizer_failure(exc))
             return
         if request.finished:
             return
@@ -559,7 +569,7 @@ class Pipeline:
         for request_id in list(link.request_ids):
             request = self._requests.get(request_id)
             if request is not None:
-                self._finish(request, Failed(UNAVAILABLE, f"{link.kind} at {link.address}: {reason}"))
+                self._finish(request, Failed(UNAVAILABLE, f"{link.kind} unavailable"))
         link.request_ids.clear()
 
     def _on_timeout(self, request: _Request, timeout_s: float) -> None:

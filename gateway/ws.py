@@ -38,7 +38,7 @@ _WS_CODES = {
     pl.INVALID_ARGUMENT: "invalid_argument",
     pl.RESOURCE_EXHAUSTED: "resource_exhausted",
     pl.UNAVAILABLE: "unavailable",
-    pl.DEADLINE_EXCEEDED: "unavailable",
+    pl.DEADLINE_EXCEEDED: "deadline_exceeded",
     pl.INTERNAL: "internal",
 }
 

@@ -76,7 +76,7 @@ async def test_body_size_cap(make_gateway: MakeGateway) -> None:
     body = {"model": MODEL, "prompt": "x" * 500}
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
         response = await http.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json=body)
-    assert response.status_code == 400
+    assert response.status_code == 413
     assert "larger than 200 bytes" in response.json()["error"]["message"]
 
 

@@ -299,14 +299,15 @@ async def test_unreachable_tokenizer_is_unavailable(upstreams: FakeUpstreams) ->
         await server.shutdown(0.1)
 
 
-async def test_request_timeout_is_an_error(upstreams: FakeUpstreams) -> None:
+async def test_request_timeout_is_deadline_exceeded(upstreams: FakeUpstreams) -> None:
     server = await create_server(gateway_settings(upstreams, request_timeout_s=0.2))
     await server.start()
     try:
         async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
             await send(client, {"type": "generate", "id": "t", "prompt": "x", "params": {"max_tokens": LONG}})
             end = (await collect(client, {"t"}))["t"]["end"]
-            assert end["type"] == "error" and end["code"] == "unavailable" and "longer than" in end["message"]
+            assert (end["type"], end["code"]) == ("error", "deadline_exceeded")
+            assert "longer than" in end["message"]
         await wait_for(upstreams.engine.aborted)
     finally:
         await server.shutdown(0.1)
