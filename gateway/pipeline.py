@@ -47,6 +47,7 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+from services.engine import errors as engine_errors
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,18 @@ def _tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
     log.warning("tokenize failed: %s: %s", exc.code().name, exc.details())
     words = {UNAVAILABLE: "unavailable", DEADLINE_EXCEEDED: "deadline exceeded"}.get(code, "failed")
     return Failed(code, f"tokenizer {words}")
+
+
+def _engine_failure(request_id: str, error: str) -> Failed:
+    """An engine error final (`services.engine.errors`) as the client sees it: its class, with the
+    engine's words only when it refused the request as given (the log has the rest)."""
+    code = engine_errors.error_class(error)
+    if code == INVALID_ARGUMENT:
+        return Failed(code, f"engine: {error}")
+    log.warning("engine failed request %s: %s", request_id, error)
+    if code == DEADLINE_EXCEEDED:
+        return Failed(code, "the request ran past its deadline")
+    return Failed(code, "engine unavailable" if code == UNAVAILABLE else "engine failed")
 
 
 EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
@@ -518,7 +531,7 @@ class Pipeline:
         if request.trace is not None:
             request.trace.engine_done(final.error)
         if final.finish_reason not in _FINISH_REASONS:
-            self._finish(request, Failed(INTERNAL, f"engine: {final.error or 'request failed'}"))
+            self._finish(request, _engine_failure(request.id, final.error))
             return
         request.detok_closed = True
         close = detokenizer_pb2.DetokenizeClose(request_id=request.id)

@@ -78,7 +78,7 @@ class _Running:
 @dataclass
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """`fail_next_submit` breaks the Stream call (UNAVAILABLE) when the next submit arrives;
-    `error_next_submit` answers the next submit with an ERROR final."""
+    `error_next_submit` (the final's error message) answers the next submit with an ERROR final."""
 
     step_s: float = 0.001
     submits: list[engine_pb2.GenerateRequest] = field(default_factory=list)
@@ -88,7 +88,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     stream_calls: int = 0
     outs: int = 0  # EngineOut messages sent
     fail_next_submit: bool = False
-    error_next_submit: bool = False
+    error_next_submit: str = ""
 
     async def Stream(
         self, request_iterator: AsyncIterator[engine_pb2.EngineIn], context: grpc.aio.ServicerContext
@@ -108,12 +108,12 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                         self.fail_next_submit = False
                         broken.append("engine crashed")
                     elif self.error_next_submit:
-                        self.error_next_submit = False
                         final = engine_pb2.RequestFinal(
                             request_id=message.submit.request_id,
                             finish_reason=common_pb2.FINISH_REASON_ERROR,
-                            error="bad request",
+                            error=self.error_next_submit,
                         )
+                        self.error_next_submit = ""
                         pending.append(engine_pb2.StepEntry(final=final))
                     else:
                         running[message.submit.request_id] = _Running(message.submit)

@@ -127,3 +127,21 @@ async def test_deadline_is_504_with_a_json_body(make_gateway: MakeGateway) -> No
         response = await http.post("/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": LONG}))
     error = assert_openai_json(response, 504)
     assert error["code"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        ("invalid_argument: the prompt is too long", 400),
+        ("deadline_exceeded: deadline exceeded", 504),
+        ("unavailable: engine loop stopped", 503),
+        (f"internal: step failed near {INTERNAL_ADDRESS}", 500),
+    ],
+)
+async def test_engine_error_classes_over_http(
+    gateway: GatewayServer, upstreams: FakeUpstreams, error: str, status: int
+) -> None:
+    upstreams.engine.error_next_submit = error
+    async with http_client(gateway) as http:
+        response = await http.post("/v1/completions", json={"prompt": "x"})
+    assert_openai_json(response, status)

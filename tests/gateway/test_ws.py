@@ -271,11 +271,23 @@ async def test_detokenizer_failure_is_unavailable_and_aborts_the_engine(
     assert upstreams.detokenizer.stream_calls == 2
 
 
-async def test_engine_error_final_is_internal(ws: ClientConnection, upstreams: FakeUpstreams) -> None:
-    upstreams.engine.error_next_submit = True
+@pytest.mark.parametrize(
+    ("error", "code", "message"),
+    [
+        ("internal: step failed at 0x7f3a", "internal", "engine failed"),
+        ("no class given", "internal", "engine failed"),
+        ("unavailable: engine loop stopped: CUDA error", "unavailable", "engine unavailable"),
+        ("deadline_exceeded: deadline exceeded", "deadline_exceeded", "the request ran past its deadline"),
+        ("invalid_argument: too long", "invalid_argument", "engine: invalid_argument: too long"),
+    ],
+)
+async def test_engine_error_final_keeps_its_class_and_only_client_facing_words(
+    ws: ClientConnection, upstreams: FakeUpstreams, error: str, code: str, message: str
+) -> None:
+    upstreams.engine.error_next_submit = error
     await send(ws, {"type": "generate", "id": "e", "prompt": "x"})
     end = (await collect(ws, {"e"}))["e"]["end"]
-    assert end["type"] == "error" and end["code"] == "internal" and "bad request" in end["message"]
+    assert (end["type"], end["code"], end["message"]) == ("error", code, message)
     await wait_for(upstreams.detokenizer.closed)
     assert upstreams.detokenizer.closes == [upstreams.engine.submits[0].request_id]
 
