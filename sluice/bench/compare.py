@@ -15,7 +15,6 @@ start or a point completed no request, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -32,7 +31,7 @@ from services.engine.settings import BATCHING_POLICIES
 from sluice.bench.engine_report import Target
 from sluice.bench.serve import ServeConfig, run_meta, run_serve
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
-from sluice.bench.serve_report import _json_safe
+from sluice.bench.serve_report import write_json_doc
 from sluice.bench.stack import PeerServer, Stack, StackOptions
 from sluice.launcher import resolve_model
 
@@ -394,18 +393,13 @@ def to_json(
         for name, run in runs.items()
     }
     head, peer = runs.get(HEADLINE), runs.get(PEER)
-    return _json_safe({
+    return {
         "meta": meta,
         "systems": systems,
         "highest_rate_under_ttft_bound": capacities,
         "peer_ratios": peer_ratios(head, peer) if head and peer else [],
         "targets": [t.__dict__ for t in targets],
-    })
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    }
 
 
 def _plot_x(rates: Sequence[float]) -> dict[float, float]:
@@ -473,7 +467,7 @@ def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str
     for target in targets:
         print(target.line())
     if args.json is not None:
-        write_json(args.json, to_json(runs, capacities, targets, meta))
+        write_json_doc(args.json, to_json(runs, capacities, targets, meta))
         print(f"wrote {args.json}")
     if args.plot is not None:
         title = (f"sluice bench compare: {args.num_requests} requests per point, ~{args.input_len} prompt + "

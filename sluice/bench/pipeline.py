@@ -20,7 +20,6 @@ times and the best of each is compared (every run is in the JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -35,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.bench.serve import run_meta
 from sluice.bench.serve_data import BenchRequest, uniform_requests
+from sluice.bench.serve_report import write_json_doc
 from sluice.bench.stack import Stack, StackOptions
 from sluice.launcher import default_engine_threads, resolve_model
 
@@ -333,8 +333,7 @@ def main(argv: list[str]) -> int:
             "best": best.to_json(),
             "runs": [Comparison(i, e).to_json() for i, e in zip(in_process, end_to_end, strict=True)],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        write_json_doc(args.json, payload)
         print(f"wrote {args.json}")
     if args.plot is not None:
         write_plot(args.plot, best)

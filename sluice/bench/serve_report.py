@@ -154,14 +154,14 @@ def format_summary(result: ServeResult) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """`value` with every non-finite float written as the string "inf", "-inf" or "nan" (JSON has none)."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -174,8 +174,13 @@ def write_json(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
         "started_at": result.started_at,
         "records": [dataclasses.asdict(r) for r in result.records],
     }
+    write_json_doc(path, doc)
+
+
+def write_json_doc(path: Path, doc: dict[str, Any]) -> None:
+    """Writes `doc` as JSON (non-finite floats as strings, see `json_safe`), making the folder if needed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
 def chunk_times(record: RequestRecord) -> np.ndarray:
