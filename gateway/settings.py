@@ -55,6 +55,43 @@ class GatewaySettings:
         default=(), metadata={"help": "accepted API keys, comma-separated (none = open)"}
     )
     api_keys_file: str = field(default="", metadata={"help": "file of accepted API keys, one a line"})
+    served_model_name: str = field(
+        default="", metadata={"help": "model name the APIs answer to (default: the model directory's name)"}
+    )
+    upstream_wait_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "longest a request waits for a stage that is connecting or restarting (within its "
+            "deadline) before it fails with unavailable"
+        },
+    )
+    ws_allowed_origins: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "WebSocket Origins accepted, comma-separated, '*' = any (none = the gateway's own "
+            "origin only; a client that sends no Origin, not a browser, is accepted)"
+        },
+    )
+    ws_auth_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds a WebSocket has to send its auth frame when API keys are on"}
+    )
+    ws_max_in_flight: int = field(
+        default=16, metadata={"help": "most generations one WebSocket may run at once (0 = no cap)"}
+    )
+    send_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "longest one write to a client may block (a client that stops reading) before the "
+            "request is cancelled and the connection closed"
+        },
+    )
+    tls_ca_file: str = field(
+        default="", metadata={"help": "PEM CA that signs the stages' certificates (set = TLS to the stages)"}
+    )
+    tls_cert_file: str = field(
+        default="", metadata={"help": "PEM client certificate for mutual TLS to the stages"}
+    )
+    tls_key_file: str = field(default="", metadata={"help": "PEM key of --tls-cert-file"})
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -73,6 +110,21 @@ class GatewaySettings:
         for name in ("detokenizer_context_ids", "max_in_flight", "max_prompt_tokens", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        for name in ("max_body_bytes", "max_ws_frame_bytes", "ws_ping_interval_s", "sse_keepalive_s"):
+        if self.upstream_wait_s < 0:
+            raise ValueError("upstream_wait_s must be >= 0")
+        if self.ws_max_in_flight < 0:
+            raise ValueError("ws_max_in_flight must be >= 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("tls_cert_file needs tls_ca_file")
+        for name in (
+            "max_body_bytes",
+            "max_ws_frame_bytes",
+            "ws_ping_interval_s",
+            "sse_keepalive_s",
+            "ws_auth_timeout_s",
+            "send_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
