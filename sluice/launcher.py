@@ -3,7 +3,15 @@
 Starts tokenizer, engine, detokenizer and gateway on 127.0.0.1 (gateway HTTP on --port, gateway gRPC
 on --grpc-base-port, the three stages on the next three ports), waits until every one answers its
 health check, prints the chat URL, and then watches: SIGINT/SIGTERM stop all children cleanly
-(SIGTERM, then SIGKILL after a grace period); a child that dies is named and the launcher exits 1.
+(SIGTERM, then SIGKILL after a grace period). Every start of a child prints a line with its pid
+("sluice up: engine started (pid 1234)").
+
+A child that dies once the pipeline is up is restarted, as compose's `restart:` or Kubernetes would:
+the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each restart in the
+window, at most 8 s), and starts it again; the other children keep running untouched. A child that
+dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds (default 60)
+makes the launcher give up: it stops every child and exits 1 naming it. A child that dies during
+start-up is not restarted (a bad flag or model would only fail again): the launcher exits 1.
 
 The engine shares this host's cores with the other three services and the clients, so it gets
 `--threads` = one less than the cores (at least one; `--engine-threads` overrides), and every child
@@ -27,14 +35,17 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.grpc_server import wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
+WATCH_INTERVAL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,43 @@ class Child:
     name: str
     grpc_port: int
     flags: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead child is started again: after `initial_backoff_s`, doubling with each restart of
+    that child within the last `window_s` seconds, at most `max_backoff_s`; never more than
+    `max_restarts` times within `window_s` seconds."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+
+@dataclass
+class RestartTracker:
+    """The restart history of one child under a `RestartPolicy` (pure: the caller passes the time)."""
+
+    policy: RestartPolicy
+    restarts: deque[float] = field(default_factory=deque)
+
+    def on_exit(self, now: float) -> float | None:
+        """The child died at `now` (monotonic seconds): the delay before starting it again, or None
+        when it already had `max_restarts` restarts within the window (give up). A returned delay
+        counts as a restart at `now`."""
+        while self.restarts and now - self.restarts[0] >= self.policy.window_s:
+            self.restarts.popleft()
+        if len(self.restarts) >= self.policy.max_restarts:
+            return None
+        delay = self.policy.initial_backoff_s * 2 ** len(self.restarts)
+        self.restarts.append(now)
+        return min(delay, self.policy.max_backoff_s)
+
+    @property
+    def recent(self) -> int:
+        """Restarts counted in the window as of the last `on_exit`."""
+        return len(self.restarts)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -70,6 +118,10 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--trace-console", action="store_true", help="print every finished span on the console")
     add("--metrics-base-port", type=int, default=0,
         help="tokenizer, engine, detokenizer serve /metrics on this port and the next two (0 = none)")
+    add("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="N",
+        help="restarts of one dead child allowed within --restart-window-s before giving up (default: 5)")
+    add("--restart-window-s", type=float, default=RestartPolicy.window_s, metavar="S",
+        help="the window of --max-restarts, in seconds (default: 60)")
     return parser.parse_args(argv)
 
 
@@ -157,7 +209,13 @@ class Supervisor:
 
     def start(self) -> None:
         for child in self.children:
-            self.procs[child.name] = subprocess.Popen(self.command(child), env=self.env)
+            self.start_child(child)
+
+    def start_child(self, child: Child) -> None:
+        """Starts (or starts again) one child and prints its pid."""
+        proc = subprocess.Popen(self.command(child), env=self.env)
+        self.procs[child.name] = proc
+        print(f"sluice up: {child.name} started (pid {proc.pid})", flush=True)
 
     @staticmethod
     def command(child: Child) -> list[str]:
@@ -165,11 +223,12 @@ class Supervisor:
         return [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
 
     def dead_child(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            code = proc.poll()
-            if code is not None:
-                return name, code
-        return None
+        dead = self.dead_children()
+        return dead[0] if dead else None
+
+    def dead_children(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every child that has exited (a code -N: killed by signal N)."""
+        return [(name, code) for name, proc in self.procs.items() if (code := proc.poll()) is not None]
 
     async def wait_all_healthy(self, host: str, timeout_s: float) -> None:
         """Returns when every child is SERVING; raises RuntimeError naming a child that died first."""
@@ -202,15 +261,54 @@ class Supervisor:
                 proc.wait()
 
 
-async def _watch(supervisor: Supervisor, stop: asyncio.Event) -> int:
-    """Waits for a stop signal (returns 0) or a dead child (returns 1)."""
+def describe_exit(code: int) -> str:
+    """"code 1", or "code -9 (SIGKILL)" for a child killed by a signal."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"code {code} ({signal.Signals(-code).name})"
+    return f"code {code}"
+
+
+class Watcher:
+    """Restarts children that die once the pipeline is up, under one `RestartPolicy` per child."""
+
+    def __init__(self, supervisor: Supervisor, policy: RestartPolicy) -> None:
+        self.supervisor = supervisor
+        self.policy = policy
+        self.trackers = {child.name: RestartTracker(policy) for child in supervisor.children}
+        self.due: dict[str, float] = {}  # child name → monotonic time of its next start
+
+    def check(self, now: float) -> str | None:
+        """Notes new deaths and starts children whose backoff has passed; returns the name of a child
+        to give up on, if any."""
+        for name, code in self.supervisor.dead_children():
+            if name in self.due:
+                continue
+            delay = self.trackers[name].on_exit(now)
+            if delay is None:
+                print(f"sluice up: {name} exited with {describe_exit(code)} after {self.policy.max_restarts} "
+                      f"restarts within {self.policy.window_s:g}s; giving up and stopping the others",
+                      file=sys.stderr, flush=True)
+                return name
+            print(f"sluice up: {name} exited with {describe_exit(code)}; restarting it in {delay:g}s "
+                  f"(restart {self.trackers[name].recent} of {self.policy.max_restarts} allowed within "
+                  f"{self.policy.window_s:g}s)", file=sys.stderr, flush=True)
+            self.due[name] = now + delay
+        for child in self.supervisor.children:
+            if child.name in self.due and self.due[child.name] <= now:
+                del self.due[child.name]
+                self.supervisor.start_child(child)
+        return None
+
+
+async def _watch(supervisor: Supervisor, stop: asyncio.Event, policy: RestartPolicy) -> int:
+    """Restarts dead children until a stop signal (returns 0) or a child that keeps dying (returns 1)."""
+    watcher = Watcher(supervisor, policy)
     while not stop.is_set():
-        dead = supervisor.dead_child()
-        if dead is not None:
-            print(f"sluice up: {dead[0]} exited with code {dead[1]}; stopping the others", file=sys.stderr)
+        if watcher.check(time.monotonic()) is not None:
             return 1
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=0.5)
+            await asyncio.wait_for(stop.wait(), timeout=WATCH_INTERVAL_S)
     return 0
 
 
@@ -238,7 +336,8 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"sluice is up: chat at http://{args.host}:{args.port}/  (model: {model})", flush=True)
         print(f"  gateway gRPC {args.host}:{args.grpc_base_port}; Ctrl-C stops everything", flush=True)
         print(f"  {access_line(os.environ)}", flush=True)
-        return await _watch(supervisor, stop)
+        policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+        return await _watch(supervisor, stop, policy)
     finally:
         supervisor.stop()
 

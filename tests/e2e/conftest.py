@@ -1,15 +1,18 @@
 """Runs `sluice up` as a real subprocess on free loopback ports and waits for its ready line
-(printed only after every service has answered its health check)."""
+(printed only after every service has answered its health check). The launcher prints a line for
+every child it starts, with the child's pid; `Pipeline.pids()` reads them."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +21,7 @@ import pytest
 
 STARTUP_DEADLINE_S = 300.0
 READY_MARK = "sluice is up"
+STARTED = re.compile(r"sluice up: (\w+) started \(pid (\d+)\)")
 
 
 def _port_free(port: int) -> bool:
@@ -47,13 +51,35 @@ class Pipeline:
     grpc_base_port: int
     lines: list[str] = field(default_factory=list)
     ready: threading.Event = field(default_factory=threading.Event)
+    printed: threading.Condition = field(default_factory=threading.Condition)
 
     @property
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.http_port}/v1/ws"
 
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
     def output(self) -> str:
         return "".join(self.lines)
+
+    def pids(self) -> dict[str, int]:
+        """Child name → pid of its latest start, from the launcher's start lines."""
+        with self.printed:
+            return {m[1]: int(m[2]) for line in self.lines if (m := STARTED.search(line))}
+
+    def wait_for_start(self, name: str, other_than: int, timeout_s: float) -> int:
+        """Waits until the launcher reports a start of `name` with a pid other than `other_than`;
+        returns that pid. Raises TimeoutError with the output so far."""
+        deadline = time.monotonic() + timeout_s
+        with self.printed:
+            while (pid := self.pids().get(name, other_than)) == other_than:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise TimeoutError(f"{name} was not started again:\n{self.output()}")
+                self.printed.wait(left)
+        return pid
 
     def stop(self, sig: int = signal.SIGINT, timeout_s: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -64,9 +90,13 @@ class Pipeline:
 def _pump(pipeline: Pipeline) -> None:
     assert pipeline.proc.stdout is not None
     for line in pipeline.proc.stdout:
-        pipeline.lines.append(line)
+        with pipeline.printed:
+            pipeline.lines.append(line)
+            pipeline.printed.notify_all()
         if READY_MARK in line:
             pipeline.ready.set()
+    with pipeline.printed:
+        pipeline.printed.notify_all()
     pipeline.ready.set()
 
 

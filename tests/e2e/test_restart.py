@@ -1,0 +1,226 @@
+"""Restarts by `sluice up`: its restart policy alone (backoff, give-up window), then stage faults
+under a real `sluice up`: tokenizer, engine and detokenizer are each killed (SIGKILL) in turn while
+streams run.
+
+For each kill: the streams that depended on the stage end with an `unavailable` error frame and
+never hang (streams that did not depend on it, already tokenized when the tokenizer dies, go on);
+a request sent while the stage is down ends (`unavailable`, or done if the gateway waited for the
+stage); the launcher starts the stage again; once `/readyz` says ready a new request succeeds; no
+other child was restarted (same pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+import websockets
+
+from sluice.launcher import Child, RestartPolicy, RestartTracker, Supervisor, Watcher, describe_exit
+from tests.e2e.conftest import Pipeline
+
+CHILDREN = ("tokenizer", "engine", "detokenizer", "gateway")
+POLICY = RestartPolicy(max_restarts=5, window_s=60.0, initial_backoff_s=0.5, max_backoff_s=8.0)
+STREAMS = 4
+LONG = 100_000  # max_tokens: no stream ends on its own during the test
+WAIT_S = 120.0  # generous: two shared cores, other tests running
+
+
+# ----- the restart policy, without processes
+
+
+def test_backoff_doubles_with_each_restart_up_to_the_cap() -> None:
+    tracker = RestartTracker(RestartPolicy(max_restarts=10, window_s=60.0))
+    assert [tracker.on_exit(float(t)) for t in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+
+
+def test_gives_up_after_max_restarts_within_the_window() -> None:
+    tracker = RestartTracker(POLICY)
+    assert all(tracker.on_exit(t) is not None for t in (0.0, 1.0, 2.0, 3.0, 4.0))
+    assert tracker.on_exit(59.9) is None
+
+
+def test_restarts_older_than_the_window_are_forgotten() -> None:
+    tracker = RestartTracker(POLICY)
+    for t in (0.0, 10.0, 20.0, 30.0, 40.0):
+        assert tracker.on_exit(t) is not None
+    assert tracker.on_exit(60.0) == 8.0  # the restart at 0 left the window; four remain
+    assert tracker.on_exit(65.0) is None  # 10, 20, 30, 40 and 60 are within 60 s of 65
+    quiet = RestartTracker(POLICY)
+    quiet.on_exit(0.0)
+    assert quiet.on_exit(100.0) == 0.5  # a child that ran a whole window starts over from the first backoff
+
+
+@dataclass
+class _Exited:
+    """A stand-in for a Popen: `poll()` gives `code` (None while running)."""
+
+    pid: int
+    code: int | None = None
+
+    def poll(self) -> int | None:
+        return self.code
+
+
+class _FakeSupervisor(Supervisor):
+    """A Supervisor whose children are `_Exited` stand-ins; `starts` lists every start by name."""
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__([Child(name, 0, ()) for name in names], env={})
+        self.starts: list[str] = []
+        for child in self.children:
+            self.start_child(child)
+
+    def start_child(self, child: Child) -> None:
+        self.starts.append(child.name)
+        self.procs[child.name] = _Exited(pid=len(self.starts))  # type: ignore[assignment]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].code = -signal.SIGKILL  # type: ignore[attr-defined]
+
+
+def test_the_watcher_restarts_only_the_dead_child_after_its_backoff() -> None:
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, POLICY)
+    supervisor.kill("engine")
+    assert watcher.check(100.0) is None
+    assert watcher.check(100.4) is None
+    assert supervisor.starts == ["tokenizer", "engine"]  # still backing off
+    assert watcher.check(100.5) is None
+    assert supervisor.starts == ["tokenizer", "engine", "engine"]
+    assert supervisor.procs["engine"].poll() is None
+    supervisor.kill("engine")
+    assert watcher.check(101.0) is None
+    assert watcher.check(101.9) is None
+    assert watcher.check(102.0) is None  # the second backoff is 1 s
+    assert supervisor.starts == ["tokenizer", "engine", "engine", "engine"]
+
+
+def test_the_watcher_gives_up_on_a_child_that_keeps_dying() -> None:
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, RestartPolicy(max_restarts=2, window_s=60.0))
+    now = 0.0
+    for _ in range(2):
+        supervisor.kill("tokenizer")
+        assert watcher.check(now) is None
+        now += 10.0
+        assert watcher.check(now) is None
+    supervisor.kill("tokenizer")
+    assert watcher.check(now) == "tokenizer"
+    assert supervisor.starts.count("engine") == 1
+
+
+def test_exit_codes_name_the_signal() -> None:
+    assert describe_exit(-9) == "code -9 (SIGKILL)"
+    assert describe_exit(1) == "code 1"
+
+
+# ----- kills under a real `sluice up`
+
+
+async def _recv(ws: Any) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout=WAIT_S))
+
+
+async def _start_streams(ws: Any, tag: str) -> list[str]:
+    """Starts STREAMS long greedy generations; returns once each has streamed text."""
+    ids = [f"{tag}-{i}" for i in range(STREAMS)]
+    params = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
+    for rid in ids:
+        await ws.send(
+            json.dumps({"type": "generate", "id": rid, "prompt": f"Story {rid}:", "params": params})
+        )
+    streaming: set[str] = set()
+    while streaming != set(ids):
+        frame = await _recv(ws)
+        assert frame["type"] == "delta", frame
+        streaming.add(frame["id"])
+    return ids
+
+
+async def _ends(ws: Any, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Reads until every id got its terminal frame (deltas in between are skipped)."""
+    ends: dict[str, dict[str, Any]] = {}
+    while set(ends) != set(ids):
+        frame = await _recv(ws)
+        if frame["type"] != "delta":
+            assert frame["id"] not in ends, f"two terminal frames: {frame}"
+            ends[frame["id"]] = frame
+    return ends
+
+
+async def _still_streaming(ws: Any, ids: list[str]) -> None:
+    """Every stream sends more text, then is cancelled by the client."""
+    fresh: set[str] = set()
+    while fresh != set(ids):
+        frame = await _recv(ws)
+        assert frame["type"] == "delta", frame
+        fresh.add(frame["id"])
+    for rid in ids:
+        await ws.send(json.dumps({"type": "cancel", "id": rid}))
+    for frame in (await _ends(ws, ids)).values():
+        assert frame["type"] == "done" and frame["finish_reason"] == "cancelled", frame
+
+
+async def _wait_ready(client: httpx.AsyncClient) -> None:
+    """Polls /readyz until every upstream answers SERVING."""
+    deadline = time.monotonic() + WAIT_S
+    while (reply := await client.get("/readyz")).status_code != 200:
+        assert reply.status_code == 503, reply.text
+        assert time.monotonic() < deadline, f"not ready after {WAIT_S:.0f}s: {reply.text}"
+        await asyncio.sleep(0.1)
+
+
+async def _one_generation(url: str) -> dict[str, Any]:
+    """One short generation on a socket of its own; returns its terminal frame."""
+    async with websockets.connect(url) as ws:
+        params = {"max_tokens": 8, "temperature": 0}
+        await ws.send(json.dumps({"type": "generate", "id": "one", "prompt": "Once upon", "params": params}))
+        return (await _ends(ws, ["one"]))["one"]
+
+
+def _kill(pid: int) -> None:
+    victim = psutil.Process(pid)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=WAIT_S)
+
+
+async def _kill_under_load(pipeline: Pipeline, stage: str) -> None:
+    before = pipeline.pids()
+    assert set(before) == set(CHILDREN), pipeline.output()
+    async with websockets.connect(pipeline.ws_url) as ws:
+        ids = await _start_streams(ws, stage)
+        _kill(before[stage])
+        while_down = asyncio.ensure_future(_one_generation(pipeline.ws_url))
+        if stage == "tokenizer":
+            await _still_streaming(ws, ids)
+        else:
+            for frame in (await _ends(ws, ids)).values():
+                assert frame["type"] == "error" and frame["code"] == "unavailable", frame
+                assert stage in frame["message"] and "127.0.0.1" not in frame["message"], frame
+    # The gateway fails it at once, or waits for the stage (upstream_wait_s) and serves it.
+    ended = await while_down
+    assert ended["type"] == "done" or (ended["type"] == "error" and ended["code"] == "unavailable"), ended
+    restarted = await asyncio.to_thread(pipeline.wait_for_start, stage, before[stage], WAIT_S)
+    async with httpx.AsyncClient(base_url=pipeline.http_url, timeout=WAIT_S) as client:
+        await _wait_ready(client)
+    after = await _one_generation(pipeline.ws_url)
+    assert after["type"] == "done" and after["usage"]["completion_tokens"] > 0, after
+    now = pipeline.pids()
+    assert now == {**before, stage: restarted}, pipeline.output()
+    children = psutil.Process(pipeline.proc.pid).children()
+    assert {child.pid for child in children} == set(now.values())
+    assert f"{stage} exited with code -9" in pipeline.output()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("stage", ["tokenizer", "engine", "detokenizer"])
+def test_a_killed_stage_fails_only_its_requests_and_is_restarted(pipeline: Pipeline, stage: str) -> None:
+    asyncio.run(_kill_under_load(pipeline, stage))
