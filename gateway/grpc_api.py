@@ -57,7 +57,6 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
     if request.sampling.logprobs > MAX_LOGPROBS:
         raise ParamError("logprobs", f"sampling.logprobs must be at most {MAX_LOGPROBS}")
     sampling.logprobs = request.sampling.logprobs
-    stopping.stop_token_ids.extend(request.stopping.stop_token_ids)
     stopping.include_stop_str_in_output = request.stopping.include_stop_str_in_output
     return GenerateInput(
         prompt=request.prompt if kind == "prompt" else None,
@@ -72,7 +71,12 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
 def _generation_values(request: gateway_pb2.PublicGenerateRequest) -> dict[str, Any]:
     """The request's sampling and stopping fields under the names `params.GENERATION_KEYS` uses."""
     s, t = request.sampling, request.stopping
-    values: dict[str, Any] = {"temperature": s.temperature, "ignore_eos": t.ignore_eos, "stop": list(t.stop)}
+    values: dict[str, Any] = {
+        "temperature": s.temperature,
+        "ignore_eos": t.ignore_eos,
+        "stop": list(t.stop),
+        "stop_token_ids": list(t.stop_token_ids),
+    }
     unless_zero = {
         "top_p": s.top_p,
         "top_k": s.top_k,

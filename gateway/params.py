@@ -6,7 +6,12 @@ Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (o
 positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0 to 10, seed
 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, at most
 `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
-detokenizer matches each one against the text after every token).
+detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
+token ids of 0 to 2**31 - 1 each (an id past the model's vocabulary can never be sampled, so never
+stops anything).
+
+`OPENAI_EXTENSIONS` are the keys of `GENERATION_KEYS` that OpenAI's API lacks and vLLM's accepts; the
+README's "OpenAI extensions" table lists the same (a test checks).
 
 Every function raises `ParamError` naming the offending parameter; callers turn it into their own
 error shape (a WebSocket `error` frame, an OpenAI error body). A document is decoded by
@@ -25,6 +30,7 @@ from services.common.pb import common_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
@@ -146,6 +152,20 @@ def stop_strings(raw: Any, label: str) -> list[str]:
     return stops
 
 
+def stop_token_ids(raw: Any, label: str) -> list[int]:
+    """A list of token ids (null = none), each an int from 0 to `MAX_INT32` (the protobuf's int32)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ParamError(label, f"{label} must be a list of token ids")
+    if len(raw) > MAX_STOP_TOKEN_IDS:
+        raise ParamError(label, f"{label} takes at most {MAX_STOP_TOKEN_IDS} ids")
+    for token_id in raw:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT32:
+            raise ParamError(label, f"{label} must hold integers from 0 to {MAX_INT32}")
+    return raw
+
+
 def chat_role(role: Any, where: str) -> str:
     """`role` when it is one of `CHAT_ROLES`; `where` names the message."""
     if role not in CHAT_ROLES:
@@ -197,9 +217,11 @@ def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *,
     stopping.min_new_tokens = min_tokens
 
 
+# What the OpenAI bodies accept beyond OpenAI's own sampling fields, as vLLM does.
+OPENAI_EXTENSIONS = ("ignore_eos", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "top_k")
 GENERATION_KEYS = frozenset({
-    "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+    "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
+    *OPENAI_EXTENSIONS,
 })  # fmt: skip
 
 
@@ -226,5 +248,6 @@ def generation_params(
     max_tokens = integer(values, "max_tokens", 1, MAX_INT32, where=where)
     stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
     stopping.stop.extend(stop_strings(values.get("stop"), where + "stop"))
+    stopping.stop_token_ids.extend(stop_token_ids(values.get("stop_token_ids"), where + "stop_token_ids"))
     length_controls(values, stopping, where=where)
     return sampling, stopping

@@ -5,6 +5,8 @@ engine."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -19,7 +21,9 @@ from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, send
 from tests.gateway.fakes import FakeUpstreams
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 LONG_STOP = "x" * (params.MAX_STOP_CHARS + 1)
+MANY_IDS = list(range(params.MAX_STOP_TOKEN_IDS + 1))
 
 # (values as the JSON APIs take them, the words every API's error message holds)
 REFUSED = [
@@ -31,6 +35,8 @@ REFUSED = [
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must not exceed max_tokens (4)"),
     ({"stop": ["ok", LONG_STOP]}, f"at most {params.MAX_STOP_CHARS} characters"),
     ({"stop": [str(i) for i in range(params.MAX_STOP_STRINGS + 1)]}, f"at most {params.MAX_STOP_STRINGS}"),
+    ({"stop_token_ids": [5, -1]}, "stop_token_ids must hold integers from 0 to"),
+    ({"stop_token_ids": MANY_IDS}, f"at most {params.MAX_STOP_TOKEN_IDS} ids"),
 ]
 
 # JSON name → (protobuf message, field) of a PublicGenerateRequest
@@ -42,6 +48,8 @@ _GRPC_FIELDS = {
     "repetition_penalty": ("sampling", "repetition_penalty"),
     "max_tokens": ("stopping", "max_new_tokens"),
     "min_tokens": ("stopping", "min_new_tokens"),
+    "min_p": ("sampling", "min_p"),
+    "ignore_eos": ("stopping", "ignore_eos"),
 }
 
 
@@ -64,8 +72,8 @@ async def refusal_over_http(server: GatewayServer, values: dict[str, Any]) -> tu
 async def refusal_over_grpc(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
     request = gateway_pb2.PublicGenerateRequest(prompt="x")
     for name, value in values.items():
-        if name == "stop":
-            request.stopping.stop.extend(value)
+        if name in ("stop", "stop_token_ids"):
+            getattr(request.stopping, name).extend(value)
         else:
             message, field = _GRPC_FIELDS[name]
             setattr(getattr(request, message), field, value)
@@ -99,3 +107,91 @@ def test_limits_are_inclusive() -> None:
     sampling, stopping = params.generation_params(values, GatewaySettings())
     assert sampling.temperature == 2.0 and len(stopping.stop) == params.MAX_STOP_STRINGS
     assert stopping.stop[0] == "y" * params.MAX_STOP_CHARS
+
+
+# One value of each OpenAI extension, and what the engine must receive for it.
+EXTENSIONS = {
+    "ignore_eos": True,
+    "min_p": 0.25,
+    "min_tokens": 2,
+    "repetition_penalty": 1.5,
+    "stop_token_ids": [7, 9],
+    "top_k": 5,
+}
+
+
+async def accept_over_ws(server: GatewayServer, values: dict[str, Any]) -> None:
+    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        await send(client, {"type": "generate", "id": "v", "prompt": "x", "params": values})
+        assert (await collect(client, {"v"}))["v"]["end"]["type"] == "done"
+
+
+async def accept_over_http(server: GatewayServer, values: dict[str, Any], path: str) -> None:
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+        response = await http.post(path, content=json.dumps({**body, **values}))
+    assert response.status_code == 200, response.text
+
+
+async def accept_over_grpc(server: GatewayServer, values: dict[str, Any]) -> None:
+    request = gateway_pb2.PublicGenerateRequest(prompt="x")
+    for name, value in values.items():
+        if name == "stop_token_ids":
+            request.stopping.stop_token_ids.extend(value)
+        else:
+            message, field = _GRPC_FIELDS[name]
+            setattr(getattr(request, message), field, value)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        replies = [r async for r in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=WAIT_S)]
+    assert replies[-1].HasField("final")
+
+
+ACCEPTS = {
+    "ws": accept_over_ws,
+    "completions": lambda server, values: accept_over_http(server, values, "/v1/completions"),
+    "chat": lambda server, values: accept_over_http(server, values, "/v1/chat/completions"),
+    "grpc": accept_over_grpc,
+}
+
+
+@pytest.mark.parametrize("api", sorted(ACCEPTS))
+async def test_every_extension_reaches_the_engine_on_every_api(
+    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+) -> None:
+    assert sorted(EXTENSIONS) == sorted(params.OPENAI_EXTENSIONS)
+    await ACCEPTS[api](gateway, {"max_tokens": 3, **EXTENSIONS})
+    submit = upstreams.engine.submits[-1]
+    assert submit.stopping.ignore_eos is True
+    assert submit.sampling.min_p == pytest.approx(0.25)
+    assert submit.stopping.min_new_tokens == 2
+    assert submit.sampling.repetition_penalty == pytest.approx(1.5)
+    assert list(submit.stopping.stop_token_ids) == [7, 9]
+    assert submit.sampling.top_k == 5
+
+
+def documented_extensions() -> list[str]:
+    """The field names of the README's "OpenAI extensions" table."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("**OpenAI extensions**")
+    rows = []
+    for line in text[start:].splitlines()[1:]:
+        if rows and not line.startswith("|"):
+            break
+        match = re.match(r"\| `(\w+)` \|", line)
+        if match:
+            rows.append(match.group(1))
+    return rows
+
+
+def test_the_readme_documents_exactly_the_accepted_extensions() -> None:
+    assert documented_extensions() == sorted(params.OPENAI_EXTENSIONS)
+    assert set(params.OPENAI_EXTENSIONS) <= params.GENERATION_KEYS
+
+
+def test_stop_token_ids_are_checked_and_kept_in_order() -> None:
+    _, stopping = params.generation_params({"stop_token_ids": [0, 2**31 - 1, 3]}, GatewaySettings())
+    assert list(stopping.stop_token_ids) == [0, 2**31 - 1, 3]
+    for bad in ([1.0], [True], [2**31], "7", {"a": 1}):
+        with pytest.raises(params.ParamError) as caught:
+            params.generation_params({"stop_token_ids": bad}, GatewaySettings(), where="params.")
+        assert caught.value.param == "params.stop_token_ids"
