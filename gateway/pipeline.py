@@ -360,7 +360,8 @@ class Pipeline:
     async def model_info(self) -> tokenizer_pb2.InfoResponse:
         """The tokenizer's Info (model name, context length), fetched once. Raises AioRpcError."""
         if self._model_info is None:
-            stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[self._tokenizers.pick()])
+            address = await self._tokenizers.pick_ready(self._settings.upstream_wait_s)
+            stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[address])
             self._model_info = await stub.Info(
                 tokenizer_pb2.InfoRequest(), timeout=self._settings.tokenize_timeout_s
             )
@@ -401,16 +402,24 @@ class Pipeline:
         request.trace.tokenized(len(ids))
         if self._model_info is not None:
             request.trace.set_attribute("gen_ai.request.model", self._model_info.model)
+        wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
+        detok = await self._detokenizers.pick_ready(wait_until - time.monotonic())
+        engine = await self._engines.pick_ready(wait_until - time.monotonic(), self._engine_load)
+        if request.finished:
+            return
         try:
-            self._submit(request, ids, deadline)
+            self._submit(request, ids, deadline, detok, engine)
         except Exception:
             log.exception("cannot submit request %s", request.id)
             self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
 
-    def _submit(self, request: _Request, ids: list[int], deadline: float) -> None:
+    def _submit(
+        self, request: _Request, ids: list[int], deadline: float, detok_address: str, engine_address: str
+    ) -> None:
         """Opens the request's decoding state, then submits it to the engine (in that order, so that
-        its first chunk always finds the state). The engine gets the time left until `deadline`
-        (`time.monotonic()`), so it ends the request itself if the gateway's own timer cannot."""
+        its first chunk always finds the state), on the replicas given. The engine gets the time left
+        until `deadline` (`time.monotonic()`), so it ends the request itself if the gateway's own timer
+        cannot."""
         if not ids:
             self._finish(request, Failed(INVALID_ARGUMENT, "the prompt is empty"))
             return
@@ -424,8 +433,8 @@ class Pipeline:
         detok_context, engine_context = request.trace.submit_contexts()
         inp = request.input
         context = self._settings.detokenizer_context_ids
-        detok = self._detok_link()
-        engine = self._engine_link()
+        detok = self._detok_link(detok_address)
+        engine = self._engine_link(engine_address)
         request.detok_link, request.engine_link = detok, engine
         detok.request_ids.add(request.id)
         engine.request_ids.add(request.id)
@@ -459,8 +468,10 @@ class Pipeline:
             message = tokenizer_pb2.TokenizeRequest(request_id=request.id, chat=chat)
         else:
             message = tokenizer_pb2.TokenizeRequest(request_id=request.id, text=inp.prompt)
+        wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
+        address = await self._tokenizers.pick_ready(wait_s)
         timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
-        stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[self._tokenizers.pick()])
+        stub = tokenizer_pb2_grpc.TokenizerStub(self._tokenizers.channels[address])
         reply = await stub.Tokenize(message, timeout=timeout)
         return list(reply.ids)
 
@@ -469,8 +480,7 @@ class Pipeline:
         link = self._engine_links.get(address)
         return len(link.request_ids) if link is not None and link.alive else 0
 
-    def _engine_link(self) -> EngineLink:
-        address = self._engines.pick(self._engine_load)
+    def _engine_link(self, address: str) -> EngineLink:
         link = self._engine_links.get(address)
         if link is None or not link.alive:
             stub = engine_pb2_grpc.EngineStub(self._engines.channels[address])
@@ -485,8 +495,7 @@ class Pipeline:
             self._engine_links[address] = link
         return link
 
-    def _detok_link(self) -> DetokLink:
-        address = self._detokenizers.pick()
+    def _detok_link(self, address: str) -> DetokLink:
         link = self._detok_links.get(address)
         if link is None or not link.alive:
             stub = detokenizer_pb2_grpc.DetokenizerStub(self._detokenizers.channels[address])

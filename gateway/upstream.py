@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -42,7 +42,8 @@ Item = TypeVar("Item")
 class Replicas:
     """Channels to every replica of one upstream service (`kind` is "tokenizer", "engine" or
     "detokenizer"). `pick` chooses the replica for new work: the least loaded by the caller's measure
-    when one is given (ties go round the replicas in turn), else the next in turn."""
+    when one is given (ties go round the replicas in turn), else the next in turn; `pick_ready` chooses
+    so among the replicas that are connected, waiting a bounded time for one when none is."""
 
     def __init__(self, kind: str, addresses: Sequence[str]) -> None:
         assert addresses, f"{kind}: no address"
@@ -56,13 +57,45 @@ class Replicas:
         }
         self._turn = itertools.count()
 
-    def pick(self, load: Callable[[str], int] | None = None) -> str:
-        """The replica for the next piece of work. `load(address)` (e.g. requests in flight there)."""
+    def pick(self, load: Callable[[str], int] | None = None, among: Collection[str] | None = None) -> str:
+        """The replica for the next piece of work. `load(address)` (e.g. requests in flight there);
+        `among`: the candidates (default: every replica; must not be empty)."""
         start = next(self._turn) % len(self.addresses)
-        in_turn = self.addresses[start:] + self.addresses[:start]
+        in_turn = [a for a in self.addresses[start:] + self.addresses[:start] if among is None or a in among]
         if load is None:
             return in_turn[0]
         return min(in_turn, key=load)
+
+    def connected(self) -> list[str]:
+        """The replicas whose channel is READY. Idle channels are asked to connect."""
+        ready = grpc.ChannelConnectivity.READY
+        return [a for a in self.addresses if self.channels[a].get_state(try_to_connect=True) == ready]
+
+    async def pick_ready(self, timeout_s: float, load: Callable[[str], int] | None = None) -> str:
+        """The replica for the next piece of work among those whose channel is READY, chosen as
+        `pick` chooses. When none is (the stage is starting or restarting), waits up to `timeout_s`
+        for the first to become READY; when none does, `pick(load)`: a call there fails at once
+        with UNAVAILABLE. Returns at once when a replica is READY."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            ready = self.connected()
+            if ready:
+                return self.pick(load, ready)
+            left = deadline - loop.time()
+            if left <= 0:
+                return self.pick(load)
+            await self._any_ready(left)
+
+    async def _any_ready(self, timeout_s: float) -> None:
+        """Returns when a channel becomes READY, or after `timeout_s`."""
+        waiters = [asyncio.ensure_future(channel.channel_ready()) for channel in self.channels.values()]
+        try:
+            await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
 
     async def check_health(self, timeout_s: float) -> dict[str, bool]:
         """grpc.health.v1 Check of every replica: address → SERVING."""
