@@ -62,15 +62,20 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
-        """The process is up and serving HTTP."""
+        """Liveness: the gateway process is up and answers HTTP (it asks no upstream)."""
         return {"status": "ok"}
 
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
-        """Every upstream replica answers its gRPC health check with SERVING."""
+        """Readiness: every stage can serve, i.e. at least one replica of each answers its gRPC health
+        check with SERVING. 200 when ready, else 503; the body names each stage and each replica."""
         upstreams = await pipeline.check_ready()
-        ready = all(upstreams.values())
-        body = {"status": "ready" if ready else "not ready", "upstreams": upstreams}
+        stages: dict[str, bool] = {}
+        for key, serving in upstreams.items():
+            kind = key.split(" ", 1)[0]
+            stages[kind] = stages.get(kind, False) or serving
+        ready = all(stages.values())
+        body = {"status": "ready" if ready else "not ready", "stages": stages, "upstreams": upstreams}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from gateway.server import GatewayServer
-from tests.gateway.conftest import WAIT_S
+from tests.gateway.conftest import WAIT_S, dead_address
 from tests.gateway.fakes import MODEL, FakeUpstreams
 
 
@@ -35,6 +35,23 @@ async def test_readyz_follows_the_upstreams(http: httpx.AsyncClient, upstreams: 
     upstream_state = response.json()["upstreams"]
     assert upstream_state[f"engine {upstreams.addresses['engine']}"] is False
     assert upstream_state[f"tokenizer {upstreams.addresses['tokenizer']}"] is True
+
+
+async def test_readyz_needs_one_serving_replica_of_every_stage(
+    make_gateway, upstreams: FakeUpstreams
+) -> None:  # type: ignore[no-untyped-def]
+    """Readiness is "every stage can serve": one engine replica of two down leaves the gateway ready."""
+    dead = dead_address()
+    server = await make_gateway(engine=(dead, upstreams.addresses["engine"]))
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+        response = await http.get("/readyz")
+        assert response.status_code == 200
+        assert response.json()["stages"] == {"tokenizer": True, "engine": True, "detokenizer": True}
+        assert response.json()["upstreams"][f"engine {dead}"] is False
+        await upstreams.stop("engine")
+        response = await http.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["stages"] == {"tokenizer": True, "engine": False, "detokenizer": True}
 
 
 async def test_models(http: httpx.AsyncClient) -> None:
