@@ -310,14 +310,17 @@ class OpenAIHandlers:
         return await self._complete(request, generation, renderer)
 
     async def model_name(self, asked: str | None) -> str:
-        """The served model's name (from the tokenizer). Raises ApiError: 503 when the tokenizer
-        cannot say, 404 when `asked` names another model."""
-        try:
-            served = (await self._pipeline.model_info()).model
-        except grpc.aio.AioRpcError as exc:
-            log.warning("model info from the tokenizer failed: %s: %s", exc.code().name, exc.details())
-            message, kind = "tokenizer unavailable", "service_unavailable"
-            raise ApiError(503, message, type_=kind, code="unavailable") from None
+        """The served model's name: `served_model_name`, else the tokenizer's (the model directory's
+        name). Raises ApiError: 503 when the tokenizer cannot say, 404 when `asked` names another
+        model."""
+        served = self._settings.served_model_name
+        if not served:
+            try:
+                served = (await self._pipeline.model_info()).model
+            except grpc.aio.AioRpcError as exc:
+                log.warning("model info from the tokenizer failed: %s: %s", exc.code().name, exc.details())
+                message, kind = "tokenizer unavailable", "service_unavailable"
+                raise ApiError(503, message, type_=kind, code="unavailable") from None
         if asked is not None and asked != served:
             raise ApiError(404, f"the model '{asked}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")  # fmt: skip

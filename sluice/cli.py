@@ -2,7 +2,7 @@
 
     sluice up [--model DIR] [--port 8000] [--grpc-base-port 50050]   the whole pipeline on this host
     sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
-    sluice model tiny DIR [--trained]                               write the embedded model
+    sluice model tiny DIR [--preset test|chat]                      write the embedded model (or a preset)
     sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks of one component
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate

@@ -45,6 +45,7 @@ from services.common.grpc_server import wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
+EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 WATCH_INTERVAL_S = 0.2
 
 
@@ -98,6 +99,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice up", description=__doc__.strip().split("\n")[0])
     add = parser.add_argument
     add("--model", default="", help="local Hugging Face model directory (default: the embedded model)")
+    add("--served-model-name", default=None, metavar="NAME",
+        help=f"model name the APIs answer to (default: {EMBEDDED_MODEL_NAME!r} for the embedded model, "
+        "else the directory's name)")
     add("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
     add("--port", type=int, default=8000, help="gateway HTTP port: chat page, WebSocket, /healthz")
     parser.add_argument(
@@ -123,6 +127,15 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     add("--restart-window-s", type=float, default=RestartPolicy.window_s, metavar="S",
         help="the window of --max-restarts, in seconds (default: 60)")
     return parser.parse_args(argv)
+
+
+def served_name_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The gateway's --served-model-name: the one given, else `tiny` for the embedded model (what the
+    README's examples send), else none (the gateway answers to the directory's name)."""
+    name = args.served_model_name
+    if name is None and not args.model:
+        name = EMBEDDED_MODEL_NAME
+    return ("--served-model-name", name) if name else ()
 
 
 def resolve_model(model: str) -> str:
@@ -194,6 +207,7 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
                 "--tokenizer", f"{args.host}:{tok}",
                 "--engine", f"{args.host}:{eng}",
                 "--detokenizer", f"{args.host}:{detok}",
+                *served_name_flags(args),
             ),
         ),
     ]

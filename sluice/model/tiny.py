@@ -211,38 +211,67 @@ def _locked(lock_path: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def copy_model_dir(src: Path, out_dir: Path) -> Path:
+    """Copies the model directory `src` to `out_dir` (missing, empty, or a previous model directory,
+    which is replaced; anything else raises FileExistsError). It appears complete or not at all."""
+    out_dir = Path(out_dir)
+    _check_replaceable(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        shutil.copytree(src, tmp, dirs_exist_ok=True)
+        _make_readable(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sluice model tiny",
-                                description="Write a small Hugging Face model directory made by the project.")
+    p = argparse.ArgumentParser(
+        prog="sluice model tiny",
+        description="Write a small Hugging Face model directory made by the project: by default the "
+        "embedded chat model that `sluice up` serves (trained once, about "
+        f"{DEFAULT_TRAIN_SECONDS:g} s, then copied from the cache); with --preset, a model built to order.",
+    )
     p.add_argument("dir", nargs="?", type=Path,
-                   help="output directory (default with --trained: the cached model, see default_model_dir)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="test")
+                   help="output directory (may be left out with --trained: prints the cached model's path)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="build this preset instead of the embedded model (test: small, for tests; "
+                   "untrained unless --train-seconds)")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
     p.add_argument("--train-seconds", type=float, default=0.0,
-                   help="training budget in seconds (0: untrained)")
+                   help=f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; "
+                   "--preset: 0, untrained)")
     p.add_argument("--trained", action="store_true",
-                   help=f"chat preset trained for {DEFAULT_TRAIN_SECONDS:g} s (overrides --preset)")
+                   help="the embedded model (the default; DIR may then be left out)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sliding-window", type=int, default=None, help="sliding-window size (qwen2, mistral)")
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="sliding-window size (qwen2, mistral; with --preset)")
     return p
 
 
 def main(argv: list[str]) -> int:
-    """`sluice model tiny [DIR] [--preset test|chat] [--arch ...] [--train-seconds S] [--trained]`."""
+    """`sluice model tiny [DIR] [--preset test|chat] [--arch ...] [--train-seconds S] [--trained]`:
+    the embedded model (the cached copy `sluice up` serves) unless --preset asks for another."""
     p = _parser()
     args = p.parse_args(argv)
-    preset, seconds = args.preset, args.train_seconds
-    if args.trained:
-        preset, seconds = "chat", seconds or DEFAULT_TRAIN_SECONDS
-    overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
+    if args.preset is not None and args.trained:
+        p.error("--trained is the embedded model; leave out --preset")
+    if args.preset is None and args.sliding_window is not None:
+        p.error("--sliding-window needs --preset (the embedded model has none)")
+    if args.dir is None and not args.trained:
+        p.error("DIR is required unless --trained (which then uses the cache)")
     try:
-        if args.dir is None:
-            if not args.trained or overrides:
-                p.error("DIR is required unless --trained (which then uses the cache)")
-            out = default_model_dir(arch=args.arch, train_seconds=seconds, seed=args.seed)
+        if args.preset is None:
+            seconds = args.train_seconds or DEFAULT_TRAIN_SECONDS
+            cached = default_model_dir(arch=args.arch, train_seconds=seconds, seed=args.seed)
+            out = cached if args.dir is None else copy_model_dir(cached, args.dir)
         else:
-            out = make_tiny_model(args.dir, preset=preset, arch=args.arch, train_seconds=seconds,
-                                  seed=args.seed, **overrides)
+            overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
+            out = make_tiny_model(args.dir, preset=args.preset, arch=args.arch,
+                                  train_seconds=args.train_seconds, seed=args.seed, **overrides)
     except (ValueError, FileExistsError) as e:
         print(f"sluice model tiny: error: {e}", file=sys.stderr)
         return 2

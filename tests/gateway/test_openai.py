@@ -255,3 +255,15 @@ async def test_dropped_plain_request_aborts_the_engine(
     with pytest.raises(asyncio.CancelledError):
         await task
     await wait_for(upstreams.engine.aborted)
+
+
+async def test_served_model_name_is_the_name_the_api_answers_to(make_gateway) -> None:  # type: ignore[no-untyped-def]
+    server = await make_gateway(served_model_name="tiny")
+    base_url = f"http://127.0.0.1:{server.http_port}/v1"
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=WAIT_S) as oai:
+        assert [m.id for m in (await oai.models.list()).data] == ["tiny"]
+        reply = await oai.completions.create(model="tiny", prompt="x", max_tokens=2)
+        assert (reply.model, reply.choices[0].text) == ("tiny", expected_text(2))
+        with pytest.raises(openai.NotFoundError) as caught:
+            await oai.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert isinstance(caught.value.body, dict) and "'tiny'" in caught.value.body["message"]

@@ -223,7 +223,7 @@ def test_replaces_a_previous_model_directory(tmp_path: Path) -> None:
 
 def test_cli_writes_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "cli"
-    assert tiny.main([str(out), "--arch", "mistral", "--sliding-window", "16"]) == 0
+    assert tiny.main([str(out), "--preset", "test", "--arch", "mistral", "--sliding-window", "16"]) == 0
     assert capsys.readouterr().out.strip() == str(out)
     config = AutoConfig.from_pretrained(out)
     assert (config.model_type, config.sliding_window) == ("mistral", 16)
@@ -235,7 +235,9 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         tiny.main([])
-    assert tiny.main([str(tmp_path), "--arch", "llama", "--sliding-window", "8"]) == 2
+    with pytest.raises(SystemExit):  # the embedded model has no sliding window
+        tiny.main([str(tmp_path / "y"), "--sliding-window", "8"])
+    assert tiny.main([str(tmp_path), "--preset", "test", "--arch", "llama", "--sliding-window", "8"]) == 2
     assert "sliding_window" in capsys.readouterr().err
 
 
@@ -277,3 +279,23 @@ def test_training_windows_start_at_documents(chat_fraction: float, second: int |
         assert (batch[:, 1] != IM_START_ID).all()
     else:
         assert (batch[:, 1] == second).all()
+
+
+def test_cli_writes_the_embedded_model_by_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_model_dir_factory: TinyModelFactory
+) -> None:
+    """`sluice model tiny DIR` writes what `sluice up` serves: a copy of the cached embedded model."""
+    embedded = tiny_model_dir_factory(num_hidden_layers=1)  # stands in for the trained chat model
+    asked: list[dict[str, object]] = []
+
+    def cached(**kwargs: object) -> Path:
+        asked.append(kwargs)
+        return embedded
+
+    monkeypatch.setattr(tiny, "default_model_dir", cached)
+    out = tmp_path / "embedded"
+    assert tiny.main([str(out)]) == 0
+    assert AutoConfig.from_pretrained(out).num_hidden_layers == 1
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in embedded.iterdir())
+    assert (out / "model.safetensors").read_bytes() == (embedded / "model.safetensors").read_bytes()
+    assert asked and asked[0]["arch"] == "llama"
