@@ -37,6 +37,7 @@ import grpc
 from gateway.observability import RequestTrace
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
+from services.common.grpc_server import ChannelTls
 from services.common.metrics import GatewayMetrics
 from services.common.pb import (
     common_pb2,
@@ -255,9 +256,10 @@ class Pipeline:
 
     def __init__(self, settings: GatewaySettings) -> None:
         self._settings = settings
-        self._tokenizers = Replicas("tokenizer", settings.tokenizer)
-        self._engines = Replicas("engine", settings.engine)
-        self._detokenizers = Replicas("detokenizer", settings.detokenizer)
+        tls = ChannelTls.from_settings(settings)
+        self._tokenizers = Replicas("tokenizer", settings.tokenizer, tls)
+        self._engines = Replicas("engine", settings.engine, tls)
+        self._detokenizers = Replicas("detokenizer", settings.detokenizer, tls)
         self.metrics = GatewayMetrics()
         self._engine_links: dict[str, EngineLink] = {}
         self._detok_links: dict[str, DetokLink] = {}

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import telemetry
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.grpc_server import CHANNEL_OPTIONS, ChannelTls, client_channel
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +45,16 @@ class Replicas:
     when one is given (ties go round the replicas in turn), else the next in turn; `pick_ready` chooses
     so among the replicas that are connected, waiting a bounded time for one when none is."""
 
-    def __init__(self, kind: str, addresses: Sequence[str]) -> None:
+    def __init__(self, kind: str, addresses: Sequence[str], tls: ChannelTls | None = None) -> None:
         assert addresses, f"{kind}: no address"
         self.kind = kind
         self.addresses = tuple(addresses)
         self.channels = {
-            address: grpc.aio.insecure_channel(
-                address, options=UPSTREAM_CHANNEL_OPTIONS, interceptors=telemetry.client_interceptors()
+            address: client_channel(
+                address,
+                tls=tls,
+                options=UPSTREAM_CHANNEL_OPTIONS,
+                interceptors=telemetry.client_interceptors(),
             )
             for address in self.addresses
         }

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.grpc_server import wait_healthy
+from services.common.grpc_server import ChannelTls, wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
@@ -175,6 +175,17 @@ def _metrics_flags(args: argparse.Namespace, offset: int) -> tuple[str, ...]:
     return ("--metrics-port", str(args.metrics_base_port + offset))
 
 
+def stage_tls(environ: Mapping[str, str]) -> ChannelTls | None:
+    """How the launcher reaches the stages for its health checks: as the gateway does, over TLS when
+    SLUICE_TLS_CA_FILE is set (with SLUICE_TLS_CERT_FILE and SLUICE_TLS_KEY_FILE as the client
+    certificate for mutual TLS). The children read the same variables (docs/security.md)."""
+    ca_file = environ.get("SLUICE_TLS_CA_FILE", "")
+    if not ca_file:
+        return None
+    cert_file, key_file = environ.get("SLUICE_TLS_CERT_FILE", ""), environ.get("SLUICE_TLS_KEY_FILE", "")
+    return ChannelTls(ca_file, cert_file, key_file)
+
+
 def access_line(environ: Mapping[str, str]) -> str:
     """Says whether the gateway's APIs need a key (SLUICE_API_KEYS / SLUICE_API_KEYS_FILE)."""
     if environ.get("SLUICE_API_KEYS") or environ.get("SLUICE_API_KEYS_FILE"):
@@ -244,10 +255,17 @@ class Supervisor:
         """(name, exit code) of every child that has exited (a code -N: killed by signal N)."""
         return [(name, code) for name, proc in self.procs.items() if (code := proc.poll()) is not None]
 
-    async def wait_all_healthy(self, host: str, timeout_s: float) -> None:
-        """Returns when every child is SERVING; raises RuntimeError naming a child that died first."""
+    async def wait_all_healthy(self, host: str, timeout_s: float, tls: ChannelTls | None = None) -> None:
+        """Returns when every child is SERVING (the stages asked over `tls` when given, the gateway's
+        public port in plaintext); raises RuntimeError naming a child that died first."""
         checks = [
-            asyncio.ensure_future(wait_healthy(f"{host}:{child.grpc_port}", timeout_s=timeout_s))
+            asyncio.ensure_future(
+                wait_healthy(
+                    f"{host}:{child.grpc_port}",
+                    timeout_s=timeout_s,
+                    tls=None if child.name == "gateway" else tls,
+                )
+            )
             for child in self.children
         ]
         try:
@@ -335,7 +353,9 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     supervisor.start()
     try:
-        startup = asyncio.ensure_future(supervisor.wait_all_healthy(args.host, args.startup_timeout))
+        startup = asyncio.ensure_future(
+            supervisor.wait_all_healthy(args.host, args.startup_timeout, stage_tls(os.environ))
+        )
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([startup, stopped], return_when=asyncio.FIRST_COMPLETED)
         if not startup.done():

@@ -4,6 +4,10 @@ graceful drain on SIGTERM/SIGINT, and a health wait for clients.
 Every service has the same shape: settings → `create_server(settings)` → servicer → core.
 `create_server` builds the server with `new_server`, adds its servicer, binds with `bind`, and returns
 `(server, port)`; `serve_forever` runs it until a signal, then drains.
+
+TLS (docs/security.md): `server_credentials(settings)` turns a stage's TLS fields into the credentials
+`bind` binds with (server TLS, or mutual TLS with a client CA); `client_channel(address, tls=...)` is
+the one way a client opens a channel to a stage, plaintext or TLS (`ChannelTls`).
 """
 
 from __future__ import annotations
@@ -13,13 +17,17 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
+from services.common.settings import StageTlsSettings
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +87,82 @@ def new_server(
     return server, health_state
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Binds an insecure port (0 picks a free one) and returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None = None
+) -> int:
+    """Binds a port (0 picks a free one), with TLS when `credentials` are given (`server_credentials`),
+    and returns the bound port."""
+    address = f"{host}:{port}"
+    if credentials is None:
+        bound = server.add_insecure_port(address)
+    else:
+        bound = server.add_secure_port(address, credentials)
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return bound
+
+
+def _read_pem(path: str) -> bytes:
+    """The bytes of one PEM file; OSError naming the file when it cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise OSError(f"cannot read TLS file {path}: {exc.strerror or exc}") from exc
+
+
+def server_credentials(settings: StageTlsSettings) -> grpc.ServerCredentials | None:
+    """The credentials a stage binds with: None without a certificate (plaintext); TLS with its
+    certificate and key; mutual TLS when `tls_client_ca_file` is set too (a client without a
+    certificate signed by that CA is refused during the handshake). Raises OSError on an unreadable
+    file."""
+    if not settings.tls_cert_file:
+        return None
+    pair = (_read_pem(settings.tls_key_file), _read_pem(settings.tls_cert_file))
+    client_ca = _read_pem(settings.tls_client_ca_file) if settings.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+@dataclass(frozen=True)
+class ChannelTls:
+    """TLS of a client channel to a stage: `ca_file` holds the PEM CA that signs the stage's
+    certificate (its subject alternative names must hold the host the address names); `cert_file`
+    and `key_file`, both or neither, are the client's own certificate for mutual TLS."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> ChannelTls | None:
+        """From an object with `tls_ca_file`, `tls_cert_file` and `tls_key_file` (the gateway's
+        settings): None when `tls_ca_file` is empty (plaintext)."""
+        if not settings.tls_ca_file:
+            return None
+        return cls(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Reads the files; raises OSError naming one that cannot be read."""
+        key = _read_pem(self.key_file) if self.key_file else None
+        chain = _read_pem(self.cert_file) if self.cert_file else None
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem(self.ca_file), private_key=key, certificate_chain=chain
+        )
+
+
+def client_channel(
+    address: str,
+    *,
+    tls: ChannelTls | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    interceptors: Sequence[Any] | None = None,
+) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address` ("host:port"): plaintext when `tls` is None, else TLS (mutual
+    TLS when `tls` has a client certificate). Raises OSError when a TLS file cannot be read."""
+    if tls is None:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options, interceptors=interceptors)
 
 
 async def serve_forever(
@@ -122,10 +200,13 @@ def run(main: Awaitable[None]) -> None:
     uvloop.run(main)  # type: ignore[arg-type]
 
 
-async def wait_healthy(address: str, *, timeout_s: float, service: str = "") -> None:
-    """Polls grpc.health.v1 Check on `address` until SERVING; raises TimeoutError after timeout_s."""
+async def wait_healthy(
+    address: str, *, timeout_s: float, service: str = "", tls: ChannelTls | None = None
+) -> None:
+    """Polls grpc.health.v1 Check on `address` (over TLS when `tls` is given, as `client_channel`)
+    until SERVING; raises TimeoutError after timeout_s."""
     deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with client_channel(address, tls=tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             with contextlib.suppress(grpc.aio.AioRpcError):

@@ -101,3 +101,26 @@ def load_settings(
         except ValueError as exc:
             parser.error(str(exc))
     return settings
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTlsSettings:
+    """The TLS fields every stage's settings share (the stage's settings class derives from this one):
+    a certificate and key turn on TLS; a client CA on top of them turns on mutual TLS (every client must
+    present a certificate that CA signed). All empty: plaintext, as before."""
+
+    tls_cert_file: str = dataclasses.field(
+        default="", metadata={"help": "PEM certificate (chain) this server presents (set = TLS)"}
+    )
+    tls_key_file: str = dataclasses.field(default="", metadata={"help": "PEM private key of --tls-cert-file"})
+    tls_client_ca_file: str = dataclasses.field(
+        default="",
+        metadata={"help": "PEM CA that must sign every client's certificate (set = mutual TLS)"},
+    )
+
+    def validate_tls(self) -> None:
+        """Raises ValueError when the TLS fields do not fit together."""
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")

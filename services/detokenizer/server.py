@@ -30,7 +30,7 @@ async def create_server(
                                    remember_finished=settings.remember_finished,
                                    read_ahead=settings.read_ahead)
     detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
-    port = grpc_server.bind(server, settings.host, settings.port)
+    port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, health, servicer
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.settings import StageTlsSettings
+
 
 @dataclass(frozen=True)
-class DetokenizerSettings:
+class DetokenizerSettings(StageTlsSettings):
     """sluice detokenizer service: streams of token ids in, streams of text deltas out."""
 
     model: str = field(default="", metadata={"help": "local Hugging Face model directory; empty = the "
@@ -26,5 +28,6 @@ class DetokenizerSettings:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        self.validate_tls()
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")

@@ -33,7 +33,7 @@ async def create_server(
     server, health = grpc_server.new_server([SERVICE_NAME])
     _report_fatal(engine, health)
     engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
-    port = grpc_server.bind(server, settings.host, settings.port)
+    port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, engine, health
 
 

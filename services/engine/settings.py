@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.settings import StageTlsSettings
+
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
 
 
 @dataclass(frozen=True)
-class EngineSettings:
+class EngineSettings(StageTlsSettings):
     """sluice engine: continuous batching over a paged KV cache."""
 
     model: str = field(
@@ -57,6 +59,7 @@ class EngineSettings:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        self.validate_tls()
         if self.batching not in BATCHING_POLICIES:
             raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}, got {self.batching!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -28,7 +28,7 @@ async def create_server(
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
     servicer = TokenizerServicer(core, max_batch_size=settings.max_batch_size)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
-    port = grpc_server.bind(server, settings.host, settings.port)
+    port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, health, servicer
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.settings import StageTlsSettings
+
 
 @dataclass(frozen=True)
-class TokenizerSettings:
+class TokenizerSettings(StageTlsSettings):
     """sluice tokenizer service: text or chat messages in, token ids out."""
 
     model: str = field(default="", metadata={"help": "local Hugging Face model directory; empty = the "
@@ -21,5 +23,6 @@ class TokenizerSettings:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        self.validate_tls()
         if self.workers < 1:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
