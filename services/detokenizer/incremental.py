@@ -19,7 +19,10 @@ characters split across ids intact. For a plain ByteLevel decoder (GPT-2, Llama 
 text comes faster from a table of each id's bytes and an incremental UTF-8 decoder (`ByteSource`).
 
 Stop strings are matched on the settled text; only the longest tail that could still grow into a stop
-string is held back.
+string is held back. Every output says how many generated ids were consumed so far (`Output.num_ids`),
+never one past the id that completed a stop string, so the caller can pair text with ids.
+
+`Vocabulary.piece` gives each token's own bytes (for logprobs): what it adds to the text before it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tokenizers import Tokenizer
 
@@ -125,11 +128,12 @@ class Vocabulary:
             i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special
         )
         decoder = _decoder_json(tokenizer)
-        byte_ids: frozenset[int] = frozenset()
+        self._byte_values: dict[int, int] = {}  # byte-fallback id → its byte
         if _uses(decoder, "ByteFallback"):
             vocab = tokenizer.get_vocab(with_added_tokens=False)
-            byte_ids = frozenset(i for token, i in vocab.items() if BYTE_TOKEN.fullmatch(token))
-        self.byte_ids = byte_ids
+            self._byte_values = {i: int(t[3:5], 16) for t, i in vocab.items() if BYTE_TOKEN.fullmatch(t)}
+        self.byte_ids = frozenset(self._byte_values)
+        self._byte_level = _uses(decoder, "ByteLevel")
         pure_byte_level = isinstance(decoder, dict) and decoder.get("type") == "ByteLevel"
         self.byte_table = _byte_table(tokenizer, self.size) if byte_table and pure_byte_level else None
 
@@ -153,6 +157,45 @@ class Vocabulary:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes token `token_id` adds to the text of the tokens before it (an id already checked).
+
+        A byte-fallback token is its one byte (`<0xE2>` is b"\\xe2"); under a ByteLevel decoder a token is
+        its bytes in the byte alphabet, part of a character included; a special token is its text.
+        Otherwise it is what the token adds to the text of a plain token before it, so a SentencePiece
+        "▁the" is b" the" and a WordPiece "##s" b"s". The pieces of a sequence join to the UTF-8 of its
+        decoded text (a leading space a decoder strips at the start included)."""
+        byte = self._byte_values.get(token_id)
+        if byte is not None:
+            return bytes((byte,))
+        if self._piece_table is not None:
+            return self._piece_table[token_id]
+        if self._anchor is None:
+            return self.decode([token_id]).encode()
+        anchor_id, anchor_text = self._anchor
+        text = self.decode([anchor_id, token_id])
+        if not text.startswith(anchor_text):
+            return self.decode([token_id]).encode()
+        return text[len(anchor_text):].encode()
+
+    @functools.cached_property
+    def _piece_table(self) -> list[bytes] | None:
+        """Every id's bytes when the decoder maps the byte alphabet back to bytes (ByteLevel)."""
+        if self.byte_table is not None:
+            return self.byte_table
+        return _byte_table(self.tokenizer, self.size) if self._byte_level else None
+
+    @functools.cached_property
+    def _anchor(self) -> tuple[int, str] | None:
+        """A plain token (its id and text: one ASCII letter or digit) to decode other tokens after."""
+        for token_id in range(self.size):
+            if token_id in self.special_ids or token_id in self._byte_values:
+                continue
+            text = self.decode([token_id])
+            if len(text) == 1 and text.isascii() and text.isalnum():
+                return token_id, text
+        return None
 
     def text_source(self, context: Sequence[int]) -> TextSource:
         """A fresh source for a request whose prompt ends with `context` (special tokens to skip
@@ -335,6 +378,16 @@ class Final:
     error: str = ""
 
 
+class Output(NamedTuple):
+    """What one chunk or close of a request gives: its new text (possibly ""), the generated ids
+    consumed so far (a running count, never past the id that completed a stop string; 0 when the
+    request is unknown or already finished), and the request's Final if this ended it."""
+
+    text: str
+    num_ids: int
+    final: Final | None
+
+
 class Session:
     """The open requests of one caller (one multiplexed call, or one per-request call).
 
@@ -377,37 +430,39 @@ class Session:
         )
         return None
 
-    def chunk(self, request_id: str, ids: Sequence[int]) -> tuple[str, Final | None]:
+    def chunk(self, request_id: str, ids: Sequence[int]) -> Output:
         """Text completed by `ids`, and a Final if a stop string matched or the chunk is invalid."""
         state = self.states.get(request_id)
         if state is None:
             if request_id in self._finished:
-                return "", None
-            return "", self._finish(Final(request_id, error=f"chunk for unknown request {request_id!r}"))
+                return Output("", 0, None)
+            unknown = Final(request_id, error=f"chunk for unknown request {request_id!r}")
+            return Output("", 0, self._finish(unknown))
         try:
             self.vocab.check(ids)
         except BadIds as exc:
             del self.states[request_id]
             final = Final(request_id, num_ids_consumed=state.num_ids_consumed, error=str(exc))
-            return "", self._finish(final)
+            return Output("", state.num_ids_consumed, self._finish(final))
         text = state.add(ids)
         if state.stop is None:
-            return text, None
+            return Output(text, state.num_ids_consumed, None)
         del self.states[request_id]
-        return text, self._finish(Final(request_id, stopped=True, stop=state.stop,
-                                        num_ids_consumed=state.num_ids_consumed))
+        final = Final(request_id, stopped=True, stop=state.stop, num_ids_consumed=state.num_ids_consumed)
+        return Output(text, state.num_ids_consumed, self._finish(final))
 
-    def close(self, request_id: str) -> tuple[str, Final | None]:
+    def close(self, request_id: str) -> Output:
         """Flushes and forgets a request: the rest of its text and its Final."""
         state = self.states.pop(request_id, None)
         if state is None:
             if request_id in self._finished:
-                return "", None
-            return "", self._finish(Final(request_id, error=f"close for unknown request {request_id!r}"))
+                return Output("", 0, None)
+            unknown = Final(request_id, error=f"close for unknown request {request_id!r}")
+            return Output("", 0, self._finish(unknown))
         text = state.close()
         final = Final(request_id, stopped=state.stopped, stop=state.stop or "",
                       num_ids_consumed=state.num_ids_consumed)
-        return text, self._finish(final)
+        return Output(text, state.num_ids_consumed, self._finish(final))
 
     def _finish(self, final: Final) -> Final:
         if final.request_id:

@@ -56,22 +56,23 @@ def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> 
         if kind == "chunk":
             chunk = entry.chunk
             request_id = chunk.request_id
-            text, final = chunk_ids(request_id, chunk.token_ids)
+            text, num_ids, final = chunk_ids(request_id, chunk.token_ids)
         elif kind == "start":
             start = entry.start
-            request_id, text = start.request_id, ""
+            request_id, text, num_ids = start.request_id, "", 0
             final = session.start(request_id, prompt_ids=start.prompt_ids,
                                   skip_special_tokens=start.skip_special_tokens, stop=start.stop,
                                   include_stop_str_in_output=start.include_stop_str_in_output)
         elif kind == "close":
             request_id = entry.close.request_id
-            text, final = session.close(request_id)
+            text, num_ids, final = session.close(request_id)
         else:
             continue
         if text:
             delta = add().delta
             delta.request_id = request_id
             delta.text = text
+            delta.num_ids = num_ids
         if final is not None:
             _set_final(add().final, final)
     return out
@@ -258,6 +259,28 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
         if isinstance(result, Exception):
             raise result
         return detokenizer_pb2.DecodeResponse(text=result)
+
+    async def TokenPieces(
+        self, request: detokenizer_pb2.TokenPiecesRequest, context: grpc.aio.ServicerContext
+    ) -> detokenizer_pb2.TokenPiecesResponse:
+        """Each id's own bytes (`Vocabulary.piece`) and their text; INVALID_ARGUMENT for an id outside
+        the vocabulary."""
+        ids = list(request.ids)
+
+        def pieces() -> list[bytes]:
+            self.vocab.check(ids)
+            return [self.vocab.piece(i) for i in ids]
+
+        began = time.monotonic()
+        result = await self.batcher.run(pieces)
+        self.metrics.duration.observe(time.monotonic() - began)
+        if isinstance(result, BadIds):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
+        if isinstance(result, Exception):
+            raise result
+        return detokenizer_pb2.TokenPiecesResponse(
+            pieces=[detokenizer_pb2.TokenPiece(text=b.decode("utf-8", "replace"), bytes=b) for b in result]
+        )
 
     def close(self) -> None:
         self.batcher.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -200,17 +201,75 @@ def test_session_lifecycle() -> None:
     assert session.start("a", stop=["."]) is None
     assert session.start("b") is None
     assert session.start("a") is not None and session.start("a").error  # already open
-    text, final = session.chunk("a", ids)
+    text, num_ids, final = session.chunk("a", ids)
     assert text == "abc def" and final is not None and final.stopped and final.stop == "."
-    assert session.chunk("a", ids) == ("", None)  # after its final: ignored
-    assert session.close("a") == ("", None)
-    text, final = session.chunk("nobody", ids)
+    assert num_ids == final.num_ids_consumed < len(ids)
+    assert session.chunk("a", ids) == ("", 0, None)  # after its final: ignored
+    assert session.close("a") == ("", 0, None)
+    text, _, final = session.chunk("nobody", ids)
     assert text == "" and final is not None and "unknown" in final.error
-    text, final = session.chunk("b", [v.size + 5])
+    text, _, final = session.chunk("b", [v.size + 5])
     assert final is not None and "outside the vocabulary" in final.error
     assert session.start("c") is None
-    text, final = session.chunk("c", ids)
-    rest, final = session.close("c")
-    assert text + rest == "abc def. ghi"
+    text, num_ids, final = session.chunk("c", ids)
+    assert num_ids == len(ids)
+    rest, num_ids, final = session.close("c")
+    assert text + rest == "abc def. ghi" and num_ids == len(ids)
     assert final is not None and not final.stopped and final.num_ids_consumed == len(ids) and not final.error
     assert not session.states
+
+
+PIECE_TEXTS = ["ab € cd. ef gh", "Emoji 😀👍🏽 and CJK 世界你好, e\u0301 combining.", "naïve café\n\nthe end"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pieces_are_each_tokens_own_bytes_and_join_to_the_text(kind: str) -> None:
+    v = vocab(kind)
+    partial = 0
+    for text in PIECE_TEXTS:
+        ids = v.tokenizer.encode(text, add_special_tokens=False).ids
+        pieces = [v.piece(i) for i in ids]
+        joined = b"".join(pieces).decode()
+        assert joined in (text, " " + text)  # SentencePiece's leading "▁" is the first piece's
+        assert joined.endswith(v.decode(ids))
+        partial += sum(1 for piece in pieces if not _valid_utf8(piece))
+    assert partial > 0  # some tokens hold part of a character ("€" is three of them)
+    for token_id in v.byte_ids:
+        value = int(v.tokenizer.id_to_token(token_id)[3:5], 16)
+        assert v.piece(token_id) == bytes([value])
+    im_end = v.tokenizer.token_to_id("<|im_end|>")
+    assert v.piece(im_end) == b"<|im_end|>"
+
+
+def test_pieces_of_the_tiny_model(tiny_model_dir: Path) -> None:
+    v = Vocabulary.from_model_dir(tiny_model_dir)
+    for text in PIECE_TEXTS:
+        ids = v.tokenizer.encode(text, add_special_tokens=False).ids
+        assert b"".join(v.piece(i) for i in ids) == text.encode()
+
+
+def _valid_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_in_the_middle_of_a_chunk_counts_ids_through_the_one_that_completed_it(
+    kind: str, include: bool
+) -> None:
+    v = vocab(kind)
+    ids = v.tokenizer.encode("ab € cd. ef gh", add_special_tokens=False).ids
+    through_stop = next(k for k in range(len(ids) + 1) if "d." in v.decode(ids[:k]))
+    assert through_stop < len(ids)
+    session = Session(v)
+    assert session.start("r", stop=["d."], include_stop_str_in_output=include) is None
+    first, num_ids, final = session.chunk("r", ids[:2])
+    assert num_ids == 2 and final is None
+    rest, num_ids, final = session.chunk("r", ids[2:])  # the stop, then more ids, in one chunk
+    assert (first + rest).strip() == ("ab € cd." if include else "ab € c")
+    assert final is not None and final.stopped
+    assert num_ids == final.num_ids_consumed == through_stop

@@ -181,3 +181,32 @@ async def test_special_tokens_and_bad_ids(served: Served, tokenizer: Tokenizer) 
     assert "bad" not in texts
     assert "-1" in finals["bad"].error and "vocabulary" in finals["bad"].error
     assert not finals["skip"].error and finals["skip"].num_ids_consumed == len(ids)
+
+
+async def test_token_pieces(served: Served, tokenizer: Tokenizer) -> None:
+    text = "héllo 世界 €"
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    reply = await served.stub.TokenPieces(pb.TokenPiecesRequest(ids=ids))
+    assert len(reply.pieces) == len(ids)
+    assert b"".join(piece.bytes for piece in reply.pieces) == text.encode()
+    assert [p.text for p in reply.pieces] == [p.bytes.decode("utf-8", "replace") for p in reply.pieces]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await served.stub.TokenPieces(pb.TokenPiecesRequest(ids=[5, -1]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_deltas_count_the_ids_consumed_up_to_a_stop_mid_chunk(
+    served: Served, tokenizer: Tokenizer
+) -> None:
+    ids = tokenizer.encode("one two three. four five", add_special_tokens=False).ids
+    through_stop = next(k for k in range(len(ids) + 1) if "three." in tokenizer.decode(ids[:k]))
+    client = MuxClient(served)
+    await client.send(start("a", stop=["three."], include_stop_str_in_output=True), start("b"))
+    first = await client.send(chunk("a", ids[:2]), chunk("b", ids[:2]))
+    rest = await client.send(chunk("a", ids[2:]), chunk("b", ids[2:]))
+    await client.end()
+    deltas = [e.delta for out in (first, rest) for e in out.entries if e.WhichOneof("kind") == "delta"]
+    expected = [("a", 2), ("b", 2), ("a", through_stop), ("b", len(ids))]
+    assert [(d.request_id, d.num_ids) for d in deltas] == expected
+    (final,) = [e.final for e in rest.entries if e.WhichOneof("kind") == "final"]
+    assert final.request_id == "a" and final.stopped and final.num_ids_consumed == through_stop

@@ -60,12 +60,14 @@ class DetokenizeIn(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[DetokenizeInEntry, _Mapping]]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("request_id", "text")
+    __slots__ = ("request_id", "text", "num_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    NUM_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    num_ids: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., num_ids: _Optional[int] = ...) -> None: ...
 
 class DetokenizeFinal(_message.Message):
     __slots__ = ("request_id", "stopped", "stop", "num_ids_consumed", "error")
@@ -108,3 +110,23 @@ class DecodeResponse(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
+
+class TokenPiecesRequest(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenPiece(_message.Message):
+    __slots__ = ("text", "bytes")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    bytes: bytes
+    def __init__(self, text: _Optional[str] = ..., bytes: _Optional[bytes] = ...) -> None: ...
+
+class TokenPiecesResponse(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[TokenPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[TokenPiece, _Mapping]]] = ...) -> None: ...

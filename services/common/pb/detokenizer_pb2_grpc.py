@@ -49,6 +49,11 @@ class DetokenizerStub:
                 request_serializer=sluice_dot_v1_dot_detokenizer__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_detokenizer__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.TokenPieces = channel.unary_unary(
+                '/sluice.v1.Detokenizer/TokenPieces',
+                request_serializer=sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesResponse.FromString,
+                _registered_method=True)
 
 
 class DetokenizerServicer:
@@ -75,6 +80,13 @@ class DetokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenPieces(self, request, context):
+        """Each token on its own: the bytes it adds to the text, for logprobs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DetokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_DetokenizerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=sluice_dot_v1_dot_detokenizer__pb2.DecodeRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_detokenizer__pb2.DecodeResponse.SerializeToString,
+            ),
+            'TokenPieces': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenPieces,
+                    request_deserializer=sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Detokenizer:
             '/sluice.v1.Detokenizer/Decode',
             sluice_dot_v1_dot_detokenizer__pb2.DecodeRequest.SerializeToString,
             sluice_dot_v1_dot_detokenizer__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenPieces(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Detokenizer/TokenPieces',
+            sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesRequest.SerializeToString,
+            sluice_dot_v1_dot_detokenizer__pb2.TokenPiecesResponse.FromString,
             options,
             channel_credentials,
             insecure,
