@@ -1,14 +1,20 @@
-"""Optional API keys. None configured means every API is open.
+"""Optional API keys, and the WebSocket's Origin policy. No key configured means every API is open.
 
 Keys come from `api_keys` (comma-separated) and `api_keys_file` (one key per line; blank lines and
 lines starting with '#' are skipped). A presented key is compared with every configured key in
 constant time, so the time taken says nothing about how much of a key matched, or which.
+
+A browser lets any page open a WebSocket to any address, sending the page's origin in `Origin`:
+with keys off, any site the user visits could drive a gateway on localhost (cross-site WebSocket
+hijacking). `origin_allowed` decides which origins may open `/v1/ws`.
 """
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from gateway.settings import GatewaySettings
 
@@ -50,3 +56,51 @@ class ApiKeys:
             return False
         scheme, _, token = header.strip().partition(" ")
         return scheme.lower() == "bearer" and self.check(token.strip())
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_allowed(origin: str | None, host: str | None, allowed: Iterable[str]) -> bool:
+    """Whether a WebSocket handshake with this `Origin` header value may proceed.
+
+    No Origin (a client that is not a browser): yes. `"*"` among `allowed`: any origin. Otherwise the
+    origin must be the gateway's own (its host and port those of the request's `Host` header, a Host
+    without a port meaning the origin scheme's default port), or one of `allowed`, compared by scheme,
+    host and port ("https://app.example" is "https://app.example:443"). "null" (a sandboxed or file
+    page) and anything that is not an http(s) origin are refused.
+    """
+    if origin is None:
+        return True
+    entries = list(allowed)
+    if "*" in entries:
+        return True
+    parsed = _origin(origin)
+    if parsed is None:
+        return False
+    return parsed in {_origin(entry) for entry in entries} or (host is not None and _same_host(parsed, host))
+
+
+def _origin(value: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an origin such as "https://example.com:8443", or None if not one."""
+    try:
+        parts = urlsplit(value.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = parts.scheme.lower()
+    if scheme not in _DEFAULT_PORTS or not parts.hostname:
+        return None
+    return scheme, parts.hostname, _DEFAULT_PORTS[scheme] if port is None else port
+
+
+def _same_host(origin: tuple[str, str, int], host: str) -> bool:
+    """Whether `origin` names the host and port of a `Host` header value."""
+    try:
+        parts = urlsplit("//" + host.strip())
+        port = parts.port
+    except ValueError:
+        return False
+    scheme, origin_host, origin_port = origin
+    expected_port = _DEFAULT_PORTS[scheme] if port is None else port
+    return parts.hostname == origin_host and origin_port == expected_port

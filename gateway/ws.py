@@ -5,14 +5,20 @@ and `{"type": "cancel", "id": ...}`. Server → client: `delta` frames, then exa
 `error` per generate. With API keys on, the first frame may be `{"type": "auth", "token": ...}`
 (see `SocketSession`). A frame that is not a valid message gets an `error` with the id it carried (or
 null). A generate reusing an id still in flight is refused with `invalid_argument` and that id; the
-first generation goes on. A cancel for an id not in flight (already ended, or never started) is
-ignored: its generate has had, or will have, its own terminal frame. Closing the socket cancels every
-generation of that socket.
+first generation goes on. A generate beyond `ws_max_in_flight` generations of the socket is refused
+with `resource_exhausted` and its id; the others go on. A cancel for an id not in flight (already
+ended, or never started) is ignored: its generate has had, or will have, its own terminal frame.
+Closing the socket cancels every generation of that socket.
+
+A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `ws_allowed_origins`) is refused
+before the socket opens (HTTP 403). A client that stops reading is closed once one write has waited
+`send_timeout_s`, and its generations are cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +29,7 @@ from fastapi import WebSocket
 
 from gateway import params
 from gateway import pipeline as pl
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, origin_allowed
 from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Delta, Done, Failed, GenerateInput, Generation, Pipeline
@@ -137,22 +143,30 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
                          trace_context=trace_context_from(frame.get))
 
 
-# Close codes (RFC 6455): 1000 normal (client's choice), 1008 policy violation (authentication),
-# 1009 frame too big (sent by the server library), 1012 service restart (gateway draining).
+# Close codes (RFC 6455): 1000 normal (client's choice), 1008 policy violation (authentication, a
+# client that stopped reading), 1009 frame too big (sent by the server library), 1012 service restart
+# (gateway draining). A handshake refused before the socket opens is HTTP 403.
 CLOSE_POLICY_VIOLATION = 1008
 
 
-class SocketSession:
-    """One accepted WebSocket: reads frames, runs one task per generation, serialises writes.
+class SendTimeout(ConnectionError):
+    """A write to the client waited longer than `send_timeout_s`: the client stopped reading."""
 
-    With API keys on, the socket must authenticate first: an `Authorization: Bearer KEY` header on
-    the handshake, or a first frame `{"type": "auth", "token": "KEY"}` (browsers cannot set
-    headers). Anything else gets an `unauthenticated` error and the socket is closed with 1008.
-    An auth frame is accepted (and ignored) when keys are off.
+
+class SocketSession:
+    """One WebSocket: reads frames, runs one task per generation, serialises writes.
+
+    The handshake is refused (403) unless `origin_allowed`. With API keys on, the socket must
+    authenticate first: an `Authorization: Bearer KEY` header on the handshake, or a first frame
+    `{"type": "auth", "token": "KEY"}` (browsers cannot set headers) within `ws_auth_timeout_s`.
+    Anything else, or nothing in time, gets an `unauthenticated` error and the socket is closed with
+    1008. An auth frame is accepted (and ignored) when keys are off.
 
     A generation's task takes events from its handle and writes them; while a write is pending,
     later deltas merge in the handle, so a slow reader receives fewer, larger deltas. The id of a
     generation is freed before its terminal frame is written, so the client may reuse it at once.
+    A write that waits longer than `send_timeout_s` (the client stopped reading; the server's buffers
+    for it are full) cancels every generation of the socket and closes it with 1008.
     """
 
     def __init__(
@@ -166,34 +180,70 @@ class SocketSession:
         self._tasks: set[asyncio.Task[None]] = set()
         self._write_lock = asyncio.Lock()
         self._closed = False
+        self._send_timed_out = False
+        self._reader: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
+        headers = self._ws.headers
+        if not origin_allowed(headers.get("origin"), headers.get("host"), self._settings.ws_allowed_origins):
+            log.info("websocket refused: origin %r is not allowed", headers.get("origin"))
+            await self._ws.close(CLOSE_POLICY_VIOLATION)  # before accept: HTTP 403
+            return
         await self._ws.accept()
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        try:
+            await asyncio.wait({self._reader})
+        finally:
+            self._reader.cancel()
+            await self._end()
+        failure = None if self._reader.cancelled() else self._reader.exception()
+        if failure is not None and not isinstance(failure, SendTimeout):
+            raise failure
+
+    async def _read(self) -> None:
+        """Authenticates the socket, then handles its frames until the client leaves."""
         header = self._ws.headers.get("authorization")
-        authenticated = not self._keys.enabled or (header is not None and self._keys.check_bearer(header))
-        if header is not None and not authenticated:
+        if header is not None and not self._keys.check_bearer(header):
             await self._refuse(None, "invalid API key")
             return
-        try:
-            while True:
-                message = await self._ws.receive()
-                if message["type"] == "websocket.disconnect":
-                    break
-                if not authenticated:
-                    authenticated = await self._authenticate(message)
-                    if not authenticated:
-                        break
-                    continue
-                await self._on_message(message)
-        finally:
-            self._closed = True
-            for generation in list(self._in_flight.values()):
-                generation.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+        if header is None and self._keys.enabled and not await self._authenticate():
+            return
+        while True:
+            message = await self._ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            await self._on_message(message)
 
-    async def _authenticate(self, message: dict[str, Any]) -> bool:
-        """Checks the first frame of a socket that sent no valid header; refuses it on failure."""
+    async def _end(self) -> None:
+        """Cancels what the socket still runs; after a send timeout, closes it if it can."""
+        self._closed = True
+        for generation in list(self._in_flight.values()):
+            generation.cancel()
+        if self._send_timed_out:
+            for task in self._tasks:  # writes still waiting on a client that does not read
+                task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._send_timed_out:
+            # The close frame waits behind what the client has not read: it goes out only if the client
+            # reads again soon. Either way the server closes the connection once this returns.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self._settings.send_timeout_s):
+                    await self._ws.close(CLOSE_POLICY_VIOLATION, "send timed out")
+
+    async def _authenticate(self) -> bool:
+        """Checks the first frame of a socket that sent no Authorization header, waiting for it up
+        to `ws_auth_timeout_s`; refuses the socket on failure."""
+        timeout = self._settings.ws_auth_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                message = await self._ws.receive()
+        except TimeoutError:
+            message_text = f"no auth frame within {timeout:g}s"
+            await self._refuse(None, message_text, reason="authentication timed out")
+            return False
+        if message["type"] == "websocket.disconnect":
+            return False
         frame: GenerateFrame | CancelFrame | AuthFrame | None = None
         frame_id = None
         text = message.get("text")
@@ -211,10 +261,10 @@ class SocketSession:
         await self._refuse(frame_id, 'authenticate first: send {"type": "auth", "token": "KEY"}')
         return False
 
-    async def _refuse(self, frame_id: str | int | None, message: str) -> None:
+    async def _refuse(self, frame_id: str | int | None, message: str, *, reason: str = "") -> None:
         await self._write(error_frame(frame_id, "unauthenticated", message))
         self._closed = True
-        await self._ws.close(CLOSE_POLICY_VIOLATION)
+        await self._ws.close(CLOSE_POLICY_VIOLATION, reason)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
         text = message.get("text")
@@ -233,10 +283,9 @@ class SocketSession:
             if generation is not None:
                 generation.cancel()
             return
-        if frame.id in self._in_flight:
-            await self._write(
-                error_frame(frame.id, "invalid_argument", f"id {frame.id!r} is already in flight")
-            )
+        refusal = self._refusal(frame.id)
+        if refusal is not None:
+            await self._write(refusal)
             return
         inp = frame.input
         if not inp.trace_context:  # a frame's own traceparent wins over the handshake's header
@@ -247,6 +296,16 @@ class SocketSession:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _refusal(self, frame_id: str) -> dict[str, Any] | None:
+        """The error frame for a generate this socket may not start now, or None."""
+        if frame_id in self._in_flight:
+            return error_frame(frame_id, "invalid_argument", f"id {frame_id!r} is already in flight")
+        cap = self._settings.ws_max_in_flight
+        if cap and len(self._in_flight) >= cap:
+            message = f"this socket already runs {cap} generations, the most allowed; wait for one to end"
+            return error_frame(frame_id, "resource_exhausted", message)
+        return None
+
     async def _stream(self, frame_id: str, generation: Generation) -> None:
         try:
             async for event in generation:
@@ -256,18 +315,37 @@ class SocketSession:
                     continue
                 self._in_flight.pop(frame_id, None)
                 await self._write(_terminal_frame(frame_id, event))
-        except Exception as exc:  # the client went away mid-write
-            log.debug("websocket write failed: %s", exc)
+        except Exception as exc:  # the client went away, or stopped reading, mid-write
+            log.debug("websocket write failed: %r", exc)
         finally:
             if self._in_flight.get(frame_id) is generation:
                 del self._in_flight[frame_id]
             generation.cancel()
 
     async def _write(self, frame: dict[str, Any]) -> None:
+        """Sends one frame, unless the socket is closing. Raises SendTimeout (after giving the socket
+        up) when the write, its turn included, waits longer than `send_timeout_s`."""
         if self._closed:
             return
-        async with self._write_lock:
-            await self._ws.send_text(json.dumps(frame, ensure_ascii=False))
+        text = json.dumps(frame, ensure_ascii=False)
+        try:
+            async with asyncio.timeout(self._settings.send_timeout_s), self._write_lock:
+                if not self._closed:
+                    await self._ws.send_text(text)
+        except TimeoutError:
+            self._give_up()
+            raise SendTimeout(f"a write waited more than {self._settings.send_timeout_s:g}s") from None
+
+    def _give_up(self) -> None:
+        """The client stopped reading: cancels the socket's generations and stops reading it."""
+        if self._send_timed_out:
+            return
+        log.info("websocket client read nothing for %gs; closing it", self._settings.send_timeout_s)
+        self._send_timed_out = self._closed = True
+        for generation in list(self._in_flight.values()):
+            generation.cancel()
+        if self._reader is not None:
+            self._reader.cancel()
 
 
 def _terminal_frame(frame_id: str, event: Done | Failed) -> dict[str, Any]:

@@ -3,16 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
+import os
+import socket
+from collections.abc import Awaitable, Callable
 
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from gateway.server import GatewayServer, create_server
-from tests.gateway.conftest import collect, dead_address, gateway_settings, recv, send, wait_for
+from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, recv, send, wait_for
 from tests.gateway.fakes import OUTPUT, FakeUpstreams, encode, expected_text
 
 LONG = 10**6  # max_tokens of a generation that runs until it is cancelled
 DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past any recursion limit
+
+MakeGateway = Callable[..., Awaitable[GatewayServer]]
 
 
 async def test_two_concurrent_generations_stream_and_finish_with_usage(
@@ -346,3 +354,201 @@ async def test_shutdown_lets_short_generations_finish_and_fails_the_rest(
         results = await collect(client, {"long"})
         assert results["long"]["end"]["code"] == "unavailable"
     await wait_for(upstreams.engine.aborted)
+
+
+def ws_url(server: GatewayServer) -> str:
+    return f"ws://127.0.0.1:{server.http_port}/v1/ws"
+
+
+async def handshake_status(server: GatewayServer, origin: str) -> int:
+    """The HTTP status of a handshake sending `origin` (101 when the socket opened)."""
+    try:
+        async with connect(ws_url(server), origin=origin) as client:  # type: ignore[arg-type]
+            await send(client, {"type": "generate", "id": "o", "prompt": "x", "params": {"max_tokens": 1}})
+            assert (await collect(client, {"o"}))["o"]["end"]["type"] == "done"
+            return 101
+    except InvalidStatus as exc:
+        return exc.response.status_code
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://evil.example",
+        "http://127.0.0.1",
+        "http://127.0.0.1:1",
+        "https://localhost",
+        "null",
+        "nonsense",
+    ],
+)
+async def test_a_page_of_another_origin_is_refused_before_the_socket_opens(
+    gateway: GatewayServer, upstreams: FakeUpstreams, origin: str
+) -> None:
+    assert await handshake_status(gateway, origin) == 403
+    assert upstreams.tokenizer.requests == [] and gateway.pipeline.in_flight == 0
+
+
+async def test_the_gateways_own_page_and_non_browsers_are_accepted(gateway: GatewayServer) -> None:
+    assert await handshake_status(gateway, f"http://127.0.0.1:{gateway.http_port}") == 101
+    assert await handshake_status(gateway, f"HTTP://127.0.0.1:{gateway.http_port}") == 101
+    async with connect(ws_url(gateway)) as client:  # no Origin header: not a browser
+        await send(client, {"type": "generate", "id": "n", "prompt": "x", "params": {"max_tokens": 1}})
+        assert (await collect(client, {"n"}))["n"]["end"]["type"] == "done"
+
+
+async def test_allowed_origins_are_accepted_and_a_star_accepts_any(make_gateway: MakeGateway) -> None:
+    listed = await make_gateway(ws_allowed_origins=("https://app.example", "http://tools.example:8080"))
+    assert await handshake_status(listed, "https://app.example") == 101
+    assert await handshake_status(listed, "https://app.example:443") == 101
+    assert await handshake_status(listed, "http://tools.example:8080") == 101
+    assert await handshake_status(listed, f"http://127.0.0.1:{listed.http_port}") == 101  # its own page
+    assert await handshake_status(listed, "http://app.example") == 403  # another scheme
+    assert await handshake_status(listed, "http://tools.example") == 403  # another port
+    anyone = await make_gateway(ws_allowed_origins=("*",))
+    assert await handshake_status(anyone, "http://evil.example") == 101
+
+
+async def test_a_socket_that_never_authenticates_is_closed(make_gateway: MakeGateway) -> None:
+    server = await make_gateway(api_keys=("k1",), ws_auth_timeout_s=0.2)
+    async with connect(ws_url(server)) as client:
+        frame = await recv(client)
+        assert (frame["type"], frame["code"], frame["id"]) == ("error", "unauthenticated", None)
+        with pytest.raises(ConnectionClosed):
+            await asyncio.wait_for(client.recv(), WAIT_S)
+    assert client.close_code == 1008
+    assert client.close_reason == "authentication timed out"
+
+
+async def test_an_authenticated_socket_is_not_timed_out(make_gateway: MakeGateway) -> None:
+    server = await make_gateway(api_keys=("k1",), ws_auth_timeout_s=0.2)
+    async with connect(ws_url(server)) as client:
+        await send(client, {"type": "auth", "token": "k1"})
+        await send(client, {"type": "generate", "id": "a", "prompt": "x", "params": {"max_tokens": 2}})
+        assert (await collect(client, {"a"}))["a"]["end"]["type"] == "done"
+        await asyncio.sleep(0.4)  # past the auth timeout: the socket stays open
+        await send(client, {"type": "generate", "id": "b", "prompt": "x", "params": {"max_tokens": 2}})
+        assert (await collect(client, {"b"}))["b"]["end"]["type"] == "done"
+
+
+async def test_one_socket_runs_at_most_ws_max_in_flight_generations(
+    make_gateway: MakeGateway, upstreams: FakeUpstreams
+) -> None:
+    server = await make_gateway(ws_max_in_flight=2)
+    async with connect(ws_url(server)) as client:
+        for name in ("g1", "g2"):
+            await send(
+                client, {"type": "generate", "id": name, "prompt": "x", "params": {"max_tokens": LONG}}
+            )
+        await send(client, {"type": "generate", "id": "g3", "prompt": "x"})
+        results = await collect(client, {"g3"}, skip=frozenset({"g1", "g2"}))
+        end = results["g3"]["end"]
+        assert (end["type"], end["code"]) == ("error", "resource_exhausted")
+        assert "2" in end["message"]
+        assert server.pipeline.in_flight == 2
+        # The socket goes on: once one generation ends, a new one may start.
+        await send(client, {"type": "cancel", "id": "g1"})
+        await collect(client, {"g1"}, skip=frozenset({"g2"}))
+        await send(client, {"type": "generate", "id": "g4", "prompt": "x", "params": {"max_tokens": 2}})
+        assert (await collect(client, {"g4"}, skip=frozenset({"g2"})))["g4"]["end"]["type"] == "done"
+    # Other sockets have their own cap.
+    async with connect(ws_url(server)) as other:
+        await send(other, {"type": "generate", "id": "h", "prompt": "x", "params": {"max_tokens": 2}})
+        assert (await collect(other, {"h"}))["h"]["end"]["type"] == "done"
+
+
+def close_code(data: bytes) -> int | None:
+    """The code of the close frame among the unmasked server frames in `data`, if one is whole."""
+    at = 0
+    while at + 2 <= len(data):
+        opcode, length, header = data[at] & 0x0F, data[at + 1] & 0x7F, 2
+        if length >= 126:
+            header += 2 if length == 126 else 8
+            if at + header > len(data):
+                return None
+            length = int.from_bytes(data[at + 2 : at + header], "big")
+        if at + header + length > len(data):
+            return None
+        if opcode == 0x8:
+            return int.from_bytes(data[at + header : at + header + 2], "big")
+        at += header + length
+    return None
+
+
+class RawClient:
+    """A WebSocket client on a bare socket with a small receive buffer, so that a client that stops
+    reading stops the gateway's writes after a few KiB."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    async def open(cls, port: int) -> RawClient:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        request = (
+            f"GET /v1/ws HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n"
+        )
+        await loop.sock_sendall(sock, request.encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += await asyncio.wait_for(loop.sock_recv(sock, 1), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 101"), head
+        return cls(sock)
+
+    async def send_text(self, text: str) -> None:
+        payload, mask = text.encode(), os.urandom(4)
+        assert len(payload) < 2**16
+        header = bytes([0x81, 0x80 | 126]) + len(payload).to_bytes(2, "big") + mask
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        await asyncio.get_running_loop().sock_sendall(self._sock, header + masked)
+
+    async def drain(self) -> tuple[int, int | None]:
+        """Reads what the gateway sent until its close frame or the end of the connection. Returns
+        the bytes read and the close code (None when the connection ended without a close frame)."""
+        loop, data = asyncio.get_running_loop(), bytearray()
+        while True:
+            chunk = await asyncio.wait_for(loop.sock_recv(self._sock, 65536), WAIT_S)
+            if not chunk:
+                return len(data), None
+            data += chunk
+            code = close_code(data)
+            if code is not None:
+                return len(data), code
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+async def test_a_client_that_stops_reading_is_timed_out_and_its_generation_cancelled(
+    make_gateway: MakeGateway, upstreams: FakeUpstreams
+) -> None:
+    upstreams.engine.step_s = 0  # tokens as fast as the fake engine goes
+    server = await make_gateway(send_timeout_s=0.5)
+    # Connections accepted from now on get a small kernel send buffer (no autotuning to MiBs), so the
+    # gateway's writes block after tens of KiB rather than after megabytes.
+    server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client = await RawClient.open(server.http_port)
+    try:
+        frame = {"type": "generate", "id": "slow-" + "x" * 250, "prompt": "x", "params": {"max_tokens": LONG}}
+        await client.send_text(json.dumps(frame))
+        await wait_for(upstreams.engine.submitted)
+        # The client reads nothing: the gateway's send blocks, times out, and the generation ends.
+        await wait_for(upstreams.engine.aborted)
+        assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
+        assert server.pipeline.in_flight == 0
+        # What the gateway buffered for this client is bounded; once drained, the connection ends (with
+        # the close frame when the client read again before the gateway stopped waiting to send it).
+        size, code = await client.drain()
+        assert size < 2**20 and code in (None, 1008)
+    finally:
+        client.close()
+    # The gateway goes on serving other clients.
+    async with connect(ws_url(server)) as other:
+        await send(other, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
+        assert (await collect(other, {"ok"}))["ok"]["end"]["type"] == "done"
