@@ -15,9 +15,10 @@ from importlib import resources
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.auth import ApiKeys
-from gateway.openai_api import ApiError, OpenAIHandlers
+from gateway.openai_api import DROP_CONNECTION, ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.ws import serve_socket
@@ -29,6 +30,21 @@ log = logging.getLogger(__name__)
 def chat_page() -> str:
     """The chat page: one self-contained HTML file shipped with the package."""
     return resources.files("gateway").joinpath("static/index.html").read_text(encoding="utf-8")
+
+
+def with_connection_drop(app: ASGIApp) -> ASGIApp:
+    """Wraps the outermost ASGI app so that a response can drop its connection at once (a client
+    that stopped reading): each HTTP scope gets `scope[DROP_CONNECTION]`, a callable that aborts the
+    connection's transport, when the server's `send` exposes it (uvicorn's does, as the bound method
+    of a cycle with a `transport`); else the key is absent and the response just ends."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):
+            scope[DROP_CONNECTION] = transport.abort
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:

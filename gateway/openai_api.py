@@ -3,7 +3,9 @@ or not), and the error shape `{"error": {"message", "type", "param", "code"}}`.
 
 A streaming request waits up to `sse_keepalive_s` for its first event before it answers: a request
 refused at once (admission, bad prompt) gets a proper HTTP status; a slow one gets 200 and keep-alive
-comments. A client that disconnects, streaming or not, cancels its generation.
+comments. A client that disconnects, streaming or not, cancels its generation. Events are framed by
+`fastapi.sse`; a stream whose client stops reading (one write blocked for `send_timeout_s`) is cut
+off: its generation cancelled and its connection dropped, so it holds at most the socket's buffers.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from gateway import params
 from gateway import pipeline as pl
@@ -37,6 +41,8 @@ MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Scope key of a callable that drops the request's connection at once (`http_app.with_connection_drop`).
+DROP_CONNECTION = "sluice.drop_connection"
 
 
 class ApiError(Exception):
@@ -293,7 +299,7 @@ class OpenAIHandlers:
         self._pipeline = pipeline
         self._settings = settings
 
-    async def handle(self, request: Request, *, chat: bool) -> JSONResponse | StreamingResponse:
+    async def handle(self, request: Request, *, chat: bool) -> JSONResponse | EventSourceResponse:
         body = await read_json(request, self._settings.max_body_bytes)
         try:
             parsed = parse_request(body, self._settings, chat=chat)
@@ -354,7 +360,7 @@ class OpenAIHandlers:
 
     async def _stream(
         self, request: Request, generation: Generation, renderer: _Renderer
-    ) -> JSONResponse | StreamingResponse:
+    ) -> JSONResponse | EventSourceResponse:
         first: Event | None = None
         with contextlib.suppress(TimeoutError):
             first = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
@@ -363,16 +369,17 @@ class OpenAIHandlers:
             return failure_error(failure, self._settings).response()
         # The client's disconnect is heard even while no chunk is being written.
         watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, generation))
-        return StreamingResponse(
+        return _TimedEventSource(
             self._sse(first, generation, renderer, watcher),
-            media_type="text/event-stream",
+            send_timeout_s=self._settings.send_timeout_s,
+            on_timeout=generation.cancel,
             headers=SSE_HEADERS,
             background=BackgroundTask(generation.cancel),
         )
 
     async def _sse(
         self, first: Event | None, generation: Generation, renderer: _Renderer, watcher: asyncio.Task[None]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         try:
             if renderer.parsed.chat:
                 opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -384,7 +391,7 @@ class OpenAIHandlers:
                     try:
                         event = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
                     except TimeoutError:
-                        yield ": keep-alive\n\n"
+                        yield KEEPALIVE
                         continue
                 failure = _as_failure(event)
                 if failure is not None:
@@ -403,14 +410,60 @@ class OpenAIHandlers:
                         yield _sse_data(usage_chunk)
                     break
                 event = None
-            yield "data: [DONE]\n\n"
+            yield DONE
         finally:
             watcher.cancel()
             generation.cancel()
 
 
-def _sse_data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+KEEPALIVE = format_sse_event(comment="keep-alive")
+DONE = format_sse_event(data_str="[DONE]")
+
+
+def _sse_data(obj: dict[str, Any]) -> bytes:
+    return format_sse_event(data_str=json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+
+
+class _TimedEventSource(EventSourceResponse):
+    """An SSE response whose every write must complete within `send_timeout_s`. When one blocks
+    longer (the client stopped reading), `on_timeout` runs (it cancels the generation), the event
+    iterator is closed and the connection dropped: the stream ends instead of waiting on the client
+    for as long as the generation would run."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        *,
+        send_timeout_s: float,
+        on_timeout: Callable[[], None],
+        headers: dict[str, str],
+        background: BackgroundTask,
+    ) -> None:
+        super().__init__(content, headers=headers, background=background)
+        self._send_timeout_s = send_timeout_s
+        self._on_timeout = on_timeout
+        self._drop: Callable[[], None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self._drop = scope.get(DROP_CONNECTION)
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed_send(message: Any) -> None:
+            async with asyncio.timeout(self._send_timeout_s):
+                await send(message)
+
+        try:
+            await super().stream_response(timed_send)
+        except TimeoutError:
+            log.warning("an SSE client stopped reading (a write blocked %gs): its generation is cancelled",
+                        self._send_timeout_s)
+            self._on_timeout()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self._drop is not None:
+                self._drop()
 
 
 async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:

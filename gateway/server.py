@@ -20,7 +20,7 @@ import uvicorn
 
 from gateway.auth import ApiKeys
 from gateway.grpc_api import GatewayServicer
-from gateway.http_app import create_app
+from gateway.http_app import create_app, with_connection_drop
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from services.common import grpc_server, telemetry
@@ -71,7 +71,7 @@ class GatewayServer:
         self._socket = _listen(settings.host, settings.port)
         self.http_port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(
-            create_app(pipeline, settings, keys),
+            with_connection_drop(create_app(pipeline, settings, keys)),
             ws_max_size=settings.max_ws_frame_bytes,
             ws_ping_interval=settings.ws_ping_interval_s,
             ws_ping_timeout=settings.ws_ping_interval_s,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -267,3 +269,34 @@ async def test_served_model_name_is_the_name_the_api_answers_to(make_gateway) ->
         with pytest.raises(openai.NotFoundError) as caught:
             await oai.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert isinstance(caught.value.body, dict) and "'tiny'" in caught.value.body["message"]
+
+
+async def test_a_client_that_stops_reading_is_timed_out(make_gateway, upstreams: FakeUpstreams) -> None:  # type: ignore[no-untyped-def]
+    """A raw client sends a streaming request and never reads: once a write has blocked for
+    send_timeout_s the generation is cancelled (nothing left in flight, the engine told) and the
+    connection closed, instead of the stream waiting on the client for as long as it runs."""
+    upstreams.engine.step_s = 0  # tokens as fast as the pipeline goes: the socket's buffers fill
+    server = await make_gateway(send_timeout_s=0.3)
+    # Small socket buffers at both ends (accepted sockets inherit the listener's): they fill in
+    # kilobytes, not the megabytes loopback's autotuning would allow.
+    server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": LONG, "stream": True}).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    loop = asyncio.get_running_loop()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", server.http_port))
+        await loop.sock_sendall(sock, head + body)
+        await wait_for(upstreams.engine.submitted)
+        assert await server.pipeline.wait_idle(WAIT_S), "the generation still runs"
+        await wait_for(upstreams.engine.aborted)
+        assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
+        received = 0
+        with contextlib.suppress(ConnectionResetError):  # what was buffered, then the end
+            while chunk := await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), WAIT_S):
+                received += len(chunk)
+    assert received > 0
