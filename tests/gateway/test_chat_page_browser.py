@@ -19,6 +19,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
 from gateway.server import GatewayServer
+from tests.gateway import fakes
 from tests.gateway.conftest import WAIT_S, wait_for
 from tests.gateway.fakes import FakeUpstreams
 
@@ -160,3 +161,56 @@ async def test_type_stream_stop_and_continue(
             ]
         finally:
             await tools.close()
+
+
+# Markup that runs script if a page renders it as HTML rather than as text.
+MARKUP = '<img src=x onerror="window.injected=1"><script>window.injected=2</script><b>bold</b>'
+
+
+@contextlib.asynccontextmanager
+async def chat_page(browser: str, gateway: GatewayServer) -> AsyncIterator[DevTools]:
+    """The chat page open and connected in a new tab."""
+    async with connect(browser, max_size=None) as socket:
+        tools = DevTools(socket)
+        try:
+            target = await tools.send("Target.createTarget", url="about:blank")
+            attached = await tools.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
+            tools.session = attached["sessionId"]
+            await tools.send("Page.enable")
+            await tools.send("Page.navigate", url=f"http://127.0.0.1:{gateway.http_port}/")
+            await tools.until("document.getElementById('status')?.className === 'status open'")
+            yield tools
+        finally:
+            await tools.close()
+
+
+async def send_message(tools: DevTools, text: str, max_tokens: int) -> None:
+    await tools.evaluate(f"document.getElementById('max-tokens').value = '{max_tokens}'")
+    await tools.evaluate("document.getElementById('prompt').focus()")
+    await tools.send("Input.insertText", text=text)
+    await tools.evaluate("document.getElementById('send').click()")
+
+
+async def test_markup_in_model_output_errors_and_prompts_shows_as_text(
+    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fakes, "OUTPUT", MARKUP)  # the fake model's reply is the markup
+    async with chat_page(browser, gateway) as tools:
+        await send_message(tools, MARKUP, len(MARKUP))
+        await tools.until("document.querySelector('.msg.assistant')?.dataset.state === 'done'")
+        # An engine error whose words reach the client carries the markup too.
+        upstreams.engine.error_next_submit = f"invalid_argument: {MARKUP}"
+        await send_message(tools, "again", 5)
+        await tools.until("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'error'")
+
+        texts = await tools.evaluate(
+            "[...document.querySelectorAll('.msg .bubble')].map((b) => b.textContent)"
+        )
+        assert texts == [MARKUP, MARKUP, "again", ""]
+        error = await tools.evaluate(
+            "document.querySelectorAll('.msg.assistant')[1].querySelector('.meta').textContent"
+        )
+        assert MARKUP in error
+        # Nothing of it became an element, and none of its script ran.
+        assert await tools.evaluate("document.querySelectorAll('#log img, #log script, #log b').length") == 0
+        assert await tools.evaluate("window.injected === undefined") is True
