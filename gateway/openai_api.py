@@ -228,23 +228,26 @@ class _Renderer:
         entries = delta.logprobs[: len(delta.token_ids)]
         ids = list(delta.token_ids[: len(entries)])
         top_ids = [list(e.top_token_ids[:top_n]) for e in entries]
-        texts = await self.pipeline.token_texts(ids + [i for row in top_ids for i in row])
-        token_texts, rest = texts[: len(ids)], texts[len(ids) :]
-        tops: list[list[tuple[str, float]]] = []
+        pieces = await self.pipeline.token_pieces(ids + [i for row in top_ids for i in row])
+        own, rest = pieces[: len(ids)], pieces[len(ids) :]
+        tops: list[list[tuple[pl.TokenPiece, float]]] = []
         for entry, row in zip(entries, top_ids, strict=True):
             tops.append(list(zip(rest[: len(row)], entry.top_logprobs[: len(row)], strict=True)))
             rest = rest[len(row) :]
         if self.parsed.chat:
             content = [
                 {
-                    "token": text,
+                    "token": piece.text,
                     "logprob": entry.logprob,
-                    "bytes": list(text.encode()),
-                    "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top],
+                    "bytes": list(piece.data),
+                    "top_logprobs": [
+                        {"token": t.text, "logprob": lp, "bytes": list(t.data)} for t, lp in top
+                    ],
                 }
-                for text, entry, top in zip(token_texts, entries, tops, strict=True)
+                for piece, entry, top in zip(own, entries, tops, strict=True)
             ]
             return {"content": content}
+        token_texts = [piece.text for piece in own]
         offsets = []
         for text in token_texts:
             offsets.append(self.text_offset)
@@ -252,7 +255,7 @@ class _Renderer:
         return {
             "tokens": token_texts,
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(top) for top in tops],
+            "top_logprobs": [{t.text: lp for t, lp in top} for top in tops],
             "text_offset": offsets,
         }
 

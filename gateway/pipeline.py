@@ -5,10 +5,12 @@ One request: Tokenize (unary, with a deadline) → a `DetokenizeStart` on the on
 (one engine step) becomes one `DetokenizeIn`: a chunk per request, plus a close for each request
 whose `RequestFinal` arrived (entries queued while a write is pending go out together, so a slow
 detokenizer gets fewer, larger messages). Each `DetokenizeOut` carries text deltas for the requests'
-event slots and finals: a stop-string final aborts the engine request (finish "stop", completion
-tokens = ids the detokenizer consumed); a final after a close finishes with the engine's reason and
-usage. Admission: beyond `max_in_flight` running generations, or while draining, a new generation
-fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
+event slots and finals: a stop-string final aborts the engine request (finish "stop"); a final after a
+close finishes with the engine's reason. Ids and logprobs go out with the text: each delta says how
+many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
+after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
+handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
+generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
 
 Invariants:
 - every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
@@ -59,7 +61,7 @@ UNAVAILABLE = "unavailable"
 DEADLINE_EXCEEDED = "deadline_exceeded"
 INTERNAL = "internal"
 
-TOKEN_TEXT_CACHE = 200_000  # token id → text entries kept for logprobs
+TOKEN_PIECE_CACHE = 200_000  # token id → piece entries kept for logprobs
 
 _FINISH_REASONS = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -97,7 +99,10 @@ class GenerateInput:
 @dataclass
 class Delta:
     """New text since the previous event, merged if the consumer lagged. `token_ids` (and
-    `logprobs`, one per id) only when asked for; ids may lead or lag the text slightly."""
+    `logprobs`, one per id) only when asked for. Over a generation the ids are exactly those of its
+    text: through the one that completed a stop string, none after it. In one delta they may lead
+    the text by the tokens whose text is still held back (part of a character, a possible start of a
+    stop string); they never lag it."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -108,8 +113,17 @@ class Delta:
 class Done:
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
-    completion_tokens: int
+    completion_tokens: int  # the generated ids handed out (whether or not they were asked for)
     stop: str = ""  # the stop string that matched, if any
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One token on its own, for logprobs: its bytes (a byte token's one byte, part of a character's
+    bytes) and those as text (an incomplete character as U+FFFD)."""
+
+    text: str
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -213,7 +227,7 @@ class _Request:
     finished: bool = False
     held_ids: list[int] = field(default_factory=list)  # kept ids not yet handed out with text
     held_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
-    ids_out: int = 0  # kept ids handed out so far
+    ids_out: int = 0  # generated ids handed out so far (counted whether kept or not)
     admit_task: asyncio.Task[None] | None = None
     timer: asyncio.TimerHandle | None = None
     trace: RequestTrace | None = None
@@ -270,7 +284,7 @@ class Pipeline:
         self._idle.set()
         self._draining = False
         self._model_info: tokenizer_pb2.InfoResponse | None = None
-        self._token_text: dict[int, str] = {}
+        self._token_pieces: dict[int, TokenPiece] = {}
 
     # ----- public interface
 
@@ -320,7 +334,7 @@ class Pipeline:
         return None
 
     def cancel(self, request: _Request) -> None:
-        self._finish(request, Done("cancelled", request.prompt_tokens, request.num_generated))
+        self._finish(request, Done("cancelled", request.prompt_tokens, request.ids_out))
 
     def start_draining(self) -> None:
         """New generations fail with "unavailable" from now on; running ones go on."""
@@ -369,22 +383,25 @@ class Pipeline:
             )
         return self._model_info
 
-    async def token_texts(self, ids: list[int]) -> list[str]:
-        """The text of each token id on its own (special tokens kept), for logprobs. Decoded by the
-        detokenizer once per id and cached. Raises AioRpcError."""
-        missing = sorted({i for i in ids if i not in self._token_text})
+    async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
+        """Each token id on its own (special tokens kept), for logprobs: its text and bytes, from the
+        detokenizer's vocabulary in one call for the ids not yet cached. Raises AioRpcError."""
+        missing = sorted({i for i in ids if i not in self._token_pieces})
         if missing:
             stub = detokenizer_pb2_grpc.DetokenizerStub(
                 self._detokenizers.channels[self._detokenizers.pick()]
             )
-            timeout = self._settings.tokenize_timeout_s
-            replies = await asyncio.gather(
-                *(stub.Decode(detokenizer_pb2.DecodeRequest(ids=[i]), timeout=timeout) for i in missing)
+            reply = await stub.TokenPieces(
+                detokenizer_pb2.TokenPiecesRequest(ids=missing), timeout=self._settings.tokenize_timeout_s
             )
-            if len(self._token_text) + len(missing) > TOKEN_TEXT_CACHE:
-                self._token_text.clear()
-            self._token_text.update((i, reply.text) for i, reply in zip(missing, replies, strict=True))
-        return [self._token_text[i] for i in ids]
+            if len(reply.pieces) != len(missing):
+                raise RuntimeError(f"detokenizer gave {len(reply.pieces)} pieces for {len(missing)} ids")
+            if len(self._token_pieces) + len(missing) > TOKEN_PIECE_CACHE:
+                self._token_pieces.clear()
+            self._token_pieces.update(
+                (i, TokenPiece(p.text, p.bytes)) for i, p in zip(missing, reply.pieces, strict=True)
+            )
+        return [self._token_pieces[i] for i in ids]
 
     # ----- admission
 
@@ -553,7 +570,7 @@ class Pipeline:
             if entry.WhichOneof("kind") == "delta":
                 request = self._requests.get(entry.delta.request_id)
                 if request is not None and not request.detok_done:
-                    self._hand_out(request, entry.delta.text, len(request.held_ids))
+                    self._hand_out(request, entry.delta.text, entry.delta.num_ids)
             else:
                 self._on_detok_final(entry.final)
 
@@ -567,23 +584,28 @@ class Pipeline:
         if final.error:
             self._finish(request, Failed(INTERNAL, f"detokenizer: {final.error}"))
         elif final.stopped:
-            consumed = final.num_ids_consumed
-            self._hand_out(request, "", max(0, consumed - request.ids_out))
-            self._finish(request, Done("stop", request.prompt_tokens, consumed, final.stop))
+            self._hand_out(request, "", final.num_ids_consumed)
+            self._finish(request, Done("stop", request.prompt_tokens, request.ids_out, final.stop))
         elif request.engine_final is not None:
             usage = request.engine_final.usage
-            self._hand_out(request, "", len(request.held_ids))
+            self._hand_out(request, "", final.num_ids_consumed)
             reason = _FINISH_REASONS[request.engine_final.finish_reason]
             prompt_tokens = usage.prompt_tokens or request.prompt_tokens
-            self._finish(request, Done(reason, prompt_tokens, usage.completion_tokens))
+            self._finish(request, Done(reason, prompt_tokens, request.ids_out))
         else:
             self._finish(request, Failed(INTERNAL, "detokenizer ended the request before it was closed"))
 
-    def _hand_out(self, request: _Request, text: str, num_ids: int) -> None:
-        """Pushes `text` and the first `num_ids` held ids (with their logprobs) to the consumer."""
-        ids, request.held_ids = request.held_ids[:num_ids], request.held_ids[num_ids:]
-        logprobs, request.held_logprobs = request.held_logprobs[:num_ids], request.held_logprobs[num_ids:]
-        request.ids_out += len(ids)
+    def _hand_out(self, request: _Request, text: str, through: int) -> None:
+        """Pushes `text` and the generated ids after those already handed out up to the `through`-th
+        (with their logprobs, when kept) to the consumer. `through` is the detokenizer's count of ids
+        consumed, so an id after the one that completed a stop string never goes out."""
+        num_ids = max(0, min(through, request.num_generated) - request.ids_out)
+        request.ids_out += num_ids
+        ids: list[int] = []
+        logprobs: list[common_pb2.TokenLogprob] = []
+        if num_ids and request.keep_ids:
+            ids, request.held_ids = request.held_ids[:num_ids], request.held_ids[num_ids:]
+            logprobs, request.held_logprobs = request.held_logprobs[:num_ids], request.held_logprobs[num_ids:]
         if text or ids:
             if request.trace is not None:
                 request.trace.on_text()

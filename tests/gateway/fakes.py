@@ -1,9 +1,10 @@
 """Fake upstream services for gateway tests: the simplest servicers that honour the protos.
 
 Tokenizer: id 1 (bos) then one id per character (its code point); a conversation renders as
-"role: content\n" lines then "assistant: ". Engine: one token per step per request, cycling through
-the code points of `OUTPUT`; finishes with LENGTH at max_new_tokens. Detokenizer: id → chr(id) (bos
-skipped), stop strings matched across chunks with the possible prefix held back.
+"role: content\n" lines then "assistant: ". Engine: one token per step per request (`tokens_per_step`),
+cycling through the code points of `OUTPUT` (or through `output_ids`); finishes with LENGTH at
+max_new_tokens. Detokenizer: id → chr(id) (bos skipped), stop strings matched across chunks with the
+possible prefix held back; each delta carries the running count of ids consumed.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     outs: int = 0  # EngineOut messages sent
     fail_next_submit: bool = False
     error_next_submit: str = ""
+    tokens_per_step: int = 1
+    output_ids: list[int] = field(default_factory=list)  # cycled through instead of OUTPUT's code points
 
     async def Stream(
         self, request_iterator: AsyncIterator[engine_pb2.EngineIn], context: grpc.aio.ServicerContext
@@ -147,14 +150,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
-    @staticmethod
-    def _step(running: dict[str, _Running]) -> list[engine_pb2.StepEntry]:
+    def _step(self, running: dict[str, _Running]) -> list[engine_pb2.StepEntry]:
         entries = []
+        output = self.output_ids or [ord(c) for c in OUTPUT]
         for request_id, state in list(running.items()):
-            token = ord(OUTPUT[state.generated % len(OUTPUT)])
-            state.generated += 1
-            logprobs = [common_pb2.TokenLogprob(logprob=-0.5)] if state.request.sampling.logprobs else []
-            chunk = engine_pb2.TokenChunk(request_id=request_id, token_ids=[token], logprobs=logprobs)
+            n = max(1, min(self.tokens_per_step, state.request.stopping.max_new_tokens - state.generated))
+            tokens = [output[(state.generated + i) % len(output)] for i in range(n)]
+            state.generated += n
+            logprobs = [common_pb2.TokenLogprob(logprob=-0.5)] * n if state.request.sampling.logprobs else []
+            chunk = engine_pb2.TokenChunk(request_id=request_id, token_ids=tokens, logprobs=logprobs)
             entries.append(engine_pb2.StepEntry(chunk=chunk))
             if state.generated >= state.request.stopping.max_new_tokens:
                 del running[request_id]
@@ -261,11 +265,18 @@ class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
         ids = [i for i in request.ids if not (request.skip_special_tokens and i == BOS)]
         return detokenizer_pb2.DecodeResponse(text="".join(chr(i) for i in ids))
 
+    async def TokenPieces(
+        self, request: detokenizer_pb2.TokenPiecesRequest, context: grpc.aio.ServicerContext
+    ) -> detokenizer_pb2.TokenPiecesResponse:
+        pieces = [detokenizer_pb2.TokenPiece(text=chr(i), bytes=chr(i).encode()) for i in request.ids]
+        return detokenizer_pb2.TokenPiecesResponse(pieces=pieces)
+
     @staticmethod
     def _emit(out: detokenizer_pb2.DetokenizeOut, state: _Decoding, end: int) -> None:
         if end > state.emitted:
             delta = out.entries.add().delta
             delta.request_id, delta.text = state.start.request_id, state.text[state.emitted : end]
+            delta.num_ids = state.consumed
             state.emitted = end
 
 
