@@ -16,6 +16,10 @@ interceptor is added to servers or channels, and `inject` returns at once, so tr
 Propagation: unary and server-streaming calls carry the context in gRPC metadata (the interceptors
 below). A long-lived multiplexed stream carries many requests, so each request message carries its own
 context in a `trace_context` map field (`inject` / `extract`); no span covers the stream itself.
+The interceptors are this module's own, not opentelemetry-instrumentation-grpc's: that package's aio
+interceptors also wrap streaming-request calls, which would put one span over each multiplexed stream
+for the life of the process, and it would add a dependency for the few lines below (unary spans,
+metadata propagation, health and reflection left untraced, nothing installed when tracing is off).
 """
 
 from __future__ import annotations
