@@ -8,9 +8,9 @@ import logging
 
 import grpc
 
-from services.common import grpc_server, metrics, telemetry
+from services.common import decoding, grpc_server, metrics, telemetry
 from services.common.grpc_server import ServiceHealth
-from services.common.pb import engine_pb2_grpc
+from services.common.pb import engine_pb2
 from services.common.settings import load_settings
 from services.engine.async_engine import AsyncEngine
 from services.engine.engine import LLMEngine
@@ -32,7 +32,8 @@ async def create_server(
     engine = await AsyncEngine.build(lambda: _observed_engine(settings))
     server, health = grpc_server.new_server([SERVICE_NAME])
     _report_fatal(engine, health)
-    engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(engine), server)
+    # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
+    decoding.add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(engine))
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, engine, health
 

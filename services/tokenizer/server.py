@@ -7,9 +7,9 @@ from typing import Any
 
 import grpc
 
-from services.common import grpc_server
+from services.common import decoding, grpc_server
 from services.common.models import resolve_model_dir
-from services.common.pb import tokenizer_pb2_grpc
+from services.common.pb import tokenizer_pb2
 from services.common.settings import load_settings
 from services.common.workers import serve_worker, serve_workers
 from services.tokenizer.core import TokenizerCore
@@ -27,7 +27,8 @@ async def create_server(
     core = TokenizerCore(resolve_model_dir(settings.model))
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
     servicer = TokenizerServicer(core, max_batch_size=settings.max_batch_size)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, server)
+    # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
+    decoding.add_servicer(server, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"], servicer)
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, health, servicer
 

@@ -103,8 +103,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.TokenizeResponse]:
         """Every request is tokenized concurrently; answers come back as they are ready. A bad
-        request gets a response with `error` set and the call goes on."""
+        request gets a response with `error` set and the call goes on. When reading the requests
+        fails, the call ends at once (its pending requests are dropped) with that failure."""
         done: asyncio.Queue[tokenizer_pb2.TokenizeResponse | None] = asyncio.Queue()
+        tasks: set[asyncio.Task[None]] = set()
 
         async def one(request: tokenizer_pb2.TokenizeRequest) -> None:
             result = await self._tokenize_in_stream(request)
@@ -116,9 +118,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                                                                truncated=result.truncated))
 
         async def read_all() -> None:
-            tasks = [asyncio.create_task(one(request)) async for request in request_iterator]
-            await asyncio.gather(*tasks)
-            done.put_nowait(None)
+            try:
+                async for request in request_iterator:
+                    task = asyncio.create_task(one(request))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*tasks)
+            finally:  # also when reading fails: the writer below must not wait forever
+                done.put_nowait(None)
 
         reader = asyncio.create_task(read_all())
         try:
@@ -127,6 +134,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             await reader
         finally:
             reader.cancel()
+            for task in list(tasks):
+                task.cancel()
 
     async def Info(
         self, request: tokenizer_pb2.InfoRequest, context: grpc.aio.ServicerContext

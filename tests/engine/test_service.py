@@ -23,7 +23,7 @@ PROMPT = [5, 6, 7, 8, 9]
 
 
 @pytest.fixture
-async def stub(llama_dir: Path) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
+async def channel(llama_dir: Path) -> AsyncIterator[grpc.aio.Channel]:
     settings = EngineSettings(
         model=str(llama_dir),
         port=0,
@@ -38,9 +38,14 @@ async def stub(llama_dir: Path) -> AsyncIterator[engine_pb2_grpc.EngineStub]:
     address = f"127.0.0.1:{port}"
     await wait_healthy(address, timeout_s=10)
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        yield engine_pb2_grpc.EngineStub(channel)
+        yield channel
     await server.stop(None)
     engine.stop()
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.EngineStub:
+    return engine_pb2_grpc.EngineStub(channel)
 
 
 def expected(llama_dir: Path, prompt: list[int], n: int) -> list[int]:
@@ -111,6 +116,39 @@ async def test_generate_bad_input_is_invalid_argument(
             pass
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details()
+    await wait_idle(stub)
+
+
+CORRUPT = b"\xff\xff\xff\xff"  # not a protobuf of any type
+
+
+async def test_a_corrupt_request_is_an_invalid_argument(
+    channel: grpc.aio.Channel, stub: engine_pb2_grpc.EngineStub
+) -> None:
+    """Not UNKNOWN naming the parser's exception, as gRPC's own decoding answers."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in channel.unary_stream("/sluice.v1.Engine/Generate")(CORRUPT):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.value.details() or "").startswith("malformed request: ")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await channel.unary_unary("/sluice.v1.Engine/Stats")(CORRUPT)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    await wait_idle(stub)
+
+
+async def test_a_corrupt_message_on_the_stream_ends_it_with_an_invalid_argument(
+    channel: grpc.aio.Channel, stub: engine_pb2_grpc.EngineStub
+) -> None:
+    """As after a half-close there, the requests submitted before it run to their end."""
+    good = engine_pb2.EngineIn(submit=gen_request("g", n=4)).SerializeToString()
+    finals: list[engine_pb2.RequestFinal] = []
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for raw in channel.stream_stream("/sluice.v1.Engine/Stream")(iter([good, CORRUPT])):
+            finals += [e.final for e in engine_pb2.EngineOut.FromString(raw).entries if e.HasField("final")]
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "malformed request" in (err.value.details() or "")
+    assert [(f.request_id, f.usage.completion_tokens) for f in finals] == [("g", 4)]
     await wait_idle(stub)
 
 

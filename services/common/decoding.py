@@ -1,0 +1,123 @@
+"""Registering a servicer so that a request that is not a valid protobuf is the client's error.
+
+A generated `add_*Servicer_to_server` decodes requests with the message's `FromString` inside gRPC:
+a corrupt request (bad wire format, a string field that is not UTF-8) is then answered UNKNOWN with
+the parser's exception class in the details ("Unexpected <class 'google.protobuf.message.DecodeError'>:
+..."), and a corrupt message on a client stream raises inside whatever reads the servicer's request
+iterator. `add_servicer` registers the same methods, with requests decoded here instead:
+
+- a corrupt unary request is answered INVALID_ARGUMENT ("malformed request: ...");
+- on a client stream, the request iterator the servicer reads ends at the corrupt message, as if the
+  client had half-closed there, and the call's status is INVALID_ARGUMENT unless the servicer sets
+  another (what the servicer does with the requests it read before is its own contract).
+
+    add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(...))
+
+replaces `engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(...), server)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
+from google.protobuf.message import DecodeError, Message
+
+Behavior = Callable[..., Any]
+
+
+def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
+    """Adds every method of `service` (the servicer's method of the same name) to `server`, its
+    requests decoded as the module docstring says. Call before the server starts."""
+    handlers = {method.name: _method_handler(method, getattr(servicer, method.name))
+                for method in service.methods}  # fmt: skip
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def malformed(exc: DecodeError) -> str:
+    """The details of the INVALID_ARGUMENT answer to a request protobuf cannot parse."""
+    return f"malformed request: {exc}"
+
+
+def _method_handler(method: MethodDescriptor, behavior: Behavior) -> grpc.RpcMethodHandler:
+    request_type = message_factory.GetMessageClass(method.input_type)
+    serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+    if method.client_streaming:
+        if method.server_streaming:
+            return grpc.stream_stream_rpc_method_handler(
+                _stream_stream(behavior, request_type), response_serializer=serialize
+            )
+        return grpc.stream_unary_rpc_method_handler(
+            _stream_unary(behavior, request_type), response_serializer=serialize
+        )
+    if method.server_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            _unary_stream(behavior, request_type), response_serializer=serialize
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        _unary_unary(behavior, request_type), response_serializer=serialize
+    )
+
+
+async def _decode(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Message:
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, malformed(exc))
+        raise  # unreachable: abort raises
+
+
+async def _decoded(
+    raw_requests: AsyncIterator[bytes], request_type: type[Message], context: grpc.aio.ServicerContext
+) -> AsyncIterator[Message]:
+    """The messages of a client stream, up to the first corrupt one (which sets INVALID_ARGUMENT)."""
+    async for raw in raw_requests:
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as exc:
+            context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+            context.set_details(malformed(exc))
+            return
+        yield request
+
+
+def _unary_unary(behavior: Behavior, request_type: type[Message]) -> Behavior:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await _decode(raw, request_type, context), context)
+
+    return handle
+
+
+def _unary_stream(behavior: Behavior, request_type: type[Message]) -> Behavior:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        request = await _decode(raw, request_type, context)
+        # aclosing: when the call ends early, the servicer's own generator runs its cleanup at once.
+        async with contextlib.aclosing(behavior(request, context)) as responses:
+            async for response in responses:
+                yield response
+
+    return handle
+
+
+def _stream_unary(behavior: Behavior, request_type: type[Message]) -> Behavior:
+    async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(_decoded(raw_requests, request_type, context), context)
+
+    return handle
+
+
+def _stream_stream(behavior: Behavior, request_type: type[Message]) -> Behavior:
+    async def handle(
+        raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        requests = _decoded(raw_requests, request_type, context)
+        async with contextlib.aclosing(behavior(requests, context)) as responses:
+            async for response in responses:
+                yield response
+
+    return handle
