@@ -157,6 +157,9 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         sampling.validate()
         stopping.validate()
+        bad = next((t for t in stopping.stop_token_ids if t >= vocab), None)
+        if bad is not None:  # it could never be generated: a stop that silently never stops
+            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def add_request(
         self,

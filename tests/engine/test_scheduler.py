@@ -15,6 +15,7 @@ import pytest
 
 from services.engine.block_manager import BlockManager, chain_hashes
 from services.engine.engine import LLMEngine
+from services.engine.errors import INTERNAL, error_class
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.fakes import FakeRunner, expected_output, fake_engine
 
@@ -412,6 +413,34 @@ def test_failing_step_fails_its_requests_and_goes_on(engines: list[LLMEngine]) -
     assert "injected failure" in (outs[0].error or "")
     engine.add_request("b", [5, 6], GREEDY, stop(3))
     assert tokens(run(engine)["b"]) == expected_output([5, 6], 3)
+
+
+def test_an_injected_step_fault_fails_only_that_steps_requests(engines: list[LLMEngine]) -> None:
+    """A fault injected into the model's execution of one step fails that step's requests only: one that
+    waited outside the step (the batch was full) and one that arrives after it complete exactly."""
+    engine, runner = make(engines, max_num_seqs=2)
+    for rid, prompt in (("a", [5, 6]), ("b", [5, 7]), ("w", [5, 8])):
+        engine.add_request(rid, prompt, GREEDY, stop(4))
+    assert sorted(o.request_id for o in engine.step()) == ["a", "b"]  # w waits: the batch holds two
+    runner.fail_next = True
+    failed = engine.step()
+    assert sorted((o.request_id, o.finish_reason) for o in failed) == [("a", "error"), ("b", "error")]
+    for out in failed:
+        assert error_class(out.error or "") == INTERNAL and "injected failure" in (out.error or "")
+    engine.add_request("late", [5, 9], GREEDY, stop(4))
+    rest = run(engine)
+    assert sorted(rest) == ["late", "w"]
+    for rid, prompt in (("w", [5, 8]), ("late", [5, 9])):
+        assert tokens(rest[rid]) == expected_output(prompt, 4) and rest[rid][-1].finish_reason == "length"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(engines: list[LLMEngine]) -> None:
+    """A stop token id the model cannot generate would never stop anything: refused, not ignored."""
+    engine, runner = make(engines)
+    with pytest.raises(ValueError, match="stop_token_ids: token id 64 is outside the vocabulary"):
+        engine.add_request("a", [5], GREEDY, stop(2, stop_token_ids=(3, runner.vocab_size)))
+    engine.add_request("b", [5], GREEDY, stop(2, stop_token_ids=(runner.vocab_size - 1,)))
+    assert len(tokens(run(engine)["b"])) >= 1
 
 
 def test_stats_after_run(engines: list[LLMEngine]) -> None:
