@@ -34,6 +34,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
+FLOAT32_TINY = 2.0**-126  # the smallest normal float32
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -101,7 +102,9 @@ def number(
     if value is None:
         return None
     label = where + name
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ParamError(label, f"{label} must be a number")
+    if isinstance(value, float) and not math.isfinite(value):  # an int is compared exactly, however long
         raise ParamError(label, f"{label} must be a number")
     if above_lo and not lo < value <= hi:
         raise ParamError(label, f"{label} must be greater than {lo:g} and at most {hi:g}")
@@ -112,8 +115,10 @@ def number(
 
 def top_p(obj: dict[str, Any], *, where: str = "") -> float:
     """`obj["top_p"]` in (0, 1] as vLLM takes it; 0.0 (off, in the protobuf) when absent or null.
-    A 0 is refused, not read as off."""
-    return number(obj, "top_p", 0.0, 1.0, where=where, above_lo=True) or 0.0
+    A 0 is refused, not read as off; a value too small for the protobuf's float32 (which would round
+    to 0, off) is raised to the smallest normal float32."""
+    value = number(obj, "top_p", 0.0, 1.0, where=where, above_lo=True)
+    return 0.0 if value is None else max(value, FLOAT32_TINY)
 
 
 def integer(obj: dict[str, Any], name: str, lo: int, hi: int, *, where: str = "") -> int | None:

@@ -195,3 +195,21 @@ def test_stop_token_ids_are_checked_and_kept_in_order() -> None:
         with pytest.raises(params.ParamError) as caught:
             params.generation_params({"stop_token_ids": bad}, GatewaySettings(), where="params.")
         assert caught.value.param == "params.stop_token_ids"
+
+
+@pytest.mark.parametrize("api", ["ws", "http"])
+async def test_an_integer_past_any_float_is_refused_not_an_internal_error(
+    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+) -> None:
+    refuse, expected_code = REFUSALS[api]
+    code, message = await refuse(gateway, {"temperature": 10**400})
+    assert code == expected_code and "temperature must be between 0 and 2" in message
+    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+
+
+@pytest.mark.parametrize("api", ["ws", "completions", "chat"])  # gRPC's top_p is a float32 already
+async def test_a_tiny_top_p_is_not_read_as_off(
+    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+) -> None:
+    await ACCEPTS[api](gateway, {"max_tokens": 1, "top_p": 1e-50})
+    assert upstreams.engine.submits[-1].sampling.top_p > 0  # float32 0 would be off: the whole nucleus
