@@ -17,6 +17,7 @@ import yaml
 
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
+from sluice.launcher import _parse as parse_up_args
 from sluice.launcher import child_env, default_engine_threads, plan_children
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,10 +101,8 @@ def test_k8s_deployments_parse_and_wire_up() -> None:
 
 @pytest.mark.parametrize(("batching", "engine_threads"), [(None, 0), ("dynamic", 3)])
 def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threads: int) -> None:
-    args = argparse.Namespace(
-        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=batching, device=None,
-        metrics_base_port=0, engine_threads=engine_threads,
-    )
+    flags = ["--port", "8100", "--grpc-base-port", "51000", "--engine-threads", str(engine_threads)]
+    args = parse_up_args(flags + (["--batching", batching] if batching else []))
     children = plan_children(args, "/models/m")
     assert [c.name for c in children] == [*STAGES, "gateway"]
     parsed = {c.name: settings_for(c.name, list(c.flags)) for c in children}
@@ -111,6 +110,7 @@ def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threa
         assert parsed[child.name].host == "127.0.0.1"
     assert parsed["gateway"].port == 8100
     assert parsed["gateway"].grpc_port == 51000
+    assert parsed["gateway"].served_model_name == "tiny"  # the embedded model, as README's examples name it
     assert parsed["engine"].threads == (engine_threads or default_engine_threads())
     for stage in STAGES:
         assert parsed[stage].model == "/models/m"
@@ -180,10 +180,8 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
 
 
 def test_launcher_passes_tracing_and_metrics_settings() -> None:
-    args = argparse.Namespace(
-        host="127.0.0.1", port=8100, grpc_base_port=51000, batching=None, device=None, metrics_base_port=9200,
-        otlp_endpoint="http://127.0.0.1:4317", trace_console=True, engine_threads=0,
-    )
+    args = parse_up_args(["--port", "8100", "--grpc-base-port", "51000", "--metrics-base-port", "9200",
+                          "--otlp-endpoint", "http://127.0.0.1:4317", "--trace-console"])
     parsed = {c.name: settings_for(c.name, list(c.flags)) for c in plan_children(args, "/models/m")}
     assert [parsed[stage].metrics_port for stage in STAGES] == [9200, 9201, 9202]
     env = child_env(args, {"PATH": "/bin"})
