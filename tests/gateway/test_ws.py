@@ -308,7 +308,9 @@ async def test_tokenizer_refusal_is_invalid_argument(ws: ClientConnection, upstr
 
 
 async def test_unreachable_tokenizer_is_unavailable(upstreams: FakeUpstreams) -> None:
-    server = await create_server(gateway_settings(upstreams, tokenizer=(dead_address(),)))
+    # upstream_wait_s: how long a request waits for the tokenizer before failing (default 5 s)
+    settings = gateway_settings(upstreams, tokenizer=(dead_address(),), upstream_wait_s=0.2)
+    server = await create_server(settings)
     await server.start()
     try:
         async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
