@@ -7,8 +7,7 @@ positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition
 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, at most
 `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
 detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
-token ids of 0 to 2**31 - 1 each (an id past the model's vocabulary can never be sampled, so never
-stops anything).
+token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it).
 
 `OPENAI_EXTENSIONS` are the keys of `GENERATION_KEYS` that OpenAI's API lacks and vLLM's accepts; the
 README's "OpenAI extensions" table lists the same (a test checks).
