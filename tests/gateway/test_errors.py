@@ -111,7 +111,7 @@ async def test_broken_engine_stream_is_engine_unavailable_without_its_address(
 
 
 async def test_unreachable_tokenizer_is_unavailable_without_its_address(make_gateway: MakeGateway) -> None:
-    server = await make_gateway(tokenizer=(dead_address(),))
+    server = await make_gateway(tokenizer=(dead_address(),), upstream_wait_s=0.2)
     async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
         await send(client, {"type": "generate", "id": "u", "prompt": "x"})
         end = (await collect(client, {"u"}))["u"]["end"]

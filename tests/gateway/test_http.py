@@ -62,9 +62,11 @@ async def test_models(http: httpx.AsyncClient) -> None:
     assert [m["id"] for m in body["data"]] == [MODEL]
 
 
-async def test_models_without_tokenizer_is_503(http: httpx.AsyncClient, upstreams: FakeUpstreams) -> None:
+async def test_models_without_tokenizer_is_503(make_gateway, upstreams: FakeUpstreams) -> None:  # type: ignore[no-untyped-def]
+    server = await make_gateway(upstream_wait_s=0.2)  # waits that long for the tokenizer to come back
     await upstreams.stop("tokenizer")
-    response = await http.get("/v1/models")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+        response = await http.get("/v1/models")
     assert response.status_code == 503
     assert response.json()["error"]["message"]
 
