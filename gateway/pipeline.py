@@ -20,7 +20,9 @@ Invariants:
   already sent its final, a `DetokenizeClose` unless the detokenizer already sent its final or was
   closed (a detokenizer final is the request's last entry there: nothing is sent after it);
 - a broken upstream call fails every request that depends on it with "unavailable"; the next request
-  opens a new call.
+  opens a new call, on a replica whose channel is connected: when no replica of a stage is (it is
+  starting or restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails
+  with "unavailable" (`Replicas.pick_ready`).
 """
 
 from __future__ import annotations
