@@ -23,8 +23,8 @@ from gateway.grpc_api import GatewayServicer
 from gateway.http_app import create_app, with_connection_drop
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
-from services.common import grpc_server, telemetry
-from services.common.pb import gateway_pb2_grpc
+from services.common import decoding, grpc_server, telemetry
+from services.common.pb import gateway_pb2
 from services.common.settings import load_settings
 
 log = logging.getLogger(__name__)
@@ -64,9 +64,13 @@ class GatewayServer:
     def __init__(self, settings: GatewaySettings, pipeline: Pipeline, keys: ApiKeys) -> None:
         self.settings = settings
         self.pipeline = pipeline
-        self.grpc_server, self._health = grpc_server.new_server([SERVICE_NAME])
+        # The public API takes requests no larger than the HTTP API's bodies.
+        self.grpc_server, self._health = grpc_server.new_server(
+            [SERVICE_NAME], max_receive_bytes=settings.max_body_bytes
+        )
         servicer = GatewayServicer(pipeline, settings, keys)
-        gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, self.grpc_server)
+        service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
+        decoding.add_servicer(self.grpc_server, service, servicer)
         self.grpc_port = grpc_server.bind(self.grpc_server, settings.host, settings.grpc_port)
         self._socket = _listen(settings.host, settings.port)
         self.http_port: int = self._socket.getsockname()[1]

@@ -73,12 +73,15 @@ class ServiceHealth:
 
 
 def new_server(
-    service_full_names: Iterable[str], *, reuse_port: bool = False
+    service_full_names: Iterable[str], *, reuse_port: bool = False, max_receive_bytes: int = MAX_MESSAGE_BYTES
 ) -> tuple[grpc.aio.Server, ServiceHealth]:
     """A grpc.aio server with health and reflection added for the given services
     (e.g. "sluice.v1.Engine"), and the tracing interceptors when tracing is on
-    (`telemetry.init_tracing` was called first). The caller adds its own servicer, then calls `bind`."""
-    options = [*SERVER_OPTIONS, ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    (`telemetry.init_tracing` was called first). The caller adds its own servicer, then calls `bind`.
+    A request message over `max_receive_bytes` is refused by gRPC with RESOURCE_EXHAUSTED."""
+    options = [(key, value) for key, value in SERVER_OPTIONS if key != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))  # a repeated key: the first wins
+    options.append(("grpc.so_reuseport", int(reuse_port)))
     server = grpc.aio.server(options=options, interceptors=telemetry.server_interceptors())
     names = list(service_full_names)
     health_state = ServiceHealth(names)

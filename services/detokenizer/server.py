@@ -7,9 +7,9 @@ from typing import Any
 
 import grpc
 
-from services.common import grpc_server
+from services.common import decoding, grpc_server
 from services.common.models import resolve_model_dir
-from services.common.pb import detokenizer_pb2_grpc
+from services.common.pb import detokenizer_pb2
 from services.common.settings import load_settings
 from services.common.workers import serve_worker, serve_workers
 from services.detokenizer.incremental import Vocabulary
@@ -29,7 +29,8 @@ async def create_server(
     servicer = DetokenizerServicer(vocab, max_batch_size=settings.max_batch_size,
                                    remember_finished=settings.remember_finished,
                                    read_ahead=settings.read_ahead)
-    detokenizer_pb2_grpc.add_DetokenizerServicer_to_server(servicer, server)
+    # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
+    decoding.add_servicer(server, detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"], servicer)
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
     return server, port, health, servicer
 

@@ -8,8 +8,9 @@ Where an error comes from (see docs/reliability.md): gateway/params.py validates
 APIs alike; gateway/openai_api.py answers 400/404/405/413 with OpenAI-style JSON; gateway/ws.py answers
 an `error` frame (the socket goes on), and the server library closes a socket with 1009 (frame over
 --max-ws-frame-bytes) or 1007 (a text frame that is not UTF-8); gRPC itself answers RESOURCE_EXHAUSTED
-for a message over 64 MiB; the services answer INVALID_ARGUMENT for input they cannot serve, or an error
-final on their multiplexed streams (services/*/servicer.py).
+for a message over the public API's cap (--max-body-bytes, as HTTP) or 64 MiB inside; the services
+answer INVALID_ARGUMENT for input they cannot serve, or an error final on their multiplexed streams
+(services/*/servicer.py).
 """
 
 from __future__ import annotations
@@ -510,15 +511,6 @@ def engine_request(**fields: Any) -> Callable[[Prompts], engine_pb2.GenerateRequ
     return lambda p: engine_pb2.GenerateRequest(**values)
 
 
-def xfail_malformed(service: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(
-        strict=True,
-        reason=f"the {service} registers its servicer with the generated add_*_to_server, so gRPC decodes "
-        "requests and answers a corrupt one UNKNOWN \"Unexpected <class 'google.protobuf.message."
-        "DecodeError'>: ...\"; services.common.decoding.add_servicer answers INVALID_ARGUMENT",
-    )
-
-
 GOOD_SUBMIT = engine_pb2.EngineIn(
     submit=engine_pb2.GenerateRequest(
         request_id="g", prompt_ids=[5, 6], stopping=ST(max_new_tokens=3, ignore_eos=True)
@@ -567,13 +559,12 @@ RPC_CASES = [
        lambda p: P(prompt="hi", stopping=ST(stop_token_ids=[1 << 30])), "stop_token_ids"),
     gw("grpc-prompt-over-context", lambda p: P(prompt=p.over_context), "context"),
     gw("grpc-prompt-at-context", lambda p: P(prompt=p.at_context), "context"),
-    gw("grpc-message-over-64mib", lambda p: P(prompt="x" * (65 * 1024 * 1024)),
+    gw("grpc-message-over-the-body-cap", lambda p: P(prompt="x" * (4 * 1024 * 1024 + 16)),
        status=grpc.StatusCode.RESOURCE_EXHAUSTED),
-    bad_bytes("grpc-malformed-protobuf", "gateway", raw_unary(GATEWAY_GENERATE, CORRUPT, streamed_reply=True),
-              marks=xfail_malformed("gateway")),
+    bad_bytes("grpc-malformed-protobuf", "gateway",
+              raw_unary(GATEWAY_GENERATE, CORRUPT, streamed_reply=True)),
     bad_bytes("grpc-prompt-not-utf8", "gateway",
-              raw_unary(GATEWAY_GENERATE, _field_bytes(2, NOT_UTF8), streamed_reply=True),
-              marks=xfail_malformed("gateway")),
+              raw_unary(GATEWAY_GENERATE, _field_bytes(2, NOT_UTF8), streamed_reply=True)),
     # The tokenizer, directly.
     tok("tokenizer-no-input", lambda p: tokenizer_pb2.TokenizeRequest(), "empty"),
     tok("tokenizer-empty-text", lambda p: tokenizer_pb2.TokenizeRequest(text=""), "empty"),
@@ -608,10 +599,9 @@ RPC_CASES = [
          Rpc("detokenizer", decode([5, 1 << 20]), details_has="vocabulary")),
     case("detokenizer-negative-id", Rpc("detokenizer", decode([-5]), details_has="vocabulary")),
     bad_bytes("detokenizer-malformed-protobuf", "detokenizer",
-              raw_unary("/sluice.v1.Detokenizer/Decode", CORRUPT),
-              marks=xfail_malformed("detokenizer")),
+              raw_unary("/sluice.v1.Detokenizer/Decode", CORRUPT)),
     bad_bytes("detokenizer-stream-malformed-protobuf", "detokenizer",
-              raw_stream("/sluice.v1.Detokenizer/Stream", CORRUPT), marks=xfail_malformed("detokenizer")),
+              raw_stream("/sluice.v1.Detokenizer/Stream", CORRUPT)),
 ]  # fmt: skip
 
 
