@@ -199,7 +199,7 @@ def _engine_failure(request_id: str, error: str) -> Failed:
     engine's words only when it refused the request as given (the log has the rest)."""
     code = engine_errors.error_class(error)
     if code == INVALID_ARGUMENT:
-        return Failed(code, f"engine: {error}")
+        return Failed(code, f"engine: {engine_errors.error_detail(error)}")
     log.warning("engine failed request %s: %s", request_id, error)
     if code == DEADLINE_EXCEEDED:
         return Failed(code, "the request ran past its deadline")

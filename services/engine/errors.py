@@ -30,6 +30,12 @@ def error_message(error_class: str, detail: str) -> str:
     return f"{error_class}{_SEPARATOR}{detail}"
 
 
+def error_detail(message: str) -> str:
+    """An error final's words without its class prefix (the whole message when it has none)."""
+    prefix, separator, detail = message.partition(_SEPARATOR)
+    return detail if separator and prefix in CLASSES else message
+
+
 def error_class(message: str) -> str:
     """The class of an error final's message; `internal` for a message without a known class."""
     prefix, separator, _ = message.partition(_SEPARATOR)

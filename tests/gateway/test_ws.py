@@ -286,7 +286,7 @@ async def test_detokenizer_failure_is_unavailable_and_aborts_the_engine(
         ("no class given", "internal", "engine failed"),
         ("unavailable: engine loop stopped: CUDA error", "unavailable", "engine unavailable"),
         ("deadline_exceeded: deadline exceeded", "deadline_exceeded", "the request ran past its deadline"),
-        ("invalid_argument: too long", "invalid_argument", "engine: invalid_argument: too long"),
+        ("invalid_argument: too long", "invalid_argument", "engine: too long"),
     ],
 )
 async def test_engine_error_final_keeps_its_class_and_only_client_facing_words(
