@@ -95,7 +95,7 @@ class RestartTracker:
         return len(self.restarts)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice up", description=__doc__.strip().split("\n")[0])
     add = parser.add_argument
     add("--model", default="", help="local Hugging Face model directory (default: the embedded model)")
@@ -377,5 +377,5 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    args = _parse(argv)
+    args = parse_args(argv)
     return asyncio.run(_run(args))

@@ -36,7 +36,7 @@ from typing import IO, Any
 
 import psutil
 
-from sluice.launcher import STOP_GRACE_S, Child, Supervisor, child_env, plan_children
+from sluice.launcher import STOP_GRACE_S, Child, Supervisor, child_env, parse_args, plan_children
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
@@ -161,17 +161,9 @@ class Stack:
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
-        plan = argparse.Namespace(
-            host=host,
-            port=http_port,
-            grpc_base_port=grpc_base,
-            batching=options.batching,
-            device=None,
-            engine_threads=0,
-            metrics_base_port=metrics_base,
-            otlp_endpoint="",
-            trace_console=False,
-        )
+        flags = ["--model", options.model, "--host", host, "--port", str(http_port),
+                 "--grpc-base-port", str(grpc_base), "--metrics-base-port", str(metrics_base)]
+        plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
         self._env = child_env(plan, {**os.environ, **(options.env or {})})
         self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}

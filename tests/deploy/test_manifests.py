@@ -17,8 +17,8 @@ import yaml
 
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
-from sluice.launcher import _parse as parse_up_args
 from sluice.launcher import child_env, default_engine_threads, plan_children
+from sluice.launcher import parse_args as parse_up_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = {
