@@ -62,7 +62,7 @@ _DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def origin_allowed(origin: str | None, host: str | None, allowed: Iterable[str]) -> bool:
-    """Whether a WebSocket handshake with this `Origin` header value may proceed.
+    """Whether a WebSocket handshake or an HTTP API request with this `Origin` header may proceed.
 
     No Origin (a client that is not a browser): yes. `"*"` among `allowed`: any origin. Otherwise the
     origin must be the gateway's own (its host and port those of the request's `Host` header, a Host

@@ -2,9 +2,10 @@
 `/v1/chat/completions` and `/v1/models`, `/healthz`, `/readyz`, `/metrics` (Prometheus).
 
 With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
-key in its first frame instead); the page and the health routes stay open. Every error of the
-`/v1/` HTTP routes, and every 5xx of any route, is OpenAI-style JSON that names no internal address
-and holds no stack trace.
+key in its first frame instead); the page and the health routes stay open. A browser's request from
+another origin (`auth.origin_allowed`, `--allowed-origins`) is refused 403 on every `/v1/` route.
+Every error of the `/v1/` HTTP routes, and every 5xx of any route, is OpenAI-style JSON that names no
+internal address and holds no stack trace.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import ApiKeys
+from gateway.auth import ApiKeys, origin_allowed
 from gateway.openai_api import DROP_CONNECTION, ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -57,6 +58,15 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
             raise ApiError(
                 401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
             )
+
+    async def trusted_origin(request: Request) -> None:
+        """A browser page of another origin may not drive the API (with keys off, any page the user
+        visits could otherwise POST to it); clients that send no Origin are not browsers."""
+        origin = request.headers.get("origin")
+        if not origin_allowed(origin, request.headers.get("host"), settings.allowed_origins):
+            log.info("%s %s refused: origin %r is not allowed", request.method, request.url.path, origin)
+            raise ApiError(403, "this origin may not use the API (the gateway's --allowed-origins lists the "
+                           "origins that may)", code="origin_not_allowed")  # fmt: skip
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -100,17 +110,17 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
         body, content_type = render(pipeline.metrics.registry)
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models", dependencies=[Depends(trusted_origin), Depends(authorized)])
     async def models() -> JSONResponse:
         served = await handlers.model_name(None)
         card = {"id": served, "object": "model", "created": 0, "owned_by": "sluice"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions", dependencies=[Depends(trusted_origin), Depends(authorized)])
     async def completions(request: Request) -> Response:
         return await handlers.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(trusted_origin), Depends(authorized)])
     async def chat_completions(request: Request) -> Response:
         return await handlers.handle(request, chat=True)
 

@@ -65,11 +65,11 @@ class GatewaySettings:
             "deadline) before it fails with unavailable"
         },
     )
-    ws_allowed_origins: tuple[str, ...] = field(
+    allowed_origins: tuple[str, ...] = field(
         default=(),
         metadata={
-            "help": "WebSocket Origins accepted, comma-separated, '*' = any (none = the gateway's own "
-            "origin only; a client that sends no Origin, not a browser, is accepted)"
+            "help": "browser Origins that may use the WebSocket and the HTTP API besides the gateway's own, "
+            "comma-separated, '*' = any (a client that sends no Origin, not a browser, is always accepted)"
         },
     )
     ws_auth_timeout_s: float = field(

@@ -10,7 +10,7 @@ with `resource_exhausted` and its id; the others go on. A cancel for an id not i
 ended, or never started) is ignored: its generate has had, or will have, its own terminal frame.
 Closing the socket cancels every generation of that socket.
 
-A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `ws_allowed_origins`) is refused
+A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused
 before the socket opens (HTTP 403). A client that stops reading is closed once one write has waited
 `send_timeout_s`, and its generations are cancelled.
 """
@@ -185,7 +185,7 @@ class SocketSession:
 
     async def run(self) -> None:
         headers = self._ws.headers
-        if not origin_allowed(headers.get("origin"), headers.get("host"), self._settings.ws_allowed_origins):
+        if not origin_allowed(headers.get("origin"), headers.get("host"), self._settings.allowed_origins):
             log.info("websocket refused: origin %r is not allowed", headers.get("origin"))
             await self._ws.close(CLOSE_POLICY_VIOLATION)  # before accept: HTTP 403
             return

@@ -82,3 +82,34 @@ async def test_chat_page_is_self_contained_and_speaks_the_protocol(http: httpx.A
     # No external assets: nothing is fetched from another origin.
     for needle in ("http://", "https://", "<link ", "src="):
         assert needle not in page, needle
+
+
+@pytest.mark.parametrize(
+    ("origin", "allowed", "status"),
+    [
+        (None, (), 200),  # not a browser
+        ("own", (), 200),  # the gateway's own page
+        ("https://evil.example", (), 403),
+        ("null", (), 403),
+        ("https://app.example", ("https://app.example",), 200),
+        ("https://evil.example", ("*",), 200),
+    ],
+)
+async def test_a_browser_page_of_another_origin_may_not_drive_the_http_api(
+    make_gateway, upstreams: FakeUpstreams, origin: str | None, allowed: tuple[str, ...], status: int  # type: ignore[no-untyped-def]
+) -> None:
+    gateway = await make_gateway(allowed_origins=allowed)
+    base = f"http://127.0.0.1:{gateway.http_port}"
+    headers = {} if origin is None else {"Origin": base if origin == "own" else origin}
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=base, timeout=WAIT_S, headers=headers) as client:
+        responses = [await client.post("/v1/completions", json=body),
+                     await client.post("/v1/chat/completions", json={**body, "messages": [
+                         {"role": "user", "content": "hi"}]}),
+                     await client.get("/v1/models")]  # fmt: skip
+    assert [r.status_code for r in responses] == [status] * 3
+    if status == 403:
+        assert responses[0].json()["error"]["code"] == "origin_not_allowed"
+        assert upstreams.engine.submits == []  # refused before any work
+    else:
+        assert len(upstreams.engine.submits) == 2

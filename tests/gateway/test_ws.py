@@ -400,14 +400,14 @@ async def test_the_gateways_own_page_and_non_browsers_are_accepted(gateway: Gate
 
 
 async def test_allowed_origins_are_accepted_and_a_star_accepts_any(make_gateway: MakeGateway) -> None:
-    listed = await make_gateway(ws_allowed_origins=("https://app.example", "http://tools.example:8080"))
+    listed = await make_gateway(allowed_origins=("https://app.example", "http://tools.example:8080"))
     assert await handshake_status(listed, "https://app.example") == 101
     assert await handshake_status(listed, "https://app.example:443") == 101
     assert await handshake_status(listed, "http://tools.example:8080") == 101
     assert await handshake_status(listed, f"http://127.0.0.1:{listed.http_port}") == 101  # its own page
     assert await handshake_status(listed, "http://app.example") == 403  # another scheme
     assert await handshake_status(listed, "http://tools.example") == 403  # another port
-    anyone = await make_gateway(ws_allowed_origins=("*",))
+    anyone = await make_gateway(allowed_origins=("*",))
     assert await handshake_status(anyone, "http://evil.example") == 101
 
 
