@@ -7,7 +7,7 @@
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
-    sluice health HOST:PORT                                         exit 0 if the service is SERVING
+    sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
 """
@@ -52,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
+    health.add_argument("--tls-ca-file", default="", help="PEM CA of the service's certificate (set = TLS)")
+    health.add_argument("--tls-cert-file", default="", help="PEM client certificate (mutual TLS)")
+    health.add_argument("--tls-key-file", default="", help="PEM key of --tls-cert-file")
     return parser
 
 
@@ -60,13 +63,14 @@ def _hand_over(module_name: str, argv: list[str]) -> int:
     return int(module.main(argv) or 0)
 
 
-def _health(address: str, timeout_s: float) -> int:
+def _health(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services.common.grpc_server import wait_healthy
+    from services.common.grpc_server import ChannelTls, wait_healthy
 
+    address, tls = args.address, ChannelTls.from_settings(args)
     try:
-        asyncio.run(wait_healthy(address, timeout_s=timeout_s))
+        asyncio.run(wait_healthy(address, timeout_s=args.timeout, tls=tls))
     except TimeoutError as exc:
         print(f"sluice health: {exc}", file=sys.stderr)
         return 1
@@ -81,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         return _hand_over(SERVICES[args.name], rest)
     if args.command == "health":
-        return _health(args.address, args.timeout)
+        return _health(args)
     if args.command == "model":
         return _hand_over(MODELS[args.kind], rest)
     return _hand_over(BENCHMARKS[args.name], rest)

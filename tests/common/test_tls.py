@@ -29,7 +29,7 @@ from services.engine.settings import EngineSettings
 from services.tokenizer.server import create_server as create_tokenizer
 from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
-from sluice import launcher
+from sluice import cli, launcher
 
 WAIT_S = 30.0  # generous bound on one wait; refusals come back at once
 STAGE_SETTINGS = (TokenizerSettings, EngineSettings, DetokenizerSettings)
@@ -132,6 +132,13 @@ async def test_mutual_tls_admits_only_clients_with_a_certificate_from_its_ca(
     await _refused(address, ChannelTls(pki.ca))
     await _refused(address, ChannelTls(pki.ca, pki.stranger_cert, pki.stranger_key))
     await _refused(address, None)
+
+
+async def test_sluice_health_checks_a_mutual_tls_stage(pki: Pki, tokenizer_at: StartTokenizer) -> None:
+    address = await tokenizer_at(**_stage_tls(pki, mutual=True))
+    flags = ["--tls-ca-file", pki.ca, "--tls-cert-file", pki.client_cert, "--tls-key-file", pki.client_key]
+    assert await asyncio.to_thread(cli.main, ["health", address, "--timeout", str(WAIT_S), *flags]) == 0
+    assert await asyncio.to_thread(cli.main, ["health", address, "--timeout", "1", *flags[:2]]) == 1
 
 
 async def test_a_client_that_does_not_trust_the_stage_certificate_is_refused(
