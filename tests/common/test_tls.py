@@ -246,4 +246,4 @@ def test_every_service_binds_loopback_by_default() -> None:
     for cls in (*STAGE_SETTINGS, GatewaySettings):
         assert cls().host == "127.0.0.1", cls.__name__
         assert load_settings(cls, [], environ={}).host == "127.0.0.1", cls.__name__
-    assert launcher._parse([]).host == "127.0.0.1"
+    assert launcher.parse_args([]).host == "127.0.0.1"

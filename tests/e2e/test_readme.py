@@ -113,14 +113,14 @@ def test_the_readme_has_examples_of_every_kind() -> None:
 
 def test_the_readme_sends_the_name_sluice_up_serves() -> None:
     name = launcher.EMBEDDED_MODEL_NAME
-    assert launcher.served_name_flags(launcher._parse([])) == ("--served-model-name", name)
+    assert launcher.served_name_flags(launcher.parse_args([])) == ("--served-model-name", name)
     assert f'"model": "{name}"' in README.read_text()
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=str)
 def test_readme_example_works(example: Example, served: Pipeline) -> None:
     if example.kind == "sluice up":
-        launcher._parse(list(example.argv[2:]))  # argparse exits on a bad flag
+        launcher.parse_args(list(example.argv[2:]))  # argparse exits on a bad flag
         return
     if example.kind == "sluice model":
         assert example.argv[2] == "tiny"
