@@ -1,10 +1,17 @@
-"""`sluice up`: the whole pipeline on one host, as four child processes.
+"""`sluice up`: the whole pipeline on one host, a child process per stage replica and the gateway.
 
-Starts tokenizer, engine, detokenizer and gateway on 127.0.0.1 (gateway HTTP on --port, gateway gRPC
-on --grpc-base-port, the three stages on the next three ports), waits until every one answers its
+Starts tokenizer, engine, detokenizer and gateway on 127.0.0.1, waits until every one answers its
 health check, prints the chat URL, and then watches: SIGINT/SIGTERM stop all children cleanly
 (SIGTERM, then SIGKILL after a grace period). Every start of a child prints a line with its pid
 ("sluice up: engine started (pid 1234)").
+
+Replicas: `--tokenizers N`, `--engines N`, `--detokenizers N` (default 1 each) start N processes of a
+stage, named `engine-1`, `engine-2`, ... when N > 1, and the gateway is given every address of each
+stage. The port plan: gateway HTTP on --port; gateway gRPC on --grpc-base-port (B); then the
+tokenizers, the engines and the detokenizers, in that order, on consecutive ports from B+1 (with one of
+each: B+1, B+2, B+3; with `--engines 2`: tokenizer B+1, engines B+2 and B+3, detokenizer B+4). Every
+planned port must be free, or the launcher exits 1 naming the first busy one. The ready line is printed
+once every replica is healthy.
 
 A child that dies once the pipeline is up is restarted, as compose's `restart:` or Kubernetes would:
 the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each restart in the
@@ -22,8 +29,9 @@ one thread (1,395 tok/s in-process) matched two on a quiet machine (1,362): the 
 docs/architecture.md.
 
 Observability: `--otlp-endpoint URL` and `--trace-console` reach every child as the standard
-`OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` variables; `--metrics-base-port N` gives the
-tokenizer, engine and detokenizer `/metrics` on ports N, N+1, N+2 (the gateway serves its own on --port).
+`OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_TRACES_EXPORTER` variables; `--metrics-base-port M` gives the
+stages `/metrics` on consecutive ports from M in the same order as their gRPC ports (one of each: the
+tokenizer on M, the engine on M+1, the detokenizer on M+2; the gateway serves its own on --port).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,13 +58,24 @@ EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model u
 WATCH_INTERVAL_S = 0.2
 
 
+STAGES = ("tokenizer", "engine", "detokenizer")  # the order of their ports
+
+
 @dataclass(frozen=True)
 class Child:
-    """One service process: its name, the gRPC port its health check answers on, its flags."""
+    """One service process: its name (`engine`, or `engine-2` for a replica), the gRPC port its
+    health check answers on, its flags, and the service it runs (`sluice serve SERVICE`; default: its
+    name)."""
 
     name: str
     grpc_port: int
     flags: tuple[str, ...]
+    service: str = ""
+
+    @property
+    def kind(self) -> str:
+        """The service this child runs: tokenizer, engine, detokenizer or gateway."""
+        return self.service or self.name
 
 
 @dataclass(frozen=True)
@@ -108,8 +128,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--grpc-base-port",
         type=int,
         default=50050,
-        help="gateway gRPC port; tokenizer, engine, detokenizer take the next three (default: 50050)",
+        help="gateway gRPC port B; the tokenizers, engines and detokenizers take consecutive ports from B+1 "
+        "in that order (one of each: B+1, B+2, B+3; default: 50050)",
     )
+    for stage in STAGES:
+        add(f"--{stage}s", type=int, default=1, metavar="N",
+            help=f"{stage} replicas, each a process on its own port (default: 1)")
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
     add("--engine-threads", type=int, default=0, metavar="N",
@@ -121,12 +145,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(e.g. http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP)")
     add("--trace-console", action="store_true", help="print every finished span on the console")
     add("--metrics-base-port", type=int, default=0,
-        help="tokenizer, engine, detokenizer serve /metrics on this port and the next two (0 = none)")
+        help="the stages serve /metrics on consecutive ports from this one, in the order of their gRPC "
+        "ports (one of each: tokenizer, engine, detokenizer on M, M+1, M+2; 0 = none)")
     add("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="N",
         help="restarts of one dead child allowed within --restart-window-s before giving up (default: 5)")
     add("--restart-window-s", type=float, default=RestartPolicy.window_s, metavar="S",
         help="the window of --max-restarts, in seconds (default: 60)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for stage in STAGES:
+        if getattr(args, f"{stage}s") < 1:
+            parser.error(f"--{stage}s must be at least 1")
+    return args
 
 
 def served_name_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -193,35 +222,52 @@ def access_line(environ: Mapping[str, str]) -> str:
     return "no API key configured: every API is open to anyone who can reach these ports"
 
 
+def replica_names(stage: str, count: int) -> list[str]:
+    """`engine` for a lone replica, else `engine-1` ... `engine-N`."""
+    return [stage] if count == 1 else [f"{stage}-{i}" for i in range(1, count + 1)]
+
+
 def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
-    base = args.grpc_base_port
-    tok, eng, detok = base + 1, base + 2, base + 3
+    """Every stage replica on consecutive ports from --grpc-base-port + 1 (tokenizers, engines,
+    detokenizers), then the gateway on --grpc-base-port, given every replica's address."""
     common = ("--host", args.host)
     engine_extra: tuple[str, ...] = ("--threads", str(args.engine_threads or default_engine_threads()))
     if args.batching:
         engine_extra += ("--batching", args.batching)
     if args.device:
         engine_extra += ("--device", args.device)
-    return [
-        Child("tokenizer", tok, (*common, "--port", str(tok), "--model", model, *_metrics_flags(args, 0))),
-        Child("engine", eng, (*common, "--port", str(eng), "--model", model, *engine_extra,
-                              *_metrics_flags(args, 1))),
-        Child("detokenizer", detok, (*common, "--port", str(detok), "--model", model,
-                                     *_metrics_flags(args, 2))),
-        Child(
-            "gateway",
-            base,
-            (
-                *common,
-                "--port", str(args.port),
-                "--grpc-port", str(base),
-                "--tokenizer", f"{args.host}:{tok}",
-                "--engine", f"{args.host}:{eng}",
-                "--detokenizer", f"{args.host}:{detok}",
-                *served_name_flags(args),
-            ),
-        ),
-    ]
+    children: list[Child] = []
+    addresses: dict[str, list[str]] = {}
+    offset = 0
+    for stage in STAGES:
+        for name in replica_names(stage, getattr(args, f"{stage}s")):
+            port = args.grpc_base_port + 1 + offset
+            extra = engine_extra if stage == "engine" else ()
+            flags = (*common, "--port", str(port), "--model", model, *extra, *_metrics_flags(args, offset))
+            children.append(Child(name, port, flags, service=stage))
+            addresses.setdefault(stage, []).append(f"{args.host}:{port}")
+            offset += 1
+    gateway_flags = (
+        *common,
+        "--port", str(args.port),
+        "--grpc-port", str(args.grpc_base_port),
+        *(flag for stage in STAGES for flag in (f"--{stage}", ",".join(addresses[stage]))),
+        *served_name_flags(args),
+    )
+    return [*children, Child("gateway", args.grpc_base_port, gateway_flags)]
+
+
+def busy_port(host: str, ports: list[int]) -> int | None:
+    """The first of `ports` that cannot be bound on `host` (as the services bind: SO_REUSEADDR), or
+    None when all are free."""
+    for port in ports:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return port
+    return None
 
 
 class Supervisor:
@@ -245,7 +291,7 @@ class Supervisor:
     @staticmethod
     def command(child: Child) -> list[str]:
         """The command line that runs `child`."""
-        return [sys.executable, "-m", "sluice.cli", "serve", child.name, *child.flags]
+        return [sys.executable, "-m", "sluice.cli", "serve", child.kind, *child.flags]
 
     def dead_child(self) -> tuple[str, int] | None:
         dead = self.dead_children()
@@ -263,7 +309,7 @@ class Supervisor:
                 wait_healthy(
                     f"{host}:{child.grpc_port}",
                     timeout_s=timeout_s,
-                    tls=None if child.name == "gateway" else tls,
+                    tls=None if child.kind == "gateway" else tls,
                 )
             )
             for child in self.children
@@ -346,7 +392,13 @@ async def _watch(supervisor: Supervisor, stop: asyncio.Event, policy: RestartPol
 
 async def _run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
-    supervisor = Supervisor(plan_children(args, model), child_env(args, os.environ.copy()))
+    children = plan_children(args, model)
+    busy = busy_port(args.host, [args.port, *(child.grpc_port for child in children)])
+    if busy is not None:
+        print(f"sluice up: port {busy} on {args.host} is in use (see --port and --grpc-base-port)",
+              file=sys.stderr)
+        return 1
+    supervisor = Supervisor(children, child_env(args, os.environ.copy()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from sluice.launcher import STAGES, parse_args
+
 STARTUP_DEADLINE_S = 300.0
 READY_MARK = "sluice is up"
-STARTED = re.compile(r"sluice up: (\w+) started \(pid (\d+)\)")
+STARTED = re.compile(r"sluice up: ([\w-]+) started \(pid (\d+)\)")
 
 
 def _port_free(port: int) -> bool:
@@ -33,13 +35,20 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def free_ports() -> tuple[int, int]:
-    """An HTTP port and a gRPC base port whose next three ports are free too."""
+def free_ports(stage_ports: int = 3) -> tuple[int, int]:
+    """An HTTP port and a gRPC base port whose next `stage_ports` ports (one per stage replica: see
+    `sluice up --help`) are free too."""
     rng = random.Random()
     while True:
         http, base = rng.randrange(20000, 40000), rng.randrange(40000, 60000)
-        if all(_port_free(p) for p in (http, base, base + 1, base + 2, base + 3)):
+        if all(_port_free(p) for p in (http, *range(base, base + stage_ports + 1))):
             return http, base
+
+
+def stage_port_count(extra: tuple[str, ...]) -> int:
+    """The stage replicas (hence gRPC ports after the base) that `sluice up` with `extra` starts."""
+    args = parse_args(list(extra))
+    return sum(getattr(args, f"{stage}s") for stage in STAGES)
 
 
 @dataclass
@@ -103,7 +112,7 @@ def _pump(pipeline: Pipeline) -> None:
 def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
     """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
     a start-up failure."""
-    http, base = free_ports()
+    http, base = free_ports(stage_port_count(extra))
     cmd = [
         sys.executable,
         "-m",

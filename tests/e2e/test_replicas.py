@@ -1,0 +1,97 @@
+"""Replicas under `sluice up`: the port plan of `--tokenizers/--engines/--detokenizers N`, and two real
+engines sharing the generated tokens of a burst of concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sluice.launcher import parse_args, plan_children
+from tests.e2e.conftest import _port_free, start_pipeline
+from tests.e2e.test_up import generate_all
+from tests.observability.processes import scrape
+
+REQUESTS = 48
+PER_SOCKET = 12
+GENERATED = "sluice_generation_tokens_total"
+
+
+def test_up_plans_every_replica_on_consecutive_ports_and_gives_the_gateway_each() -> None:
+    args = parse_args(
+        ["--grpc-base-port", "51000", "--metrics-base-port", "9300", "--engines", "2", "--detokenizers", "3"]
+    )
+    children = plan_children(args, "/m")
+    ports = {c.name: c.grpc_port for c in children}
+    assert ports == {
+        "tokenizer": 51001,
+        "engine-1": 51002,
+        "engine-2": 51003,
+        "detokenizer-1": 51004,
+        "detokenizer-2": 51005,
+        "detokenizer-3": 51006,
+        "gateway": 51000,
+    }
+    flags = {c.name: c.flags for c in children}
+    assert {c.name: c.kind for c in children}["engine-2"] == "engine"
+    gateway = flags["gateway"]
+    assert gateway[gateway.index("--engine") + 1] == "127.0.0.1:51002,127.0.0.1:51003"
+    detokenizers = ",".join(f"127.0.0.1:{p}" for p in (51004, 51005, 51006))
+    assert gateway[gateway.index("--detokenizer") + 1] == detokenizers
+    metrics = [c.flags[c.flags.index("--metrics-port") + 1] for c in children if c.kind != "gateway"]
+    assert metrics == [str(9300 + i) for i in range(6)]
+    assert "--threads" in flags["engine-1"] and "--threads" in flags["engine-2"]
+    with pytest.raises(SystemExit):
+        parse_args(["--engines", "0"])
+
+
+def _free_run(count: int) -> int:
+    first = 20000
+    while not all(_port_free(first + i) for i in range(count)):
+        first += count
+    return first
+
+
+def _requests() -> list[dict[str, Any]]:
+    """Mixed prompt and output lengths (4 to 40 tokens, EOS ignored so every length is exact)."""
+    prompts = ("Hi", "Once upon a time", "The quick brown fox jumps over the lazy dog and then")
+    return [
+        {
+            "type": "generate",
+            "id": f"m{i}",
+            "prompt": prompts[i % 3],
+            "params": {"max_tokens": 4 + 12 * (i % 4), "temperature": 0, "ignore_eos": True},
+        }
+        for i in range(REQUESTS)
+    ]
+
+
+async def _generate_concurrently(url: str, requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """All at once, over sockets of PER_SOCKET requests (the gateway's per-socket cap is 16)."""
+    chunks = [requests[i : i + PER_SOCKET] for i in range(0, len(requests), PER_SOCKET)]
+    results: dict[str, dict[str, Any]] = {}
+    for part in await asyncio.gather(*(generate_all(url, chunk) for chunk in chunks)):
+        results.update(part)
+    return results
+
+
+@pytest.mark.e2e
+def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path) -> None:
+    """`sluice up --engines 2`, 48 concurrent requests of mixed lengths: each engine's own metrics
+    count 35-65% of the generated tokens."""
+    metrics_base = _free_run(4)  # tokenizer, engine-1, engine-2, detokenizer
+    running = start_pipeline(tiny_model_dir, "--engines", "2", "--metrics-base-port", str(metrics_base))
+    try:
+        assert {"engine-1", "engine-2"} <= running.pids().keys()
+        results = asyncio.run(_generate_concurrently(running.ws_url, _requests()))
+        served = [scrape(f"http://127.0.0.1:{metrics_base + i}/metrics").get(GENERATED, 0.0) for i in (1, 2)]
+    finally:
+        code = running.stop()
+    assert code == 0, running.output()
+    completion = sum(r["done"]["usage"]["completion_tokens"] for r in results.values())
+    assert completion == sum(r["params"]["max_tokens"] for r in _requests())
+    assert sum(served) == completion, served
+    for tokens in served:
+        assert 0.35 <= tokens / completion <= 0.65, served
