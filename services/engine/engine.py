@@ -91,6 +91,7 @@ class LLMEngine:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         if runner is None:
+            from services.engine import kv_sizing
             from services.engine.model_runner import ModelRunner
 
             model_dir = str(resolve_model_dir(settings.model))
@@ -99,10 +100,11 @@ class LLMEngine:
                 device=settings.device,
                 dtype=settings.dtype,
                 block_size=settings.block_size,
-                kv_cache_gb=settings.kv_cache_gb,
+                kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings),
                 gpu_memory_utilization=settings.gpu_memory_utilization,
                 num_kv_blocks=settings.num_kv_blocks,
             )
+            kv_sizing.fit_kv_pool(runner, settings)  # CUDA, automatic size: from free memory after a warm-up
         self.runner = runner
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size

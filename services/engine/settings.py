@@ -37,11 +37,14 @@ class EngineSettings(StageTlsSettings):
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "token budget of one step"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_gb: float = field(
-        default=0.5,
-        metadata={"help": "KV pool budget in GiB; on CUDA 0 = gpu_memory_utilization of free memory"},
+        default=0.0,
+        metadata={"help": "KV pool budget in GiB; 0 = automatic: 0.5 on CPU, on CUDA gpu_memory_utilization "
+                  "of the memory free after loading the model and a warm-up forward (kv_sizing.py)"},
     )
     gpu_memory_utilization: float = field(
-        default=0.85, metadata={"help": "CUDA: fraction of free memory for the KV pool when kv_cache_gb is 0"}
+        default=0.85,
+        metadata={"help": "CUDA, automatic KV size: fraction of the memory free after the warm-up forward "
+                  "that the KV pool takes (0 < f <= 1)"},
     )
     num_kv_blocks: int = field(
         default=0, metadata={"help": "KV pool size in blocks; 0 = from the memory budget"}
@@ -75,3 +78,7 @@ class EngineSettings(StageTlsSettings):
             raise ValueError("default_max_new_tokens must be >= 1")
         if not 0.0 <= self.trace_step_sample_rate <= 1.0:
             raise ValueError("trace_step_sample_rate must be between 0 and 1")
+        if self.kv_cache_gb < 0:
+            raise ValueError("kv_cache_gb must be >= 0 (0 = automatic)")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -1,0 +1,128 @@
+"""The KV pool's size: explicit, or on CUDA a share of the memory left once the model runs.
+
+`kv_cache_gb = 0` and `num_kv_blocks = 0` (the defaults) mean "size it for me". On CPU that is
+`DEFAULT_KV_CACHE_GB`. On CUDA the runner is built with that provisional pool, then `fit_kv_pool` runs one
+warm-up forward as large as the biggest step (`max_num_batched_tokens` prompt tokens), reads the free device
+memory, and replaces the pool with one of `gpu_memory_utilization` × (free memory + the provisional pool it
+releases). The warm-up's activations stay reserved by torch's caching allocator, so the free figure already
+leaves room for the largest step: the pool takes what the model and its activations do not need (as vLLM's
+`gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from services.engine.params import SamplingParams, StoppingParams
+from services.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+DEFAULT_KV_CACHE_GB = 0.5  # the pool when sized automatically on a CPU, and the provisional one on CUDA
+WARM_UP_ID = "kv-sizing-warm-up"
+
+MemGetInfo = Callable[[torch.device], tuple[int, int]]  # (free, total) bytes, as torch.cuda.mem_get_info
+
+
+class SizingSettings(Protocol):
+    kv_cache_gb: float
+    num_kv_blocks: int
+    gpu_memory_utilization: float
+    max_num_batched_tokens: int
+
+
+def sized_automatically(settings: SizingSettings) -> bool:
+    """True when neither a budget in GiB nor a block count is given."""
+    return settings.kv_cache_gb <= 0 and settings.num_kv_blocks <= 0
+
+
+def initial_kv_cache_gb(settings: SizingSettings) -> float:
+    """The budget the runner is built with: the explicit one, else `DEFAULT_KV_CACHE_GB` (final on CPU,
+    provisional on CUDA until `fit_kv_pool` replaces it)."""
+    return settings.kv_cache_gb if settings.kv_cache_gb > 0 else DEFAULT_KV_CACHE_GB
+
+
+def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Bytes of one KV block: a K and a V slot per token, per layer."""
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+
+
+def blocks_from_free_memory(
+    free_bytes: int, released_bytes: int, fraction: float, bytes_per_block: int
+) -> int:
+    """Blocks in `fraction` of the memory the pool may use: `free_bytes` the device reports free after the
+    warm-up, plus `released_bytes` of the provisional pool the new one replaces. Raises ValueError when
+    not one block fits, or the fraction is not in (0, 1]."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+    budget = int((free_bytes + released_bytes) * fraction)
+    blocks = budget // bytes_per_block
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache: {budget / GiB:.2f} GiB of free device memory after the warm-up is less than one "
+            f"block of {bytes_per_block} bytes; lower max_num_batched_tokens or set kv_cache_gb"
+        )
+    return blocks
+
+
+def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo | None = None) -> int:
+    """Resizes `runner`'s KV pool (a ModelRunner just built with `initial_kv_cache_gb`) from the device's
+    free memory after a warm-up forward, when the size is automatic and the device is CUDA (or when
+    `mem_get_info` is given, as tests do on CPU). Returns the pool's size in blocks; otherwise the pool is
+    left as built."""
+    if not sized_automatically(settings) or (runner.device.type != "cuda" and mem_get_info is None):
+        return int(runner.num_blocks)
+    per_block = block_bytes(
+        runner.num_layers,
+        runner.block_size,
+        runner.num_kv_heads,
+        runner.head_dim,
+        torch.tensor([], dtype=runner.dtype).element_size(),
+    )
+    warm_up(runner, settings.max_num_batched_tokens)
+    free, _ = (mem_get_info or torch.cuda.mem_get_info)(runner.device)
+    released = runner.num_blocks * per_block
+    blocks = blocks_from_free_memory(free, released, settings.gpu_memory_utilization, per_block)
+    replace_pool(runner, blocks)
+    log.info(
+        "KV pool sized from free memory after a warm-up: %d blocks (%.2f GiB, %.0f%% of %.2f GiB)",
+        blocks,
+        blocks * per_block / GiB,
+        100 * settings.gpu_memory_utilization,
+        (free + released) / GiB,
+    )
+    return blocks
+
+
+def warm_up(runner: Any, max_tokens: int) -> None:
+    """One forward of a prompt as long as the largest step the engine will run (capped by the provisional
+    pool and the context length), so that its activations are reserved before free memory is read."""
+    limit = runner.num_blocks * runner.block_size
+    if runner.max_position_embeddings:
+        limit = min(limit, runner.max_position_embeddings)
+    n = max(1, min(max_tokens, limit))
+    request = Request(WARM_UP_ID, [0] * n, SamplingParams(), StoppingParams(max_new_tokens=1))
+    request.block_ids = list(range(-(-n // runner.block_size)))
+    runner.execute([(request, n)])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def replace_pool(runner: Any, num_blocks: int) -> None:
+    """Releases the runner's pool and allocates one of `num_blocks` blocks in the same layout."""
+    runner.kv = []
+    slots = num_blocks * runner.block_size
+    shape = (slots, runner.num_kv_heads, runner.head_dim)
+    runner.kv = [
+        (
+            torch.zeros(shape, dtype=runner.dtype, device=runner.device),
+            torch.zeros(shape, dtype=runner.dtype, device=runner.device),
+        )
+        for _ in range(runner.num_layers)
+    ]
+    runner.num_blocks = num_blocks

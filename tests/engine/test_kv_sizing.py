@@ -1,0 +1,126 @@
+"""The KV pool's automatic size (services/engine/kv_sizing.py): the arithmetic with given numbers, and the
+warm-up, measurement and pool replacement run on CPU with the device's free memory injected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine import kv_sizing
+from services.engine.engine import LLMEngine
+from services.engine.model_runner import ModelRunner
+from services.engine.params import SamplingParams, StoppingParams
+from services.engine.request import Request
+from services.engine.settings import EngineSettings
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def test_block_bytes_of_a_llama_7b_block() -> None:
+    # 32 layers, 32 KV heads of 128, bf16: 8 MiB per block of 16 tokens (512 KiB per token).
+    assert kv_sizing.block_bytes(32, 16, 32, 128, 2) == 8 * MiB
+
+
+def test_blocks_from_free_memory_takes_the_fraction_of_free_plus_released() -> None:
+    # 10 GiB free after the warm-up, the 0.5 GiB provisional pool released: 0.8 × 10.5 GiB = 8601.6 MiB.
+    assert kv_sizing.blocks_from_free_memory(10 * GiB, GiB // 2, 0.8, MiB) == 8601
+    assert kv_sizing.blocks_from_free_memory(80 * GiB, 0, 0.9, 8 * MiB) == 9216
+    assert kv_sizing.blocks_from_free_memory(MiB, 0, 1.0, MiB) == 1
+
+
+@pytest.mark.parametrize(("free", "fraction"), [(MiB - 1, 1.0), (10 * GiB, 0.0), (10 * GiB, 1.5)])
+def test_blocks_from_free_memory_refuses_too_little_or_a_bad_fraction(free: int, fraction: float) -> None:
+    with pytest.raises(ValueError):
+        kv_sizing.blocks_from_free_memory(free, 0, fraction, MiB)
+
+
+def test_sizes_are_automatic_only_when_none_is_given() -> None:
+    auto = EngineSettings()
+    assert kv_sizing.sized_automatically(auto)
+    assert kv_sizing.initial_kv_cache_gb(auto) == kv_sizing.DEFAULT_KV_CACHE_GB
+    explicit = EngineSettings(kv_cache_gb=2.0)
+    assert not kv_sizing.sized_automatically(explicit)
+    assert kv_sizing.initial_kv_cache_gb(explicit) == 2.0
+    assert not kv_sizing.sized_automatically(EngineSettings(num_kv_blocks=64))
+    for bad in (EngineSettings(kv_cache_gb=-1.0), EngineSettings(gpu_memory_utilization=0.0)):
+        with pytest.raises(ValueError):
+            bad.validate()
+
+
+@pytest.fixture(scope="module")
+def runner_factory(llama_dir: Path):
+    def make(**kwargs: object) -> ModelRunner:
+        return ModelRunner(llama_dir, device="cpu", **kwargs)  # type: ignore[arg-type]
+
+    return make
+
+
+class FakeDevice:
+    """Free memory as a device would report it; records that the warm-up forward ran first."""
+
+    def __init__(self, runner: ModelRunner, free_bytes: int) -> None:
+        self.runner = runner
+        self.free_bytes = free_bytes
+        self.forwards_before = -1
+        self.calls = 0
+        original = runner.execute
+
+        def counting(scheduled):  # type: ignore[no-untyped-def]
+            self.calls += 1
+            return original(scheduled)
+
+        runner.execute = counting  # type: ignore[method-assign]
+
+    def __call__(self, device: torch.device) -> tuple[int, int]:
+        self.forwards_before = self.calls
+        return self.free_bytes, 2 * self.free_bytes
+
+
+def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    request = Request("r", prompt, SamplingParams(), StoppingParams(max_new_tokens=1))
+    request.block_ids = list(range(-(-len(prompt) // runner.block_size)))
+    logits, _ = runner.execute([(request, len(prompt))])
+    return logits
+
+
+def test_fit_kv_pool_warms_up_then_sizes_the_pool_from_free_memory(runner_factory) -> None:
+    settings = EngineSettings(max_num_batched_tokens=256, gpu_memory_utilization=0.5)
+    runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings))
+    per_block = kv_sizing.block_bytes(
+        runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, 4
+    )
+    provisional = runner.num_blocks
+    device = FakeDevice(runner, free_bytes=64 * MiB)
+    blocks = kv_sizing.fit_kv_pool(runner, settings, mem_get_info=device)
+    assert device.forwards_before == 1  # free memory read after one warm-up forward
+    assert blocks == int((64 * MiB + provisional * per_block) * 0.5) // per_block == runner.num_blocks
+    assert blocks != provisional
+    for k, v in runner.kv:
+        assert k.shape == v.shape == (blocks * runner.block_size, runner.num_kv_heads, runner.head_dim)
+    # The new pool computes what a runner built with that many blocks computes.
+    prompt = [5, 9, 13, 17, 21, 40, 41, 42, 7, 3, 99, 100, 101, 102, 103, 104, 105, 6]
+    reference = runner_factory(num_kv_blocks=blocks)
+    torch.testing.assert_close(_prefill_logits(runner, prompt), _prefill_logits(reference, prompt))
+
+
+def test_fit_kv_pool_keeps_an_explicit_size_and_the_cpu_default(runner_factory) -> None:
+    explicit = EngineSettings(kv_cache_gb=0.01)
+    runner = runner_factory(kv_cache_gb=0.01)
+    device = FakeDevice(runner, free_bytes=64 * MiB)
+    assert kv_sizing.fit_kv_pool(runner, explicit, mem_get_info=device) == runner.num_blocks
+    assert device.calls == 0  # no warm-up either
+    on_cpu = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(EngineSettings()))
+    blocks = on_cpu.num_blocks
+    assert kv_sizing.fit_kv_pool(on_cpu, EngineSettings()) == blocks  # CPU, nothing injected: as built
+
+
+def test_engine_on_cpu_keeps_the_half_gib_pool_by_default(llama_dir: Path) -> None:
+    engine = LLMEngine(EngineSettings(model=str(llama_dir), device="cpu"))
+    runner = engine.runner
+    per_block = kv_sizing.block_bytes(
+        runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, 4
+    )
+    assert runner.num_blocks == int(kv_sizing.DEFAULT_KV_CACHE_GB * GiB) // per_block
