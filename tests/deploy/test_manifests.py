@@ -48,6 +48,12 @@ def settings_for(name: str, flags: list[str], environ: dict[str, str] | None = N
     return load_settings(cls, flags, environ=environ or {})
 
 
+def default_port(name: str, field: str = "port") -> int:
+    """The port the service listens on when no flag or variable sets it."""
+    module_name, class_name = SETTINGS[name]
+    return getattr(getattr(importlib.import_module(module_name), class_name)(), field)
+
+
 def serve_command(argv: list[str]) -> tuple[str, list[str]]:
     """The service and flags of `sluice serve NAME FLAGS`, checked against the `sluice` parser."""
     assert argv[:2] == ["sluice", "serve"], argv
@@ -138,12 +144,17 @@ def test_compose_services_parse_and_wire_up() -> None:
         kind, settings, _ = compose_settings(name)
         assert kind == name.removesuffix("-cpu")
         assert settings.host == "0.0.0.0"
+        assert settings.port == default_port(kind)
         ports[kind] = settings.port
         health = services[name]["healthcheck"]["test"]
         assert health[0] == "CMD"
         assert check_sluice_command(health[1:]).address == f"127.0.0.1:{settings.port}"
     kind, gateway, environ = compose_settings("gateway")
     assert kind == "gateway" and gateway.host == "0.0.0.0"
+    assert (gateway.port, gateway.grpc_port) == (
+        default_port("gateway"),
+        default_port("gateway", "grpc_port"),
+    )
     for stage in STAGES:
         assert getattr(gateway, stage) == (f"dns:///{stage}:{ports[stage]}",)
         assert services["gateway"]["depends_on"][stage]["condition"] == "service_healthy"
@@ -418,6 +429,7 @@ def test_k8s_deployments_parse_and_wire_up(overlay: str) -> None:
         assert deployment["metadata"]["namespace"] == "sluice"
         container, settings, _ = deployment_settings(docs, name)
         assert settings.host == "0.0.0.0"
+        assert settings.port == default_port(name)
         ports[name] = settings.port
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"] == labels
