@@ -19,10 +19,16 @@ Invariants:
 - whoever finishes a request releases its upstream state: an `Abort` to the engine unless the engine
   already sent its final, a `DetokenizeClose` unless the detokenizer already sent its final or was
   closed (a detokenizer final is the request's last entry there: nothing is sent after it);
-- a broken upstream call fails every request that depends on it with "unavailable"; the next request
-  opens a new call, on a replica whose channel is connected: when no replica of a stage is (it is
-  starting or restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails
-  with "unavailable" (`Replicas.pick_ready`).
+- a broken upstream call fails every request that depends on it with "unavailable", but for engine
+  requests that had no token yet: each is submitted once more, to another connected engine replica
+  (failing "unavailable" when there is none or it breaks too); the next request opens a new call, on a
+  replica whose channel is connected: when no replica of a stage is (it is starting or restarting), it
+  waits up to `upstream_wait_s` (within its deadline) for one, then fails with "unavailable"
+  (`Replicas.pick_ready`).
+
+Engine replicas: the gateway holds a `Engine.Stream` call open to every connected engine replica; each
+reports its load and prefix cache there, and `gateway.routing.Router` picks the replica of each request
+by the `routing` policy.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from gateway.observability import RequestTrace
+from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
 from services.common.grpc_server import ChannelTls
@@ -231,6 +238,9 @@ class _Request:
     held_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     ids_out: int = 0  # generated ids handed out so far (counted whether kept or not)
     admit_task: asyncio.Task[None] | None = None
+    submit: engine_pb2.GenerateRequest | None = None  # as sent to the engine, kept for a retry
+    deadline: float = 0.0  # time.monotonic()
+    engine_tries: int = 0  # engine replicas the request was submitted to
     timer: asyncio.TimerHandle | None = None
     trace: RequestTrace | None = None
 
@@ -278,6 +288,7 @@ class Pipeline:
         self._detokenizers = Replicas("detokenizer", settings.detokenizer, tls)
         self.metrics = GatewayMetrics()
         self._engine_links: dict[str, EngineLink] = {}
+        self._router = Router(settings.routing, self._engine_load, settings.routing_margin)
         self._detok_links: dict[str, DetokLink] = {}
         self._requests: dict[str, _Request] = {}
         self._prefix = secrets.token_hex(4)
@@ -425,7 +436,7 @@ class Pipeline:
             request.trace.set_attribute("gen_ai.request.model", self._model_info.model)
         wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
         detok = await self._detokenizers.pick_ready(wait_until - time.monotonic())
-        engine = await self._engines.pick_ready(wait_until - time.monotonic(), self._engine_load)
+        engine = await self._pick_engine(ids, wait_until - time.monotonic())
         if request.finished:
             return
         try:
@@ -450,6 +461,7 @@ class Pipeline:
             self._finish(request, Failed(INVALID_ARGUMENT, message))
             return
         request.prompt_tokens = len(ids)
+        request.deadline = deadline
         assert request.trace is not None
         detok_context, engine_context = request.trace.submit_contexts()
         inp = request.input
@@ -472,11 +484,29 @@ class Pipeline:
         stopping.CopyFrom(inp.stopping)
         if stopping.max_new_tokens == 0:
             stopping.max_new_tokens = self._settings.default_max_tokens
-        submit = engine_pb2.GenerateRequest(
+        request.submit = engine_pb2.GenerateRequest(
             request_id=request.id, prompt_ids=ids, sampling=inp.sampling, stopping=stopping,
-            trace_context=engine_context, timeout_ms=max(1, int(1000 * (deadline - time.monotonic()))),
+            trace_context=engine_context,
         )
-        engine.send(engine_pb2.EngineIn(submit=submit))
+        self._send_submit(request, engine)
+
+    def _send_submit(self, request: _Request, engine: EngineLink) -> None:
+        """Submits the request on `engine` with the time left until its deadline."""
+        assert request.submit is not None
+        request.submit.timeout_ms = max(1, int(1000 * (request.deadline - time.monotonic())))
+        request.engine_tries += 1
+        engine.send(engine_pb2.EngineIn(submit=request.submit))
+
+    async def _pick_engine(self, ids: list[int], wait_s: float) -> str:
+        """The engine replica for a prompt of `ids`, by the routing policy among the connected replicas
+        (each gets a report stream), waiting up to `wait_s` for one when none is connected."""
+        ready = self._engines.connected()
+        if not ready:
+            fallback = await self._engines.pick_ready(wait_s, self._engine_load)
+            ready = self._engines.connected() or [fallback]
+        for address in ready:
+            self._engine_link(address)
+        return self._router.pick(ready, ids)
 
     async def _tokenize(self, request: _Request, deadline: float) -> list[int]:
         inp = request.input
@@ -534,6 +564,8 @@ class Pipeline:
     # ----- upstream messages (synchronous: no await between reading a message and acting on it)
 
     def _on_engine_out(self, link: EngineLink, out: engine_pb2.EngineOut) -> None:
+        if out.HasField("report"):
+            self._router.on_report(link.address, out.report)
         for entry in out.entries:
             if entry.WhichOneof("kind") == "chunk":
                 self._on_token_chunk(entry.chunk, out.batch_size)
@@ -614,11 +646,37 @@ class Pipeline:
             request.slot.push(text, ids, logprobs)
 
     def _on_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
-        for request_id in list(link.request_ids):
-            request = self._requests.get(request_id)
-            if request is not None:
-                self._finish(request, Failed(UNAVAILABLE, f"{link.kind} unavailable"))
+        if link.kind == "engine" and self._engine_links.get(link.address) is link:
+            self._router.forget(link.address)
+        request_ids = list(link.request_ids)
         link.request_ids.clear()
+        for request_id in request_ids:
+            request = self._requests.get(request_id)
+            if request is None:
+                continue
+            if link.kind == "engine" and self._retry_engine(request, link.address):
+                continue
+            self._finish(request, Failed(UNAVAILABLE, f"{link.kind} unavailable"))
+
+    def _retry_engine(self, request: _Request, failed: str) -> bool:
+        """Submits a request whose engine call broke before its first token once more, to another
+        connected engine replica; False when it cannot be (it had tokens, was retried already, or no
+        other replica is connected)."""
+        if request.num_generated or request.engine_done or request.engine_tries > 1 or request.submit is None:
+            return False
+        if request.detok_link is None or not request.detok_link.alive:
+            return False
+        others = [a for a in self._engines.connected() if a != failed]
+        if not others:
+            return False
+        address = self._router.pick(others, request.submit.prompt_ids)
+        engine = self._engine_link(address)
+        log.info("request %s: engine %s failed before its first token; retried on %s", request.id, failed,
+                 address)
+        request.engine_link = engine
+        engine.request_ids.add(request.id)
+        self._send_submit(request, engine)
+        return True
 
     def _on_timeout(self, request: _Request, timeout_s: float) -> None:
         request.timer = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+ROUTING_POLICIES = ("round_robin", "least_load", "prefix_affinity")
+
 
 @dataclass(frozen=True)
 class GatewaySettings:
@@ -65,6 +67,21 @@ class GatewaySettings:
             "deadline) before it fails with unavailable"
         },
     )
+    routing: str = field(
+        default="prefix_affinity",
+        metadata={
+            "help": "how a request's engine replica is chosen: round_robin | least_load | prefix_affinity "
+            "(the replica holding the longest prefix of the prompt, among those within --routing-margin "
+            "of the least loaded)"
+        },
+    )
+    routing_margin: int = field(
+        default=4,
+        metadata={
+            "help": "prefix_affinity: requests more than the least loaded replica's that a replica may have "
+            "and still be chosen for its cached prefix"
+        },
+    )
     allowed_origins: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -112,6 +129,10 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be >= 0")
         if self.upstream_wait_s < 0:
             raise ValueError("upstream_wait_s must be >= 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.routing_margin < 0:
+            raise ValueError("routing_margin must be >= 0")
         if self.ws_max_in_flight < 0:
             raise ValueError("ws_max_in_flight must be >= 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -19,6 +19,11 @@ all of the caller's requests at once, so a stream sends one message per step (or
 
 Request ids are scoped per caller; inside the engine a request is known as `<caller key>/<id>`.
 
+A `ReportFeed` is one consumer's view of the engine's load and prefix cache: it opens with a snapshot
+of every cached block hash, taken on the loop thread between steps, and then gets, after each step, the
+cache changes (`BlockManager.take_events`) and the new load, merged until the consumer takes them: a
+consumer that applies the snapshot and then every report in order knows the cache exactly.
+
 A step that raises fails the engine's requests and the loop goes on. If the loop itself fails (failing
 those requests raised too), it ends every caller's requests with an `unavailable` error final at once,
 refuses later submits the same way, and calls the `on_fatal` callbacks (the server marks itself not
@@ -56,6 +61,102 @@ class _Submit:
 @dataclass
 class _Abort:
     engine_id: str
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load after a step (all callers together)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    queued_prompt_tokens: int  # prompt tokens not yet computed, waiting and part-prefilled requests
+    block_size: int
+    prefix_caching: bool
+
+
+@dataclass
+class Report:
+    """What a `ReportFeed` hands out: the load, and the cache changes since the previous report
+    (`snapshot`: `stored` is the whole cache). A hash is in at most one of `stored` and `removed`."""
+
+    load: EngineLoad
+    snapshot: bool
+    stored: list[bytes]
+    removed: list[bytes]
+
+
+class ReportFeed:
+    """Load and prefix-cache reports for one consumer (see the module docstring). Use `next()` from one
+    event loop; `close()` detaches it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._snapshot: list[bytes] | None = None
+        self._changes: dict[bytes, bool] = {}
+        self._load: EngineLoad | None = None
+        self._sent_load: EngineLoad | None = None
+        self._event = asyncio.Event()
+        self.closed = False
+
+    async def next(self) -> Report:
+        """Waits until the load or the cache changed since the previous report (the first report: the
+        snapshot) and returns the change."""
+        while True:
+            self._event.clear()
+            with self._lock:
+                report = self._take()
+            if report is not None:
+                return report
+            await self._event.wait()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _take(self) -> Report | None:
+        load = self._load
+        if load is None:
+            return None
+        if self._snapshot is not None:
+            stored, self._snapshot = self._snapshot, None
+            self._changes.clear()
+            self._sent_load = load
+            return Report(load, True, stored, [])
+        if not self._changes and load == self._sent_load:
+            return None
+        changes, self._changes = self._changes, {}
+        self._sent_load = load
+        stored = [h for h, kept in changes.items() if kept]
+        removed = [h for h, kept in changes.items() if not kept]
+        return Report(load, False, stored, removed)
+
+    # ---- called on the loop thread -------------------------------------------------------------
+
+    def _start(self, cached: list[bytes], load: EngineLoad) -> None:
+        with self._lock:
+            self._snapshot, self._load = cached, load
+        self._wake()
+
+    def _publish(self, changes: dict[bytes, bool], load: EngineLoad) -> None:
+        with self._lock:
+            if self._load is None:
+                return
+            self._changes.update(changes)
+            self._load = load
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._event.set)
+        except RuntimeError:  # the consumer's event loop is gone
+            self.closed = True
+
+
+@dataclass
+class _Subscribe:
+    feed: ReportFeed
 
 
 def error_final(request_id: str, error_class: str, detail: str) -> RequestOutput:
@@ -184,7 +285,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
-        self._commands: list[tuple[_Submit | _Abort, Caller, str]] = []
+        self._commands: list[tuple[_Submit | _Abort | _Subscribe, Caller | None, str]] = []
+        self._feeds: list[ReportFeed] = []
+        self._last_load: EngineLoad | None = None
+        engine.block_manager.track_events = True
         self._owners: dict[str, tuple[Caller, str]] = {}  # engine id → (caller, caller's request id)
         self._keys = itertools.count()
         self._stopping = False
@@ -229,6 +333,13 @@ class AsyncEngine:
     def open_caller(self) -> Caller:
         return Caller(self, f"c{next(self._keys)}", asyncio.get_running_loop())
 
+    def open_feed(self) -> ReportFeed:
+        """A new feed of load and cache reports; its first report (the snapshot) comes after the loop
+        thread's next pass. `feed.close()` when done."""
+        feed = ReportFeed(asyncio.get_running_loop())
+        self._post(_Subscribe(feed), None, "")
+        return feed
+
     def idle(self) -> bool:
         """True when no command is queued and the engine holds no request."""
         with self._cond:
@@ -251,13 +362,13 @@ class AsyncEngine:
                 return
         callback(self._failure)
 
-    def _post(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
+    def _post(self, command: _Submit | _Abort | _Subscribe, caller: Caller | None, request_id: str) -> None:
         with self._cond:
             if self._failure is None:
                 self._commands.append((command, caller, request_id))
                 self._cond.notify()
                 return
-        if isinstance(command, _Submit):
+        if isinstance(command, _Submit) and caller is not None:
             caller._deliver([(request_id, error_final(request_id, UNAVAILABLE, self._failure))])
 
     # ---- the loop thread -----------------------------------------------------------------------
@@ -285,6 +396,7 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal error in engine step: {exc}")  # may raise: fatal
             self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
             self._dispatch(outputs)
+            self._report()
 
     def _wait_for_work(self) -> None:
         """Waits, holding `_cond`, until a command or a stop arrives, or the engine has a step to run."""
@@ -296,10 +408,16 @@ class AsyncEngine:
             else:
                 return
 
-    def _apply(self, command: _Submit | _Abort, caller: Caller, request_id: str) -> None:
+    def _apply(self, command: _Submit | _Abort | _Subscribe, caller: Caller | None, request_id: str) -> None:
         if isinstance(command, _Abort):
             self.engine.abort_request(command.engine_id)
             return
+        if isinstance(command, _Subscribe):
+            # Between steps: every change before now was taken by the previous `_report`.
+            command.feed._start(list(self.engine.block_manager.cached), self._load())
+            self._feeds.append(command.feed)
+            return
+        assert caller is not None
         try:
             self.engine.add_request(
                 command.engine_id,
@@ -313,6 +431,34 @@ class AsyncEngine:
             caller._deliver([(request_id, error_final(request_id, INVALID_ARGUMENT, str(exc)))])
             return
         self._owners[command.engine_id] = (caller, request_id)
+
+    def _load(self) -> EngineLoad:
+        engine = self.engine
+        scheduler, bm = engine.scheduler, engine.block_manager
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
+        return EngineLoad(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
+            kv_blocks_total=bm.num_blocks,
+            queued_prompt_tokens=queued,
+            block_size=bm.block_size,
+            prefix_caching=bm.enable_prefix_caching,
+        )
+
+    def _report(self) -> None:
+        """Hands the step's cache changes and the load to every open feed."""
+        changes = self.engine.block_manager.take_events()
+        if not self._feeds:
+            return
+        load = self._load()
+        if not changes and load == self._last_load:
+            return
+        self._last_load = load
+        self._feeds = [feed for feed in self._feeds if not feed.closed]
+        for feed in self._feeds:
+            feed._publish(changes, load)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hands one step's outputs to their callers: one delivery per caller per step."""
@@ -334,7 +480,11 @@ class AsyncEngine:
         with self._cond:
             self._failure = reason
             owners = list(self._owners.values())
-            owners += [(caller, rid) for cmd, caller, rid in self._commands if isinstance(cmd, _Submit)]
+            owners += [
+                (caller, rid)
+                for cmd, caller, rid in self._commands
+                if isinstance(cmd, _Submit) and caller is not None
+            ]
             self._owners, self._commands = {}, []
             callbacks, self._fatal_callbacks = self._fatal_callbacks, []
         by_caller: dict[Caller, list[tuple[str, RequestOutput]]] = {}

@@ -6,6 +6,10 @@ tables) or free (`ref_count == 0`, on the free list). A free block may still hol
 whose content hash is registered: a later request with the same prefix revives it without recomputing
 (prefix caching). Allocating a fresh block takes the least recently freed one and forgets its hash.
 
+With `track_events` on, every change of the prefix cache map is recorded for `take_events`: a content
+hash becoming reusable (registered) or forgotten (its block reallocated), so that a router outside the
+process can mirror the cache exactly.
+
 Contract: callers check, then act. `can_allocate` must be true before `allocate`; every block handed
 out by `allocate` or `acquire` is given back exactly once per reference by `free`. With nothing running,
 `num_free_blocks == num_blocks`.
@@ -55,6 +59,14 @@ class BlockManager:
         self.cached: dict[BlockHash, int] = {}
         self.prefix_hit_blocks = 0
         self.prefix_query_blocks = 0
+        self.track_events = False
+        self._events: dict[BlockHash, bool] = {}  # hash → reusable now, since the last take_events
+
+    def take_events(self) -> dict[BlockHash, bool]:
+        """The prefix cache's changes since the previous call (hash → True stored, False removed; only
+        the latest change of each hash), when `track_events` is on."""
+        events, self._events = self._events, {}
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -97,6 +109,8 @@ class BlockManager:
             if old is not None:
                 if self.cached.get(old) == b:
                     del self.cached[old]
+                    if self.track_events:
+                        self._events[old] = False
                 self.block_hash[b] = None
             self.ref_counts[b] = 1
             blocks.append(b)
@@ -118,6 +132,8 @@ class BlockManager:
         if block_hash not in self.cached:
             self.cached[block_hash] = block
             self.block_hash[block] = block_hash
+            if self.track_events:
+                self._events[block_hash] = True
 
     def record_query(self, queried: int, hit: int) -> None:
         """Counts one admitted request's prefix look-up: `queried` full blocks, `hit` of them cached."""

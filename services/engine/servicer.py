@@ -11,7 +11,7 @@ import grpc
 
 from services.common import telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.async_engine import AsyncEngine, Caller
+from services.engine.async_engine import AsyncEngine, Caller, Report, ReportFeed
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
@@ -101,27 +101,70 @@ def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
     return found or None
 
 
+OutQueue = asyncio.Queue[engine_pb2.EngineOut | None]  # None: the call ends
+
+
+def report_to_proto(report: Report) -> engine_pb2.EngineReport:
+    load = report.load
+    return engine_pb2.EngineReport(
+        load=engine_pb2.EngineLoad(
+            running=load.running,
+            waiting=load.waiting,
+            kv_blocks_used=load.kv_blocks_used,
+            kv_blocks_total=load.kv_blocks_total,
+            queued_prompt_tokens=load.queued_prompt_tokens,
+            block_size=load.block_size,
+        ),
+        snapshot=report.snapshot,
+        stored=report.stored,
+        removed=report.removed,
+        prefix_caching=load.prefix_caching,
+    )
+
+
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.default_max_new_tokens = engine.engine.settings.default_max_new_tokens
+        settings = engine.engine.settings
+        self.default_max_new_tokens = settings.default_max_new_tokens
+        self.report_interval_s = settings.report_interval_ms / 1000.0
 
     async def Stream(
         self, request_iterator: AsyncIterator[engine_pb2.EngineIn], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.EngineOut]:
-        """Submits and aborts in; one EngineOut per step with this caller's chunks and finals out. Bad
+        """Submits and aborts in; one EngineOut per step with this caller's chunks and finals out, and
+        load and cache reports (a snapshot first, then changes at most every `report_interval_ms`). Bad
         submits get a final with FINISH_REASON_ERROR; when the call ends its requests are aborted."""
         caller = self.engine.open_caller()
-        reader = asyncio.create_task(self._read(request_iterator, caller, trace_context(context)))
+        feed = self.engine.open_feed()
+        # One message waits at most: while the writer is behind, outputs merge in the caller and
+        # cache changes in the feed, never in a queue here.
+        queue: OutQueue = asyncio.Queue(maxsize=1)
+        tasks = [
+            asyncio.create_task(self._read(request_iterator, caller, trace_context(context))),
+            asyncio.create_task(self._pump_outputs(caller, queue)),
+            asyncio.create_task(self._pump_reports(feed, queue)),
+        ]
         try:
-            while True:
-                outputs = await caller.get()
-                if not outputs:
-                    return
-                yield engine_pb2.EngineOut(entries=entries_to_proto(outputs), batch_size=self._batch_size())
+            while (out := await queue.get()) is not None:
+                yield out
         finally:
-            reader.cancel()
+            for task in tasks:
+                task.cancel()
             caller.close()
+            feed.close()
+
+    async def _pump_outputs(self, caller: Caller, queue: OutQueue) -> None:
+        while outputs := await caller.get():
+            out = engine_pb2.EngineOut(entries=entries_to_proto(outputs), batch_size=self._batch_size())
+            await queue.put(out)
+        await queue.put(None)
+
+    async def _pump_reports(self, feed: ReportFeed, queue: OutQueue) -> None:
+        while True:
+            report = await feed.next()
+            await queue.put(engine_pb2.EngineOut(report=report_to_proto(report)))
+            await asyncio.sleep(self.report_interval_s)
 
     def _batch_size(self) -> int:
         """Requests in the engine's latest step (0 when unknown)."""

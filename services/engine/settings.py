@@ -56,6 +56,10 @@ class EngineSettings(StageTlsSettings):
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by unseeded requests"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0 = none)"})
+    report_interval_ms: float = field(
+        default=50.0,
+        metadata={"help": "least interval between two load and prefix-cache reports on one Stream call"},
+    )
     trace_step_sample_rate: float = field(
         default=0.0, metadata={"help": "share of engine steps traced, as spans linked to their requests"}
     )
@@ -74,11 +78,13 @@ class EngineSettings(StageTlsSettings):
                 raise ValueError(f"{name} must be >= 1")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
-        if self.default_max_new_tokens < 1:
-            raise ValueError("default_max_new_tokens must be >= 1")
-        if not 0.0 <= self.trace_step_sample_rate <= 1.0:
-            raise ValueError("trace_step_sample_rate must be between 0 and 1")
         if self.kv_cache_gb < 0:
             raise ValueError("kv_cache_gb must be >= 0 (0 = automatic)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.default_max_new_tokens < 1:
+            raise ValueError("default_max_new_tokens must be >= 1")
+        if self.report_interval_ms < 0:
+            raise ValueError("report_interval_ms must be >= 0")
+        if not 0.0 <= self.trace_step_sample_rate <= 1.0:
+            raise ValueError("trace_step_sample_rate must be between 0 and 1")

@@ -79,7 +79,10 @@ class _Running:
 @dataclass
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """`fail_next_submit` breaks the Stream call (UNAVAILABLE) when the next submit arrives;
-    `error_next_submit` (the final's error message) answers the next submit with an ERROR final."""
+    `error_next_submit` (the final's error message) answers the next submit with an ERROR final.
+    `report`, when set, is the first message of every Stream call (a load and cache snapshot);
+    `paused` holds every request queued (no tokens); `kill_streams()` breaks every open Stream call
+    (UNAVAILABLE) at its next step."""
 
     step_s: float = 0.001
     submits: list[engine_pb2.GenerateRequest] = field(default_factory=list)
@@ -92,6 +95,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     error_next_submit: str = ""
     tokens_per_step: int = 1
     output_ids: list[int] = field(default_factory=list)  # cycled through instead of OUTPUT's code points
+    report: engine_pb2.EngineReport | None = None
+    paused: bool = False
+    _open: list[tuple[list[str], asyncio.Event]] = field(default_factory=list)
+
+    def kill_streams(self) -> None:
+        for broken, wake in self._open:
+            broken.append("engine killed")
+            wake.set()
 
     async def Stream(
         self, request_iterator: AsyncIterator[engine_pb2.EngineIn], context: grpc.aio.ServicerContext
@@ -132,7 +143,10 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                 wake.set()
 
         reader = asyncio.get_running_loop().create_task(read())
+        self._open.append((broken, wake))
         try:
+            if self.report is not None:
+                yield engine_pb2.EngineOut(report=self.report)
             while True:
                 await wake.wait()
                 wake.clear()
@@ -146,12 +160,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                     if broken:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, broken[0])
         finally:
+            self._open.remove((broken, wake))
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
     def _step(self, running: dict[str, _Running]) -> list[engine_pb2.StepEntry]:
         entries = []
+        if self.paused:
+            return entries
         output = self.output_ids or [ord(c) for c in OUTPUT]
         for request_id, state in list(running.items()):
             n = max(1, min(self.tokens_per_step, state.request.stopping.max_new_tokens - state.generated))

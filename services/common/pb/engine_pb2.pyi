@@ -75,12 +75,44 @@ class StepEntry(_message.Message):
     def __init__(self, chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., final: _Optional[_Union[RequestFinal, _Mapping]] = ...) -> None: ...
 
 class EngineOut(_message.Message):
-    __slots__ = ("entries", "batch_size")
+    __slots__ = ("entries", "batch_size", "report")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[StepEntry]
     batch_size: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    report: EngineReport
+    def __init__(self, entries: _Optional[_Iterable[_Union[StepEntry, _Mapping]]] = ..., batch_size: _Optional[int] = ..., report: _Optional[_Union[EngineReport, _Mapping]] = ...) -> None: ...
+
+class EngineLoad(_message.Message):
+    __slots__ = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "queued_prompt_tokens", "block_size")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    queued_prompt_tokens: int
+    block_size: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class EngineReport(_message.Message):
+    __slots__ = ("load", "snapshot", "stored", "removed", "prefix_caching")
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    load: EngineLoad
+    snapshot: bool
+    stored: _containers.RepeatedScalarFieldContainer[bytes]
+    removed: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_caching: bool
+    def __init__(self, load: _Optional[_Union[EngineLoad, _Mapping]] = ..., snapshot: _Optional[bool] = ..., stored: _Optional[_Iterable[bytes]] = ..., removed: _Optional[_Iterable[bytes]] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "final")

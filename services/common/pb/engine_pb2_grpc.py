@@ -56,7 +56,9 @@ class EngineServicer:
 
     def Stream(self, request_iterator, context):
         """Multiplexed: one long-lived call per gateway. In: submits and aborts for many requests.
-        Out: one message per engine step that produced anything for this caller's requests.
+        Out: one message per engine step that produced anything for this caller's requests, and reports of
+        the engine's load and prefix cache (`EngineOut.report`, at most every --report-interval-ms; the
+        first message of every call is a report with a full snapshot of the cache).
         When the call ends, every request it submitted that is still running is aborted.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

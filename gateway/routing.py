@@ -1,0 +1,167 @@
+"""Which engine replica gets a new request: `round_robin`, `least_load` or `prefix_affinity`.
+
+Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys of the KV blocks it
+can reuse (`EngineReport`: a snapshot when the call opens, then changes). `Router` mirrors that per
+replica, adds what this gateway itself has in flight there, and picks:
+
+- `round_robin`: the candidates in turn, blind to load and cache;
+- `least_load`: the least loaded; ties go round the candidates in turn;
+- `prefix_affinity`: among the candidates whose load is within `margin` of the least loaded one's (the
+  guard: affinity never piles work on one replica while another idles), the one holding the longest
+  prefix of the prompt, then the least loaded, ties in turn. A prompt's keys are computed as the engine
+  computes them (`chain_hashes`, with the block size the engine reported), over the blocks the engine
+  would look up (all full blocks but one token). Until a replica's report confirms them, the keys of
+  prompts just routed there count as held for `PENDING_S`: a burst of requests sharing a new prefix
+  goes to one replica instead of each computing the prefix somewhere else.
+
+Load is the larger of this gateway's requests in flight on the replica and the replica's own running
+plus waiting requests (which counts other gateways' too), with a request's worth added per
+`TOKENS_PER_LOAD` prompt tokens queued there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.settings import ROUTING_POLICIES as POLICIES
+from services.common.pb import engine_pb2
+from services.engine.block_manager import BlockHash, chain_hashes
+
+PENDING_S = 5.0  # how long keys of a routed prompt count as held before the engine reports them
+TOKENS_PER_LOAD = 4096  # queued prompt tokens that weigh as much as one request in flight
+
+
+@dataclass
+class ReplicaView:
+    """What the gateway knows of one engine replica from its reports."""
+
+    reported: bool = False
+    block_size: int = 0
+    prefix_caching: bool = True
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    queued_prompt_tokens: int = 0
+    keys: set[BlockHash] = field(default_factory=set)
+    pending: dict[BlockHash, float] = field(default_factory=dict)  # key → until (time.monotonic())
+
+    def apply(self, report: engine_pb2.EngineReport) -> None:
+        """Applies one report (a snapshot replaces every key known before)."""
+        load = report.load
+        self.reported = True
+        self.block_size = load.block_size
+        self.prefix_caching = report.prefix_caching
+        self.running, self.waiting = load.running, load.waiting
+        self.kv_blocks_used, self.kv_blocks_total = load.kv_blocks_used, load.kv_blocks_total
+        self.queued_prompt_tokens = load.queued_prompt_tokens
+        if report.snapshot:
+            self.keys = set(report.stored)
+        else:
+            self.keys.difference_update(report.removed)
+            self.keys.update(report.stored)
+        for key in report.stored:
+            self.pending.pop(key, None)
+
+    def cached_blocks(self, keys: Sequence[BlockHash], now: float) -> int:
+        """How many leading `keys` this replica holds (reported, or routed here within PENDING_S)."""
+        n = 0
+        for key in keys:
+            if key not in self.keys:
+                until = self.pending.get(key)
+                if until is None or until < now:
+                    break
+            n += 1
+        return n
+
+    def expect(self, keys: Sequence[BlockHash], now: float) -> None:
+        """Counts `keys` as held until the replica reports them (or PENDING_S passes)."""
+        stale = [k for k, until in self.pending.items() if until < now]
+        for key in stale:
+            del self.pending[key]
+        until = now + PENDING_S
+        for key in keys:
+            if key not in self.keys:
+                self.pending[key] = until
+
+
+class Router:
+    """Mirrors every engine replica's reports and picks the replica for each new request.
+
+    `in_flight(address)`: this gateway's requests on that replica now. `margin`: how many requests more
+    than the least loaded candidate a replica may have and still win on its cached prefix."""
+
+    def __init__(self, policy: str, in_flight: Callable[[str], int], margin: int = 4) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
+        self.margin = margin
+        self._in_flight = in_flight
+        self._views: dict[str, ReplicaView] = {}
+        self._turn = itertools.count()
+
+    def view(self, address: str) -> ReplicaView:
+        view = self._views.get(address)
+        if view is None:
+            view = self._views[address] = ReplicaView()
+        return view
+
+    def on_report(self, address: str, report: engine_pb2.EngineReport) -> None:
+        self.view(address).apply(report)
+
+    def forget(self, address: str) -> None:
+        """The replica's report stream ended: what it reported is no longer known to hold."""
+        self._views.pop(address, None)
+
+    def load(self, address: str) -> float:
+        """The replica's load in requests (see the module docstring)."""
+        view = self._views.get(address)
+        own = self._in_flight(address)
+        if view is None:
+            return float(own)
+        return max(own, view.running + view.waiting) + view.queued_prompt_tokens / TOKENS_PER_LOAD
+
+    def pick(self, candidates: Sequence[str], prompt_ids: Sequence[int]) -> str:
+        """The replica for a request of `prompt_ids` among `candidates` (not empty)."""
+        assert candidates, "no candidate replica"
+        start = next(self._turn) % len(candidates)
+        in_turn = [*candidates[start:], *candidates[:start]]
+        if self.policy == "round_robin" or len(in_turn) == 1:
+            return in_turn[0]
+        loads = {a: self.load(a) for a in in_turn}
+        if self.policy == "least_load":
+            return min(in_turn, key=loads.__getitem__)
+        least = min(loads.values())
+        eligible = [a for a in in_turn if loads[a] <= least + self.margin]
+        now = time.monotonic()
+        keys_by_size: dict[int, list[BlockHash]] = {}
+        hits = {a: self._cached_blocks(a, prompt_ids, keys_by_size, now) for a in eligible}
+        chosen = min(eligible, key=lambda a: (-hits[a], loads[a]))
+        self._expect(chosen, keys_by_size)
+        return chosen
+
+    def _cached_blocks(
+        self, address: str, prompt_ids: Sequence[int], keys_by_size: dict[int, list[BlockHash]], now: float
+    ) -> int:
+        view = self._views.get(address)
+        if view is None or not view.block_size or not view.prefix_caching:
+            return 0
+        keys = keys_by_size.get(view.block_size)
+        if keys is None:
+            keys = keys_by_size[view.block_size] = prompt_keys(prompt_ids, view.block_size)
+        return view.cached_blocks(keys, now)
+
+    def _expect(self, address: str, keys_by_size: dict[int, list[BlockHash]]) -> None:
+        view = self._views.get(address)
+        if view is not None and view.block_size in keys_by_size:
+            view.expect(keys_by_size[view.block_size], time.monotonic())
+
+
+def prompt_keys(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The cache keys an engine looks up for this prompt: its full blocks, leaving at least one token
+    to compute (as `Scheduler._max_hit_blocks`)."""
+    blocks = (len(prompt_ids) - 1) // block_size
+    return chain_hashes(prompt_ids[: blocks * block_size], block_size, 0, None)
