@@ -12,11 +12,14 @@ ARG TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 SLUICE_CACHE_DIR=/models/cache
 WORKDIR /app
 
+# torch first: from the CPU index (2.13.0+cpu, which pip prefers to PyPI's CUDA build of the same version;
+# its own dependencies, pinned by constraints.txt, may come from PyPI) or PyPI's default CUDA wheel.
 # Dependencies first, in their own layers: editing the source does not reinstall torch. The list is
 # pyproject.toml's own [project] dependencies, pinned by constraints.txt.
 COPY pyproject.toml constraints.txt ./
 RUN case "$TORCH_VARIANT" in \
-      cpu)  pip install --no-cache-dir -c constraints.txt --index-url "$TORCH_CPU_INDEX" "torch==$TORCH_VERSION" ;; \
+      cpu)  pip install --no-cache-dir -c constraints.txt --index-url "$TORCH_CPU_INDEX" \
+              --extra-index-url https://pypi.org/simple "torch==$TORCH_VERSION" ;; \
       cuda) pip install --no-cache-dir -c constraints.txt "torch==$TORCH_VERSION" ;; \
       *)    echo "TORCH_VARIANT must be cpu or cuda, got $TORCH_VARIANT" >&2; exit 1 ;; \
     esac

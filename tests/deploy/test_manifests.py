@@ -111,7 +111,7 @@ def test_dockerfile_installs_dependencies_before_the_source() -> None:
     text = "\n".join(lines)
     assert "ARG TORCH_VARIANT=cuda" in lines
     assert re.search(
-        r"cpu\)\s+pip install .*--index-url \"\$TORCH_CPU_INDEX\" \"torch==\$TORCH_VERSION\"", text
+        r"cpu\)\s+pip install .*--index-url \"\$TORCH_CPU_INDEX\" \\\n.*\"torch==\$TORCH_VERSION\"", text
     )
     assert "ARG TORCH_VERSION=2.13.0" in lines
     pinned = {
