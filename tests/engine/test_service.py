@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.block_manager import chain_hashes
 from services.engine.engine import LLMEngine
 from services.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.engine.params import SamplingParams, StoppingParams
@@ -334,3 +335,28 @@ async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> N
 
 async def _finals(replies: AsyncIterator[engine_pb2.EngineOut]) -> list[engine_pb2.RequestFinal]:
     return [e.final async for out in replies for e in out.entries if e.HasField("final")]
+
+
+async def test_stream_opens_with_a_cache_snapshot_then_reports_the_blocks_it_stores(
+    stub: engine_pb2_grpc.EngineStub,
+) -> None:
+    queue: asyncio.Queue[engine_pb2.EngineIn | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[engine_pb2.EngineIn]:
+        while (msg := await queue.get()) is not None:
+            yield msg
+
+    call = stub.Stream(requests())
+    first = await asyncio.wait_for(call.read(), 10)
+    assert first.report.snapshot and not first.entries
+    assert (first.report.load.block_size, first.report.load.kv_blocks_total) == (16, 64)
+    prompt = list(range(5, 45))  # 2 full blocks looked up
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("a", prompt=prompt, n=3)))
+    keys = set(first.report.stored)
+    wanted = set(chain_hashes(prompt[:32], 16, 0, None))
+    async with asyncio.timeout(10):
+        while not wanted <= keys:
+            out = await call.read()
+            keys = (keys - set(out.report.removed)) | set(out.report.stored)
+    await queue.put(None)
+    call.cancel()
