@@ -6,7 +6,8 @@ warm-up forward as large as the biggest step (`max_num_batched_tokens` prompt to
 memory, and replaces the pool with one of `gpu_memory_utilization` × (free memory + the provisional pool it
 releases). The warm-up's activations stay reserved by torch's caching allocator, so the free figure already
 leaves room for the largest step: the pool takes what the model and its activations do not need (as vLLM's
-`gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU.
+`gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU. It
+never takes more blocks than `max_num_seqs` requests at the full context length can fill.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class SizingSettings(Protocol):
     num_kv_blocks: int
     gpu_memory_utilization: float
     max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
 
 
 def sized_automatically(settings: SizingSettings) -> bool:
@@ -70,6 +73,13 @@ def blocks_from_free_memory(
     return blocks
 
 
+def useful_blocks(max_num_seqs: int, context_len: int, block_size: int) -> int:
+    """The most blocks the engine can ever fill: every running request at the full context length. A
+    small model on a large GPU would otherwise get millions of blocks it cannot use (each one costs the
+    block manager's bookkeeping too)."""
+    return max_num_seqs * -(-context_len // block_size)
+
+
 def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo | None = None) -> int:
     """Resizes `runner`'s KV pool (a ModelRunner just built with `initial_kv_cache_gb`) from the device's
     free memory after a warm-up forward, when the size is automatic and the device is CUDA (or when
@@ -88,6 +98,9 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
     free, _ = (mem_get_info or torch.cuda.mem_get_info)(runner.device)
     released = runner.num_blocks * per_block
     blocks = blocks_from_free_memory(free, released, settings.gpu_memory_utilization, per_block)
+    context_len = settings.max_model_len or runner.max_position_embeddings
+    if context_len:
+        blocks = min(blocks, useful_blocks(settings.max_num_seqs, context_len, runner.block_size))
     replace_pool(runner, blocks)
     log.info(
         "KV pool sized from free memory after a warm-up: %d blocks (%.2f GiB, %.0f%% of %.2f GiB)",

@@ -31,6 +31,11 @@ def test_blocks_from_free_memory_takes_the_fraction_of_free_plus_released() -> N
     assert kv_sizing.blocks_from_free_memory(MiB, 0, 1.0, MiB) == 1
 
 
+def test_useful_blocks_is_every_request_at_the_full_context() -> None:
+    assert kv_sizing.useful_blocks(256, 32768, 16) == 256 * 2048
+    assert kv_sizing.useful_blocks(4, 500, 16) == 4 * 32  # a partial last block counts
+
+
 @pytest.mark.parametrize(("free", "fraction"), [(MiB - 1, 1.0), (10 * GiB, 0.0), (10 * GiB, 1.5)])
 def test_blocks_from_free_memory_refuses_too_little_or_a_bad_fraction(free: int, fraction: float) -> None:
     with pytest.raises(ValueError):
@@ -87,7 +92,8 @@ def _prefill_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
 
 
 def test_fit_kv_pool_warms_up_then_sizes_the_pool_from_free_memory(runner_factory) -> None:
-    settings = EngineSettings(max_num_batched_tokens=256, gpu_memory_utilization=0.5)
+    # max_num_seqs high enough that the pool is bounded by memory, not by what requests can fill.
+    settings = EngineSettings(max_num_batched_tokens=256, gpu_memory_utilization=0.5, max_num_seqs=4096)
     runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings))
     per_block = kv_sizing.block_bytes(
         runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, 4
@@ -104,6 +110,19 @@ def test_fit_kv_pool_warms_up_then_sizes_the_pool_from_free_memory(runner_factor
     prompt = [5, 9, 13, 17, 21, 40, 41, 42, 7, 3, 99, 100, 101, 102, 103, 104, 105, 6]
     reference = runner_factory(num_kv_blocks=blocks)
     torch.testing.assert_close(_prefill_logits(runner, prompt), _prefill_logits(reference, prompt))
+
+
+def test_fit_kv_pool_takes_no_more_blocks_than_requests_can_fill(runner_factory) -> None:
+    # The test model's context is 512 tokens: 4 requests fill at most 4 x 32 blocks of 16, however much
+    # memory is free (a small model on a large GPU).
+    settings = EngineSettings(max_num_batched_tokens=64, max_num_seqs=4)
+    runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings))
+    assert runner.max_position_embeddings == 512
+    assert kv_sizing.fit_kv_pool(runner, settings, mem_get_info=FakeDevice(runner, 100 * GiB)) == 128
+    assert runner.num_blocks == 128 and runner.kv[0][0].shape[0] == 128 * runner.block_size
+    shorter = EngineSettings(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=100)
+    runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(shorter))
+    assert kv_sizing.fit_kv_pool(runner, shorter, mem_get_info=FakeDevice(runner, 100 * GiB)) == 4 * 7
 
 
 def test_fit_kv_pool_keeps_an_explicit_size_and_the_cpu_default(runner_factory) -> None:
