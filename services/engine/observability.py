@@ -13,6 +13,17 @@ its final output, child of the caller's trace context, with children `queue` (ar
 schedule), `prefill` (first schedule → first token) and `decode` (first token → finish) and the GenAI
 attributes; and one `sluice.engine.step` span for a `step_sample_rate` share of the steps, linked to
 the requests in the step.
+
+Besides sluice's own metrics, the gauges that Kubernetes inference routers read from a model server
+(the Gateway API Inference Extension's endpoint picker, llm-d), under vLLM's names, with a `model_name`
+label as vLLM's, updated after every step:
+
+    vllm:num_requests_waiting   = sluice_requests_waiting       requests queued for admission
+    vllm:num_requests_running   = sluice_requests_running       requests in the running batch
+    vllm:kv_cache_usage_perc    = sluice_kv_cache_usage_ratio   KV blocks in use / all, 0..1
+    vllm:gpu_cache_usage_perc   (the same; the name vLLM used before 0.10, which older pickers read)
+    vllm:cache_config_info      1, labels block_size and num_gpu_blocks: the pool's shape (blocks of
+                                block_size tokens, on the engine's device whether GPU or CPU)
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from prometheus_client import CollectorRegistry, Gauge
 
 from services.common import telemetry
 from services.common.metrics import EngineMetrics, observe_many
@@ -32,6 +44,32 @@ from services.engine.request import Request
 from services.engine.scheduler import SchedulerOutput
 
 MAX_STEP_LINKS = 128
+
+
+class RouterGauges:
+    """The model-server gauges of inference routers, under vLLM's names (see the module docstring)."""
+
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, block_size: int, num_blocks: int
+    ) -> None:
+        labels = ["model_name"]
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
+                             registry=registry).labels(model_name)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels,
+                             registry=registry).labels(model_name)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%.", labels,
+                              registry=registry).labels(model_name)
+        self.kv_usage_legacy = Gauge("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (older name).",
+                                     labels, registry=registry).labels(model_name)
+        info = Gauge("vllm:cache_config_info", "KV cache shape: tokens per block, blocks in the pool.",
+                     ["model_name", "block_size", "num_gpu_blocks"], registry=registry)
+        info.labels(model_name, str(block_size), str(num_blocks)).set(1)
+
+    def update(self, waiting: int, running: int, kv_usage: float) -> None:
+        self.waiting.set(waiting)
+        self.running.set(running)
+        self.kv_usage.set(kv_usage)
+        self.kv_usage_legacy.set(kv_usage)
 
 
 @dataclass
@@ -72,6 +110,10 @@ class EngineObserver:
         self._preemptions = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self.router_gauges = RouterGauges(
+            metrics.registry, model_name, block_manager.block_size, block_manager.num_blocks
+        )
+        self._update_gauges()
 
     def _wall_ns(self, monotonic_s: float) -> int:
         return int(monotonic_s * 1e9) + self._wall_offset_ns
@@ -227,9 +269,12 @@ class EngineObserver:
 
     def _update_gauges(self) -> None:
         m, scheduler, bm = self.metrics, self.scheduler, self.block_manager
-        m.running.set(len(scheduler.running))
-        m.waiting.set(len(scheduler.waiting))
-        m.kv_usage.set(1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0)
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        kv_usage = 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
+        m.running.set(running)
+        m.waiting.set(waiting)
+        m.kv_usage.set(kv_usage)
+        self.router_gauges.update(waiting, running, kv_usage)
         preemptions = scheduler.num_preemptions
         if preemptions != self._preemptions:
             m.preemptions.inc(preemptions - self._preemptions)

@@ -7,9 +7,12 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import generate_latest
 
+from services.common.metrics import EngineMetrics
 from services.engine.async_engine import AsyncEngine, Report, ReportFeed
 from services.engine.block_manager import BlockManager, chain_hashes
+from services.engine.observability import EngineObserver
 from services.engine.params import SamplingParams, StoppingParams
 from tests.engine.fakes import fake_engine
 
@@ -122,3 +125,29 @@ def test_the_load_counts_queued_prompt_tokens_until_computed() -> None:
     load = engine._load()
     assert (load.waiting, load.running, load.queued_prompt_tokens) == (0, 1, 23)
     assert load.kv_blocks_used == 4 and load.prefix_caching
+
+
+def test_engines_export_the_gauges_inference_routers_read() -> None:
+    """vLLM's names, as the Gateway API Inference Extension's endpoint picker scrapes them."""
+    core, _ = fake_engine(12, block_size=4, max_num_seqs=1)
+    metrics = EngineMetrics()
+    core.observer = EngineObserver(
+        metrics, scheduler=core.scheduler, block_manager=core.block_manager, model_name="m"
+    )
+    for rid in ("a", "b"):
+        core.add_request(rid, [1, 2, 3, 4, 5], SamplingParams(), StoppingParams(max_new_tokens=3))
+    core.step()
+
+    def value(name: str, **labels: str) -> float | None:
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("vllm:num_requests_running", model_name="m") == 1 == value("sluice_requests_running")
+    assert value("vllm:num_requests_waiting", model_name="m") == 1 == value("sluice_requests_waiting")
+    usage = value("sluice_kv_cache_usage_ratio")
+    assert usage == pytest.approx(2 / 12)
+    assert value("vllm:kv_cache_usage_perc", model_name="m") == usage
+    assert value("vllm:gpu_cache_usage_perc", model_name="m") == usage
+    info = value("vllm:cache_config_info", model_name="m", block_size="4", num_gpu_blocks="12")
+    assert info == 1
+    text = generate_latest(metrics.registry).decode()
+    assert 'vllm:num_requests_waiting{model_name="m"} 1.0' in text
