@@ -21,10 +21,11 @@ Invariants:
   closed (a detokenizer final is the request's last entry there: nothing is sent after it);
 - a broken upstream call fails every request that depends on it with "unavailable", but for engine
   requests that had no token yet: each is submitted once more, to another connected engine replica
-  (failing "unavailable" when there is none or it breaks too); the next request opens a new call, on a
-  replica whose channel is connected: when no replica of a stage is (it is starting or restarting), it
-  waits up to `upstream_wait_s` (within its deadline) for one, then fails with "unavailable"
-  (`Replicas.pick_ready`).
+  (failing "unavailable" when there is none or it breaks too), as is one that the engine ends with an
+  `unavailable` error final before its first token (its loop stopped); the next request opens a new
+  call, on a replica whose channel is connected: when no replica of a stage is (it is starting or
+  restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails with
+  "unavailable" (`Replicas.pick_ready`).
 
 Engine replicas: the gateway holds a `Engine.Stream` call open to every connected engine replica; each
 reports its load and prefix cache there, and `gateway.routing.Router` picks the replica of each request
@@ -589,6 +590,14 @@ class Pipeline:
         request = self._requests.get(final.request_id)
         if request is None or request.engine_done or request.detok_link is None:
             return
+        failed = request.engine_link
+        if (  # the engine stopped serving (its loop failed) before the request's first token
+            final.finish_reason not in _FINISH_REASONS
+            and engine_errors.error_class(final.error) == UNAVAILABLE
+            and failed is not None
+            and self._retry_engine(request, failed.address)
+        ):
+            return
         request.engine_final = final
         if request.trace is not None:
             request.trace.engine_done(final.error)
@@ -673,6 +682,8 @@ class Pipeline:
         engine = self._engine_link(address)
         log.info("request %s: engine %s failed before its first token; retried on %s", request.id, failed,
                  address)
+        if request.engine_link is not None:
+            request.engine_link.request_ids.discard(request.id)
         request.engine_link = engine
         engine.request_ids.add(request.id)
         self._send_submit(request, engine)

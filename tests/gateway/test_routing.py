@@ -254,3 +254,21 @@ async def test_a_retry_that_breaks_too_ends_unavailable(two: tuple[FakeUpstreams
     finally:
         await server.shutdown(0.5)
     assert result == [Failed("unavailable", "engine unavailable")]
+
+
+async def test_an_engine_that_stops_serving_before_the_first_token_has_the_request_retried(
+    two: tuple[FakeUpstreams, FakeUpstreams],
+) -> None:
+    """An `unavailable` error final (the engine's loop failed) before any token: retried elsewhere."""
+    first, second = two
+    first.engine.error_next_submit = "unavailable: engine loop stopped: boom"
+    server = await start_gateway(first, second, routing="round_robin")
+    try:
+        results = [await events(generate(server.pipeline, "hi", 3)) for _ in range(2)]
+    finally:
+        await server.shutdown(0.5)
+    assert [r[-1] for r in results] == [Done("length", len(encode("hi")), 3)] * 2
+    on_first = {s.request_id for s in first.engine.submits}
+    on_second = {s.request_id for s in second.engine.submits}
+    assert len(first.engine.submits) + len(second.engine.submits) == 3
+    assert len(on_first & on_second) == 1  # the refused one, once more on the other replica
