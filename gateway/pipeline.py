@@ -284,9 +284,12 @@ class Pipeline:
     def __init__(self, settings: GatewaySettings) -> None:
         self._settings = settings
         tls = ChannelTls.from_settings(settings)
-        self._tokenizers = Replicas("tokenizer", settings.tokenizer, tls)
-        self._engines = Replicas("engine", settings.engine, tls)
-        self._detokenizers = Replicas("detokenizer", settings.detokenizer, tls)
+        per_replica, interval = settings.channels_per_replica, settings.resolve_interval_s
+        self._tokenizers = Replicas("tokenizer", settings.tokenizer, tls, channels_per_replica=per_replica,
+                                    resolve_interval_s=interval)
+        self._engines = Replicas("engine", settings.engine, tls, resolve_interval_s=interval)
+        self._detokenizers = Replicas("detokenizer", settings.detokenizer, tls,
+                                      channels_per_replica=per_replica, resolve_interval_s=interval)
         self.metrics = GatewayMetrics()
         self._engine_links: dict[str, EngineLink] = {}
         self._router = Router(settings.routing, self._engine_load, settings.routing_margin)

@@ -15,13 +15,28 @@ class GatewaySettings:
     port: int = field(default=8000, metadata={"help": "HTTP/WebSocket port (0 = any free port)"})
     grpc_port: int = field(default=50050, metadata={"help": "public gRPC API port (0 = any free port)"})
     tokenizer: tuple[str, ...] = field(
-        default=("127.0.0.1:50051",), metadata={"help": "tokenizer replicas, comma-separated host:port"}
+        default=("127.0.0.1:50051",),
+        metadata={"help": "tokenizer replicas, comma-separated host:port, or dns:///name:port for every "
+                  "address the name resolves to (re-resolved every --resolve-interval-s)"},
     )
     engine: tuple[str, ...] = field(
-        default=("127.0.0.1:50052",), metadata={"help": "engine replicas, comma-separated host:port"}
+        default=("127.0.0.1:50052",),
+        metadata={"help": "engine replicas, comma-separated host:port or dns:///name:port"},
     )
     detokenizer: tuple[str, ...] = field(
-        default=("127.0.0.1:50053",), metadata={"help": "detokenizer replicas, comma-separated host:port"}
+        default=("127.0.0.1:50053",),
+        metadata={"help": "detokenizer replicas, comma-separated host:port or dns:///name:port"},
+    )
+    resolve_interval_s: float = field(
+        default=10.0,
+        metadata={"help": "seconds between re-resolutions of the dns:/// names (also re-resolved when no "
+                  "replica of a stage is connected)"},
+    )
+    channels_per_replica: int = field(
+        default=1,
+        metadata={"help": "connections to each tokenizer and detokenizer replica, the work spread over them "
+                  "(one multiplexed detokenizer stream each): for replicas running --workers N, about 4N, "
+                  "so every worker gets work (the kernel hands each connection to one); engines get one"},
     )
     default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request gives none"})
     default_temperature: float = field(
@@ -112,9 +127,20 @@ class GatewaySettings:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        from gateway.upstream import Endpoint
+
         for name in ("tokenizer", "engine", "detokenizer"):
             if not getattr(self, name):
                 raise ValueError(f"{name} needs at least one host:port address")
+            for address in getattr(self, name):
+                try:
+                    Endpoint.parse(address)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if self.resolve_interval_s <= 0:
+            raise ValueError("resolve_interval_s must be > 0")
+        if self.channels_per_replica < 1:
+            raise ValueError("channels_per_replica must be >= 1")
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
         if self.default_temperature < 0:

@@ -1,5 +1,6 @@
-"""Client side of the upstream services: channels to every replica, and the long-lived multiplexed
-bidirectional calls (one per replica of the engine and of the detokenizer).
+"""Client side of the upstream services: channels to every replica (fixed addresses, or DNS names
+re-resolved as replicas come and go: `Replicas`), and the long-lived multiplexed bidirectional calls
+(one per member of the engine and of the detokenizer: a member is one channel to one replica).
 
 A `StreamLink` owns one call. Writing never blocks and keeps order: `send` appends to a queue that a
 request iterator drains; everything queued since the last write goes out together, merged by the
@@ -14,7 +15,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+import math
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
@@ -39,30 +43,195 @@ Out = TypeVar("Out")
 Item = TypeVar("Item")
 
 
+Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
+"""`resolve(host, port)`: the IP addresses a name stands for now; raises OSError when it cannot say."""
+
+DNS_SCHEME = "dns:///"
+MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One entry of a stage's endpoints: a fixed `host:port` (one replica; gRPC resolves the host
+    itself), or `dns:///host:port`, a name that stands for every address it resolves to (a headless
+    Kubernetes Service, `docker compose --scale`), one replica each, re-resolved as they come and go."""
+
+    target: str
+    host: str
+    port: int
+    dns: bool
+
+    @classmethod
+    def parse(cls, text: str) -> Endpoint:
+        """Raises ValueError unless `text` is `host:port` or `dns:///host:port` (IPv6 in brackets)."""
+        dns = text.startswith(DNS_SCHEME)
+        rest = text[len(DNS_SCHEME) :] if dns else text
+        host, sep, port = rest.rpartition(":")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{text!r} is not host:port or dns:///host:port")
+        return cls(text, host, int(port), dns)
+
+
+async def resolve_host(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to (IPv4 and IPv6), in the resolver's order, without repeats."""
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def host_port(ip: str, port: int) -> str:
+    """`10.0.0.5:50052`, `[::1]:50052`."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 class Replicas:
     """Channels to every replica of one upstream service (`kind` is "tokenizer", "engine" or
-    "detokenizer"). `pick` chooses the replica for new work: the least loaded by the caller's measure
-    when one is given (ties go round the replicas in turn), else the next in turn; `pick_ready` chooses
-    so among the replicas that are connected, waiting a bounded time for one when none is."""
+    "detokenizer"), from its endpoints (`Endpoint.parse`).
 
-    def __init__(self, kind: str, addresses: Sequence[str], tls: ChannelTls | None = None) -> None:
-        assert addresses, f"{kind}: no address"
+    Members: each replica address gets `channels_per_replica` channels, each its own connection; a
+    member is one channel, named by its key: the address itself with one channel per replica, else
+    `address#i`. Several connections let a replica that runs several worker processes sharing its port
+    (`--workers N`, SO_REUSEPORT: the kernel hands each connection to one worker) get work on each.
+    `addresses` are the keys of the members in rotation; `channels` holds every open channel by key.
+
+    `pick` chooses the member for new work: the least loaded by the caller's measure when one is given
+    (ties go round the members in turn), else the next in turn; `pick_ready` chooses so among the
+    members that are connected, waiting a bounded time for one when none is.
+
+    Names (`dns:///`) are resolved before the first pick and every `resolve_interval_s` seconds after
+    (`resolve` is injectable; default: the system resolver), and again when no member is connected
+    (at most every MIN_RESOLVE_GAP_S). Until a name has resolved, and when it never does, it stands
+    for itself: one member whose channel gRPC resolves. A failed resolution keeps the last set. A
+    replica the name no longer gives leaves the rotation at once; its channel is closed once it is no
+    longer connected (calls in flight there may finish). Over TLS, the certificate of a resolved
+    replica must name the host of its endpoint.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        endpoints: Sequence[str],
+        tls: ChannelTls | None = None,
+        *,
+        channels_per_replica: int = 1,
+        resolve_interval_s: float = 10.0,
+        resolve: Resolve | None = None,
+    ) -> None:
+        assert endpoints, f"{kind}: no address"
+        assert channels_per_replica >= 1
         self.kind = kind
-        self.addresses = tuple(addresses)
-        self.channels = {
-            address: client_channel(
-                address,
-                tls=tls,
-                options=UPSTREAM_CHANNEL_OPTIONS,
-                interceptors=telemetry.client_interceptors(),
-            )
-            for address in self.addresses
-        }
+        self.endpoints = [Endpoint.parse(e) for e in endpoints]
+        self.channels: dict[str, grpc.aio.Channel] = {}
+        self.addresses: tuple[str, ...] = ()
+        self._tls = tls
+        self._per_replica = channels_per_replica
+        self._interval = resolve_interval_s
+        self._resolve = resolve or resolve_host
+        self._resolved: dict[Endpoint, tuple[str, ...]] = {}
+        self._target_host: dict[str, str] = {}  # a resolved address → its endpoint's host (TLS name)
+        self._retiring: set[str] = set()
+        self._closing: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Event()
+        self._refresher: asyncio.Task[None] | None = None
+        self._first_resolve: asyncio.Task[None] | None = None
+        self._last_resolve = -math.inf
         self._turn = itertools.count()
+        self._set_members()
+
+    # ----- members
+
+    def _targets(self) -> list[str]:
+        """Every replica address now: fixed ones, resolved ones, and unresolved names."""
+        targets: list[str] = []
+        for endpoint in self.endpoints:
+            resolved = self._resolved.get(endpoint) if endpoint.dns else None
+            targets.extend(resolved or [endpoint.target])
+        return list(dict.fromkeys(targets))
+
+    def _keys(self, target: str) -> list[str]:
+        return [target] if self._per_replica == 1 else [f"{target}#{i}" for i in range(self._per_replica)]
+
+    def _open(self, target: str) -> grpc.aio.Channel:
+        options: list[tuple[str, Any]] = list(UPSTREAM_CHANNEL_OPTIONS)
+        if self._per_replica > 1:  # a connection of its own, not one shared with the other channels
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        host = self._target_host.get(target)
+        if host is not None and self._tls is not None:
+            options.append(("grpc.ssl_target_name_override", host))
+        interceptors = telemetry.client_interceptors()
+        return client_channel(target, tls=self._tls, options=options, interceptors=interceptors)
+
+    def replica_of(self, key: str) -> str:
+        """The replica address of a member key (`10.0.0.5:50051#2` → `10.0.0.5:50051`)."""
+        return key.rpartition("#")[0] if self._per_replica > 1 else key
+
+    def _set_members(self) -> None:
+        """Opens channels for new members, retires those no longer given; wakes `pick_ready`."""
+        keys = {key: target for target in self._targets() for key in self._keys(target)}
+        for key, target in keys.items():
+            self._retiring.discard(key)
+            if key not in self.channels:
+                self.channels[key] = self._open(target)
+        self._retiring.update(key for key in self.channels if key not in keys)
+        if tuple(keys) != self.addresses:
+            if self.addresses:
+                log.info("%s replicas: %s", self.kind, ", ".join(keys))
+            self.addresses = tuple(keys)
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    def _sweep(self) -> None:
+        """Closes the channels of retired members that are not connected."""
+        for key in list(self._retiring):
+            channel = self.channels[key]
+            if channel.get_state() != grpc.ChannelConnectivity.READY:
+                self._retiring.discard(key)
+                del self.channels[key]
+                closing = asyncio.get_running_loop().create_task(channel.close())
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
+
+    async def refresh(self) -> None:
+        """Resolves every `dns:///` endpoint now and updates the members."""
+        self._last_resolve = asyncio.get_running_loop().time()
+        for endpoint in self.endpoints:
+            if not endpoint.dns:
+                continue
+            try:
+                ips = await self._resolve(endpoint.host, endpoint.port)
+            except OSError as exc:
+                log.warning("%s: cannot resolve %s (%s); keeping its last replicas", self.kind,
+                            endpoint.target, exc)
+                continue
+            if ips:
+                targets = tuple(host_port(ip, endpoint.port) for ip in ips)
+                self._target_host.update(dict.fromkeys(targets, endpoint.host))
+                self._resolved[endpoint] = targets
+        self._set_members()
+        self._sweep()
+
+    async def _ensure_resolved(self) -> None:
+        """Resolves the names once before first use and starts the periodic re-resolution."""
+        if not any(endpoint.dns for endpoint in self.endpoints):
+            return
+        if self._first_resolve is None:
+            self._first_resolve = asyncio.ensure_future(self.refresh())
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+        await asyncio.shield(self._first_resolve)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("%s: re-resolution failed", self.kind)
+
+    # ----- choice
 
     def pick(self, load: Callable[[str], int] | None = None, among: Collection[str] | None = None) -> str:
-        """The replica for the next piece of work. `load(address)` (e.g. requests in flight there);
-        `among`: the candidates (default: every replica; must not be empty)."""
+        """The member for the next piece of work. `load(key)` (e.g. requests in flight there);
+        `among`: the candidates (default: every member; must not be empty)."""
         start = next(self._turn) % len(self.addresses)
         in_turn = [a for a in self.addresses[start:] + self.addresses[:start] if among is None or a in among]
         if load is None:
@@ -70,29 +239,34 @@ class Replicas:
         return min(in_turn, key=load)
 
     def connected(self) -> list[str]:
-        """The replicas whose channel is READY. Idle channels are asked to connect."""
+        """The members whose channel is READY. Idle channels are asked to connect."""
         ready = grpc.ChannelConnectivity.READY
         return [a for a in self.addresses if self.channels[a].get_state(try_to_connect=True) == ready]
 
     async def pick_ready(self, timeout_s: float, load: Callable[[str], int] | None = None) -> str:
-        """The replica for the next piece of work among those whose channel is READY, chosen as
-        `pick` chooses. When none is (the stage is starting or restarting), waits up to `timeout_s`
-        for the first to become READY; when none does, `pick(load)`: a call there fails at once
-        with UNAVAILABLE. Returns at once when a replica is READY."""
+        """The member for the next piece of work among those whose channel is READY, chosen as
+        `pick` chooses. When none is (the stage is starting or restarting), resolves the names again
+        and waits up to `timeout_s` for the first to become READY; when none does, `pick(load)`: a
+        call there fails at once with UNAVAILABLE. Returns at once when a member is READY."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        await self._ensure_resolved()
         while True:
             ready = self.connected()
             if ready:
                 return self.pick(load, ready)
+            if self._first_resolve is not None and loop.time() - self._last_resolve >= MIN_RESOLVE_GAP_S:
+                await self.refresh()
+                continue
             left = deadline - loop.time()
             if left <= 0:
                 return self.pick(load)
-            await self._any_ready(left)
+            await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
 
     async def _any_ready(self, timeout_s: float) -> None:
-        """Returns when a channel becomes READY, or after `timeout_s`."""
-        waiters = [asyncio.ensure_future(channel.channel_ready()) for channel in self.channels.values()]
+        """Returns when a member's channel becomes READY, the members change, or after `timeout_s`."""
+        waiters = [asyncio.ensure_future(self.channels[key].channel_ready()) for key in self.addresses]
+        waiters.append(asyncio.ensure_future(self._changed.wait()))
         try:
             await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -101,22 +275,30 @@ class Replicas:
             await asyncio.gather(*waiters, return_exceptions=True)
 
     async def check_health(self, timeout_s: float) -> dict[str, bool]:
-        """grpc.health.v1 Check of every replica: address → SERVING."""
+        """grpc.health.v1 Check of every replica (one channel of each): address → SERVING."""
+        await self._ensure_resolved()
+        first: dict[str, str] = {}  # replica address → its first member
+        for key in self.addresses:
+            first.setdefault(self.replica_of(key), key)
 
-        async def check(address: str) -> bool:
-            stub = health_pb2_grpc.HealthStub(self.channels[address])
+        async def check(key: str) -> bool:
+            stub = health_pb2_grpc.HealthStub(self.channels[key])
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
             except grpc.aio.AioRpcError:
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-        results = await asyncio.gather(*(check(a) for a in self.addresses))
-        return dict(zip(self.addresses, results, strict=True))
+        results = await asyncio.gather(*(check(key) for key in first.values()))
+        return dict(zip(first, results, strict=True))
 
     async def close(self) -> None:
+        for task in (self._refresher, self._first_resolve):
+            if task is not None:
+                task.cancel()
         for channel in self.channels.values():
             await channel.close()
+        self.channels.clear()
 
 
 class StreamLink(Generic[Item, In, Out]):

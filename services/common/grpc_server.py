@@ -39,11 +39,18 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# A connection older than MAX_CONNECTION_AGE_MS (gRPC adds +-10% jitter) is sent a GOAWAY: new calls
+# go on a new connection, so a client re-resolves and reconnects as replicas come and go and the
+# kernel re-spreads connections over --workers processes. Calls in flight on the old connection,
+# long-lived streams included, go on to their end (no max_connection_age_grace: gRPC's default is
+# unbounded).
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
 ]
 
 

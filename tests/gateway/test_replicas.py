@@ -1,5 +1,6 @@
 """Replica choice: new work goes round the replicas in turn, or to the least loaded by a given measure,
-among the replicas that are connected; a stage that is starting or restarting is waited for."""
+among the replicas that are connected; a stage that is starting or restarting is waited for. Endpoints:
+fixed addresses, or DNS names re-resolved to a replica per address; several channels per replica."""
 
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from gateway import upstream
 from gateway.server import GatewayServer, create_server
-from gateway.upstream import Replicas
+from gateway.settings import GatewaySettings
+from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
+from services.common import grpc_server
 from services.common.grpc_server import bind, new_server
 from services.common.pb import detokenizer_pb2_grpc, engine_pb2_grpc, tokenizer_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, send
@@ -121,8 +125,10 @@ async def wait_for_state(channel: grpc.aio.Channel, wanted: grpc.ChannelConnecti
 
 
 def stage_channel(server: GatewayServer, stage: str, address: str) -> grpc.aio.Channel:
-    replicas = {"tokenizer": "_tokenizers", "engine": "_engines", "detokenizer": "_detokenizers"}[stage]
-    return getattr(server.pipeline, replicas).channels[address]
+    """The first channel to the replica at `address`."""
+    name = {"tokenizer": "_tokenizers", "engine": "_engines", "detokenizer": "_detokenizers"}[stage]
+    replicas: Replicas = getattr(server.pipeline, name)
+    return next(channel for key, channel in replicas.channels.items() if replicas.replica_of(key) == address)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -180,3 +186,165 @@ async def test_a_replica_that_is_down_gets_no_work(upstreams: FakeUpstreams) -> 
         await server.shutdown(0.5)
     assert [r["end"]["type"] for r in results.values()] == ["done"] * 6
     assert len(upstreams.engine.submits) == 6
+
+
+# ----- endpoints: fixed addresses, or DNS names that resolve to many replicas
+
+
+def test_endpoints_are_addresses_or_dns_names() -> None:
+    assert Endpoint.parse("engine:50052") == Endpoint("engine:50052", "engine", 50052, dns=False)
+    assert Endpoint.parse("dns:///engine:50052") == Endpoint("dns:///engine:50052", "engine", 50052, dns=True)
+    assert Endpoint.parse("[::1]:7").host == "::1"
+    for bad in ("engine", "dns:///engine", "engine:0", "engine:x", ":5", "dns:///:5"):
+        with pytest.raises(ValueError):
+            Endpoint.parse(bad)
+    with pytest.raises(ValueError, match="engine: 'engine' is not host:port"):
+        GatewaySettings(engine=("engine",)).validate()
+    GatewaySettings(engine=("dns:///engine:50052", "10.0.0.1:50052")).validate()
+
+
+async def test_the_system_resolver_gives_every_address_of_a_name() -> None:
+    assert "127.0.0.1" in await resolve_host("localhost", 50052)
+    assert host_port("::1", 7) == "[::1]:7" and host_port("10.0.0.1", 7) == "10.0.0.1:7"
+
+
+class FakeDns:
+    """An injected resolver: `names[host]` is what the name resolves to now (absent: an OSError)."""
+
+    def __init__(self, **names: list[str]) -> None:
+        self.names = names
+        self.asked = 0
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.asked += 1
+        if host not in self.names:
+            raise OSError(f"cannot resolve {host}")
+        return self.names[host]
+
+
+async def test_a_name_gives_a_replica_per_address_and_follows_the_changes() -> None:
+    dns = FakeDns(engines=["127.0.0.1", "127.0.0.2"])
+    replicas = Replicas("engine", ["dns:///engines:1", "127.0.0.3:9"], resolve=dns, resolve_interval_s=60)
+    try:
+        assert replicas.addresses == ("dns:///engines:1", "127.0.0.3:9")  # the name stands for itself
+        await replicas.refresh()
+        assert replicas.addresses == ("127.0.0.1:1", "127.0.0.2:1", "127.0.0.3:9")
+        dns.names["engines"] = ["127.0.0.2", "::1"]
+        await replicas.refresh()
+        assert replicas.addresses == ("127.0.0.2:1", "[::1]:1", "127.0.0.3:9")
+        assert set(replicas.channels) == set(replicas.addresses)  # the gone replica's idle channel closed
+        del dns.names["engines"]
+        await replicas.refresh()  # a failed resolution keeps the last set
+        assert replicas.addresses == ("127.0.0.2:1", "[::1]:1", "127.0.0.3:9")
+        assert {replicas.pick() for _ in range(6)} == set(replicas.addresses)
+    finally:
+        await replicas.close()
+
+
+async def test_several_channels_per_replica_are_members_in_turn() -> None:
+    replicas = Replicas("tokenizer", ["127.0.0.1:1", "127.0.0.1:2"], channels_per_replica=3)
+    try:
+        assert replicas.addresses == tuple(f"127.0.0.1:{p}#{i}" for p in (1, 2) for i in range(3))
+        assert len({id(c) for c in replicas.channels.values()}) == 6
+        assert Counter(replicas.pick() for _ in range(12)) == dict.fromkeys(replicas.addresses, 2)
+        assert {replicas.replica_of(key) for key in replicas.addresses} == {"127.0.0.1:1", "127.0.0.1:2"}
+    finally:
+        await replicas.close()
+
+
+async def start_stage_on(stage: str, host: str, port: int) -> tuple[grpc.aio.Server, Any, int]:
+    """A fake `stage` on host:port (port 0: any), SERVING: (server, servicer, port)."""
+    service, make, add = STAGE_SERVICES[stage]
+    server, health = new_server([service])
+    servicer = make()
+    add(servicer, server)
+    bound = bind(server, host, port)
+    await server.start()
+    await health.set_serving(True)
+    return server, servicer, bound
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(WAIT_S):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves(
+    upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--engine dns:///engines:P` with two engines behind the name (127.0.0.1 and 127.0.0.2, one port):
+    requests go to both; when the name drops one, the periodic re-resolution takes it out of the
+    rotation and new requests go to the other."""
+    one, engine_a, port = await start_stage_on("engine", "127.0.0.1", 0)
+    two, engine_b, _ = await start_stage_on("engine", "127.0.0.2", port)
+    dns = FakeDns(engines=["127.0.0.1", "127.0.0.2"])
+    monkeypatch.setattr(upstream, "resolve_host", dns)
+    for engine in (engine_a, engine_b):
+        engine.step_s = 0.02
+    settings = gateway_settings(upstreams, engine=(f"dns:///engines:{port}",), resolve_interval_s=0.05)
+    server = await create_server(settings)
+    await server.start()
+    engines: Replicas = server.pipeline._engines  # type: ignore[attr-defined]
+    try:
+        ids = {f"g{i}" for i in range(8)}
+        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+            await engines.pick_ready(WAIT_S)
+            await until(lambda: len(engines.connected()) == 2)
+            for frame_id in sorted(ids):
+                await send(
+                    client, {"type": "generate", "id": frame_id, "prompt": "hi", "params": {"max_tokens": 8}}
+                )
+            first = await collect(client, ids)
+            assert min(len(engine_a.submits), len(engine_b.submits)) >= 2, (
+                engine_a.submits,
+                engine_b.submits,
+            )
+            dns.names["engines"] = ["127.0.0.2"]
+            await until(lambda: engines.addresses == (f"127.0.0.2:{port}",))
+            before = len(engine_a.submits)
+            for frame_id in sorted(ids):
+                await send(
+                    client,
+                    {"type": "generate", "id": f"{frame_id}b", "prompt": "hi", "params": {"max_tokens": 2}},
+                )
+            second = await collect(client, {f"{i}b" for i in ids})
+    finally:
+        await server.shutdown(0.5)
+        await one.stop(0)
+        await two.stop(0)
+    assert all(r["end"]["type"] == "done" for r in [*first.values(), *second.values()])
+    assert len(engine_a.submits) == before and len(engine_b.submits) >= 8
+
+
+async def test_a_gateway_stream_outlives_the_servers_maximum_connection_age(
+    upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Servers end connections past an age (clients reconnect and re-resolve); a long generation on the
+    gateway's multiplexed streams goes on across that, and new requests still get through."""
+    options = [o for o in grpc_server.SERVER_OPTIONS if o[0] != "grpc.max_connection_age_ms"]
+    monkeypatch.setattr(grpc_server, "SERVER_OPTIONS", [*options, ("grpc.max_connection_age_ms", 200)])
+    fakes = await start_upstreams()
+    fakes.engine.step_s = 0.02
+    server = await create_server(gateway_settings(fakes))
+    await server.start()
+    try:
+        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+            await send(
+                client, {"type": "generate", "id": "long", "prompt": "hi", "params": {"max_tokens": 40}}
+            )
+            long = asyncio.ensure_future(collect(client, {"long"}))
+            await until(lambda: len(fakes.engine.submits) == 1)
+            await asyncio.sleep(0.3)  # past the connection age while "long" streams
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S
+            ) as http:
+                reply = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}
+                )
+            results = await long
+    finally:
+        await server.shutdown(0.5)
+        await fakes.stop()
+    assert reply.status_code == 200, reply.text
+    assert results["long"]["end"]["type"] == "done" and results["long"]["text"] == expected_text(40)
