@@ -1,22 +1,30 @@
-"""Replicas under `sluice up`: the port plan of `--tokenizers/--engines/--detokenizers N`, and two real
-engines sharing the generated tokens of a burst of concurrent requests."""
+"""Replicas: the port plan of `sluice up --tokenizers/--engines/--detokenizers N`, two real engines
+sharing the generated tokens of a burst of concurrent requests, and a tokenizer's `--workers` each
+getting work through the gateway's several connections."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from gateway.server import create_server
 from sluice.launcher import parse_args, plan_children
 from tests.e2e.conftest import _port_free, start_pipeline
 from tests.e2e.test_up import generate_all
-from tests.observability.processes import scrape
+from tests.gateway.conftest import gateway_settings
+from tests.gateway.fakes import MODEL, start_upstreams
+from tests.observability.processes import Service, scrape, start_service
 
 REQUESTS = 48
 PER_SOCKET = 12
 GENERATED = "sluice_generation_tokens_total"
+TOKENIZED = "sluice_tokenize_duration_seconds_count"
+STARTUP_S = 120.0
 
 
 def test_up_plans_every_replica_on_consecutive_ports_and_gives_the_gateway_each() -> None:
@@ -95,3 +103,43 @@ def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path)
     assert sum(served) == completion, served
     for tokens in served:
         assert 0.35 <= tokens / completion <= 0.65, served
+
+
+def _listening(service: Service, count: int) -> bool:
+    return sum("listening on port" in line for line in service.lines) >= count
+
+
+@pytest.mark.e2e
+async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gateway(
+    tiny_model_dir: Path,
+) -> None:
+    """A real tokenizer process with `--workers 2` (SO_REUSEPORT) behind a gateway that opens 16
+    connections to it: after a batch of requests, each worker's own /metrics counts Tokenize calls.
+    (All 16 connections landing on one worker: odds 2 in 65,536.)"""
+    metrics = _free_run(2)  # worker i serves /metrics on metrics + i
+    tokenizer = start_service(
+        "tokenizer", tiny_model_dir, os.environ, "--workers", "2", "--metrics-port", str(metrics)
+    )
+    fakes = await start_upstreams()
+    server = None
+    try:
+        async with asyncio.timeout(STARTUP_S):
+            while not _listening(tokenizer, 2):  # both workers accept before the gateway connects
+                await asyncio.sleep(0.05)
+        address = f"127.0.0.1:{tokenizer.port}"
+        settings = gateway_settings(
+            fakes, tokenizer=(address,), channels_per_replica=16, served_model_name=MODEL
+        )
+        server = await create_server(settings)
+        await server.start()
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http:
+            replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(32)))
+        served = [scrape(f"http://127.0.0.1:{metrics + i}/metrics").get(TOKENIZED, 0.0) for i in range(2)]
+    finally:
+        if server is not None:
+            await server.shutdown(0.5)
+        await fakes.stop()
+        assert tokenizer.stop() == 0, tokenizer.output()
+    assert [r.status_code for r in replies] == [200] * 32
+    assert sum(served) >= 32 and min(served) > 0, served
