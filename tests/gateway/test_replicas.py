@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
 import pytest
+import trustme
 from websockets.asyncio.client import connect
 
 from gateway import upstream
@@ -19,8 +21,9 @@ from gateway.server import GatewayServer, create_server
 from gateway.settings import GatewaySettings
 from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
 from services.common import grpc_server
-from services.common.grpc_server import bind, new_server
+from services.common.grpc_server import ChannelTls, bind, new_server, server_credentials
 from services.common.pb import detokenizer_pb2_grpc, engine_pb2_grpc, tokenizer_pb2_grpc
+from services.common.settings import StageTlsSettings
 from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, send
 from tests.gateway.fakes import (
     MODEL,
@@ -348,3 +351,30 @@ async def test_a_gateway_stream_outlives_the_servers_maximum_connection_age(
         await fakes.stop()
     assert reply.status_code == 200, reply.text
     assert results["long"]["end"]["type"] == "done" and results["long"]["text"] == expected_text(40)
+
+
+async def test_a_resolved_replica_is_checked_over_tls_against_the_names_host(tmp_path: Path) -> None:
+    """`dns:///engines.sluice.test:P` resolved to 127.0.0.1: the engine's certificate names only
+    engines.sluice.test, and the TLS handshake checks that name, not the address."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    leaf = ca.issue_cert("engines.sluice.test")
+    leaf.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    (tmp_path / "cert.pem").write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    tls = StageTlsSettings(tls_cert_file=str(tmp_path / "cert.pem"), tls_key_file=str(tmp_path / "key.pem"))
+    service, make, add = STAGE_SERVICES["engine"]
+    server, health = new_server([service])
+    add(make(), server)
+    port = bind(server, "127.0.0.1", 0, server_credentials(tls))
+    await server.start()
+    await health.set_serving(True)
+    dns = FakeDns(**{"engines.sluice.test": ["127.0.0.1"]})
+    replicas = Replicas(
+        "engine", [f"dns:///engines.sluice.test:{port}"], ChannelTls(str(tmp_path / "ca.pem")), resolve=dns
+    )
+    try:
+        assert await replicas.pick_ready(WAIT_S) == f"127.0.0.1:{port}"
+        assert await replicas.check_health(WAIT_S) == {f"127.0.0.1:{port}": True}
+    finally:
+        await replicas.close()
+        await server.stop(0)
