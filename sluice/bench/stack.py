@@ -107,6 +107,7 @@ class StackOptions:
     host: str = "127.0.0.1"
     metrics: bool = True  # tokenizer/engine/detokenizer --metrics-port on free ports
     env: Mapping[str, str] | None = None  # extra environment for every child
+    engines: int = 1  # engine replicas (sluice up --engines)
     startup_timeout_s: float = 300.0
 
 
@@ -155,27 +156,30 @@ class Stack:
     def __init__(self, options: StackOptions) -> None:
         self.options = options
         host = options.host
-        http_port, grpc_base = free_port_run(1, host), free_port_run(4, host)
-        metrics_base = free_port_run(3, host) if options.metrics else 0
+        engines = options.engines
+        http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
+        metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
         self.http_url = f"http://{host}:{http_port}"
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
         flags = ["--model", options.model, "--host", host, "--port", str(http_port),
                  "--grpc-base-port", str(grpc_base), "--metrics-base-port", str(metrics_base)]
+        flags += ["--engines", str(engines)] if engines > 1 else []
         plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
         self._env = child_env(plan, {**os.environ, **(options.env or {})})
         self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
         if options.metrics:
-            for offset, name in enumerate(("tokenizer", "engine", "detokenizer")):
+            names = ["tokenizer", *(c.name for c in self._children if c.kind == "engine"), "detokenizer"]
+            for offset, name in enumerate(names):
                 self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
         self.pids: dict[str, int] = {}
         self._supervisor: _LoggedSupervisor | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def _with_engine_flags(self, child: Child) -> Child:
-        if child.name != "engine" or not self.options.engine_flags:
+        if child.kind != "engine" or not self.options.engine_flags:
             return child
         return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
 
