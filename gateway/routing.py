@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,7 +48,8 @@ class ReplicaView:
     kv_blocks_total: int = 0
     queued_prompt_tokens: int = 0
     keys: set[BlockHash] = field(default_factory=set)
-    pending: dict[BlockHash, float] = field(default_factory=dict)  # key → until (time.monotonic())
+    # key → until (time.monotonic()), oldest first: expired keys are dropped from the front
+    pending: OrderedDict[BlockHash, float] = field(default_factory=OrderedDict)
 
     def apply(self, report: engine_pb2.EngineReport) -> None:
         """Applies one report (a snapshot replaces every key known before)."""
@@ -79,13 +81,14 @@ class ReplicaView:
 
     def expect(self, keys: Sequence[BlockHash], now: float) -> None:
         """Counts `keys` as held until the replica reports them (or PENDING_S passes)."""
-        stale = [k for k, until in self.pending.items() if until < now]
-        for key in stale:
-            del self.pending[key]
+        pending = self.pending
+        while pending and next(iter(pending.values())) < now:
+            pending.popitem(last=False)
         until = now + PENDING_S
         for key in keys:
             if key not in self.keys:
-                self.pending[key] = until
+                pending[key] = until
+                pending.move_to_end(key)
 
 
 class Router:

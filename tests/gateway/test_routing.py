@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 
+from gateway import routing
 from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
 from gateway.routing import Router, prompt_keys
 from gateway.server import GatewayServer, create_server
@@ -117,6 +118,22 @@ def test_a_burst_sharing_a_new_prefix_goes_to_one_replica() -> None:
         picks[address] += 1
         load[address] += 1
     assert len(picks) == 1
+
+
+def test_routed_keys_count_as_held_only_until_they_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now[0])
+    r = router("prefix_affinity")
+    r.on_report(A, report([]))
+    r.on_report(B, report([]))
+    keys = prompt_keys(SHARED, BLOCK)
+    chosen = r.pick([A, B], SHARED)
+    assert r.view(chosen).cached_blocks(keys, now[0]) == len(keys)
+    assert r.pick([A, B], SHARED) == chosen
+    now[0] += routing.PENDING_S + 1
+    assert r.view(chosen).cached_blocks(keys, now[0]) == 0
+    r.on_report(chosen, report(keys[:3], snapshot=False))  # reported: held for as long as reported
+    assert r.view(chosen).cached_blocks(keys, now[0]) == 3
 
 
 def test_settings_check_the_routing_policy() -> None:
