@@ -137,6 +137,7 @@ class Replicas:
         self._last_resolve = -math.inf
         self._turn = itertools.count()
         self._set_members()
+        self._start_resolving()
 
     # ----- members
 
@@ -210,14 +211,27 @@ class Replicas:
         self._set_members()
         self._sweep()
 
-    async def _ensure_resolved(self) -> None:
-        """Resolves the names once before first use and starts the periodic re-resolution."""
-        if not any(endpoint.dns for endpoint in self.endpoints):
+    def _start_resolving(self) -> None:
+        """Starts the first resolution of the names and the periodic re-resolution, once, when there
+        are names and an event loop runs."""
+        if self._first_resolve is not None or not any(endpoint.dns for endpoint in self.endpoints):
             return
-        if self._first_resolve is None:
-            self._first_resolve = asyncio.ensure_future(self.refresh())
-            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
-        await asyncio.shield(self._first_resolve)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._first_resolve = loop.create_task(self.refresh())
+        self._refresher = loop.create_task(self._refresh_forever())
+
+    def _resolving(self) -> bool:
+        """True while the first resolution of the names runs."""
+        return self._first_resolve is not None and not self._first_resolve.done()
+
+    async def _ensure_resolved(self) -> None:
+        """Waits for the first resolution of the names (started if need be)."""
+        self._start_resolving()
+        if self._first_resolve is not None:
+            await asyncio.shield(self._first_resolve)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -239,9 +253,14 @@ class Replicas:
         return min(in_turn, key=load)
 
     def connected(self) -> list[str]:
-        """The members whose channel is READY. Idle channels are asked to connect."""
+        """The members whose channel is READY. Idle channels are asked to connect. While the names
+        are first being resolved, an unresolved name is no member yet (its replicas are about to be)."""
+        self._start_resolving()
         ready = grpc.ChannelConnectivity.READY
-        return [a for a in self.addresses if self.channels[a].get_state(try_to_connect=True) == ready]
+        members = self.addresses
+        if self._resolving():
+            members = tuple(a for a in members if not a.startswith(DNS_SCHEME))
+        return [a for a in members if self.channels[a].get_state(try_to_connect=True) == ready]
 
     async def pick_ready(self, timeout_s: float, load: Callable[[str], int] | None = None) -> str:
         """The member for the next piece of work among those whose channel is READY, chosen as
