@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ PER_SOCKET = 12
 GENERATED = "sluice_generation_tokens_total"
 TOKENIZED = "sluice_tokenize_duration_seconds_count"
 STARTUP_S = 120.0
+RESTART_S = 60.0
 
 
 def test_up_plans_every_replica_on_consecutive_ports_and_gives_the_gateway_each() -> None:
@@ -88,13 +90,20 @@ async def _generate_concurrently(url: str, requests: list[dict[str, Any]]) -> di
 @pytest.mark.e2e
 def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path) -> None:
     """`sluice up --engines 2`, 48 concurrent requests of mixed lengths: each engine's own metrics
-    count 35-65% of the generated tokens."""
+    count 35-65% of the generated tokens. Then engine-2 is killed: the launcher restarts it alone."""
     metrics_base = _free_run(4)  # tokenizer, engine-1, engine-2, detokenizer
     running = start_pipeline(tiny_model_dir, "--engines", "2", "--metrics-base-port", str(metrics_base))
     try:
         assert {"engine-1", "engine-2"} <= running.pids().keys()
         results = asyncio.run(_generate_concurrently(running.ws_url, _requests()))
         served = [scrape(f"http://127.0.0.1:{metrics_base + i}/metrics").get(GENERATED, 0.0) for i in (1, 2)]
+        before = running.pids()
+        os.kill(before["engine-2"], signal.SIGKILL)  # a replica is restarted on its own
+        running.wait_for_start("engine-2", before["engine-2"], RESTART_S)
+        assert "engine-2 exited with code -9 (SIGKILL); restarting it" in running.output()
+        assert {k: v for k, v in running.pids().items() if k != "engine-2"} == {
+            k: v for k, v in before.items() if k != "engine-2"
+        }
     finally:
         code = running.stop()
     assert code == 0, running.output()
