@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 
 from gateway.server import create_server
-from sluice.launcher import parse_args, plan_children
+from sluice.launcher import busy_port, parse_args, plan_children
 from tests.e2e.conftest import _port_free, start_pipeline
 from tests.e2e.test_up import generate_all
 from tests.gateway.conftest import gateway_settings
@@ -152,3 +153,13 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
         assert tokenizer.stop() == 0, tokenizer.output()
     assert [r.status_code for r in replies] == [200] * 32
     assert sum(served) >= 32 and min(served) > 0, served
+
+
+def test_a_busy_planned_port_is_named_before_anything_starts() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        taken = sock.getsockname()[1]
+        free = _free_run(1)
+        assert busy_port("127.0.0.1", [free, taken]) == taken
+    assert busy_port("127.0.0.1", [free]) is None
