@@ -19,6 +19,7 @@ from services.common.pb import common_pb2, engine_pb2
 from services.engine.block_manager import chain_hashes
 from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text, start_upstreams
+from tests.gateway.test_replicas import start_stage
 
 A, B, C = "10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"
 BLOCK = 4
@@ -289,3 +290,39 @@ async def test_an_engine_that_stops_serving_before_the_first_token_has_the_reque
     on_second = {s.request_id for s in second.engine.submits}
     assert len(first.engine.submits) + len(second.engine.submits) == 3
     assert len(on_first & on_second) == 1  # the refused one, once more on the other replica
+
+
+async def test_a_killed_engine_leaves_the_rotation_and_gets_traffic_again_once_restarted(
+    two: tuple[FakeUpstreams, FakeUpstreams],
+) -> None:
+    """Requests queued on an engine whose process dies complete on the other; while it is down no
+    request goes to it; started again on its address, it gets requests again."""
+    first, second = two
+    for fakes in two:
+        fakes.engine.paused = True
+        fakes.engine.step_s = 0.02
+    address = first.addresses["engine"]
+    server = await start_gateway(first, second, routing="least_load")
+    restarted = None
+    try:
+        queued = [generate(server.pipeline, f"queued {i}", 3) for i in range(4)]
+        await until(lambda: len(first.engine.submits) == 2 and len(second.engine.submits) == 2)
+        second.engine.paused = False
+        await first.stop("engine")
+        ends = [(await events(g))[-1] for g in queued]
+        assert all(isinstance(end, Done) for end in ends), ends
+        await until(lambda: address not in server.pipeline._engines.connected())
+        while_down = [await events(generate(server.pipeline, "down", 2)) for _ in range(3)]
+        assert all(isinstance(r[-1], Done) for r in while_down)
+        assert len(first.engine.submits) == 2
+        restarted = await start_stage("engine", address)
+        await until(lambda: address in server.pipeline._engines.connected())
+        after = [generate(server.pipeline, f"after {i}", 2) for i in range(4)]
+        results = await asyncio.gather(*(events(g) for g in after))
+        assert all(isinstance(r[-1], Done) for r in results)
+        served_after = len(second.engine.submits) - 2 - 2 - 3
+    finally:
+        await server.shutdown(0.5)
+        if restarted is not None:
+            await restarted.stop(0)
+    assert served_after < 4  # the restarted replica took some of them
