@@ -48,6 +48,7 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 
 DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
+RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,13 @@ class Replicas:
     (ties go round the members in turn), else the next in turn; `pick_ready` chooses so among the
     members that are connected, waiting a bounded time for one when none is.
 
-    Names (`dns:///`) are resolved before the first pick and every `resolve_interval_s` seconds after
-    (`resolve` is injectable; default: the system resolver), and again when no member is connected
-    (at most every MIN_RESOLVE_GAP_S). Until a name has resolved, and when it never does, it stands
-    for itself: one member whose channel gRPC resolves. A failed resolution keeps the last set. A
-    replica the name no longer gives leaves the rotation at once; its channel is closed once it is no
-    longer connected (calls in flight there may finish). Over TLS, the certificate of a resolved
+    Names (`dns:///`) are resolved as soon as an event loop runs (before the first pick) and every
+    `resolve_interval_s` seconds after (`resolve` is injectable; default: the system resolver), and
+    again when no member is connected (at most every MIN_RESOLVE_GAP_S). While a name is first being
+    resolved it is no connected member; when it never resolves it stands for itself: one member whose
+    channel gRPC resolves. A failed resolution keeps the last set. A replica the name no longer gives
+    leaves the rotation at once; its channel is closed once it is no longer connected, calls in flight
+    there (streams included) given up to RETIRE_GRACE_S to finish. Over TLS, the certificate of a resolved
     replica must name the host of its endpoint.
     """
 
@@ -130,7 +132,7 @@ class Replicas:
         self._resolved: dict[Endpoint, tuple[str, ...]] = {}
         self._target_host: dict[str, str] = {}  # a resolved address → its endpoint's host (TLS name)
         self._retiring: set[str] = set()
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # retired channels closing
         self._changed = asyncio.Event()
         self._refresher: asyncio.Task[None] | None = None
         self._first_resolve: asyncio.Task[None] | None = None
@@ -182,15 +184,17 @@ class Replicas:
             self._changed = asyncio.Event()
 
     def _sweep(self) -> None:
-        """Closes the channels of retired members that are not connected."""
+        """Closes the channels of retired members that are not connected (a replica gone, or one that
+        is draining: its GOAWAY leaves the channel IDLE), letting calls in flight there, streams
+        included, run up to RETIRE_GRACE_S more."""
         for key in list(self._retiring):
             channel = self.channels[key]
             if channel.get_state() != grpc.ChannelConnectivity.READY:
                 self._retiring.discard(key)
                 del self.channels[key]
-                closing = asyncio.get_running_loop().create_task(channel.close())
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
+                closing = asyncio.get_running_loop().create_task(channel.close(RETIRE_GRACE_S))
+                self._closing[closing] = channel
+                closing.add_done_callback(lambda task: self._closing.pop(task, None))
 
     async def refresh(self) -> None:
         """Resolves every `dns:///` endpoint now and updates the members."""
@@ -315,6 +319,11 @@ class Replicas:
         for task in (self._refresher, self._first_resolve):
             if task is not None:
                 task.cancel()
+        for closing, channel in list(self._closing.items()):
+            closing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await closing
+            await channel.close()
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()

@@ -22,7 +22,13 @@ from gateway.settings import GatewaySettings
 from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
 from services.common import grpc_server
 from services.common.grpc_server import ChannelTls, bind, new_server, server_credentials
-from services.common.pb import detokenizer_pb2_grpc, engine_pb2_grpc, tokenizer_pb2_grpc
+from services.common.pb import (
+    common_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2_grpc,
+)
 from services.common.settings import StageTlsSettings
 from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, send
 from tests.gateway.fakes import (
@@ -36,6 +42,7 @@ from tests.gateway.fakes import (
 )
 
 ADDRESSES = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+TOKENS = 100  # a stream of 2 s at the fake engine's 20 ms steps
 
 
 async def test_pick_goes_round_every_replica() -> None:
@@ -378,3 +385,45 @@ async def test_a_resolved_replica_is_checked_over_tls_against_the_names_host(tmp
     finally:
         await replicas.close()
         await server.stop(0)
+
+
+async def test_a_stream_on_a_replica_the_name_drops_runs_to_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name stops giving a replica while a stream runs there, and the replica's connection ages
+    out (GOAWAY, the channel goes IDLE): the channel is swept, and the stream still ends normally."""
+    options = [o for o in grpc_server.SERVER_OPTIONS if o[0] != "grpc.max_connection_age_ms"]
+    monkeypatch.setattr(grpc_server, "SERVER_OPTIONS", [*options, ("grpc.max_connection_age_ms", 200)])
+    server, engine, port = await start_stage_on("engine", "127.0.0.1", 0)
+    engine.step_s = 0.02
+    dns = FakeDns(engines=["127.0.0.1"])
+    replicas = Replicas("engine", [f"dns:///engines:{port}"], resolve=dns)
+    streaming = asyncio.Event()
+    outs: list[engine_pb2.EngineOut] = []
+
+    async def drop_and_sweep(member: str) -> int:
+        await streaming.wait()
+        dns.names["engines"] = ["127.0.0.2"]
+        await replicas.refresh()
+        while member in replicas.channels:  # swept once the connection's GOAWAY leaves it IDLE
+            await asyncio.sleep(0.05)
+            await replicas.refresh()
+        return len(outs)
+
+    try:
+        member = await replicas.pick_ready(WAIT_S)
+        stopping = common_pb2.StoppingParams(max_new_tokens=TOKENS)
+        submit = engine_pb2.GenerateRequest(request_id="r", prompt_ids=[1], stopping=stopping)
+        stub = engine_pb2_grpc.EngineStub(replicas.channels[member])
+        sweeper = asyncio.ensure_future(drop_and_sweep(member))
+        async for out in stub.Stream(iter([engine_pb2.EngineIn(submit=submit)])):
+            outs.append(out)
+            streaming.set()
+            if any(e.WhichOneof("kind") == "final" for e in out.entries):
+                break
+        swept_after = await asyncio.wait_for(sweeper, WAIT_S)
+    finally:
+        await replicas.close()
+        await server.stop(0)
+    entries = [e for out in outs for e in out.entries]
+    assert swept_after < len(outs)  # the stream went on after its channel was swept
+    assert sum(len(e.chunk.token_ids) for e in entries if e.WhichOneof("kind") == "chunk") == TOKENS
+    assert [e.final.request_id for e in entries if e.WhichOneof("kind") == "final"] == ["r"]
