@@ -15,6 +15,8 @@ import httpx
 import pytest
 
 from gateway.server import create_server
+from gateway.settings import GatewaySettings
+from services.common.settings import load_settings
 from sluice.launcher import busy_port, parse_args, plan_children
 from tests.e2e.conftest import _port_free, start_pipeline
 from tests.e2e.test_up import generate_all
@@ -54,6 +56,9 @@ def test_up_plans_every_replica_on_consecutive_ports_and_gives_the_gateway_each(
     metrics = [c.flags[c.flags.index("--metrics-port") + 1] for c in children if c.kind != "gateway"]
     assert metrics == [str(9300 + i) for i in range(6)]
     assert "--threads" in flags["engine-1"] and "--threads" in flags["engine-2"]
+    parsed = load_settings(GatewaySettings, list(gateway), environ={})
+    assert parsed.engine == ("127.0.0.1:51002", "127.0.0.1:51003")
+    assert len(parsed.detokenizer) == 3 and parsed.tokenizer == ("127.0.0.1:51001",)
     with pytest.raises(SystemExit):
         parse_args(["--engines", "0"])
 
