@@ -7,6 +7,11 @@ reset, and it is recomputed later from its prompt plus the tokens it already gen
 are admitted in arrival order only in a step without preemption, and only when their blocks fit: the pool
 never overflows. A prefill longer than the remaining budget is chunked across steps.
 
+Continuous batching with prefix caching defers a waiting request whose next uncached block is one that a
+running request is computing right now (a shared prompt prefix arriving in a burst): admitted at once,
+both would compute that prefix; a step or so later the second finds it cached and computes only the
+rest. Later waiting requests are admitted past a deferred one.
+
 Batching policies share this code and differ only in admission:
 - continuous: a waiting request joins at the next step;
 - dynamic: when the previous batch has finished, a batch of up to `max_num_seqs` forms from the queue
@@ -21,7 +26,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockManager, chain_hashes
+from services.engine.block_manager import BlockHash, BlockManager, chain_hashes
 from services.engine.request import Request, Status
 
 
@@ -125,11 +130,16 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         if self.policy != "continuous" and not self._batch_open(out, now):
             return
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        pending = self._pending_hashes()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if self.policy != "continuous" and req not in self.batch:
                 return
             hit = self._prefix_hit(req)
+            if pending and self._computed_elsewhere(req, len(hit), pending):
+                i += 1
+                continue
             computed = len(hit) * self.block_size
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hit)
@@ -139,12 +149,29 @@ class Scheduler:
             req.block_ids = [*hit, *self.bm.allocate(need)]
             req.num_computed_tokens = computed
             req.num_cached_tokens = computed
-            self.waiting.popleft()
+            del self.waiting[i]
             self._count_prefix_query(req, len(hit))
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
             budget -= n
+            if pending is not None:
+                pending.update(req.block_hashes[len(hit) : self._max_hit_blocks(req)])
+
+    def _pending_hashes(self) -> set[BlockHash] | None:
+        """Keys of the prompt blocks that running requests are still computing (None when nothing is
+        deferred: prefix caching off, or a batching policy whose batches are fixed)."""
+        if self.policy != "continuous" or not self.bm.enable_prefix_caching:
+            return None
+        pending: set[BlockHash] = set()
+        for req in self.running:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                pending.update(req.block_hashes[req.num_registered_blocks : self._max_hit_blocks(req)])
+        return pending
+
+    def _computed_elsewhere(self, req: Request, num_hit: int, pending: set[BlockHash]) -> bool:
+        """Whether the first block `req` would compute is being computed by a running request."""
+        return num_hit < self._max_hit_blocks(req) and req.block_hashes[num_hit] in pending
 
     def _batch_open(self, out: SchedulerOutput, now: float) -> bool:
         """dynamic/static: True while a batch is in progress or a new one may start now."""

@@ -151,14 +151,15 @@ def test_prefix_cache_revives_free_blocks_and_forgets_on_reuse() -> None:
 
 def test_token_budget_and_seq_cap(engines: list[LLMEngine]) -> None:
     engine, runner = make(engines, max_num_batched_tokens=32, max_num_seqs=3)
-    for i in range(5):
-        engine.add_request(f"r{i}", list(range(3, 23)), GREEDY, stop(4))
+    prompts = [list(range(3 + i, 23 + i)) for i in range(5)]  # no shared prefix: nothing is deferred
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY, stop(4))
     outs = run(engine)
     for step in runner.steps:
         assert sum(n for _, n in step) <= 32
         assert len(step) <= 3
     assert sum(n for _, n in runner.steps[0]) == 32  # the budget is used up, prefill chunked
-    assert all(tokens(outs[f"r{i}"]) == expected_output(range(3, 23), 4) for i in range(5))
+    assert all(tokens(outs[f"r{i}"]) == expected_output(prompt, 4) for i, prompt in enumerate(prompts))
 
 
 def test_chunked_prefill_matches_unchunked(engines: list[LLMEngine]) -> None:
@@ -518,3 +519,30 @@ def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
     assert finals["late"].error == "deadline_exceeded: deadline exceeded"
     assert finals["on-time"].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_burst_sharing_a_prefix_computes_it_once(engines: list[LLMEngine]) -> None:
+    shared = list(range(3, 3 + 48))  # three full blocks
+    prompts = {str(i): [*shared, 60 + i, 61] for i in range(4)}
+    engine, runner = make(engines, num_blocks=64)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY, stop(4))
+    outs = run(engine)
+    bm = engine.block_manager
+    # The first computes the three shared blocks; the other three wait a step and find them cached.
+    assert (bm.prefix_query_blocks, bm.prefix_hit_blocks) == (12, 9)
+    assert all(tokens(outs[rid]) == expected_output(p, 4) for rid, p in prompts.items())
+
+
+def test_a_deferred_request_lets_later_ones_in(engines: list[LLMEngine]) -> None:
+    shared = list(range(3, 3 + 32))
+    engine, _ = make(engines, num_blocks=64)
+    engine.add_request("a", [*shared, 60], GREEDY, stop(3))
+    engine.add_request("b", [*shared, 61], GREEDY, stop(3))  # waits for a's blocks
+    engine.add_request("c", list(range(40, 60)), GREEDY, stop(3))  # shares nothing: admitted at once
+    engine.step()
+    scheduler = engine.scheduler
+    assert [r.request_id for r in scheduler.running] == ["a", "c"]
+    assert [r.request_id for r in scheduler.waiting] == ["b"]
+    run(engine)
+    assert engine.stats().prefix_hit_rate > 0
