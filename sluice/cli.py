@@ -7,6 +7,8 @@
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
+    sluice bench routing [--engines 2] [--json FILE]                engine routing policies across replicas
+    sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
     sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
@@ -33,6 +35,7 @@ BENCHMARKS = {
     "serve": "sluice.bench.serve",
     "pipeline": "sluice.bench.pipeline",
     "compare": "sluice.bench.compare",
+    "routing": "sluice.bench.routing",
 }
 
 

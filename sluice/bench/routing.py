@@ -1,4 +1,4 @@
-"""`python -m sluice.bench.routing`: the gateway's engine routing policies (round_robin, least_load,
+"""`sluice bench routing`: the gateway's engine routing policies (round_robin, least_load,
 prefix_affinity) compared across engine replicas on `sluice bench serve`'s shared-prefix workload (many
 tenants, each with a long shared context).
 
@@ -39,7 +39,7 @@ BASELINE = "round_robin"
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m sluice.bench.routing", description=__doc__.split("\n\n")[0]
+        prog="sluice bench routing", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model", default="", help="model directory ('' = the embedded model)")
     parser.add_argument("--engines", type=int, default=2, help="engine replicas")
