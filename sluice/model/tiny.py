@@ -125,21 +125,29 @@ def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama",
     if train_seconds > 0:
         report = train(model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed,
                                                                 progress=progress))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with _written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
         GenerationConfig(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS),
                          pad_token_id=PAD_ID).save_pretrained(tmp)
         save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
         _write_marker(tmp, preset=preset, arch=arch, seed=seed, train_seconds=train_seconds,
                       overrides=overrides, report=report)
+    return out_dir
+
+
+@contextlib.contextmanager
+def _written_whole(out_dir: Path) -> Iterator[Path]:
+    """Yields a temporary directory beside `out_dir`; once the block has filled it, it replaces
+    `out_dir` (readable by all), and on any failure it is removed: `out_dir` is complete or untouched."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
         _make_readable(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -216,15 +224,8 @@ def copy_model_dir(src: Path, out_dir: Path) -> Path:
     which is replaced; anything else raises FileExistsError). It appears complete or not at all."""
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with _written_whole(out_dir) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
-        _make_readable(tmp)
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
