@@ -2,15 +2,18 @@
 prefix_affinity) compared across engine replicas on `sluice bench serve`'s shared-prefix workload (many
 tenants, each with a long shared context).
 
-Usage: `python -m sluice.bench.routing [--model DIR] [--engines 2] [--policies ...] [--num-requests 96]
+Usage: `sluice bench routing [--model DIR] [--engines 2] [--policies ...] [--num-requests 96]
 [--num-prefixes 8] [--prefix-len 512] [--suffix-len 32] [--output-len 32] [--rate inf] [--seed 0]
-[--engine-flags "--num-kv-blocks 256"] [--json FILE] [--no-progress]`.
+[--engine-flags "--num-kv-blocks 256"] [--repeat N] [--json FILE] [--no-progress]`.
 
 For each policy it starts the whole pipeline with `--engines N` (`Stack`, the gateway's `SLUICE_ROUTING`
 set to the policy), runs the same seeded workload through the OpenAI API, and reads each engine's
 prefix-cache counters from its /metrics. It prints, per policy, output tokens/s, p90 time to first
 token, the prefix-cache hit rate and the share of prompt tokens each engine got, and the throughput and
-p90 TTFT relative to round_robin. Exit status 0 when every policy completed every request, 1 otherwise.
+p90 TTFT relative to round_robin. With `--repeat N` it runs N rounds, the policies in alternating order
+(so drift of a shared machine falls on each alike), prints each round, and then the median over rounds
+of each policy's ratios to round_robin within the same round. Exit status 0 when every policy completed
+every request, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import urllib.request
 from collections.abc import Sequence
@@ -52,6 +56,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=float("inf"), help="requests/s (inf = all at once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-flags", default="", help="extra engine flags, e.g. '--num-kv-blocks 256'")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every policy, alternating order")
     parser.add_argument("--json", type=Path, help="write the figures to this file")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -61,6 +66,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error(f"--policies: one or more of {', '.join(ROUTING_POLICIES)}")
     if args.engines < 1:
         parser.error("--engines must be >= 1")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     args.policies = policies
     return args
 
@@ -147,15 +154,51 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def round_order(policies: list[str], index: int) -> list[str]:
+    """The order of round `index`: as given in even rounds, reversed in odd ones."""
+    return list(policies) if index % 2 == 0 else list(reversed(policies))
+
+
+def median_ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per policy, the median over rounds of its output tokens/s and p90 TTFT divided by round_robin's
+    in the same round (rounds without round_robin are left out)."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for rows in rounds:
+        base = next((r for r in rows if r["policy"] == BASELINE), None)
+        if base is None:
+            continue
+        for r in rows:
+            entry = ratios.setdefault(r["policy"], {"tok_s": [], "ttft_p90": []})
+            entry["tok_s"].append(r["output_throughput"] / base["output_throughput"])
+            entry["ttft_p90"].append(r["ttft_p90_ms"] / base["ttft_p90_ms"])
+    return {p: {k: statistics.median(v) for k, v in e.items()} for p, e in ratios.items()}
+
+
+def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str:
+    lines = [f"median over {num_rounds} rounds, relative to {BASELINE} in the same round:"]
+    for policy, m in medians.items():
+        lines.append(f"  {policy:<16} x tok/s {m['tok_s']:.2f}   x p90 TTFT {m['ttft_p90']:.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     model = str(resolve_model(args.model))
-    rows = [run_policy(args, model, policy) for policy in args.policies]
-    print(format_table(rows))
+    rounds: list[list[dict[str, Any]]] = []
+    for index in range(args.repeat):
+        by_policy = {p: run_policy(args, model, p) for p in round_order(args.policies, index)}
+        rounds.append([by_policy[p] for p in args.policies])
+        if args.repeat > 1:
+            print(f"round {index + 1} of {args.repeat}")
+        print(format_table(rounds[-1]))
+    medians = median_ratios(rounds)
+    if args.repeat > 1:
+        print(format_medians(medians, len(rounds)))
     if args.json is not None:
-        doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "results": rows}
+        doc = {"config": {k: v for k, v in vars(args).items() if k != "json"}, "rounds": rounds,
+               "results": rounds[-1], "median_ratios": medians}  # fmt: skip
         args.json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    return 0 if all(r["failed"] == 0 for r in rows) else 1
+    return 0 if all(r["failed"] == 0 for rows in rounds for r in rows) else 1
 
 
 if __name__ == "__main__":
