@@ -524,7 +524,7 @@ def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
 def test_a_burst_sharing_a_prefix_computes_it_once(engines: list[LLMEngine]) -> None:
     shared = list(range(3, 3 + 48))  # three full blocks
     prompts = {str(i): [*shared, 60 + i, 61] for i in range(4)}
-    engine, runner = make(engines, num_blocks=64)
+    engine, _ = make(engines, num_blocks=64)
     for rid, prompt in prompts.items():
         engine.add_request(rid, prompt, GREEDY, stop(4))
     outs = run(engine)
