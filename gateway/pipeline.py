@@ -292,7 +292,9 @@ class Pipeline:
                                       channels_per_replica=per_replica, resolve_interval_s=interval)
         self.metrics = GatewayMetrics()
         self._engine_links: dict[str, EngineLink] = {}
-        self._router = Router(settings.routing, self._engine_load, settings.routing_margin)
+        self._router = Router(
+            settings.routing, self._engine_load, settings.routing_margin, settings.routing_margin_ratio
+        )
         self._detok_links: dict[str, DetokLink] = {}
         self._requests: dict[str, _Request] = {}
         self._prefix = secrets.token_hex(4)

@@ -6,8 +6,10 @@ replica, adds what this gateway itself has in flight there, and picks:
 
 - `round_robin`: the candidates in turn, blind to load and cache;
 - `least_load`: the least loaded; ties go round the candidates in turn;
-- `prefix_affinity`: among the candidates whose load is within `margin` of the least loaded one's (the
-  guard: affinity never piles work on one replica while another idles), the one holding the longest
+- `prefix_affinity`: among the candidates whose load exceeds the least loaded one's by at most `margin`
+  requests or `margin_ratio` of that load, whichever is larger (the guard: affinity never piles work on
+  one replica while another idles, and at high load a replica a quarter busier still keeps its tenants,
+  whose cached contexts are what make it fast), the one holding the longest
   prefix of the prompt, then the least loaded, ties in turn. A prompt's keys are computed as the engine
   computes them (`chain_hashes`, with the block size the engine reported), over the blocks the engine
   would look up (all full blocks but one token). Until a replica's report confirms them, the keys of
@@ -94,14 +96,18 @@ class ReplicaView:
 class Router:
     """Mirrors every engine replica's reports and picks the replica for each new request.
 
-    `in_flight(address)`: this gateway's requests on that replica now. `margin`: how many requests more
-    than the least loaded candidate a replica may have and still win on its cached prefix."""
+    `in_flight(address)`: this gateway's requests on that replica now. `margin`, `margin_ratio`: how
+    many requests more than the least loaded candidate a replica may have and still win on its cached
+    prefix: `margin`, or `margin_ratio` times the least load when that is more."""
 
-    def __init__(self, policy: str, in_flight: Callable[[str], int], margin: int = 4) -> None:
+    def __init__(
+        self, policy: str, in_flight: Callable[[str], int], margin: int = 4, margin_ratio: float = 0.0
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
         self.margin = margin
+        self.margin_ratio = margin_ratio
         self._in_flight = in_flight
         self._views: dict[str, ReplicaView] = {}
         self._turn = itertools.count()
@@ -138,7 +144,8 @@ class Router:
         if self.policy == "least_load":
             return min(in_turn, key=loads.__getitem__)
         least = min(loads.values())
-        eligible = [a for a in in_turn if loads[a] <= least + self.margin]
+        allowed = least + max(self.margin, self.margin_ratio * least)
+        eligible = [a for a in in_turn if loads[a] <= allowed]
         now = time.monotonic()
         keys_by_size: dict[int, list[BlockHash]] = {}
         hits = {a: self._cached_blocks(a, prompt_ids, keys_by_size, now) for a in eligible}

@@ -97,6 +97,13 @@ class GatewaySettings:
             "and still be chosen for its cached prefix"
         },
     )
+    routing_margin_ratio: float = field(
+        default=0.25,
+        metadata={
+            "help": "prefix_affinity: the same margin as a fraction of the least loaded replica's load; the "
+            "larger of the two applies (4 requests at low load, a quarter more at high load)"
+        },
+    )
     allowed_origins: tuple[str, ...] = field(
         default=(),
         metadata={
@@ -159,6 +166,8 @@ class GatewaySettings:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.routing_margin < 0:
             raise ValueError("routing_margin must be >= 0")
+        if not self.routing_margin_ratio >= 0:
+            raise ValueError("routing_margin_ratio must be >= 0")
         if self.ws_max_in_flight < 0:
             raise ValueError("ws_max_in_flight must be >= 0")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -35,9 +35,11 @@ def report(
     )
 
 
-def router(policy: str, in_flight: Counter[str] | None = None, margin: int = 4) -> Router:
+def router(
+    policy: str, in_flight: Counter[str] | None = None, margin: int = 4, margin_ratio: float = 0.0
+) -> Router:
     counts = in_flight if in_flight is not None else Counter()
-    return Router(policy, counts.__getitem__, margin)
+    return Router(policy, counts.__getitem__, margin, margin_ratio)
 
 
 # ----- policies
@@ -107,6 +109,27 @@ def test_the_guard_spreads_a_shared_prefix_once_its_replica_is_loaded() -> None:
     assert load[B] >= 15 and load[A] - load[B] <= 5, load
 
 
+def test_at_high_load_the_guard_allows_a_fraction_more_and_no_further() -> None:
+    """With 100 requests on B, A holding the prefix may carry up to 125 (a quarter more) and win on it;
+    past that B gets the request although it holds nothing."""
+    load: Counter[str] = Counter({A: 125, B: 100})
+    r = router("prefix_affinity", load, margin=4, margin_ratio=0.25)
+    r.on_report(A, report(prompt_keys(SHARED, BLOCK)))
+    r.on_report(B, report([]))
+    assert r.pick([A, B], [*SHARED, 1]) == A
+    load[A] = 126
+    assert r.pick([A, B], [*SHARED, 2]) == B
+
+
+
+@pytest.mark.parametrize(("load_a", "chosen"), [(4, A), (5, B)])
+def test_at_low_load_the_absolute_margin_applies(load_a: int, chosen: str) -> None:
+    r = router("prefix_affinity", Counter({A: load_a, B: 0}), margin=4, margin_ratio=0.25)
+    r.on_report(A, report(prompt_keys(SHARED, BLOCK)))
+    r.on_report(B, report([]))
+    assert r.pick([A, B], [*SHARED, 1]) == chosen
+
+
 def test_a_burst_sharing_a_new_prefix_goes_to_one_replica() -> None:
     """Before any engine reported the prefix, the gateway counts it as held where it sent it."""
     load: Counter[str] = Counter()
@@ -143,6 +166,8 @@ def test_settings_check_the_routing_policy() -> None:
         GatewaySettings(routing="random").validate()
     with pytest.raises(ValueError, match="routing_margin"):
         GatewaySettings(routing_margin=-1).validate()
+    with pytest.raises(ValueError, match="routing_margin_ratio"):
+        GatewaySettings(routing_margin_ratio=float("nan")).validate()
 
 
 # ----- through the gateway, with fake engines
