@@ -27,6 +27,8 @@ from tests.observability.processes import Service, scrape, start_service
 REQUESTS = 48
 PER_SOCKET = 12
 GENERATED = "sluice_generation_tokens_total"
+PROMPT_TOKENS = "sluice_prompt_tokens_total"
+SHARED_CONTEXT = " ".join(["the old lighthouse keeper wrote every night about the sea and the ships"] * 6)
 TOKENIZED = "sluice_tokenize_duration_seconds_count"
 STARTUP_S = 120.0
 RESTART_S = 60.0
@@ -84,6 +86,20 @@ def _requests() -> list[dict[str, Any]]:
     ]
 
 
+def _prompt_tokens(metrics_base: int) -> list[float]:
+    return [scrape(f"http://127.0.0.1:{metrics_base + i}/metrics").get(PROMPT_TOKENS, 0.0) for i in (1, 2)]
+
+
+def _sharing_a_context_one_at_a_time(url: str, count: int) -> None:
+    """Requests whose prompts share a long context, each sent once the one before has ended (so the
+    replicas' loads stay level and only the cached prefix decides)."""
+    for i in range(count):
+        request = {"type": "generate", "id": f"s{i}", "prompt": f"{SHARED_CONTEXT} question {i}",
+                   "params": {"max_tokens": 2, "temperature": 0}}  # fmt: skip
+        result = asyncio.run(generate_all(url, [request]))[f"s{i}"]
+        assert result["done"] is not None, result
+
+
 async def _generate_concurrently(url: str, requests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """All at once, over sockets of PER_SOCKET requests (the gateway's per-socket cap is 16)."""
     chunks = [requests[i : i + PER_SOCKET] for i in range(0, len(requests), PER_SOCKET)]
@@ -96,13 +112,18 @@ async def _generate_concurrently(url: str, requests: list[dict[str, Any]]) -> di
 @pytest.mark.e2e
 def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path) -> None:
     """`sluice up --engines 2`, 48 concurrent requests of mixed lengths: each engine's own metrics
-    count 35-65% of the generated tokens. Then engine-2 is killed: the launcher restarts it alone."""
+    count 35-65% of the generated tokens. Then requests sharing a long context all go to one engine
+    (prefix_affinity, the default, with the load level). Then engine-2 is killed: the launcher
+    restarts it alone."""
     metrics_base = _free_run(4)  # tokenizer, engine-1, engine-2, detokenizer
     running = start_pipeline(tiny_model_dir, "--engines", "2", "--metrics-base-port", str(metrics_base))
     try:
         assert {"engine-1", "engine-2"} <= running.pids().keys()
         results = asyncio.run(_generate_concurrently(running.ws_url, _requests()))
         served = [scrape(f"http://127.0.0.1:{metrics_base + i}/metrics").get(GENERATED, 0.0) for i in (1, 2)]
+        before_shared = _prompt_tokens(metrics_base)
+        _sharing_a_context_one_at_a_time(running.ws_url, 6)
+        shared = [after - was for after, was in zip(_prompt_tokens(metrics_base), before_shared, strict=True)]
         before = running.pids()
         os.kill(before["engine-2"], signal.SIGKILL)  # a replica is restarted on its own
         running.wait_for_start("engine-2", before["engine-2"], RESTART_S)
@@ -118,6 +139,7 @@ def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path)
     assert sum(served) == completion, served
     for tokens in served:
         assert 0.35 <= tokens / completion <= 0.65, served
+    assert sorted(shared)[0] == 0 and sorted(shared)[1] > 0, shared  # every shared-context prompt on one
 
 
 def _listening(service: Service, count: int) -> bool:
