@@ -116,53 +116,6 @@ async def browser(tmp_path: Path) -> AsyncIterator[str]:
         await process.wait()
 
 
-async def test_type_stream_stop_and_continue(
-    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams
-) -> None:
-    upstreams.engine.step_s = 0.01  # a long reply takes seconds, so Stop lands mid-reply
-    async with connect(browser, max_size=None) as socket:
-        tools = DevTools(socket)
-        try:
-            target = await tools.send("Target.createTarget", url="about:blank")
-            attached = await tools.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
-            tools.session = attached["sessionId"]
-            await tools.send("Page.enable")
-            await tools.send(
-                "Page.navigate", url=f"http://127.0.0.1:{gateway.http_port}/"
-            )  # returns once committed
-            await tools.until("document.getElementById('status')?.className === 'status open'")
-
-            await tools.evaluate("document.getElementById('max-tokens').value = '100000'")
-            await tools.evaluate("document.getElementById('prompt').focus()")
-            await tools.send("Input.insertText", text="Tell me a story")
-            await tools.evaluate("document.getElementById('send').click()")
-            await tools.until("document.querySelector('.msg.assistant .bubble').textContent.length >= 5")
-            assert await tools.evaluate("document.getElementById('stop').disabled") is False
-
-            await tools.evaluate("document.getElementById('stop').click()")
-            await tools.until("document.querySelector('.msg.assistant').dataset.state === 'cancelled'")
-            await wait_for(upstreams.engine.aborted)
-            reply = await tools.evaluate("document.querySelector('.msg.assistant .bubble').textContent")
-            meta = await tools.evaluate("document.querySelector('.msg.assistant .meta').textContent")
-            assert reply.startswith("hello")
-            assert "first token" in meta and "stopped" in meta
-
-            # The next turn sends the whole conversation, the stopped reply included.
-            await tools.evaluate("document.getElementById('max-tokens').value = '3'")
-            await tools.evaluate("document.getElementById('prompt').focus()")
-            await tools.send("Input.insertText", text="And then?")
-            await tools.evaluate("document.getElementById('send').click()")
-            await tools.until("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'done'")
-            chat = upstreams.tokenizer.requests[-1].chat.messages
-            assert [(m.role, m.content) for m in chat] == [
-                ("user", "Tell me a story"),
-                ("assistant", reply),
-                ("user", "And then?"),
-            ]
-        finally:
-            await tools.close()
-
-
 # Markup that runs script if a page renders it as HTML rather than as text.
 MARKUP = '<img src=x onerror="window.injected=1"><script>window.injected=2</script><b>bold</b>'
 
@@ -189,6 +142,34 @@ async def send_message(tools: DevTools, text: str, max_tokens: int) -> None:
     await tools.evaluate("document.getElementById('prompt').focus()")
     await tools.send("Input.insertText", text=text)
     await tools.evaluate("document.getElementById('send').click()")
+
+
+async def test_type_stream_stop_and_continue(
+    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams
+) -> None:
+    upstreams.engine.step_s = 0.01  # a long reply takes seconds, so Stop lands mid-reply
+    async with chat_page(browser, gateway) as tools:
+        await send_message(tools, "Tell me a story", 100000)
+        await tools.until("document.querySelector('.msg.assistant .bubble').textContent.length >= 5")
+        assert await tools.evaluate("document.getElementById('stop').disabled") is False
+
+        await tools.evaluate("document.getElementById('stop').click()")
+        await tools.until("document.querySelector('.msg.assistant').dataset.state === 'cancelled'")
+        await wait_for(upstreams.engine.aborted)
+        reply = await tools.evaluate("document.querySelector('.msg.assistant .bubble').textContent")
+        meta = await tools.evaluate("document.querySelector('.msg.assistant .meta').textContent")
+        assert reply.startswith("hello")
+        assert "first token" in meta and "stopped" in meta
+
+        # The next turn sends the whole conversation, the stopped reply included.
+        await send_message(tools, "And then?", 3)
+        await tools.until("document.querySelectorAll('.msg.assistant')[1]?.dataset.state === 'done'")
+        chat = upstreams.tokenizer.requests[-1].chat.messages
+        assert [(m.role, m.content) for m in chat] == [
+            ("user", "Tell me a story"),
+            ("assistant", reply),
+            ("user", "And then?"),
+        ]
 
 
 async def test_markup_in_model_output_errors_and_prompts_shows_as_text(
