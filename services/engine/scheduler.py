@@ -130,7 +130,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         if self.policy != "continuous" and not self._batch_open(out, now):
             return
-        pending = self._pending_hashes()
+        pending = self._pending_hashes() if self.waiting else None  # nothing to defer: skip the scan
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
