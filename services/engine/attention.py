@@ -80,6 +80,13 @@ class StepMeta:
     slot_mapping: torch.Tensor  # (T,) pool slot of each packed token
     decode_groups: list[DecodeGroup]  # the decode rows come first in the packed batch, one token each
     prefills: list[PrefillSeq]
+    # How the decode rows attend: "torch" (gather per group + SDPA, `decode_groups`) or "triton" (the paged
+    # kernel over the whole decode batch, reading `block_tables` and `seq_lens`).
+    backend: str = "torch"
+    num_decodes: int = 0  # decode rows at the head of the packed batch (padding rows of a graph included)
+    block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int32 block ids of each decode row
+    seq_lens: torch.Tensor | None = None  # (num_decodes,) int32 context length incl. the new token; 0 = pad
+    block_size: int = 16
 
 
 def paged_attention(

@@ -43,9 +43,18 @@ class Runner(Protocol):
     max_position_embeddings: int
     last_forward_s: float
 
-    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Called once by the engine before its first step, with the pool final: static buffers and CUDA
+        graphs sized for `max_num_seqs` requests of up to `max_model_len` tokens."""
+        ...
+
+    def execute(
+        self, scheduled: Sequence[tuple[Request, int]], prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
         """Runs one step; returns the logits (N, V) of the requests that sample (those whose chunk reaches
-        their last token) and those requests, row i for logits row i."""
+        their last token) and those requests, row i for logits row i. A request with `prev_row >= 0`
+        takes its last input token from `prev_tokens[prev_row]` (the previous step's sampled ids, still on
+        the device) instead of `token_ids[-1]`."""
         ...
 
 
@@ -84,6 +93,21 @@ class EngineStats:
     generated_tokens: int
 
 
+def context_length(settings: EngineSettings, runner: Runner, block_size: int) -> int:
+    """The context length: `max_model_len`, else the model's own. A request alone must always fit in the
+    pool, so a context length the pool cannot hold is refused with the numbers (never cut silently)."""
+    capacity = runner.num_blocks * block_size
+    model_len = settings.max_model_len or runner.max_position_embeddings or capacity
+    if model_len > capacity:
+        source = "max_model_len" if settings.max_model_len else "the model's max_position_embeddings"
+        raise ValueError(
+            f"context length {model_len} ({source}) does not fit the KV pool: {runner.num_blocks} blocks of "
+            f"{block_size} tokens hold {capacity} tokens; give the pool more memory (kv_cache_gb, "
+            "num_kv_blocks, gpu_memory_utilization) or set a smaller max_model_len"
+        )
+    return model_len
+
+
 class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
         settings.validate()
@@ -109,9 +133,8 @@ class LLMEngine:
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
         self.block_manager = BlockManager(runner.num_blocks, bs, settings.enable_prefix_caching)
-        # A request alone must always fit in the pool, so the context length is capped by its size.
-        model_len = settings.max_model_len or runner.max_position_embeddings or runner.num_blocks * bs
-        self.max_model_len = min(model_len, runner.num_blocks * bs)
+        self.max_model_len = context_length(settings, runner, bs)
+        runner.prepare(self.max_model_len, settings.max_num_seqs)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=settings.max_num_seqs,

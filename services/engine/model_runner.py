@@ -77,7 +77,7 @@ class ModelRunner:
         dtype: str = "auto",
         block_size: int = 16,
         kv_cache_gb: float = 0.5,
-        gpu_memory_utilization: float = 0.85,
+        gpu_memory_utilization: float = 0.9,
         num_kv_blocks: int = 0,
     ) -> None:
         self.model_dir = Path(model_dir)
@@ -114,6 +114,8 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.max_model_len = 0  # set by prepare()
+        self.max_num_seqs = 0
         self.last_forward_s = 0.0
         # Decode grouping: a new group pays off when it saves this many padded key slots (per-call
         # overhead is larger on a GPU, where gathering is cheap).
@@ -141,15 +143,23 @@ class ModelRunner:
             raise ValueError(f"KV cache budget too small for one block of {per_block} bytes")
         return blocks
 
+    def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
+        """Called once by the engine before its first step (see `Runner.prepare`)."""
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
     # ---- one step ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def execute(
+        self, scheduled: Sequence[tuple[Request, int]], prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
         """Runs the model on the step's tokens and returns the logits (N, V) of the requests that sample
         (a request samples when its chunk reaches its last token) and those requests, in row order.
 
         Decode rows (one new token, longest context first) go first in the packed batch, then the
-        prefill chunks.
+        prefill chunks. A decode row with `prev_row >= 0` reads its input token from
+        `prev_tokens[prev_row]` on the device (async scheduling).
         """
         decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         decodes.sort(key=lambda x: -x[0].num_computed_tokens)  # longest context first, for grouping
@@ -158,6 +168,13 @@ class ModelRunner:
         meta = self._meta(decodes, prefills, slots)
         dev = self.device
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]
+        pending = [(row, r.prev_row) for row, (r, _) in enumerate(decodes) if r.prev_row >= 0]
+        if pending:
+            if prev_tokens is None:
+                raise ValueError("a request waits for a token of the previous step, but none was given")
+            rows, src = zip(*pending, strict=True)
+            idx = torch.tensor(src, dtype=torch.long, device=dev)
+            input_ids[0, torch.tensor(rows, dtype=torch.long, device=dev)] = prev_tokens.index_select(0, idx)
         position_ids = torch.tensor(pos, dtype=torch.long, device=dev)[None]
         keep = torch.tensor([row for _, row in keep_rows], dtype=torch.long, device=dev)
         start = time.perf_counter()
@@ -195,7 +212,7 @@ class ModelRunner:
             p = r.num_computed_tokens
             if p + 1 == r.num_tokens:
                 keep.append((r, len(ids)))
-            ids.append(r.token_ids[p])
+            ids.append(r.token_ids[p] if r.prev_row < 0 else 0)  # 0: a placeholder, filled on the device
             pos.append(p)
             slots.append(r.block_ids[p // bs] * bs + p % bs)
         for r, n in prefills:

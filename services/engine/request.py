@@ -43,6 +43,9 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     generator: Any = None  # torch.Generator of a seeded request, made by the sampler
+    # Async scheduling: >= 0 while the last entry of token_ids is a placeholder for a token the previous
+    # step sampled on the device and the host has not read yet; its row in that step's sampled ids.
+    prev_row: int = -1
     plain_greedy: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:

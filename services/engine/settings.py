@@ -42,12 +42,26 @@ class EngineSettings(StageTlsSettings):
                   "of the memory free after loading the model and a warm-up forward (kv_sizing.py)"},
     )
     gpu_memory_utilization: float = field(
-        default=0.85,
+        default=0.9,
         metadata={"help": "CUDA, automatic KV size: fraction of the memory free after the warm-up forward "
                   "that the KV pool takes (0 < f <= 1)"},
     )
     num_kv_blocks: int = field(
         default=0, metadata={"help": "KV pool size in blocks; 0 = from the memory budget"}
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "decode attention: auto (triton on CUDA, torch elsewhere) | torch (gather + SDPA) "
+                  "| triton (the paged kernel; on CPU only under TRITON_INTERPRET=1, for tests)"},
+    )
+    cuda_graphs: str = field(
+        default="on",
+        metadata={"help": "on | off: on CUDA, replay decode-only steps from CUDA graphs captured at start-up "
+                  "for batch sizes 1, 2, 4, 8, ... up to max_num_seqs (ignored on CPU)"},
+    )
+    async_scheduling: str = field(
+        default="auto",
+        metadata={"help": "auto (on for CUDA) | on | off: schedule step N+1 while the device runs step N"},
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     max_model_len: int = field(default=0, metadata={"help": "context length; 0 = the model's own"})
@@ -76,6 +90,13 @@ class EngineSettings(StageTlsSettings):
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        for name, allowed in (
+            ("attention_backend", ("auto", "torch", "triton")),
+            ("cuda_graphs", ("on", "off")),
+            ("async_scheduling", ("auto", "on", "off")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.kv_cache_gb < 0:

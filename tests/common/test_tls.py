@@ -155,7 +155,7 @@ async def test_the_gateway_serves_through_mutual_tls_stages(pki: Pki, tiny_model
     tok = await create_tokenizer(TokenizerSettings(model=model, port=0, **tls))
     det = await create_detokenizer(DetokenizerSettings(model=model, port=0, **tls))
     eng_server, eng_port, engine, eng_health = await create_engine(
-        EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=64, **tls)
+        EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=128, **tls)
     )
     for server, health in ((tok[0], tok[2]), (det[0], det[2]), (eng_server, eng_health)):
         await server.start()

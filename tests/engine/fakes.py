@@ -24,7 +24,8 @@ def next_token(tokens: Sequence[int]) -> int:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, max_len: int = 4096, eos_after: dict[int, int] | None = None) -> None:
+    def __init__(self, num_blocks: int, max_len: int = 0, eos_after: dict[int, int] | None = None) -> None:
+        """`max_len` 0: no context length of its own, so the engine's is what the pool holds."""
         self.device = torch.device("cpu")
         self.num_blocks = num_blocks
         self.vocab_size = FAKE_VOCAB
@@ -35,7 +36,12 @@ class FakeRunner:
         self.steps: list[list[tuple[str, int]]] = []
         self.fail_next = False
 
-    def execute(self, scheduled: Sequence[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+    def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
+        pass
+
+    def execute(
+        self, scheduled: Sequence[tuple[Request, int]], prev_tokens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")

@@ -74,6 +74,7 @@ def small_engine(model_dir: Path, **kw: object) -> LLMEngine:
         max_num_batched_tokens=64,
         num_kv_blocks=24,
         max_num_seqs=16,
+        max_model_len=256,  # the pool of 24 blocks holds 384 tokens, less than the model's 512
     )
     settings.update(kw)
     return LLMEngine(EngineSettings(**settings))  # type: ignore[arg-type]

@@ -51,7 +51,9 @@ def stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.EngineStub:
 
 def expected(llama_dir: Path, prompt: list[int], n: int) -> list[int]:
     engine = LLMEngine(
-        EngineSettings(model=str(llama_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=16)
+        EngineSettings(
+            model=str(llama_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=16, max_model_len=256
+        )
     )
     engine.add_request("x", prompt, SamplingParams(), StoppingParams(max_new_tokens=n))
     out: list[int] = []
