@@ -15,6 +15,10 @@ from typing import Any
 from services.engine.block_manager import BlockHash
 from services.engine.params import SamplingParams, StoppingParams
 
+# The value of a token the device sampled and the host has not read yet (async scheduling): never a
+# vocabulary id, so that hashing or feeding it by mistake fails loudly.
+PLACEHOLDER = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -43,7 +47,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     generator: Any = None  # torch.Generator of a seeded request, made by the sampler
-    # Async scheduling: >= 0 while the last entry of token_ids is a placeholder for a token the previous
+    # Async scheduling: >= 0 while the last entry of token_ids is PLACEHOLDER for a token the previous
     # step sampled on the device and the host has not read yet; its row in that step's sampled ids.
     prev_row: int = -1
     plain_greedy: bool = field(init=False, default=False)

@@ -6,6 +6,13 @@ temperature → top-k → top-p → min-p → a draw. A draw is `argmax(probs / 
 picks token i with probability probs[i]; a seeded request draws `q` from its own generator, so its
 tokens do not depend on what else is in the batch. Log-probabilities are those of the model's raw
 distribution.
+
+The host never waits on the device inside `launch`: per-request parameters go to the device from pinned
+staging buffers with non-blocking copies (CUDA; plain tensors on CPU), and the step's results (sampled
+ids, and the chosen and top-k log-probabilities when a request asks for them) are gathered into one
+device tensor and copied back once, non-blocking, into a pinned host buffer with an event recorded
+after the copy. `SampleHandle.result()` waits for that event only. The sampled ids also stay on the
+device (`SampleHandle.token_ids`) for the next step's inputs (async scheduling).
 """
 
 from __future__ import annotations
@@ -16,13 +23,71 @@ from dataclasses import dataclass
 import torch
 
 from services.engine.params import TokenLogprob
-from services.engine.request import Request
+from services.engine.request import PLACEHOLDER, Request
 
 
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class _LogprobLayout:
+    """Where the log-probabilities sit in the packed result: rows `rows` asked for them, k columns each."""
+
+    rows: list[int]
+    k: int
+    wanted: list[int]  # per row of `rows`, how many top entries the request asked for
+
+
+class SampleHandle:
+    """One step's sampling, launched on the device. `token_ids`: (N,) int64 on the device, row i for
+    request i; `result()` blocks until the one device→host copy of the step has landed and returns the
+    host values (once; later calls return the same object)."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        layout: _LogprobLayout | None,
+    ) -> None:
+        self.token_ids = token_ids
+        self._n = n
+        self._layout = layout
+        self._event: torch.cuda.Event | None = None
+        if packed.device.type == "cuda":
+            host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            host.copy_(packed, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+            self._host = host
+        else:
+            self._host = packed
+        self._result: SampleResult | None = None
+
+    def result(self) -> SampleResult:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = self._unpack(self._host.tolist())
+        return self._result
+
+    def _unpack(self, values: list) -> SampleResult:
+        n = self._n
+        tokens = [int(t) for t in values[:n]]
+        logprobs: list[TokenLogprob | None] = [None] * n
+        layout = self._layout
+        if layout is not None:
+            r, k = len(layout.rows), layout.k
+            chosen = values[n : n + r]
+            top_ids = values[n + r : n + r + r * k]
+            top_vals = values[n + r + r * k : n + r + 2 * r * k]
+            for j, (i, want) in enumerate(zip(layout.rows, layout.wanted, strict=True)):
+                ids = [int(t) for t in top_ids[j * k : j * k + want]]
+                logprobs[i] = TokenLogprob(chosen[j], ids, top_vals[j * k : j * k + want])
+        return SampleResult(tokens, logprobs)
 
 
 class Sampler:
@@ -32,13 +97,22 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SampleResult:
-        """logits: (N, V), row i for reqs[i]."""
+        """logits: (N, V), row i for reqs[i]. Launches and waits: `launch(...).result()`."""
+        return self.launch(logits, reqs).result()
+
+    def launch(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SampleHandle:
+        """Samples one token per row without waiting for the device (see the module docstring).
+
+        Requests with penalties need the host values of their output tokens: none may hold a placeholder
+        (`Request.prev_row >= 0`) here; the engine reads the previous step's results first."""
         n = len(reqs)
         if n == 0:
-            return SampleResult([], [])
+            empty = torch.empty((0,), dtype=torch.long, device=logits.device)
+            return SampleHandle(empty, empty, 0, None)
         raw = logits.float()
         if all(r.plain_greedy for r in reqs):
-            return SampleResult(raw.max(dim=-1).indices.tolist(), [None] * n)
+            tokens = raw.max(dim=-1).indices
+            return SampleHandle(tokens, tokens, n, None)
         x = raw
         pen_rows = [i for i, r in enumerate(reqs) if r.sampling.has_penalties]
         if pen_rows:
@@ -48,36 +122,56 @@ class Sampler:
         tokens = x.max(dim=-1).indices  # (N,) the first maximum, as argmax; faster on CPU
         sampled_rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
         if sampled_rows:
-            idx = torch.tensor(sampled_rows, device=x.device)
+            idx = self._to_device(sampled_rows, torch.long)
             drawn = self._draw(x.index_select(0, idx), [reqs[i] for i in sampled_rows])
             tokens = tokens.index_copy(0, idx, drawn)
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprob | None] = [None] * n
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs > 0]
-        if lp_rows:
-            self._logprobs(raw, tokens, reqs, lp_rows, logprobs)
-        return SampleResult(token_list, logprobs)
+        if not lp_rows:
+            return SampleHandle(tokens, tokens, n, None)
+        packed, layout = self._logprobs(raw, tokens, reqs, lp_rows)
+        return SampleHandle(tokens, packed, n, layout)
+
+    def _to_device(self, values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor of host values on the sampler's device without a blocking copy (pinned staging
+        and a non-blocking copy on CUDA; the pinned block is not reused before the copy has run)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+        return staged.to(self.device, non_blocking=True)
 
     # ---- processors ----------------------------------------------------------------------------
 
     def _apply_penalties(self, x: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
         """In place on x rows `rows` (N, V)."""
         vocab = x.shape[1]
-        dev = x.device
-        row_idx = torch.tensor(rows, device=dev)
-        sub = x.index_select(0, row_idx)  # (P, V)
-        out_counts = torch.zeros_like(sub)
-        seen = torch.zeros(sub.shape, dtype=torch.bool, device=dev)
+        seen_rows: list[int] = []
+        seen_cols: list[int] = []
+        out_rows: list[int] = []
+        out_cols: list[int] = []
         for j, r in enumerate(reqs):
-            out_ids = torch.tensor(r.output_ids, dtype=torch.long, device=dev)
-            if out_ids.numel():
-                out_counts[j].index_add_(0, out_ids, torch.ones(out_ids.shape, device=dev))
-            seen[j, torch.tensor(r.token_ids, dtype=torch.long, device=dev).clamp_(0, vocab - 1)] = True
-        rep = torch.tensor([r.sampling.repetition_penalty for r in reqs], device=dev)[:, None]
-        pres = torch.tensor([r.sampling.presence_penalty for r in reqs], device=dev)[:, None]
-        freq = torch.tensor([r.sampling.frequency_penalty for r in reqs], device=dev)[:, None]
+            assert r.prev_row < 0 and PLACEHOLDER not in r.token_ids, "penalties need the host's tokens"
+            seen = {min(max(t, 0), vocab - 1) for t in r.token_ids}
+            seen_rows.extend([j] * len(seen))
+            seen_cols.extend(seen)
+            out = r.output_ids
+            out_rows.extend([j] * len(out))
+            out_cols.extend(out)
+        row_idx = self._to_device(rows, torch.long)
+        sub = x.index_select(0, row_idx)  # (P, V)
+        seen_mask = torch.zeros(sub.shape, dtype=torch.bool, device=x.device)
+        seen_mask[self._to_device(seen_rows, torch.long), self._to_device(seen_cols, torch.long)] = True
+        out_counts = torch.zeros_like(sub)
+        if out_rows:
+            out_idx = (self._to_device(out_rows, torch.long), self._to_device(out_cols, torch.long))
+            out_counts.index_put_(out_idx, torch.ones(len(out_rows), device=x.device), accumulate=True)
+        values = [
+            (r.sampling.repetition_penalty, r.sampling.presence_penalty, r.sampling.frequency_penalty)
+            for r in reqs
+        ]
+        params = self._to_device([v for row in values for v in row], torch.float32).view(len(reqs), 3)
+        rep, pres, freq = params[:, 0:1], params[:, 1:2], params[:, 2:3]
         penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
+        sub = torch.where(seen_mask, penalised, sub)
         sub = sub - freq * out_counts - pres * (out_counts > 0).to(sub.dtype)
         x.index_copy_(0, row_idx, sub)
 
@@ -98,22 +192,25 @@ class Sampler:
             return x
         if shared:
             x = x.clone()
-        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+        x[self._to_device(rows, torch.long), self._to_device(cols, torch.long)] = float("-inf")
         return x
 
     def _draw(self, x: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
         """x: (S, V) processed logits of the sampling rows → (S,) token ids."""
         dev = x.device
-        temp = torch.tensor([r.sampling.temperature for r in reqs], device=dev)[:, None]
-        x = x / temp
+        s = len(reqs)
+        params = self._to_device(
+            [v for r in reqs for v in (r.sampling.temperature, r.sampling.top_p, r.sampling.min_p)],
+            torch.float32,
+        ).view(s, 3)
+        x = x / params[:, 0:1]
         top_k = [r.sampling.top_k for r in reqs]
         top_p = [r.sampling.top_p for r in reqs]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            x = self._top_k_top_p(x, top_k, top_p)
+            x = self._top_k_top_p(x, top_k, params[:, 1:2])
         probs = torch.softmax(x, dim=-1)
-        min_p = [r.sampling.min_p for r in reqs]
-        if any(m > 0 for m in min_p):
-            thresh = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
+        if any(r.sampling.min_p > 0 for r in reqs):
+            thresh = params[:, 2:3] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(reqs) if r.sampling.seed is None]
@@ -121,7 +218,10 @@ class Sampler:
             noise = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_(
                 generator=self.generator
             )
-            q[torch.tensor(unseeded, device=dev)] = noise
+            if len(unseeded) == s:
+                q = noise
+            else:
+                q[self._to_device(unseeded, torch.long)] = noise
         for j, r in enumerate(reqs):
             if r.sampling.seed is not None:
                 if r.generator is None:
@@ -130,38 +230,32 @@ class Sampler:
                 q[j].exponential_(generator=r.generator)
         return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices
 
-    @staticmethod
-    def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], p: torch.Tensor) -> torch.Tensor:
+        """x: (S, V); top_k per row (0 = off); p: (S, 1) top-p per row on the device."""
         dev = x.device
         vocab = x.shape[1]
         sorted_x, order = torch.sort(x, dim=-1, descending=True)  # (S, V)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)[:, None]
+        k = self._to_device([k if 0 < k < vocab else vocab for k in top_k], torch.long)[:, None]
         ranks = torch.arange(vocab, device=dev)[None, :]
         drop = ranks >= k
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        p = torch.tensor(top_p, device=dev)[:, None]
         sorted_probs = torch.softmax(sorted_x, dim=-1)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
         drop = drop | ((before >= p) & (ranks > 0))
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
-    @staticmethod
     def _logprobs(
-        raw: torch.Tensor,
-        tokens: torch.Tensor,
-        reqs: Sequence[Request],
-        rows: list[int],
-        out: list[TokenLogprob | None],
-    ) -> None:
-        dev = raw.device
-        idx = torch.tensor(rows, device=dev)
+        self, raw: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request], rows: list[int]
+    ) -> tuple[torch.Tensor, _LogprobLayout]:
+        """The packed result: float64 [sampled ids (N), chosen log-probs (R), top-k ids (R*k), top-k
+        log-probs (R*k)] (ids below 2**53 are exact), and where each part sits."""
+        idx = self._to_device(rows, torch.long)
         lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)  # (R, V)
-        chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0].tolist()
-        k = max(reqs[i].sampling.logprobs for i in rows)
+        chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+        wanted = [reqs[i].sampling.logprobs for i in rows]
+        k = max(wanted)
         top_vals, top_ids = lp.topk(k, dim=-1)
-        top_vals_l = top_vals.tolist()
-        top_ids_l = top_ids.tolist()
-        for j, i in enumerate(rows):
-            n = reqs[i].sampling.logprobs
-            out[i] = TokenLogprob(chosen[j], top_ids_l[j][:n], top_vals_l[j][:n])
+        parts = (tokens, chosen, top_ids.reshape(-1), top_vals.reshape(-1))
+        packed = torch.cat([t.to(torch.float64) for t in parts])
+        return packed, _LogprobLayout(rows, k, wanted)

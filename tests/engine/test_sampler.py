@@ -118,3 +118,25 @@ def test_logprobs_are_those_of_the_model() -> None:
     assert lp.logprob == pytest.approx(ref.max().item(), abs=1e-5)
     assert lp.top_ids == ref.topk(3).indices.tolist()
     assert math.fsum(math.exp(v) for v in lp.top_logprobs) < 1.0
+
+
+def test_launch_keeps_the_ids_on_the_device_and_reads_the_step_back_once() -> None:
+    x = logits(4, seed=5)
+    params = [
+        SamplingParams(logprobs=2),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(logprobs=5, temperature=0.7, seed=4),
+        SamplingParams(),
+    ]
+    handle = Sampler(torch.device("cpu")).launch(x, [req(p) for p in params])
+    out = handle.result()
+    assert handle.token_ids.dtype == torch.long and handle.token_ids.tolist() == out.token_ids
+    assert out.token_ids == Sampler(torch.device("cpu")).sample(x, [req(p) for p in params]).token_ids
+    ref = torch.log_softmax(x, -1)
+    for i, n in ((0, 2), (2, 5)):
+        lp = out.logprobs[i]
+        assert lp is not None and len(lp.top_ids) == n
+        assert lp.top_ids == ref[i].topk(n).indices.tolist()
+        assert lp.logprob == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-5)
+    assert out.logprobs[1] is None and out.logprobs[3] is None
+    assert handle.result() is out
