@@ -8,6 +8,18 @@ A request leaves the engine with exactly one finished `RequestOutput`: on EOS / 
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
 the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
 (services/engine/errors.py).
+
+Async scheduling (`EngineSettings.async_scheduling`; auto = on for CUDA): a step launches step N+1 on
+the device (execute and sample, results left there) before it reads step N's sampled ids, then
+postprocesses step N and returns its outputs, so that the host's work overlaps the device's. A request
+sampled in step N holds `PLACEHOLDER` as its last token until step N is read; step N+1 feeds it from the
+device (`Request.prev_row`). Outputs are the same as without it:
+- a request that stops at step N and was scheduled again in N+1 has that step's token discarded; one
+  whose pending token is its last by count (max_new_tokens, context length) is not scheduled again;
+- aborts, deadlines and failures end a request at once, dropping its pending token; its blocks are
+  freed at once (a later step's writes to them follow the in-flight step's in stream order);
+- a step that needs the host's values of pending tokens (penalties over the output) reads step N first;
+  a request preempted while its token is pending is not scheduled again before step N is read.
 """
 
 from __future__ import annotations
@@ -25,8 +37,8 @@ from services.common.models import resolve_model_dir
 from services.engine.block_manager import BlockManager
 from services.engine.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.request import PLACEHOLDER, Request
+from services.engine.sampler import SampleHandle, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.settings import EngineSettings
 
@@ -69,6 +81,16 @@ class StepObserver(Protocol):
     def on_step_end(
         self, sched: SchedulerOutput | None, outputs: list[RequestOutput], step_s: float
     ) -> None: ...
+
+
+@dataclass
+class _Launched:
+    """A step on the device: its schedule, the requests that sample (row i of the sampled ids) and the
+    sampling, whose results the host has not read yet."""
+
+    sched: SchedulerOutput
+    reqs: list[Request]
+    handle: SampleHandle
 
 
 @dataclass
@@ -145,6 +167,9 @@ class LLMEngine:
             batch_wait_s=settings.batch_wait_ms / 1000.0,
         )
         self.sampler = Sampler(runner.device, settings.seed)
+        mode = settings.async_scheduling
+        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+        self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
@@ -220,6 +245,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return
+        self._drop_placeholder(req)
         self.scheduler.finish(req, "cancelled")
         self._pending.append(self._output(req, []))
 
@@ -227,6 +253,7 @@ class LLMEngine:
         """Ends every request with finish_reason "error", class `internal` (after an unexpected failure
         of a step outside the model's execution)."""
         outputs, self._pending = self._pending, []
+        self._in_flight = None  # its results are of no use now; the device finishes it in stream order
         for req in list(self.requests.values()):
             outputs.append(self._fail(req, INTERNAL, detail))
         if outputs and self.observer is not None:
@@ -234,7 +261,8 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending)
+        """True while a request is in the engine, a final is to be emitted or a launched step is unread."""
+        return bool(self.requests) or bool(self._pending) or self._in_flight is not None
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -242,18 +270,25 @@ class LLMEngine:
         """Seconds left, after the latest step, while a dynamic or static batch forms and no step can run
         anything (0 when there is work). The driver waits that long, or until it adds or aborts a
         request, before the next step; a step before then is harmless and finds nothing to run."""
+        if self._in_flight is not None:
+            return 0.0
         return max(0.0, self._forming_until - time.monotonic())
 
     def step(self) -> list[RequestOutput]:
         """schedule → execute → sample → postprocess. Returns the outputs of this step, one per request
-        that got a token or ended. Never blocks: while a batch forms it returns at once (see `idle_s`)."""
+        that got a token or ended (with async scheduling, the tokens of the step launched before). Never
+        blocks on a forming batch: it returns at once (see `idle_s`)."""
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(time.monotonic()))
+        if self._in_flight is not None and self._needs_host_tokens():
+            outputs.extend(self._drain())
         sched = self.scheduler.schedule()
         self._forming_until = time.monotonic() + sched.wait_s
         if sched.empty:
-            if sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
+            if self._in_flight is not None:
+                outputs.extend(self._drain())
+            elif sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
                 # Unreachable while the context length fits the pool; never spin on a stuck request.
                 stuck = self.scheduler.waiting[0]
                 detail = "request cannot be scheduled: the KV cache is too small"
@@ -263,24 +298,93 @@ class LLMEngine:
             return outputs
         if self.observer is not None:
             self._observe(self.observer.on_scheduled, sched)
-        try:
-            outputs.extend(self._run_scheduled(sched))
-        except Exception as exc:  # a failing step fails its requests, never the loop
-            log.exception("engine step failed")
-            detail = f"internal error in engine step: {exc}"
-            outputs.extend(self._fail(req, INTERNAL, detail) for req, _ in sched.scheduled)
-        else:
+        ok = self._run_scheduled(sched, outputs)
+        if ok:
             self._account(sched, time.perf_counter() - start)
         if self.observer is not None:
             self._observe(self.observer.on_step_end, sched, outputs, time.perf_counter() - start)
         return outputs
 
-    def _run_scheduled(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """execute → sample → advance → postprocess: the outputs of the scheduled requests."""
-        logits, sampling = self.runner.execute(sched.scheduled)
-        result = self.sampler.sample(logits, sampling)
-        self.scheduler.advance(sched)
-        return self._postprocess(sampling, result.token_ids, result.logprobs)
+    def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
+        """Launches `sched`, reads the step launched before it (async), settles `sched` and, without async
+        scheduling, reads it too; appends the outputs. False when the step failed: a failing step fails
+        its requests, never the loop (a request of the step before gets that step's token first)."""
+        prev, self._in_flight = self._in_flight, None
+        try:
+            launched = self._launch(sched, prev)
+        except Exception as exc:
+            log.exception("engine step failed")
+            if prev is not None:
+                self._read(prev, outputs)
+            outputs.extend(self._fail_step(sched, exc))
+            return False
+        if prev is not None and (exc := self._read(prev, outputs)) is not None:
+            outputs.extend(self._fail_step(sched, exc))  # it was fed that step's tokens
+            return False
+        try:
+            self._settle(launched)
+        except Exception as exc:
+            log.exception("engine step failed")
+            outputs.extend(self._fail_step(sched, exc))
+            return False
+        if self.async_scheduling:
+            self._in_flight = launched
+            return True
+        return self._read(launched, outputs) is None
+
+    def _launch(self, sched: SchedulerOutput, prev: _Launched | None) -> _Launched:
+        """execute → sample, leaving the results on the device. `prev`: the step before, if unread."""
+        if prev is None:
+            logits, sampling = self.runner.execute(sched.scheduled)
+        else:
+            logits, sampling = self.runner.execute(sched.scheduled, prev.handle.token_ids)
+        return _Launched(sched, sampling, self.sampler.launch(logits, sampling))
+
+    def _settle(self, launched: _Launched) -> None:
+        """Once the tokens before `launched` are on the host: counts its computed tokens (registering full
+        blocks) and gives each of its sampling requests a placeholder for the token it samples. Requests
+        that ended meanwhile are left out."""
+        live = [(req, n) for req, n in launched.sched.scheduled if not req.finished]
+        self.scheduler.advance(SchedulerOutput(scheduled=live))
+        for row, req in enumerate(launched.reqs):
+            if not req.finished:
+                req.token_ids.append(PLACEHOLDER)
+                req.prev_row = row
+
+    def _read(self, launched: _Launched, outputs: list[RequestOutput]) -> Exception | None:
+        """Waits for the step's sampled ids and postprocesses its requests into `outputs`. On a failure,
+        fails them instead and returns the exception."""
+        try:
+            result = launched.handle.result()
+            outputs.extend(self._postprocess(launched.reqs, result.token_ids, result.logprobs))
+        except Exception as exc:
+            log.exception("engine step failed")
+            outputs.extend(self._fail_step(launched.sched, exc))
+            return exc
+        return None
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        detail = f"internal error in engine step: {exc}"
+        return [self._fail(req, INTERNAL, detail) for req, _ in sched.scheduled if not req.finished]
+
+    def _drain(self) -> list[RequestOutput]:
+        """Reads the launched step (async): afterwards every request holds its tokens on the host."""
+        launched, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if launched is not None:
+            self._read(launched, outputs)
+        return outputs
+
+    def _needs_host_tokens(self) -> bool:
+        """Whether the next step needs the host's values of pending tokens: penalties over the output."""
+        return any(r.prev_row >= 0 and r.sampling.has_penalties for r in self.scheduler.running)
+
+    @staticmethod
+    def _drop_placeholder(req: Request) -> None:
+        """A request ending before its pending token is read ends without it."""
+        if req.prev_row >= 0:
+            req.token_ids.pop()
+            req.prev_row = -1
 
     @staticmethod
     def _observe(hook: Callable[..., None], *args: object) -> None:
@@ -290,9 +394,15 @@ class LLMEngine:
             log.exception("engine observer failed")
 
     def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
+        """Writes each sampled token over its request's placeholder and applies the stop rules; a request
+        that ended since the step was launched (stopped, aborted, failed, expired) is skipped."""
         outputs: list[RequestOutput] = []
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            req.token_ids.append(tok)
+            if req.finished:
+                continue
+            assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
+            req.token_ids[-1] = tok
+            req.prev_row = -1
             self._generated += 1
             reason = self._stop_reason(req, tok)
             if reason is not None:
@@ -319,6 +429,8 @@ class LLMEngine:
 
     def _fail(self, req: Request, error_class: str, detail: str) -> RequestOutput:
         """Ends the request with finish_reason "error" (a no-op on the state of one already finished)."""
+        if not req.finished:
+            self._drop_placeholder(req)
         self.scheduler.finish(req, "error", error_message(error_class, detail))
         self.requests.pop(req.request_id, None)
         return self._output(req, [])

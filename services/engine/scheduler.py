@@ -111,6 +111,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self._pending_token_is_last(req):
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0, "a running request always has a token to compute"
             need = self._blocks_needed(req, n)
@@ -199,6 +202,13 @@ class Scheduler:
         return self.running
 
     # ---- helpers -------------------------------------------------------------------------------
+
+    def _pending_token_is_last(self, req: Request) -> bool:
+        """Async scheduling: the token the device is sampling for `req` (not read yet) is its last by
+        count (max_new_tokens or the context length), so the request ends when it is read."""
+        return req.prev_row >= 0 and (
+            req.num_output_tokens >= req.stopping.max_new_tokens or req.num_tokens >= self.max_model_len
+        )
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)

@@ -9,7 +9,7 @@ import torch
 
 from services.engine.block_manager import BlockManager
 from services.engine.engine import LLMEngine
-from services.engine.request import Request
+from services.engine.request import PLACEHOLDER, Request
 from services.engine.settings import EngineSettings
 
 FAKE_VOCAB = 64
@@ -35,6 +35,7 @@ class FakeRunner:
         self.block_manager: BlockManager | None = None
         self.steps: list[list[tuple[str, int]]] = []
         self.fail_next = False
+        self.fed_from_device = 0  # decode rows whose input token came from the previous step's ids
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         pass
@@ -56,9 +57,15 @@ class FakeRunner:
             first, last = req.num_computed_tokens // bm.block_size, (end - 1) // bm.block_size
             for b in req.block_ids[first : last + 1]:
                 assert bm.ref_counts[b] == 1, "a step never writes into a shared block"
+            tokens = req.token_ids
+            if req.prev_row >= 0:  # async scheduling: the last token is still on the "device"
+                assert prev_tokens is not None and n == 1, "a pending token is a decode's input"
+                tokens = [*tokens[:-1], int(prev_tokens[req.prev_row])]
+                self.fed_from_device += 1
+            assert PLACEHOLDER not in tokens, "the model never reads a placeholder"
             if end == req.num_tokens:
                 row = torch.full((FAKE_VOCAB,), -10.0)
-                row[next_token(req.token_ids)] = 10.0
+                row[next_token(tokens)] = 10.0
                 rows.append(row)
                 sampling.append(req)
         # Reversed, as a runner may order rows as it likes.
