@@ -3,17 +3,20 @@ warm-up, measurement and pool replacement run on CPU with the device's free memo
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pytest
 import torch
 
+from services.common.settings import load_settings
 from services.engine import kv_sizing
 from services.engine.engine import LLMEngine
 from services.engine.model_runner import ModelRunner
 from services.engine.params import SamplingParams, StoppingParams
 from services.engine.request import Request
 from services.engine.settings import EngineSettings
+from tests.engine.fakes import FakeRunner
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -143,3 +146,59 @@ def test_engine_on_cpu_keeps_the_half_gib_pool_by_default(llama_dir: Path) -> No
         runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, 4
     )
     assert runner.num_blocks == int(kv_sizing.DEFAULT_KV_CACHE_GB * GiB) // per_block
+
+
+# ---- the context length against the pool (engine.context_length) ------------------------------------
+
+
+def _fake_engine(num_blocks: int, model_len: int, **settings: object) -> LLMEngine:
+    return LLMEngine(EngineSettings(**settings), runner=FakeRunner(num_blocks, max_len=model_len))  # type: ignore[arg-type]
+
+
+def test_a_max_model_len_the_pool_cannot_hold_is_refused_with_the_numbers() -> None:
+    # 4 blocks of 16 hold 64 tokens; the context length was cut to 64 silently before.
+    with pytest.raises(ValueError) as caught:
+        _fake_engine(4, 512, max_model_len=100)
+    message = str(caught.value)
+    assert "context length 100 (max_model_len)" in message
+    assert "4 blocks of 16 tokens hold 64 tokens" in message
+    assert "max_position_embeddings" not in message
+
+
+def test_the_models_own_context_length_the_pool_cannot_hold_is_refused_with_the_numbers() -> None:
+    with pytest.raises(ValueError) as caught:
+        _fake_engine(8, 512, block_size=8)
+    message = str(caught.value)
+    assert "context length 512 (the model's max_position_embeddings)" in message
+    assert "8 blocks of 8 tokens hold 64 tokens" in message
+
+
+def test_a_real_model_whose_context_the_pool_cannot_hold_does_not_start(llama_dir: Path) -> None:
+    # The test model's context is 512 tokens; 8 blocks of 16 hold 128.
+    with pytest.raises(ValueError, match=r"context length 512 \(the model's max_position_embeddings\)"):
+        LLMEngine(EngineSettings(model=str(llama_dir), device="cpu", num_kv_blocks=8))
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "model_len", "max_model_len", "expected"),
+    [
+        (4, 512, 64, 64),  # max_model_len exactly the pool, shorter than the model's
+        (4, 512, 50, 50),
+        (32, 512, 0, 512),  # the model's own context, exactly the pool
+        (40, 512, 0, 512),
+        (4, 0, 0, 64),  # no context length of its own: what the pool holds
+    ],
+)
+def test_a_context_length_that_fits_starts(
+    num_blocks: int, model_len: int, max_model_len: int, expected: int
+) -> None:
+    engine = _fake_engine(num_blocks, model_len, max_model_len=max_model_len)
+    assert engine.max_model_len == expected
+    assert engine.scheduler.max_model_len == expected
+
+
+def test_gpu_memory_utilization_defaults_to_0_9() -> None:
+    assert EngineSettings().gpu_memory_utilization == 0.9
+    assert load_settings(EngineSettings, [], environ={}).gpu_memory_utilization == 0.9
+    default = inspect.signature(ModelRunner).parameters["gpu_memory_utilization"].default
+    assert default == 0.9
