@@ -1,11 +1,18 @@
 """`sluice bench engine`: the engine against transformers on one fixed workload, in one process.
 
-Usage: `sluice bench engine [--device cpu|cuda] [--methods a,b] [--json FILE] [--plot FILE] [--quick]`.
-Writes a random-weight tiny Llama to a temporary directory, builds the workload (64 requests arriving at
-once, prompts 16-256 tokens, outputs 8-256 tokens, fixed seed), times each method on it, checks every
-method's greedy outputs against hf-sequential's (near-ties of the reference's logits told apart from real
-differences), and prints a table, the greedy check and the targets. Exit status 0 when every method ran,
-1 when one failed, 2 on bad arguments.
+Usage: `sluice bench engine [--preset NAME | --model DIR] [--device cpu|cuda] [--dtype D]
+[--concurrency 64,256] [--methods a,b] [--decode-batch 64] [--hbm-gbps GB/s] [--json FILE] [--plot FILE]
+[--quick]`.
+
+The model: `--preset tiny` (the default; a random-weight tiny Llama written to a temporary directory),
+`qwen2-0.5b`, `llama-1b` or `llama-8b` (random weights in those models' shapes, cached; see
+engine_presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it
+builds the workload (that many requests arriving at once, prompts 16-256 tokens, outputs 8-256 tokens,
+fixed seed), times each method on it, checks every method's greedy outputs against hf-sequential's
+(near-ties of the reference's logits told apart from real differences), and prints one table per
+concurrency. Then it times decode-only steps of the engine at `--decode-batch` rows (CUDA graphs on and
+off on CUDA) against the memory roofline (engine_roofline.py), and prints the targets. Exit status 0
+when every method ran, 1 when one failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -20,31 +27,49 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
 from sluice.bench import engine_report as report
 from sluice.bench.engine_methods import (
     ALL_METHODS,
+    DEFAULT_METHODS,
+    EAGER,
+    NOT_ON_CPU,
     BenchContext,
     MethodResult,
     Progress,
     load_hf_model,
+    measure_decode_step,
+    on_cuda,
     reference_logits,
+    release_memory,
     run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
     run_sluice,
 )
-from sluice.bench.engine_workload import Workload, bench_model_config, make_workload, write_bench_model
+from sluice.bench.engine_presets import PRESET_NAMES, TINY, preset_model_dir
+from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
+from sluice.bench.engine_workload import Workload, make_workload
 
-QUICK_DEFAULTS = {"num_requests": 4, "prompt_len": (16, 48), "output_len": (8, 24), "hf_batch_tokens": (256,)}
+QUICK_DEFAULTS = {
+    "concurrency": (4,),
+    "prompt_len": (16, 48),
+    "output_len": (8, 24),
+    "hf_batch_tokens": (256,),
+    "decode_batch": 4,
+    "decode_steps": 4,
+}
 FULL_DEFAULTS = {
-    "num_requests": 64,
+    "concurrency": (64,),
     "prompt_len": (16, 256),
     "output_len": (8, 256),
     "hf_batch_tokens": (256, 512, 1024),
+    "decode_batch": 64,
+    "decode_steps": 32,
 }
+GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -78,12 +103,38 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the sluice engine's batching policies against transformers on one fixed workload.",
     )
     add = parser.add_argument
-    add("--num-requests", type=int, default=None, metavar="N", help="requests in the workload (default 64)")
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--preset", default=TINY, choices=PRESET_NAMES,
+        help="the model: the tiny Llama (default) or random weights in a real model's shape (cached)",
+    )
+    model.add_argument("--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model")
+    add(
+        "--concurrency", type=_int_list, default=None, metavar="LIST",
+        help="requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
+        "other than tiny)",
+    )
+    add("--num-requests", type=int, default=None, metavar="N", help="the same as --concurrency N")
     add("--seed", type=int, default=0, metavar="N", help="seed of the model weights and the workload")
     methods = ",".join(ALL_METHODS)
-    add("--methods", type=_methods, default=ALL_METHODS, metavar="LIST", help=f"comma list of {methods}")
+    add(
+        "--methods", type=_methods, default=None, metavar="LIST",
+        help=f"comma list of {methods} (default: all; {EAGER} on CUDA only)",
+    )
     add("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    add("--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="every method's dtype")
+    add(
+        "--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+        help="every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+    )
+    add(
+        "--decode-batch", type=int, default=None, metavar="N",
+        help="time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)",
+    )
+    add("--decode-steps", type=int, default=None, metavar="N", help="decode steps timed (default 32)")
+    add(
+        "--hbm-gbps", type=float, default=None, metavar="GB/s",
+        help="memory bandwidth for the roofline (default: by GPU name; none on CPU)",
+    )
     add("--prompt-len", type=_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
     add("--output-len", type=_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
     add(
@@ -100,21 +151,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """Fills unset workload options from the quick or full defaults and picks the device."""
+    """Fills unset options from the quick or full defaults (on CUDA, bfloat16 and 64,256 requests for a
+    model other than tiny) and picks the device."""
+    if args.num_requests is not None:
+        if args.num_requests < 1:
+            raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+        if args.concurrency not in (None, (args.num_requests,)):
+            raise ValueError("--num-requests N is --concurrency N; give one of them")
+        args.concurrency = (args.num_requests,)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if on_cuda(args.device) and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    real_model_on_gpu = on_cuda(args.device) and (args.model is not None or args.preset != TINY)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if real_model_on_gpu else "float32"
+    if args.concurrency is None and real_model_on_gpu and not args.quick:
+        args.concurrency = GPU_MODEL_CONCURRENCY
     defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.num_requests < 1:
-        raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.methods is None:
+        args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
+    if args.decode_batch < 0 or args.decode_steps < 1:
+        raise ValueError("--decode-batch must be >= 0 and --decode-steps >= 1")
+    if args.hbm_gbps is not None and args.hbm_gbps <= 0:
+        raise ValueError(f"--hbm-gbps must be positive, got {args.hbm_gbps}")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     if args.repeat < 1:
         raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
 
 
 HF_RUNNERS = {
@@ -130,21 +199,29 @@ def _runner(
     """A callable that runs method `name`, reporting delivered tokens to the progress callback."""
     if name in HF_RUNNERS:
         return lambda progress: HF_RUNNERS[name](ctx, hf(), work, progress)
+    if name == EAGER:
+        return lambda progress: run_sluice(ctx, work, "continuous", progress, cuda_graphs="off")
     batching = name.removeprefix("sluice-")
     return lambda progress: run_sluice(ctx, work, batching, progress)
 
 
 def run_methods(
     ctx: BenchContext, work: Workload, methods: tuple[str, ...], repeat: int, show_progress: bool
-) -> tuple[dict[str, MethodResult], dict[str, str]]:
+) -> tuple[dict[str, MethodResult], dict[str, str], dict[str, str]]:
     """Runs each method `repeat` times in order and keeps its fastest run; a method that raises is
-    recorded in the errors and the others go on.
+    recorded in the errors and the others go on. Returns the results, the errors and the methods skipped
+    with the reason (the eager engine on a CPU, where it is the same engine: NOT_ON_CPU).
 
-    Each transformers method loads its own copy of the model, so no state carries from one to the next.
+    Each transformers method loads its own copy of the model, so no state carries from one to the next;
+    the memory of each method is released before the next.
     """
     results: dict[str, MethodResult] = {}
     errors: dict[str, str] = {}
+    skipped: dict[str, str] = {}
     for k, name in enumerate(methods, 1):
+        if name == EAGER and not on_cuda(ctx.device):
+            skipped[name] = NOT_ON_CPU
+            continue
         passes = (len(ctx.hf_batch_tokens) if name == "hf-continuous" else 1) * repeat
         bar = tqdm(
             total=work.total_output_tokens * passes, desc=f"[{k}/{len(methods)}] {name}", unit="tok",
@@ -161,7 +238,13 @@ def run_methods(
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
             traceback.print_exc(file=sys.stderr)
-    return results, errors
+        finally:
+            release_memory(ctx.device)
+    return results, errors, skipped
+
+
+def model_label(args: argparse.Namespace) -> str:
+    return args.model.name if args.model is not None else args.preset
 
 
 def main(argv: list[str]) -> int:
@@ -175,23 +258,67 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    vocab = bench_model_config().vocab_size
-    work = make_workload(args.num_requests, args.seed, vocab, args.prompt_len, args.output_len)
+    label = model_label(args)
     meta: dict[str, Any] = {
         "command": "sluice bench engine " + " ".join(argv),
-        "workload": work.describe(args.prompt_len, args.output_len, args.seed),
+        "model": label,
         "dtype": args.dtype,
         "repeat": args.repeat,
         "machine": report.machine_info(args.device),
     }
-    print(f"workload: {meta['workload']}")
+    print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
     print(f"machine: {meta['machine']}")
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        model_dir = write_bench_model(Path(tmp) / "tiny-llama", args.seed)
+        model_dir = args.model or preset_model_dir(args.preset, args.dtype, args.seed, Path(tmp))
+        config = AutoConfig.from_pretrained(model_dir)
         ctx = BenchContext(model_dir, args.device, args.dtype, args.hf_batch_tokens)
-        results, errors = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
-        check = check_greedy(ctx, work, results)
-    return _report(args, work, meta, results, errors, check)
+        blocks = [run_block(args, ctx, config, label, c) for c in args.concurrency]
+        decode, decode_error = run_decode(args, ctx, config, blocks[0].work)
+    return _report(args, meta, blocks, decode, decode_error)
+
+
+def run_block(
+    args: argparse.Namespace, ctx: BenchContext, config: PretrainedConfig, label: str, concurrency: int
+) -> report.Block:
+    """Every method on the workload of `concurrency` requests arriving at once, and the greedy check."""
+    work = make_workload(concurrency, args.seed, config.vocab_size, args.prompt_len, args.output_len)
+    described = work.describe(args.prompt_len, args.output_len, args.seed)
+    print(f"== {label}, {concurrency} requests at once: {described}")
+    results, errors, skipped = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
+    check = check_greedy(ctx, work, results)
+    return report.Block(label, concurrency, work, described, results, errors, skipped, check)
+
+
+def decode_context(work: Workload) -> int:
+    """The workload's mean context while decoding: a request's prompt and, on average, half its output."""
+    prompt = sum(len(p) for p in work.prompts) / len(work)
+    output = work.total_output_tokens / len(work)
+    return round(prompt + output / 2)
+
+
+def run_decode(
+    args: argparse.Namespace, ctx: BenchContext, config: PretrainedConfig, work: Workload
+) -> tuple[list[report.DecodeFigure], str | None]:
+    """Decode-only steps at `--decode-batch` rows with CUDA graphs on (and off, on CUDA) against the memory
+    roofline; returns the figures and the error that stopped the measurement, if any."""
+    if args.decode_batch == 0:
+        return [], None
+    gbps, source = device_bandwidth(ctx.device, args.hbm_gbps)
+    element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
+    context = decode_context(work)
+    print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
+    figures: list[report.DecodeFigure] = []
+    for graphs in ("on", "off") if on_cuda(ctx.device) else ("on",):
+        try:
+            step = measure_decode_step(ctx, args.decode_batch, context, args.decode_steps, graphs, args.seed)
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            return figures, f"{type(exc).__name__}: {exc}"
+        finally:
+            release_memory(ctx.device)
+        roof = decode_roofline(config, element, step.batch, step.mean_context, gbps)
+        figures.append(report.DecodeFigure(step, roof, source))
+    return figures, None
 
 
 def check_greedy(
@@ -208,34 +335,32 @@ def check_greedy(
 
 def _report(
     args: argparse.Namespace,
-    work: Workload,
     meta: dict[str, Any],
-    results: dict[str, MethodResult],
-    errors: dict[str, str],
-    check: report.GreedyCheck | None,
+    blocks: list[report.Block],
+    decode: list[report.DecodeFigure],
+    decode_error: str | None,
 ) -> int:
-    """Prints the table, the greedy check and the targets, writes the JSON and the plot; returns the exit
-    status."""
-    rows = report.build_rows(results, check)
-    targets = report.evaluate_targets(results, rows, errors)
+    """Prints each concurrency's table and greedy check, the decode steps and the targets, writes the JSON
+    and the plot; returns the exit status."""
+    label = model_label(args)
+    targets = [t for b in blocks for t in b.targets()] + report.decode_targets(decode, label)
+    for block in blocks:
+        print()
+        print(report.format_block(block))
     print()
-    print(report.format_table(rows, errors, len(work)))
-    if check is not None:
-        print(report.format_greedy_check(check, rows))
-    hf_cb = results.get("hf-continuous")
-    if hf_cb is not None:
-        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
-        print(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
+    print(report.format_decode(decode, decode_error))
     if args.repeat > 1:
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("targets:")
     for target in targets:
         print(target.line())
     if args.json is not None:
-        report.write_json(args.json, report.to_json(rows, errors, targets, meta, check))
+        report.write_json(args.json, report.to_json_runs(blocks, decode, decode_error, targets, meta))
         print(f"wrote {args.json}")
+    rows = [(b, r) for b in blocks for r in b.rows]
     if args.plot is not None and rows:
-        title = f"sluice bench engine: {len(work)} requests, {args.device}, {args.dtype}"
+        title = f"sluice bench engine: {label}, {args.device}, {args.dtype}"
         report.write_plot(args.plot, rows, title)
         print(f"wrote {args.plot}")
-    return 1 if errors else 0
+    failed = any(b.errors for b in blocks) or decode_error is not None
+    return 1 if failed else 0

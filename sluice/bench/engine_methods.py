@@ -1,4 +1,5 @@
-"""The methods the engine benchmark times: transformers baselines and the sluice engine's three policies.
+"""The methods the engine benchmark times: transformers baselines and the sluice engine's three policies
+(continuous batching also with CUDA graphs off), and the decode-step measurement.
 
 Every method takes the same `BenchContext` and `Workload` and returns a `MethodResult` holding, for each
 request in workload order, exactly its `max_new_tokens[i]` greedy tokens. EOS never ends a request early:
@@ -8,7 +9,9 @@ short warm-up request outside the timed region.
 
 from __future__ import annotations
 
+import gc
 import math
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,19 +20,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from sluice.bench.engine_roofline import kv_bytes_per_token
 from sluice.bench.engine_workload import FIRST_PLAIN_ID, PAD_ID, Workload
 
 if TYPE_CHECKING:  # the engine is imported when a sluice method runs, so the baselines run without it
     from services.engine.engine import LLMEngine
+    from services.engine.scheduler import SchedulerOutput
     from services.engine.settings import EngineSettings
 
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
-SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous")
+EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
+SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous", EAGER)
 ALL_METHODS = HF_METHODS + SLUICE_METHODS
+DEFAULT_METHODS = HF_METHODS + SLUICE_METHODS[:3]  # CPU: the eager method is the same engine there
 STATIC_BATCH_SIZE = 16
-KV_CACHE_GB = 0.5
+KV_CACHE_GB = 0.5  # the least KV pool; more when the workload needs it (see kv_cache_gb)
+KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
+NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
 
 Progress = Callable[[int], None]  # called with the number of output tokens just delivered
 
@@ -62,6 +71,7 @@ class MethodResult:
     max_batch: int | None = None  # engine: the most requests in one step
     kv_efficiency: float | None = None  # engine: tokens stored / token slots allocated at peak block use
     preemptions: int | None = None  # engine: requests preempted (recomputed later)
+    cuda_graphs: str | None = None  # engine: "on" | "off" on CUDA, NOT_ON_CPU elsewhere
     sweep: list[dict[str, Any]] = field(default_factory=list)  # hf-continuous: every setting tried
     runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat of the method
 
@@ -265,17 +275,54 @@ def run_hf_continuous(
 # ---------------------------------------------------------------- sluice engine
 
 
-def _engine_settings(ctx: BenchContext, batching: str) -> EngineSettings:
+def on_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def kv_cache_gb(ctx: BenchContext, lengths: list[int], block_size: int) -> float:
+    """A KV pool holding requests of these total lengths (prompt + output) all at once, KV_SLACK over, and
+    never under KV_CACHE_GB. Explicit on CUDA too: the engine's automatic size would take most of the free
+    memory and starve the transformers methods that run in the same process after it."""
+    element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(ctx.model_dir), element)
+    tokens = sum(_round_up(n, block_size) + block_size for n in lengths)
+    return max(KV_CACHE_GB, KV_SLACK * tokens * per_token / (1 << 30))
+
+
+def _engine_settings(
+    ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str
+) -> EngineSettings:
+    """The engine for requests of these total lengths: a context length just above the longest (the model's
+    own may not fit the pool) and a pool holding them all."""
     from services.engine.settings import EngineSettings
 
+    block_size = EngineSettings.block_size
     return EngineSettings(
         model=str(ctx.model_dir),
         device=ctx.device,
         dtype=ctx.dtype,
         batching=batching,
         static_batch_size=STATIC_BATCH_SIZE,
-        kv_cache_gb=KV_CACHE_GB,
+        block_size=block_size,
+        kv_cache_gb=kv_cache_gb(ctx, lengths, block_size),
+        max_model_len=_round_up(max(lengths) + 1, block_size),
+        cuda_graphs=cuda_graphs,
     )
+
+
+def _graphs_state(ctx: BenchContext, cuda_graphs: str) -> str:
+    return cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU
+
+
+def release_memory(device: str) -> None:
+    """Returns the memory of models and pools no longer referenced to the device, for the next method."""
+    gc.collect()
+    if on_cuda(device):
+        torch.cuda.empty_cache()
 
 
 def drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) -> None:
@@ -292,12 +339,15 @@ def drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) 
                 progress(len(out.new_token_ids))
 
 
-def run_sluice(ctx: BenchContext, work: Workload, batching: str, progress: Progress) -> MethodResult:
+def run_sluice(
+    ctx: BenchContext, work: Workload, batching: str, progress: Progress, cuda_graphs: str = "on"
+) -> MethodResult:
     """The engine core with one batching policy: add every request, then `step()` until none is left."""
     from services.engine.engine import LLMEngine
     from services.engine.params import SamplingParams, StoppingParams
 
-    engine = LLMEngine(_engine_settings(ctx, batching))
+    lengths = [len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
+    engine = LLMEngine(_engine_settings(ctx, batching, lengths, cuda_graphs))
     greedy = SamplingParams(temperature=0.0)
     engine.add_request("warmup", _warmup_prompt(), greedy, StoppingParams(max_new_tokens=4, ignore_eos=True))
     drain(engine, {}, progress)
@@ -310,8 +360,9 @@ def run_sluice(ctx: BenchContext, work: Workload, batching: str, progress: Progr
         drain(engine, outputs, progress)
     stats = engine.stats()
     ordered = [outputs[f"r{i}"] for i in range(len(work))]
+    eager = cuda_graphs == "off" and batching == "continuous"
     return MethodResult(
-        f"sluice-{batching}",
+        EAGER if eager else f"sluice-{batching}",
         elapsed[0],
         _count(ordered),
         ordered,
@@ -321,4 +372,84 @@ def run_sluice(ctx: BenchContext, work: Workload, batching: str, progress: Progr
         max_batch=stats.max_batch,
         kv_efficiency=stats.peak_kv_efficiency,
         preemptions=stats.num_preemptions,
+        cuda_graphs=_graphs_state(ctx, cuda_graphs),
     )
+
+
+# ---------------------------------------------------------------- decode steps
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """Decode-only steps of the engine at one batch size: their mean time and what they computed."""
+
+    cuda_graphs: str  # "on" | "off" | NOT_ON_CPU
+    batch: int
+    mean_context: float  # tokens per row, the new one included, averaged over the timed steps
+    steps: int  # steps timed
+    step_s: float  # mean wall time of one step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s if self.step_s > 0 else 0.0
+
+
+class _StepShapes:
+    """An engine observer that records, per scheduled step, its batch size and whether every row decodes."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, bool]] = []
+
+    def on_arrival(self, request: object, trace_context: object = None) -> None:
+        pass
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        decode_only = all(n == 1 and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
+        self.shapes.append((len(sched.scheduled), decode_only))
+
+    def on_step_end(self, *args: object) -> None:
+        pass
+
+
+DECODE_WARM_STEPS = 3  # decode steps run before the timed ones (first decodes, CUDA graph replay warm-up)
+
+
+def measure_decode_step(
+    ctx: BenchContext, batch: int, context: int, steps: int, cuda_graphs: str = "on", seed: int = 0
+) -> DecodeStep:
+    """Times `steps` decode-only steps of `batch` requests whose context averages `context` tokens over
+    them: `batch` random prompts are prefilled, a few decode steps run untimed, then `steps` are timed
+    (device synchronised at both ends). Raises RuntimeError when a timed step was not a decode of the
+    whole batch (it would not measure what it says)."""
+    from services.engine.engine import LLMEngine
+    from services.engine.params import SamplingParams, StoppingParams
+
+    prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)
+    new_tokens = DECODE_WARM_STEPS + steps + 4  # none ends during the timed steps
+    lengths = [prompt_len + new_tokens] * batch
+    engine = LLMEngine(_engine_settings(ctx, "continuous", lengths, cuda_graphs))
+    rng = random.Random(seed)
+    vocab = engine.runner.vocab_size
+    greedy = SamplingParams(temperature=0.0)
+    stopping = StoppingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    produced: dict[str, list[int]] = {}
+    for i in range(batch):
+        prompt = [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(prompt_len)]
+        engine.add_request(f"d{i}", prompt, greedy, stopping)
+        produced[f"d{i}"] = []
+    while min(len(t) for t in produced.values()) < DECODE_WARM_STEPS:
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
+            produced[out.request_id].extend(out.new_token_ids)
+    shapes = _StepShapes()
+    engine.observer = shapes  # type: ignore[assignment]
+    with _timed(ctx.device) as elapsed:
+        for _ in range(steps):
+            engine.step()
+    engine.observer = None
+    if shapes.shapes != [(batch, True)] * steps:
+        raise RuntimeError(f"timed steps were not all decodes of {batch} rows: {shapes.shapes}")
+    start = prompt_len + DECODE_WARM_STEPS + 1  # context of the first timed step, give or take async's one
+    mean_context = start + (steps - 1) / 2
+    return DecodeStep(_graphs_state(ctx, cuda_graphs), batch, mean_context, steps, elapsed[0] / steps)

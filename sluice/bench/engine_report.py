@@ -1,4 +1,7 @@
-"""Figures of one engine-benchmark run: comparison with the reference, targets, table, JSON and plot."""
+"""Figures of one engine-benchmark run: comparison with the reference, targets, tables, JSON and plot.
+
+A run is one block per concurrency (every method on that workload) and the decode-step measurement.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +10,23 @@ import math
 import os
 import platform
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
 
-from sluice.bench.engine_methods import SLUICE_METHODS, MethodResult
+from sluice.bench.engine_methods import NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
+from sluice.bench.engine_roofline import Roofline
+from sluice.bench.engine_workload import Workload
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
 HEADLINE = "sluice-continuous"
+BLOCK_METHODS = SLUICE_METHODS[:3]  # the policies every block's targets are about (not the eager variant)
+ROOFLINE_TARGET = 3.0  # a decode step within this many times the memory roofline
+GRAPHS_TARGET = 1.5  # decode tokens/s with CUDA graphs over eager
 # Logit gap under which two correct greedy paths may pick different tokens by float noise alone, per dtype.
 # Measured on the benchmark model on CPU (logits within ±1.7): the largest logit difference between
 # hf-sequential and hf-static or a teacher-forced forward, up to their first differing token, is 1.7e-6 in
@@ -33,17 +41,23 @@ GREEDY_RULE = (
 
 @dataclass(frozen=True)
 class Target:
-    """One goal of the benchmark. `met` is None when the run did not measure it."""
+    """One goal of the benchmark: value >= threshold (value <= threshold when `at_most`). `met` is None when
+    the run did not measure it."""
 
     name: str
     value: float | None
     threshold: float
     met: bool | None
+    at_most: bool = False
+
+    @property
+    def verdict(self) -> str:
+        return {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[self.met]
 
     def line(self) -> str:
-        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[self.met]
         shown = "n/a" if self.value is None else f"{self.value:.3g}"
-        return f"  {verdict:<12} {self.name}: {shown} (target {self.threshold:g})"
+        bound = "<=" if self.at_most else ">="
+        return f"  {self.verdict:<12} {self.name}: {shown} (target {bound} {self.threshold:g})"
 
 
 @dataclass(frozen=True)
@@ -167,38 +181,108 @@ def _at_least(name: str, value: float | None, threshold: float) -> Target:
     return Target(name, value, threshold, None if value is None else value >= threshold)
 
 
-def _speed_target(results: dict[str, MethodResult], other: str, threshold: float) -> Target:
+def _at_most(name: str, value: float | None, threshold: float) -> Target:
+    return Target(name, value, threshold, None if value is None else value <= threshold, at_most=True)
+
+
+def _speed_target(results: dict[str, MethodResult], other: str, threshold: float, prefix: str) -> Target:
     head, base = results.get(HEADLINE), results.get(other)
     value = head.tokens_per_s / base.tokens_per_s if head and base and base.tokens_per_s > 0 else None
-    return _at_least(f"{HEADLINE} tokens/s ÷ {other}", value, threshold)
+    return _at_least(f"{prefix}{HEADLINE} tokens/s ÷ {other}", value, threshold)
 
 
 def evaluate_targets(
-    results: dict[str, MethodResult], rows: list[Row], errors: dict[str, str]
+    results: dict[str, MethodResult], rows: list[Row], errors: dict[str, str], label: str = ""
 ) -> list[Target]:
-    """The issue's targets. Never relaxed: a target the run could not measure is reported as such."""
+    """The issue's targets on one block (names prefixed with `[label]` when given). Never relaxed: a
+    target the run could not measure is reported as such."""
+    prefix = f"[{label}] " if label else ""
     head = results.get(HEADLINE)
-    sluice_rows = [r for r in rows if r.result.name in SLUICE_METHODS]
+    sluice_rows = [r for r in rows if r.result.name in BLOCK_METHODS]
     compared = [r.greedy for r in sluice_rows if r.greedy is not None]
-    all_ran = not any(m in errors for m in SLUICE_METHODS) and len(sluice_rows) == len(SLUICE_METHODS)
+    all_ran = not any(m in errors for m in BLOCK_METHODS) and len(sluice_rows) == len(BLOCK_METHODS)
     differing = sum(g.differing for g in compared)
     equal = None if not compared or not all_ran or REFERENCE not in results else differing == 0
     return [
-        _speed_target(results, "hf-continuous", 2.5),
-        _speed_target(results, "hf-static", 2.0),
-        _speed_target(results, "hf-sequential", 5.0),
+        _speed_target(results, "hf-continuous", 2.5, prefix),
+        _speed_target(results, "hf-static", 2.0, prefix),
+        _speed_target(results, "hf-sequential", 5.0, prefix),
         _at_least(
-            f"{HEADLINE} share of step time in the model forward, at the largest batch",
+            f"{prefix}{HEADLINE} share of step time in the model forward, at the largest batch",
             head and head.forward_share_max_batch,
             0.90,
         ),
-        _at_least(f"{HEADLINE} peak KV efficiency", head and head.kv_efficiency, 0.95),
+        _at_least(f"{prefix}{HEADLINE} peak KV efficiency", head and head.kv_efficiency, 0.95),
         Target(
-            f"requests where a sluice method's greedy output differs from {REFERENCE} (all methods, "
+            f"{prefix}requests where a sluice method's greedy output differs from {REFERENCE} (all methods, "
             "near-ties excepted)",
             float(differing) if compared else None,
             0,
             equal,
+            at_most=True,
+        ),
+    ]
+
+
+@dataclass
+class Block:
+    """Every method on the workload of one concurrency: results, failures, skipped methods, greedy check."""
+
+    model: str
+    concurrency: int
+    work: Workload
+    workload: dict[str, Any]  # Workload.describe
+    results: dict[str, MethodResult]
+    errors: dict[str, str]
+    skipped: dict[str, str] = field(default_factory=dict)  # method → why it did not run (NOT_ON_CPU)
+    check: GreedyCheck | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.model}, {self.concurrency} requests"
+
+    @property
+    def rows(self) -> list[Row]:
+        return build_rows(self.results, self.check)
+
+    def targets(self) -> list[Target]:
+        return evaluate_targets(self.results, self.rows, self.errors, self.label)
+
+
+@dataclass(frozen=True)
+class DecodeFigure:
+    """Decode-only steps as measured, and the memory roofline of the same steps."""
+
+    step: DecodeStep
+    roofline: Roofline
+    bandwidth_source: str  # the GPU's name, "--hbm-gbps", or why there is no figure
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured step time ÷ roofline time (1 = as fast as memory allows); None without a bandwidth."""
+        seconds = self.roofline.seconds
+        return self.step.step_s / seconds if seconds else None
+
+
+def decode_targets(figures: list[DecodeFigure], model: str) -> list[Target]:
+    """The decode step within ROOFLINE_TARGET× the roofline (graphs on, or the CPU's only run), and CUDA
+    graphs' decode tokens/s over eager at least GRAPHS_TARGET (CUDA only)."""
+    main = next((f for f in figures if f.step.cuda_graphs in ("on", NOT_ON_CPU)), None)
+    eager = next((f for f in figures if f.step.cuda_graphs == "off"), None)
+    batch = figures[0].step.batch if figures else "N"
+    graphs = None
+    if main is not None and eager is not None and eager.step.tokens_per_s > 0:
+        graphs = main.step.tokens_per_s / eager.step.tokens_per_s
+    return [
+        _at_most(
+            f"[{model}] decode-only step at batch {batch} ÷ memory roofline",
+            main and main.ratio,
+            ROOFLINE_TARGET,
+        ),
+        _at_least(
+            f"[{model}] decode tokens/s with CUDA graphs ÷ eager (decode-only steps, batch {batch})",
+            graphs,
+            GRAPHS_TARGET,
         ),
     ]
 
@@ -207,10 +291,12 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def format_table(rows: list[Row], errors: dict[str, str], num_requests: int) -> str:
+def format_table(
+    rows: list[Row], errors: dict[str, str], num_requests: int, skipped: dict[str, str] | None = None
+) -> str:
     header = (
         "method", "out tok/s", "wall s", f"× {BASELINE}", f"= {REFERENCE}",
-        "fwd share", "@max batch", "KV eff", "setting",
+        "fwd share", "@max batch", "KV eff", "graphs", "setting",
     )
     lines = [header]
     for row in rows:
@@ -225,19 +311,62 @@ def format_table(rows: list[Row], errors: dict[str, str], num_requests: int) -> 
                 _fmt(r.forward_share, ".1%"),
                 "-" if r.max_batch is None else f"{_fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})",
                 _fmt(r.kv_efficiency, ".3f"),
+                r.cuda_graphs or "-",
                 r.setting,
             )
         )
-    lines.extend((name, "FAILED", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
+    lines.extend((name, "FAILED", "", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
+    lines.extend((name, why, "", "", "", "", "", "", why, "") for name, why in (skipped or {}).items())
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     text.append(
         f"(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ, 'k near-tie' that k are equal "
         "up to a near-tie (see the greedy check); fwd share: time in the model forward / step time, overall "
-        "and over the steps with the largest batch (its size))"
+        "and over the steps with the largest batch (its size); graphs: CUDA graphs for decode-only steps)"
     )
     return "\n".join(text)
+
+
+def format_block(block: Block) -> str:
+    """One concurrency's table, its greedy check and hf-continuous's sweep."""
+    rows = block.rows
+    parts = [f"-- {block.label} at once", format_table(rows, block.errors, len(block.work), block.skipped)]
+    if block.check is not None:
+        parts.append(format_greedy_check(block.check, rows))
+    hf_cb = block.results.get("hf-continuous")
+    if hf_cb is not None:
+        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
+        parts.append(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
+    return "\n".join(parts)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+def format_decode(figures: list[DecodeFigure], error: str | None) -> str:
+    """The decode-step measurement: step time, tokens/s and the roofline, per CUDA graphs setting."""
+    if not figures and error is None:
+        return "decode-only steps: not measured (--decode-batch 0)"
+    lines = []
+    for f in figures:
+        s, roof = f.step, f.roofline
+        bound = (
+            f"roofline {roof.seconds * 1e3:.3f} ms ({_gb(roof.weight_bytes)} weights + {_gb(roof.kv_bytes)} "
+            f"KV at {roof.gbps:g} GB/s, {f.bandwidth_source}): {f.ratio:.2f}× the roofline"
+            if roof.seconds
+            else f"roofline n/a: {_gb(roof.weight_bytes)} weights + {_gb(roof.kv_bytes)} KV read per step, "
+            f"no bandwidth: {f.bandwidth_source}"
+        )
+        lines.append(
+            f"decode-only steps, batch {s.batch}, context ~{s.mean_context:.0f}, CUDA graphs "
+            f"{s.cuda_graphs}: {s.step_s * 1e3:.2f} ms a step over {s.steps} steps, "
+            f"{s.tokens_per_s:.1f} tok/s; {bound}"
+        )
+    if error is not None:
+        lines.append(f"decode-only steps FAILED: {error}")
+    return "\n".join(lines)
 
 
 def _greedy_cell(greedy: GreedyMatch | None) -> str:
@@ -285,7 +414,9 @@ def to_json(
     targets: list[Target],
     meta: dict[str, Any],
     check: GreedyCheck | None,
+    skipped: dict[str, str] | None = None,
 ) -> dict[str, Any]:
+    """One block's figures (`meta` merged in at the top)."""
     methods: dict[str, Any] = {}
     for row in rows:
         r, g = row.result, row.greedy
@@ -303,6 +434,7 @@ def to_json(
             "max_batch": r.max_batch,
             "kv_efficiency": r.kv_efficiency,
             "preemptions": r.preemptions,
+            "cuda_graphs": r.cuda_graphs,
             "setting": r.setting,
             "sweep": r.sweep,
             "runs_tokens_per_s": r.runs_tokens_per_s,
@@ -310,6 +442,8 @@ def to_json(
         }
     for name, msg in errors.items():
         methods[name] = {"error": msg}
+    for name, why in (skipped or {}).items():
+        methods[name] = {"skipped": why, "error": None}
     return {
         **meta,
         "reference": REFERENCE,
@@ -320,24 +454,71 @@ def to_json(
     }
 
 
+def decode_json(figure: DecodeFigure) -> dict[str, Any]:
+    s, roof = figure.step, figure.roofline
+    return {
+        "cuda_graphs": s.cuda_graphs,
+        "batch": s.batch,
+        "mean_context": s.mean_context,
+        "steps": s.steps,
+        "step_s": s.step_s,
+        "tokens_per_s": s.tokens_per_s,
+        "weight_bytes": roof.weight_bytes,
+        "kv_bytes": roof.kv_bytes,
+        "hbm_gbps": roof.gbps,
+        "bandwidth_source": figure.bandwidth_source,
+        "roofline_s": roof.seconds,
+        "ratio_to_roofline": figure.ratio,
+    }
+
+
+def to_json_runs(
+    blocks: list[Block],
+    decode: list[DecodeFigure],
+    decode_error: str | None,
+    targets: list[Target],
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
+    the top are the first block's (the layout of a one-block run); `targets` are all of them."""
+    runs = []
+    for block in blocks:
+        doc = to_json(block.rows, block.errors, block.targets(), {}, block.check, block.skipped)
+        runs.append({"concurrency": block.concurrency, "workload": block.workload, **doc})
+    first = runs[0]
+    return {
+        **meta,
+        "reference": REFERENCE,
+        "baseline": BASELINE,
+        "workload": first["workload"],
+        "greedy_check": first["greedy_check"],
+        "methods": first["methods"],
+        "runs": runs,
+        "decode_steps": [decode_json(f) for f in decode],
+        "decode_error": decode_error,
+        "targets": [t.__dict__ for t in targets],
+    }
+
+
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
-def write_plot(path: Path, rows: list[Row], title: str) -> None:
-    """A PNG bar chart of output tokens/s per method (transformers grey, sluice blue)."""
+def write_plot(path: Path, rows: list[tuple[Block, Row]], title: str) -> None:
+    """A PNG bar chart of output tokens/s per method and concurrency (transformers grey, sluice blue)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    names = [r.result.name for r in rows]
-    speeds = [r.result.tokens_per_s for r in rows]
-    colors = ["#1f77b4" if n in SLUICE_METHODS else "#9a9a9a" for n in names]
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
+    several = len({b.concurrency for b, _ in rows}) > 1
+    names = [r.result.name + (f" @{b.concurrency}" if several else "") for b, r in rows]
+    speeds = [r.result.tokens_per_s for _, r in rows]
+    colors = ["#1f77b4" if r.result.name in SLUICE_METHODS else "#9a9a9a" for _, r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows)), 4.5), dpi=120)
     bars = ax.bar(names, speeds, color=colors)
-    for bar, row in zip(bars, rows, strict=True):
+    for bar, (_, row) in zip(bars, rows, strict=True):
         label = f"{bar.get_height():.0f}" + ("" if row.ratio is None else f"\n{row.ratio:.2f}×")
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                     fontsize=8)

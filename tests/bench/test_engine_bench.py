@@ -1,4 +1,5 @@
-"""`sluice bench engine` on a reduced workload: every method's figures, the greedy check, JSON and PNG."""
+"""`sluice bench engine` on a reduced workload: every method's figures, the greedy check, the decode steps,
+JSON and PNG; its options."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sluice.bench import engine as bench
 from sluice.bench import engine_report as report
 from sluice.bench.engine_methods import (
     ALL_METHODS,
+    DEFAULT_METHODS,
     HF_METHODS,
     BenchContext,
     MethodResult,
@@ -35,6 +37,7 @@ from sluice.bench.engine_workload import (
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # One torch thread: the figures don't matter here, and it keeps the run short on a busy machine.
 QUICK = ["--quick", "--device", "cpu", "--no-progress", "--threads", "1", "--output-len", "6,14"]
+NO_DECODE = ["--decode-batch", "0"]  # for tests about the methods only
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -54,7 +57,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, 
 def test_every_method_runs_and_reports_its_figures(quick_run: tuple[int, dict[str, Any], Path]) -> None:
     rc, doc, _ = quick_run
     assert rc == 0, {name: m.get("error") for name, m in doc["methods"].items()}
-    assert list(doc["methods"]) == list(ALL_METHODS)
+    assert list(doc["methods"]) == list(DEFAULT_METHODS)  # on a CPU, no eager engine: the same one there
+    assert [run["concurrency"] for run in doc["runs"]] == [4] and doc["runs"][0]["methods"] == doc["methods"]
     expected_tokens = doc["workload"]["output_tokens"]
     for name, fig in doc["methods"].items():
         assert fig["error"] is None, name
@@ -112,7 +116,8 @@ def _run_with_one_token_changed(
     monkeypatch.setattr(bench, "run_sluice", altered)
     out = tmp_path / "b.json"
     methods = "hf-sequential,sluice-static,sluice-dynamic,sluice-continuous"
-    assert bench.main([*QUICK, "--num-requests", "2", "--methods", methods, "--json", str(out)]) == 0
+    argv = [*QUICK, *NO_DECODE, "--num-requests", "2", "--methods", methods, "--json", str(out)]
+    assert bench.main(argv) == 0
     doc = json.loads(out.read_text())
     return doc, doc["methods"]["sluice-continuous"]
 
@@ -163,12 +168,79 @@ def test_engine_figures_are_fractions(quick_run: tuple[int, dict[str, Any], Path
 
 def test_targets_are_the_issues_and_evaluated(quick_run: tuple[int, dict[str, Any], Path]) -> None:
     _, doc, _ = quick_run
-    thresholds = [t["threshold"] for t in doc["targets"]]
-    assert thresholds == [2.5, 2.0, 5.0, 0.90, 0.95, 0]
-    for target in doc["targets"]:
-        assert target["value"] is not None and target["met"] is (
-            target["value"] == 0 if target["threshold"] == 0 else target["value"] >= target["threshold"]
-        )
+    thresholds = [(t["threshold"], t["at_most"]) for t in doc["targets"]]
+    at_least = [(2.5, False), (2.0, False), (5.0, False), (0.90, False), (0.95, False)]
+    assert thresholds == [*at_least, (0, True), (3.0, True), (1.5, False)]
+    for target in doc["targets"][:6]:
+        value, threshold = target["value"], target["threshold"]
+        assert value is not None
+        assert target["met"] is (value <= threshold if target["at_most"] else value >= threshold)
+    roofline, graphs = doc["targets"][6:]
+    assert roofline["value"] is None and roofline["met"] is None  # a CPU has no bandwidth unless given
+    assert graphs["value"] is None and graphs["met"] is None  # no CUDA graphs on a CPU
+
+
+def test_decode_steps_are_timed_on_the_whole_batch(quick_run: tuple[int, dict[str, Any], Path]) -> None:
+    _, doc, _ = quick_run
+    assert doc["decode_error"] is None
+    (step,) = doc["decode_steps"]  # one run on a CPU: graphs do not apply
+    assert step["cuda_graphs"] == "n/a (CPU)" and step["batch"] == 4 and step["steps"] == 4
+    assert step["step_s"] > 0 and step["tokens_per_s"] == pytest.approx(4 / step["step_s"])
+    workload = doc["workload"]
+    assert step["mean_context"] == pytest.approx(
+        (workload["prompt_tokens"] + workload["output_tokens"] / 2) / 4, abs=3
+    )
+    assert step["weight_bytes"] > 0 and step["kv_bytes"] > 0
+    assert step["roofline_s"] is None and step["ratio_to_roofline"] is None
+
+
+def test_concurrency_blocks_eager_on_cpu_and_a_given_bandwidth(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b.json"
+    argv = [
+        *QUICK, "--concurrency", "2,3", "--methods", "sluice-continuous,sluice-continuous-eager",
+        "--decode-batch", "2", "--decode-steps", "2", "--hbm-gbps", "50", "--json", str(out),
+    ]
+    assert bench.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["concurrency"], r["workload"]["num_requests"]) for r in doc["runs"]] == [(2, 2), (3, 3)]
+    for run in doc["runs"]:
+        assert run["methods"]["sluice-continuous-eager"] == {"skipped": "n/a (CPU)", "error": None}
+        assert run["methods"]["sluice-continuous"]["cuda_graphs"] == "n/a (CPU)"
+    (step,) = doc["decode_steps"]
+    assert step["hbm_gbps"] == 50 and step["bandwidth_source"] == "--hbm-gbps"
+    assert step["roofline_s"] == pytest.approx((step["weight_bytes"] + step["kv_bytes"]) / 50e9)
+    assert step["ratio_to_roofline"] == pytest.approx(step["step_s"] / step["roofline_s"])
+    roofline = doc["targets"][-2]
+    assert roofline["value"] == pytest.approx(step["ratio_to_roofline"])
+    assert roofline["met"] is (roofline["value"] <= 3.0)
+    printed = capsys.readouterr().out
+    assert "-- tiny, 2 requests at once" in printed and "-- tiny, 3 requests at once" in printed
+    assert "[tiny, 3 requests] sluice-continuous" in printed
+
+
+def _resolved(argv: list[str]) -> Any:
+    args = bench.build_parser().parse_args(argv)
+    bench._resolve(args)
+    return args
+
+
+def test_concurrency_parsing() -> None:
+    assert _resolved(["--device", "cpu", "--concurrency", "64,256"]).concurrency == (64, 256)
+    assert _resolved(["--device", "cpu", "--num-requests", "8", "--concurrency", "8"]).concurrency == (8,)
+    assert _resolved(["--device", "cpu", "--num-requests", "8"]).concurrency == (8,)
+    cpu = _resolved(["--device", "cpu", "--preset", "qwen2-0.5b"])
+    assert (cpu.concurrency, cpu.dtype, cpu.methods) == ((64,), "float32", DEFAULT_METHODS)  # CPU defaults
+
+
+def test_on_cuda_a_real_model_defaults_to_bf16_at_64_and_256(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    gpu = _resolved(["--preset", "qwen2-0.5b"])
+    assert (gpu.device, gpu.dtype, gpu.concurrency) == ("cuda", "bfloat16", (64, 256))
+    assert gpu.methods == ALL_METHODS
+    tiny = _resolved(["--device", "cuda"])
+    assert (tiny.dtype, tiny.concurrency) == ("float32", (64,))
 
 
 def test_plot_is_a_png(quick_run: tuple[int, dict[str, Any], Path]) -> None:
@@ -185,7 +257,8 @@ def test_a_failing_method_is_reported_and_the_others_still_run(
 
     monkeypatch.setitem(bench.HF_RUNNERS, "hf-static", broken)
     out = tmp_path / "b.json"
-    rc = bench.main([*QUICK, "--methods", "hf-sequential,hf-static", "--repeat", "2", "--json", str(out)])
+    argv = [*QUICK, *NO_DECODE, "--methods", "hf-sequential,hf-static", "--repeat", "2", "--json", str(out)]
+    rc = bench.main(argv)
     doc = json.loads(out.read_text())
     assert rc == 1
     assert doc["methods"]["hf-static"] == {"error": "RuntimeError: boom"}
@@ -197,7 +270,20 @@ def test_a_failing_method_is_reported_and_the_others_still_run(
 
 
 @pytest.mark.parametrize(
-    "argv", [["--methods", "nope"], ["--prompt-len", "9,3"], ["--num-requests", "0"], ["--repeat", "0"]]
+    "argv",
+    [
+        ["--methods", "nope"],
+        ["--prompt-len", "9,3"],
+        ["--num-requests", "0"],
+        ["--repeat", "0"],
+        ["--concurrency", "0"],
+        ["--concurrency", "8,x"],
+        ["--num-requests", "8", "--concurrency", "16"],
+        ["--preset", "gpt-9"],
+        ["--preset", "llama-1b", "--model", "."],
+        ["--model", "/nonexistent"],
+        ["--hbm-gbps", "0"],
+    ],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:

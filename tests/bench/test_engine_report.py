@@ -1,22 +1,31 @@
-"""Figures, greedy check and targets of the engine benchmark, from hand-made results and logits (no model)."""
+"""Figures, greedy check, targets, decode steps and JSON of the engine benchmark, from hand-made results and
+logits (no model)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sluice.bench.engine_methods import MethodResult
+from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult
 from sluice.bench.engine_report import (
     REFERENCE,
+    Block,
+    DecodeFigure,
     GreedyCheck,
+    Target,
     build_rows,
     check_greedy,
     compare_request,
+    decode_targets,
     evaluate_targets,
+    format_decode,
     format_greedy_check,
     format_table,
     to_json,
+    to_json_runs,
 )
+from sluice.bench.engine_roofline import Roofline
+from sluice.bench.engine_workload import Workload
 
 REF = [[5, 6, 7], [8, 9]]
 THRESHOLD = 1e-4
@@ -134,3 +143,73 @@ def test_a_failed_sluice_method_leaves_equality_unmeasured() -> None:
     targets = evaluate_targets(results, rows, errors)
     assert targets[5].met is None
     assert "FAILED" in format_table(rows, errors, 2)
+
+
+def test_a_target_with_an_upper_bound_is_met_at_or_under_it() -> None:
+    under, over = _at_most_target(2.9), _at_most_target(3.1)
+    assert (under.met, over.met) == (True, False)
+    assert "MET          x: 2.9 (target <= 3)" in under.line()
+    assert "NOT MET" in over.line() and _at_most_target(None).line().strip().startswith("NOT MEASURED")
+
+
+def _at_most_target(value: float | None) -> Target:
+    return Target("x", value, 3.0, None if value is None else value <= 3.0, at_most=True)
+
+
+def _decode(graphs: str, step_s: float, gbps: float | None = 1000.0) -> DecodeFigure:
+    step = DecodeStep(cuda_graphs=graphs, batch=64, mean_context=200.0, steps=32, step_s=step_s)
+    roofline = Roofline(weight_bytes=900_000_000, kv_bytes=100_000_000, gbps=gbps)
+    return DecodeFigure(step, roofline, "NVIDIA H200")
+
+
+def test_decode_targets_roofline_ratio_and_graphs_speedup() -> None:
+    on, off = _decode("on", 0.002), _decode("off", 0.004)  # roofline: 1e9 bytes at 1000 GB/s = 1 ms
+    assert on.roofline.seconds == pytest.approx(1e-3) and on.ratio == pytest.approx(2.0)
+    roofline, graphs = decode_targets([on, off], "qwen2-0.5b")
+    assert (roofline.value, roofline.met, roofline.at_most) == (pytest.approx(2.0), True, True)
+    assert (graphs.value, graphs.met) == (pytest.approx(2.0), True)
+    assert "[qwen2-0.5b] decode-only step at batch 64" in roofline.name
+    slow = decode_targets([_decode("on", 0.0035), _decode("off", 0.004)], "m")
+    assert [t.met for t in slow] == [False, False]  # 3.5× the roofline; graphs only 1.14× eager
+    text = format_decode([on, off], None)
+    assert "2.00 ms a step" in text and "2.00× the roofline" in text and "CUDA graphs off" in text
+
+
+def test_decode_targets_unmeasured_on_cpu_or_without_a_run() -> None:
+    cpu = _decode(NOT_ON_CPU, 0.01, gbps=None)
+    assert cpu.ratio is None
+    assert [t.met for t in decode_targets([cpu], "tiny")] == [None, None]
+    assert [t.value for t in decode_targets([], "tiny")] == [None, None]
+    assert "roofline n/a" in format_decode([cpu], None)
+    assert "FAILED: RuntimeError: x" in format_decode([], "RuntimeError: x")
+
+
+def test_table_shows_cuda_graphs_and_methods_skipped_on_cpu() -> None:
+    results = _all(1000.0)
+    results["sluice-continuous"].cuda_graphs = "on"
+    results["sluice-dynamic"].cuda_graphs = NOT_ON_CPU
+    rows = build_rows(results, None)
+    table = format_table(rows, {}, 2, {"sluice-continuous-eager": NOT_ON_CPU})
+    column = table.splitlines()[0].index("graphs")
+    line = {ln.split()[0]: ln for ln in table.splitlines()[2:]}
+    assert line["sluice-continuous"][column:].split()[0] == "on"
+    assert line["hf-continuous"][column:].split()[0] == "-"
+    assert "n/a (CPU)" in line["sluice-dynamic"] and "n/a (CPU)" in line["sluice-continuous-eager"]
+
+
+def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -> None:
+    work = Workload(prompts=((5,), (6,)), max_new_tokens=(3, 2))
+    blocks = [
+        Block("tiny", c, work, {"num_requests": c}, _all(speed), {}, {"sluice-continuous-eager": NOT_ON_CPU})
+        for c, speed in ((64, 1000.0), (256, 700.0))
+    ]
+    targets = [t for b in blocks for t in b.targets()] + decode_targets([], "tiny")
+    doc = to_json_runs(blocks, [_decode("on", 0.002)], None, targets, {"model": "tiny"})
+    assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
+    assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
+    assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)
+    assert doc["runs"][0]["methods"]["sluice-continuous-eager"] == {"skipped": NOT_ON_CPU, "error": None}
+    firsts = [t["name"].split("]")[0] for t in doc["targets"][0:12:6]]
+    assert firsts == ["[tiny, 64 requests", "[tiny, 256 requests"]
+    assert doc["decode_steps"][0]["ratio_to_roofline"] == pytest.approx(2.0)
+    assert len(doc["targets"]) == 14

@@ -1,0 +1,221 @@
+"""Models of the engine benchmark: the tiny Llama, or random weights in real architectures' shapes.
+
+`--preset tiny` is the benchmark's own tiny Llama (engine_workload.write_bench_model). The other presets
+have the shapes of Qwen2-0.5B, Llama-3.2-1B and Llama-3.1-8B with seeded random weights: nothing is
+downloaded. Their directories are real Hugging Face directories (config.json, safetensors in the run's
+dtype) that the engine loads through its normal path; they are cached under
+`~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` (or `$SLUICE_BENCH_CACHE`), so a second run does not
+rewrite gigabytes.
+
+Weights: RMSNorm scales 1, biases 0, every other matrix normal with std `INNER_STD`, except the output
+projection (the embedding when tied), whose std makes the logits' std about `LOGIT_STD`: spread logits keep
+exact near-ties between the top two tokens rare in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from sluice.bench.engine_workload import BOS_ID, EOS_ID, PAD_ID, bench_model_config, write_bench_model
+
+TINY = "tiny"
+INNER_STD = 0.02
+LOGIT_STD = 4.0
+SHARD_BYTES = 2 << 30  # safetensors shards of at most about 2 GiB each
+
+_LLAMA3_ROPE = {
+    "rope_theta": 500000.0,
+    "rope_type": "llama3",
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape: the transformers model type and its config fields (special ids are the workload's)."""
+
+    name: str
+    model_type: str  # "llama" | "qwen2"
+    fields: dict[str, Any]
+    parameters: int  # the real model's parameter count, as published (for the shape tests)
+
+
+PRESETS: dict[str, Preset] = {
+    "qwen2-0.5b": Preset(
+        "qwen2-0.5b",
+        "qwen2",
+        dict(
+            hidden_size=896,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+        ),
+        494_000_000,
+    ),
+    "llama-1b": Preset(
+        "llama-1b",
+        "llama",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=8192,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
+        ),
+        1_240_000_000,
+    ),
+    "llama-8b": Preset(
+        "llama-8b",
+        "llama",
+        dict(
+            hidden_size=4096,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
+        ),
+        8_030_000_000,
+    ),
+}
+PRESET_NAMES = (TINY, *PRESETS)
+
+_CONFIG_CLASSES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+
+
+def preset_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """The config of preset `name` (`overrides` replace fields, e.g. fewer layers for a quick test)."""
+    if name == TINY:
+        config = bench_model_config()
+        for key, value in overrides.items():
+            setattr(config, key, value)
+        return config
+    preset = PRESETS[name]
+    fields = {**preset.fields, **overrides}
+    return _CONFIG_CLASSES[preset.model_type](
+        **fields, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID
+    )
+
+
+def meta_model(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """The model of `config` on the meta device: shapes only, no memory, no initialisation."""
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def count_parameters(config: transformers.PretrainedConfig) -> int:
+    """Parameters of the model (a tied output projection counted once)."""
+    return sum(p.numel() for p in meta_model(config).parameters())
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SLUICE_BENCH_CACHE") or Path.home() / ".cache" / "sluice" / "bench")
+
+
+def model_dir_for(name: str, dtype: str, seed: int, root: Path | None = None) -> Path:
+    """Where preset `name` in `dtype` with weights of `seed` is cached."""
+    return (root or cache_root()) / f"{name}-{dtype}-s{seed}"
+
+
+def _init_value(name: str, shape: torch.Size, output_std: float, gen: torch.Generator) -> torch.Tensor:
+    """The seeded float32 value of one parameter (see the module docstring)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    is_output = name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight")
+    std = output_std if is_output else INNER_STD
+    return torch.empty(shape).normal_(0.0, std, generator=gen)
+
+
+def _shards(named: list[tuple[str, torch.Size]], element_size: int) -> list[list[tuple[str, torch.Size]]]:
+    """Parameters grouped, in order, into shards of about SHARD_BYTES."""
+    shards: list[list[tuple[str, torch.Size]]] = [[]]
+    size = 0
+    for name, shape in named:
+        nbytes = math.prod(shape) * element_size
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def write_random_model(config: transformers.PretrainedConfig, directory: Path, dtype: str, seed: int) -> Path:
+    """Writes `config` with seeded random weights in `dtype` to `directory` as safetensors shards (an
+    index when more than one), config.json and generation_config.json; returns `directory`. Peak memory is
+    about one shard, whatever the model's size."""
+    torch_dtype = getattr(torch, dtype)
+    model = meta_model(config)
+    named = [(n, p.shape) for n, p in model.named_parameters()]  # a tied output projection appears once
+    output_std = LOGIT_STD / math.sqrt(config.hidden_size)
+    gen = torch.Generator().manual_seed(seed)
+    shards = _shards(named, torch.tensor([], dtype=torch_dtype).element_size())
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for k, shard in enumerate(shards, 1):
+        filename = (
+            "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {n: _init_value(n, shape, output_std, gen).to(torch_dtype) for n, shape in shard}
+        save_file(tensors, str(directory / filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, filename))
+        del tensors
+    if len(shards) > 1:
+        total = sum(math.prod(s) for _, s in named) * torch.tensor([], dtype=torch_dtype).element_size()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.dtype = torch_dtype
+    config.save_pretrained(directory)
+    generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID}
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    return directory
+
+
+def preset_model_dir(name: str, dtype: str, seed: int, scratch: Path, root: Path | None = None) -> Path:
+    """The directory of preset `name`: the tiny Llama written to `scratch` (fp32, as before presets
+    existed), or a cached random-weight model, written once (to a temporary sibling renamed into place,
+    so an interrupted write never leaves a directory that looks complete)."""
+    if name == TINY:
+        return write_bench_model(scratch / "tiny-llama", seed)
+    target = model_dir_for(name, dtype, seed, root)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        write_random_model(preset_config(name), tmp, dtype, seed)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,126 @@
+"""The engine benchmark's models and roofline: preset shapes, the directory a preset writes, the arithmetic."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.engine.model_runner import ModelRunner
+from sluice.bench import engine_presets as presets
+from sluice.bench.engine_presets import PRESETS, count_parameters, preset_config, write_random_model
+from sluice.bench.engine_roofline import (
+    decode_roofline,
+    device_bandwidth,
+    hbm_gbps,
+    kv_bytes_per_token,
+    weight_bytes_per_step,
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "published"), [("qwen2-0.5b", 494e6), ("llama-1b", 1.24e9), ("llama-8b", 8.03e9)]
+)
+def test_preset_shapes_count_the_real_models_parameters(name: str, published: float) -> None:
+    assert count_parameters(preset_config(name)) == pytest.approx(published, rel=0.01)
+    assert PRESETS[name].parameters == pytest.approx(published, rel=0.01)
+
+
+def test_presets_tie_the_embeddings_as_the_real_models_do() -> None:
+    assert preset_config("qwen2-0.5b").tie_word_embeddings
+    assert preset_config("llama-1b").tie_word_embeddings
+    assert not preset_config("llama-8b").tie_word_embeddings
+    assert preset_config("qwen2-0.5b").max_position_embeddings == 32768
+
+
+def _small(name: str) -> object:
+    """The preset's architecture shrunk to run in a second: one layer, a small vocabulary."""
+    return preset_config(name, num_hidden_layers=1, vocab_size=512, hidden_size=128, intermediate_size=256)
+
+
+@pytest.mark.parametrize("name", ["qwen2-0.5b", "llama-1b"])
+def test_a_written_preset_loads_through_the_engines_runner(name: str, tmp_path: Path) -> None:
+    config = _small(name)
+    model_dir = write_random_model(config, tmp_path / name, "bfloat16", seed=3)
+    runner = ModelRunner(model_dir, device="cpu", dtype="bfloat16", kv_cache_gb=0.01)
+    assert runner.config.model_type == PRESETS[name].model_type
+    assert runner.vocab_size == 512 and runner.num_layers == 1
+    weights = dict(runner.model.named_parameters())
+    assert all(p.dtype == torch.bfloat16 for p in weights.values())
+    embed = weights["model.embed_tokens.weight"].float()
+    assert embed.std().item() == pytest.approx(presets.LOGIT_STD / 128**0.5, rel=0.05)
+    q_proj = weights["model.layers.0.self_attn.q_proj.weight"].float()
+    assert q_proj.std().item() == pytest.approx(presets.INNER_STD, rel=0.05)
+    assert runner.eos_ids == frozenset({2})
+
+
+def test_weights_are_a_function_of_the_seed(tmp_path: Path) -> None:
+    config = _small("qwen2-0.5b")
+    files = [
+        (write_random_model(config, tmp_path / d, "float32", seed) / "model.safetensors").read_bytes()
+        for d, seed in (("a", 1), ("b", 1), ("c", 2))
+    ]
+    assert files[0] == files[1] and files[0] != files[2]
+
+
+def test_a_large_model_is_written_in_shards_with_an_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(presets, "SHARD_BYTES", 200_000)
+    model_dir = write_random_model(_small("llama-1b"), tmp_path / "m", "float32", seed=0)
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((model_dir / s).is_file() for s in shards)
+    runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_cache_gb=0.01)
+    assert runner.num_layers == 1
+
+
+def test_a_preset_is_cached_and_not_rewritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[Path] = []
+
+    def small_write(config: object, directory: Path, dtype: str, seed: int) -> Path:
+        writes.append(directory)
+        return write_random_model(_small("qwen2-0.5b"), directory, dtype, seed)
+
+    monkeypatch.setattr(presets, "write_random_model", small_write)
+    first = presets.preset_model_dir("qwen2-0.5b", "bfloat16", 7, tmp_path, root=tmp_path / "cache")
+    second = presets.preset_model_dir("qwen2-0.5b", "bfloat16", 7, tmp_path, root=tmp_path / "cache")
+    assert first == second == tmp_path / "cache" / "qwen2-0.5b-bfloat16-s7"
+    assert len(writes) == 1 and (first / "config.json").is_file()
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["qwen2-0.5b-bfloat16-s7"]  # no leftovers
+
+
+def test_roofline_arithmetic() -> None:
+    qwen = preset_config("qwen2-0.5b")  # tied: the embedding is read whole, as the output projection
+    assert weight_bytes_per_step(qwen, 2) == 2 * count_parameters(qwen)
+    assert kv_bytes_per_token(qwen, 2) == 2 * 24 * 2 * 64 * 2
+    llama8 = preset_config("llama-8b")  # untied: the input embedding is read at a few rows only
+    assert weight_bytes_per_step(llama8, 2) == 2 * (count_parameters(llama8) - 128256 * 4096)
+    roof = decode_roofline(qwen, 2, batch=64, context=200, gbps=4800)
+    assert roof.kv_bytes == 64 * 200 * 12288
+    assert roof.seconds == pytest.approx((2 * 494_032_768 + 64 * 200 * 12288) / 4.8e12)
+    assert decode_roofline(qwen, 2, 64, 200, None).seconds is None
+
+
+@pytest.mark.parametrize(
+    ("name", "gbps"),
+    [
+        ("NVIDIA H200", 4800),
+        ("NVIDIA H100 80GB HBM3", 3350),
+        ("NVIDIA H100 PCIe", 2000),
+        ("NVIDIA A100-SXM4-80GB", 2039),
+        ("NVIDIA A100-SXM4-40GB", 1555),
+        ("NVIDIA L40S", 864),
+        ("NVIDIA L4", 300),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_bandwidth_by_gpu_name(name: str, gbps: float | None) -> None:
+    assert hbm_gbps(name) == gbps
+
+
+def test_a_cpu_has_a_bandwidth_only_when_given() -> None:
+    assert device_bandwidth("cpu", None)[0] is None
+    assert device_bandwidth("cpu", 100.0) == (100.0, "--hbm-gbps")
