@@ -3,7 +3,8 @@
 ModelRunner runs a fixed schedule over a small pool whose blocks are handed out out of order: a packed
 step with two prefills of different lengths and the first chunk of a third, decodes of every request
 (one of them crossing into a new block), the chunk that continues the third's cached context, and a
-request whose first block is a prefix-cache hit on another's. Every logits row the runner returns is
+request whose first block is a prefix-cache hit on another's, and decodes whose input token the runner
+reads from the previous step's ids on the device (async scheduling). Every logits row the runner returns is
 compared with the row of `AutoModelForCausalLM` (SDPA, same dtype, no paging) over the whole sequence at
 the same position. Tokens are teacher-forced (fixed ids, not sampled), so both sides see the same
 sequences whatever the rounding.
@@ -23,7 +24,7 @@ import transformers
 
 from services.engine.model_runner import ModelRunner
 from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.request import PLACEHOLDER, Request
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
 
 BLOCK_SIZE = 16
@@ -95,6 +96,20 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(3, VOCAB, (n,), generator=g).tolist()
 
 
+FED_STEP = 3  # in this step a's and c's input tokens come from the previous step's ids on the device
+
+
+def _feed_from_device(scheduled: list[tuple[Request, int]]) -> torch.Tensor:
+    """As async scheduling does: a's and c's last tokens become placeholders, their values held in a
+    device tensor of "sampled ids" (c's in row 0, a's in row 2) that the runner reads."""
+    prev = torch.zeros(3, dtype=torch.long)
+    for req, _ in scheduled:
+        row = {"c": 0, "a": 2}.get(req.request_id, -1)
+        if row >= 0:
+            prev[row], req.token_ids[-1], req.prev_row = req.token_ids[-1], PLACEHOLDER, row
+    return prev.to(TEST_DEVICE)
+
+
 def _request(name: str, prompt: list[int]) -> Request:
     return Request(name, prompt, SamplingParams(), StoppingParams(max_new_tokens=8))
 
@@ -127,14 +142,18 @@ def run_schedule(
         [(a, 31), (b, 7), (c, 20)],  # two prefills of different lengths and a first chunk
         [(a, 1), (b, 1), (c, 17)],  # decodes and the chunk continuing c's cached context
         [(a, 1), (b, 1), (c, 1), (d, 12)],  # a's new token is the first of its third block
-        [(c, 1), (a, 1), (d, 1), (b, 1)],
+        [(c, 1), (a, 1), (d, 1), (b, 1)],  # a's and c's input tokens fed from the device
         [(d, 1), (a, 1), (b, 1), (c, 1)],
     ]
     observed = Observed()
     for step, scheduled in enumerate(schedule):
         for req, n in scheduled:
             req.block_ids = blocks[req.request_id][: -(-(req.num_computed_tokens + n) // BLOCK_SIZE)]
-        logits, reqs = runner.execute(scheduled)
+        prev_tokens = _feed_from_device(scheduled) if step == FED_STEP else None
+        logits, reqs = runner.execute(scheduled, prev_tokens)
+        for req, _ in scheduled:
+            if req.prev_row >= 0:  # the host reads the token the device held
+                req.token_ids[-1], req.prev_row = int(prev_tokens[req.prev_row]), -1  # type: ignore[index]
         assert logits.shape == (len(reqs), runner.vocab_size)
         for row, req in zip(logits.float().cpu(), reqs, strict=True):
             observed.rows.append((req.request_id, req.num_tokens - 1, row))
