@@ -24,6 +24,10 @@ of every cached block hash, taken on the loop thread between steps, and then get
 cache changes (`BlockManager.take_events`) and the new load, merged until the consumer takes them: a
 consumer that applies the snapshot and then every report in order knows the cache exactly.
 
+With async scheduling (services/engine/engine.py) a step's outputs are those of the step launched before
+it; the loop keeps stepping while a launched step is unread (`LLMEngine.has_unfinished_requests`), and
+aborts applied between steps take effect at the next one.
+
 A step that raises fails the engine's requests and the loop goes on. If the loop itself fails (failing
 those requests raised too), it ends every caller's requests with an `unavailable` error final at once,
 refuses later submits the same way, and calls the `on_fatal` callbacks (the server marks itself not

@@ -57,7 +57,8 @@ class SampleHandle:
         self._n = n
         self._layout = layout
         self._event: torch.cuda.Event | None = None
-        if packed.device.type == "cuda":
+        self._result: SampleResult | None = SampleResult([], []) if n == 0 else None
+        if packed.device.type == "cuda" and n:
             host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
             host.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
@@ -65,7 +66,6 @@ class SampleHandle:
             self._host = host
         else:
             self._host = packed
-        self._result: SampleResult | None = None
 
     def result(self) -> SampleResult:
         if self._result is None:
