@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# The engine tests and the engine benchmark on CUDA, in one command.
+# The engine tests and the engine benchmarks on CUDA, in one command, in under 8 minutes on one H200,
+# ending with ONE table (tests passed/failed; per model and concurrency each method's tok/s, × hf-continuous,
+# forward share, CUDA graphs on/off; decode-only steps against the memory roofline; the targets).
 #
-#   scripts/gpu_check.sh                 on a CUDA machine: engine tests on CUDA, then `sluice bench engine`
+#   scripts/gpu_check.sh                 on a CUDA machine: the stages below, then the table
+#   scripts/gpu_check.sh --dry-run       print each stage's command and time limit; run nothing
 #   scripts/gpu_check.sh --fetch-wheels  on a machine with network: download the pinned wheels that a
 #                                        CUDA machine image may lack into .whl/ (for Python 3.12, x86-64)
+#
+# Stages, each under its own `timeout` so that one slow stage cannot eat the others' time:
+#   tests        tests/engine with SLUICE_TEST_DEVICE=cuda                                 TESTS_TIMEOUT_S=170
+#   tiny         hf-continuous, sluice-continuous, sluice-continuous-eager at 256 requests,
+#                decode-only steps at batch 64 (CUDA graphs on and off)                      TINY_TIMEOUT_S=90
+#   qwen2-0.5b   hf-continuous, sluice-continuous at 64 and 256 requests (bf16), decode-only
+#                steps at batch 64 against the memory roofline                              MODEL_TIMEOUT_S=190
+#   BENCH_PRESETS="llama-1b llama-8b" adds those presets (each MODEL_TIMEOUT_S more; llama-8b is left out by
+#   default: it alone would take most of the 8 minutes, writing its 16 GB of weights included).
+# GPU_CHECK_DEVICE=cpu runs the same stages on the CPU, each in a --quick version (one small test file, 4
+# requests, tiny model only unless BENCH_PRESETS): a check of the script itself, for machines without a GPU.
 #
 # Python: .venv/bin/python if its torch sees CUDA; else python3 if its torch sees CUDA (a machine image
 # with CUDA torch; then wheels found in .whl/ are installed into a private directory first, with no
 # network); else, where there is no .venv yet, a new one installed from constraints.txt (needs network).
-# Writes gpu-tests.log, bench-engine-cuda.{log,json,png} to ${OUT:-bench-results}.
-# Environment: TEST_ARGS (extra pytest arguments), BENCH_ARGS (extra benchmark arguments).
+# Writes gpu-tests.{log,xml}, bench-<stage>.{log,json} and summary.txt to ${OUT:-bench-results}.
+# Environment: TEST_ARGS (extra pytest arguments), BENCH_ARGS (extra arguments of every benchmark),
+# HF_BATCH_TOKENS (hf-continuous's max_batch_tokens tried, default 512,2048), the *_TIMEOUT_S above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,10 +50,56 @@ fetch_wheels() {
   ls -l "$WHEELS"
 }
 
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-170}
+TINY_TIMEOUT_S=${TINY_TIMEOUT_S:-90}
+MODEL_TIMEOUT_S=${MODEL_TIMEOUT_S:-190}
+HF_BATCH_TOKENS=${HF_BATCH_TOKENS:-512,2048}
+BENCH=(-m sluice.cli bench engine --no-progress)
+
+# The benchmark arguments of a stage: one word per line (stage name as $1).
+bench_args() {
+  if [[ $DEVICE == cpu ]]; then
+    printf '%s\n' --device cpu --quick --threads 1 --concurrency 4 --decode-batch 4 --decode-steps 4
+    case $1 in
+      tiny) printf '%s\n' --preset tiny --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
+      *) printf '%s\n' --preset "$1" --methods hf-continuous,sluice-continuous ;;
+    esac
+    return
+  fi
+  printf '%s\n' --device cuda --hf-batch-tokens "$HF_BATCH_TOKENS" --decode-batch 64
+  case $1 in
+    tiny) printf '%s\n' --preset tiny --concurrency 256 \
+            --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
+    *) printf '%s\n' --preset "$1" --dtype bfloat16 --concurrency 64,256 --methods hf-continuous,sluice-continuous ;;
+  esac
+}
+
+stages() {
+  echo tiny
+  if [[ $DEVICE == cpu ]]; then
+    echo "${BENCH_PRESETS:-}" | tr ', ' '\n\n' | grep -v '^$' || true
+  else
+    printf '%s\n' qwen2-0.5b $(echo "${BENCH_PRESETS:-}" | tr ',' ' ')
+  fi
+}
+
+stage_timeout() { [[ $1 == tiny ]] && echo "$TINY_TIMEOUT_S" || echo "$MODEL_TIMEOUT_S"; }
+
+test_args() {
+  if [[ $DEVICE == cpu ]]; then
+    echo tests/engine/test_errors.py
+  else
+    echo tests/engine
+  fi
+}
+
 has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 
 pick_python() {
-  if [[ -x .venv/bin/python ]] && has_cuda .venv/bin/python; then
+  if [[ $DEVICE == cpu ]]; then
+    PY=.venv/bin/python
+  elif [[ -x .venv/bin/python ]] && has_cuda .venv/bin/python; then
     PY=.venv/bin/python
   elif has_cuda python3; then
     PY=python3
@@ -66,11 +127,12 @@ pick_python() {
 
 versions() {
   echo "== $(date -u +%FT%TZ) on $(hostname)"
-  nvidia-smi || echo "(nvidia-smi not available)"
+  [[ $DEVICE == cpu ]] || nvidia-smi || echo "(nvidia-smi not available)"
   "$PY" - <<'EOF'
 import importlib.metadata as md, platform, torch
 print(f"python {platform.python_version()} at {__import__('sys').executable}")
-print(f"torch {torch.__version__} cuda {torch.version.cuda} device {torch.cuda.get_device_name(0)}")
+device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print(f"torch {torch.__version__} cuda {torch.version.cuda} device {device}")
 for name in ("transformers", "tokenizers", "grpcio", "protobuf", "pytest", "pytest-asyncio"):
     try:
         print(f"{name} {md.version(name)}")
@@ -79,32 +141,69 @@ for name in ("transformers", "tokenizers", "grpcio", "protobuf", "pytest", "pyte
 EOF
 }
 
+# Runs "$@" under `timeout $1`, output to the terminal and to log $2; sets RC and SECONDS_TAKEN.
+run_stage() {
+  local limit=$1 log=$2
+  shift 2
+  local start=$SECONDS
+  RC=0
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || RC=$?
+  SECONDS_TAKEN=$((SECONDS - start))
+}
+
+dry_run() {
+  local total=$TESTS_TIMEOUT_S stage
+  echo "== tests (timeout ${TESTS_TIMEOUT_S}s): SLUICE_TEST_DEVICE=$DEVICE PY ${PYTEST[*]} $(test_args)" \
+    "--junitxml OUT/gpu-tests.xml ${TEST_ARGS:-}"
+  for stage in $(stages); do
+    total=$((total + $(stage_timeout "$stage")))
+    # shellcheck disable=SC2046  # one word per line
+    echo "== $stage (timeout $(stage_timeout "$stage")s): PY ${BENCH[*]} $(bench_args "$stage" | tr '\n' ' ')" \
+      "--json OUT/bench-$stage.json ${BENCH_ARGS:-}"
+  done
+  echo "== time limits add up to ${total}s"
+}
+
 main() {
   if [[ ${1:-} == --fetch-wheels ]]; then
     fetch_wheels
+    return
+  fi
+  if [[ ${1:-} == --dry-run ]]; then
+    dry_run
     return
   fi
   local out=${OUT:-bench-results}
   mkdir -p "$out"
   pick_python
   versions
-  export PYTHONUNBUFFERED=1 SLUICE_TEST_DEVICE=cuda PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+  export PYTHONUNBUFFERED=1 SLUICE_TEST_DEVICE=$DEVICE PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
-  echo "== engine tests on CUDA (SLUICE_TEST_DEVICE=cuda)"
-  local tests_rc=0
-  # shellcheck disable=SC2086  # TEST_ARGS is a list of words
-  "$PY" "${PYTEST[@]}" tests/engine ${TEST_ARGS:-} 2>&1 | tee "$out/gpu-tests.log" \
-    || tests_rc=$?
+  echo "== engine tests on $DEVICE (SLUICE_TEST_DEVICE=$DEVICE, timeout ${TESTS_TIMEOUT_S}s)"
+  rm -f "$out/gpu-tests.xml"
+  # shellcheck disable=SC2046,SC2086  # test_args and TEST_ARGS are lists of words
+  run_stage "$TESTS_TIMEOUT_S" "$out/gpu-tests.log" \
+    "$PY" "${PYTEST[@]}" $(test_args) --junitxml "$out/gpu-tests.xml" ${TEST_ARGS:-}
+  local failed=0
+  local summary=(--tests "tests/engine ($DEVICE)" "$out/gpu-tests.xml" "$RC" "$SECONDS_TAKEN")
+  [[ $RC -eq 0 ]] || failed=1
 
-  echo "== sluice bench engine --device cuda"
-  local bench_rc=0
-  # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-  "$PY" -c 'import sys; from sluice.bench.engine import main; sys.exit(main(sys.argv[1:]))' \
-    --device cuda --json "$out/bench-engine-cuda.json" --plot "$out/bench-engine-cuda.png" ${BENCH_ARGS:-} \
-    2>&1 | tee "$out/bench-engine-cuda.log" || bench_rc=$?
+  local stage args
+  for stage in $(stages); do
+    echo "== sluice bench engine: $stage (timeout $(stage_timeout "$stage")s)"
+    mapfile -t args < <(bench_args "$stage")
+    rm -f "$out/bench-$stage.json"
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
+    run_stage "$(stage_timeout "$stage")" "$out/bench-$stage.log" \
+      "$PY" "${BENCH[@]}" "${args[@]}" --json "$out/bench-$stage.json" ${BENCH_ARGS:-}
+    summary+=(--bench "$stage" "$out/bench-$stage.json" "$RC" "$SECONDS_TAKEN")
+    [[ $RC -eq 0 ]] || failed=1
+  done
 
-  echo "== engine tests exit $tests_rc, benchmark exit $bench_rc; outputs in $out"
-  [[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]
+  echo
+  echo "== summary ($SECONDS s in all; outputs in $out)"
+  "$PY" -m sluice.bench.gpu_summary "${summary[@]}" | tee "$out/summary.txt"
+  [[ $failed -eq 0 ]]
 }
 
 main "$@"

@@ -1,0 +1,200 @@
+"""One table summarising scripts/gpu_check.sh: the GPU tests' outcome and each engine benchmark's figures.
+
+Usage: `python -m sluice.bench.gpu_summary [--tests LABEL JUNIT_XML RC SECONDS]
+[--bench LABEL JSON RC SECONDS]...`
+
+Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
+concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
+its decode-only steps (tokens/s, the step time against the memory roofline), and its targets. A stage
+that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TIMED_OUT = (124, 137)  # timeout's status, and a process killed after its grace
+HEADER = (
+    "stage",
+    "conc",
+    "method / measure",
+    "tok/s",
+    "× hf-cont",
+    "fwd @max",
+    "graphs",
+    "vs roofline",
+    "result",
+)
+UNRUN = ("hf-static", "hf-sequential")  # targets about methods gpu_check does not run are left out unmeasured
+
+
+@dataclass(frozen=True)
+class Stage:
+    label: str
+    path: Path
+    rc: int
+    seconds: float
+
+
+def _outcome(stage: Stage) -> str:
+    if stage.rc in TIMED_OUT:
+        return f"TIMED OUT after {stage.seconds:.0f} s"
+    return f"exit {stage.rc}, {stage.seconds:.0f} s"
+
+
+def test_counts(junit: Path) -> dict[str, int] | None:
+    """passed / failed / errors / skipped from pytest's JUnit XML; None when there is no readable file."""
+    try:
+        root = ET.parse(junit).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+    passed = total["tests"] - total["failures"] - total["errors"] - total["skipped"]
+    return {
+        "passed": passed,
+        "failed": total["failures"],
+        "errors": total["errors"],
+        "skipped": total["skipped"],
+    }
+
+
+def test_row(stage: Stage) -> tuple[str, ...]:
+    counts = test_counts(stage.path)
+    if counts is None:
+        result = f"NO RESULTS ({_outcome(stage)})"
+    else:
+        verdict = "PASSED" if stage.rc == 0 else "FAILED"
+        shown = ", ".join(f"{n} {k}" for k, n in counts.items())
+        result = f"{verdict}: {shown} ({_outcome(stage)})"
+    return (stage.label, "-", "-", "-", "-", "-", "-", "-", result)
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for name, fig in run["methods"].items():
+        conc = str(run["concurrency"])
+        if fig.get("skipped"):
+            rows.append((label, conc, name, "-", "-", "-", fig["skipped"], "-", "skipped"))
+        elif fig.get("error"):
+            rows.append((label, conc, name, "-", "-", "-", "-", "-", f"FAILED: {fig['error'][:60]}"))
+        else:
+            rows.append(
+                (
+                    label,
+                    conc,
+                    name,
+                    _num(fig["tokens_per_s"], ",.0f"),
+                    _num(fig["ratio_to_hf-continuous"], ".2f"),
+                    _pct(fig["forward_share_max_batch"]),
+                    fig["cuda_graphs"] or "-",
+                    "-",
+                    fig["setting"],
+                )
+            )
+    return rows
+
+
+def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for d in doc.get("decode_steps", []):
+        roofline = "n/a" if d["ratio_to_roofline"] is None else f"{d['ratio_to_roofline']:.2f}×"
+        note = f"{d['step_s'] * 1e3:.2f} ms a step, context ~{d['mean_context']:.0f}"
+        if d["roofline_s"]:
+            note += f"; roofline {d['roofline_s'] * 1e3:.3f} ms at {d['hbm_gbps']:g} GB/s"
+        measure = f"decode steps, batch {d['batch']}"
+        rows.append(
+            (label, "-", measure, f"{d['tokens_per_s']:,.0f}", "-", "-", d["cuda_graphs"], roofline, note)
+        )
+    if doc.get("decode_error"):
+        rows.append(
+            (label, "-", "decode steps", "-", "-", "-", "-", "-", f"FAILED: {doc['decode_error'][:60]}")
+        )
+    return rows
+
+
+def target_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    rows = []
+    for t in doc["targets"]:
+        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[t["met"]]
+        if t["met"] is None and any(m in t["name"] for m in UNRUN):
+            continue
+        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        bound = "<=" if t.get("at_most") else ">="
+        rows.append(
+            (
+                label,
+                "-",
+                "target",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                f"{verdict}: {t['name']}: {value} ({bound} {t['threshold']:g})",
+            )
+        )
+    return rows
+
+
+def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
+    """A benchmark's rows, or one row saying why there are none."""
+    try:
+        doc = json.loads(stage.path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return [(stage.label, "-", "-", "-", "-", "-", "-", "-", f"NO RESULTS ({_outcome(stage)})")]
+    rows = [r for run in doc["runs"] for r in method_rows(stage.label, run)]
+    rows += decode_rows(stage.label, doc)
+    rows += target_rows(stage.label, doc)
+    verdict = "ok" if stage.rc == 0 else "FAILED"
+    rows.append((stage.label, "-", "stage", "-", "-", "-", "-", "-", f"{verdict} ({_outcome(stage)})"))
+    return rows
+
+
+def format_summary(tests: Stage | None, benches: list[Stage]) -> str:
+    rows: list[tuple[str, ...]] = [HEADER]
+    if tests is not None:
+        rows.append(test_row(tests))
+    for stage in benches:
+        rows.extend(bench_rows(stage))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[-1]))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _stage(values: list[str]) -> Stage:
+    label, path, rc, seconds = values
+    return Stage(label, Path(path), int(rc), float(seconds))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sluice.bench.gpu_summary", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--tests", nargs=4, metavar=("LABEL", "JUNIT_XML", "RC", "SECONDS"), default=None)
+    parser.add_argument(
+        "--bench", nargs=4, action="append", default=[], metavar=("LABEL", "JSON", "RC", "SECONDS")
+    )
+    args = parser.parse_args(argv)
+    tests = _stage(args.tests) if args.tests else None
+    print(format_summary(tests, [_stage(b) for b in args.bench]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""scripts/gpu_check.sh without a GPU: its stages and time limits (--dry-run), and the CPU version of the
+whole run ending in one summary table (GPU_CHECK_DEVICE=cpu)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+BUDGET_S = 8 * 60
+STARTUP_S = 20  # versions, the summary, and what the stages' limits do not cover
+
+
+def _run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(SCRIPT), *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=300
+    )
+
+
+def _stages(text: str) -> dict[str, tuple[int, str]]:
+    """`== NAME (timeout Ns): command` lines → NAME: (N, command)."""
+    return {m[1]: (int(m[2]), m[3]) for m in re.finditer(r"^== (\S+) \(timeout (\d+)s\): (.*)$", text, re.M)}
+
+
+def test_default_stages_fit_the_eight_minutes() -> None:
+    done = _run("--dry-run", GPU_CHECK_DEVICE="cuda", BENCH_PRESETS="")
+    assert done.returncode == 0, done.stderr
+    stages = _stages(done.stdout)
+    assert list(stages) == ["tests", "tiny", "qwen2-0.5b"]  # llama-8b only when asked for
+    assert sum(limit for limit, _ in stages.values()) + STARTUP_S <= BUDGET_S
+    assert "SLUICE_TEST_DEVICE=cuda" in stages["tests"][1] and "tests/engine " in stages["tests"][1]
+    tiny, qwen = stages["tiny"][1], stages["qwen2-0.5b"][1]
+    assert "--concurrency 256" in tiny and "sluice-continuous-eager" in tiny and "--decode-batch 64" in tiny
+    assert "--concurrency 64,256" in qwen and "--dtype bfloat16" in qwen and "--decode-batch 64" in qwen
+    assert "--device cuda" in qwen and "--methods hf-continuous,sluice-continuous " in qwen
+
+
+def test_bench_presets_adds_stages() -> None:
+    done = _run("--dry-run", GPU_CHECK_DEVICE="cuda", BENCH_PRESETS="llama-1b llama-8b")
+    assert list(_stages(done.stdout)) == ["tests", "tiny", "qwen2-0.5b", "llama-1b", "llama-8b"]
+    assert "--preset llama-8b" in _stages(done.stdout)["llama-8b"][1]
+
+
+def test_cpu_run_ends_with_one_summary_table(tmp_path: Path) -> None:
+    done = _run(OUT=str(tmp_path), GPU_CHECK_DEVICE="cpu", BENCH_PRESETS="", TEST_ARGS="", BENCH_ARGS="")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary in done.stdout
+    lines = summary.splitlines()
+    assert lines[0].split()[:3] == ["stage", "conc", "method"] and set(lines[1]) <= {"-", " "}
+    assert re.search(r"^tests/engine \(cpu\) .* PASSED: [1-9]\d* passed, 0 failed", summary, re.M)
+    rows = {(ln.split()[0], ln.split()[2]): ln for ln in lines[2:]}
+    assert re.search(r"tiny +4 +hf-continuous +\d+ +1\.00", rows["tiny", "hf-continuous"])
+    assert "n/a (CPU)" in rows["tiny", "sluice-continuous"]
+    assert "skipped" in rows["tiny", "sluice-continuous-eager"]
+    assert "decode steps, batch 4" in summary and "MET: [tiny, 4 requests]" in summary
+    assert "ok (exit 0" in rows["tiny", "stage"]
+
+
+def test_a_stage_past_its_limit_is_cut_and_reported(tmp_path: Path) -> None:
+    done = _run(
+        OUT=str(tmp_path), GPU_CHECK_DEVICE="cpu", BENCH_PRESETS="", TESTS_TIMEOUT_S="1", TINY_TIMEOUT_S="1"
+    )
+    assert done.returncode != 0
+    summary = (tmp_path / "summary.txt").read_text()
+    assert re.search(r"^tests/engine \(cpu\) .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
+    assert re.search(r"^tiny .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
