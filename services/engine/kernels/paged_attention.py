@@ -1,0 +1,264 @@
+"""Paged decode attention: one new query token per row against that row's cached K/V, read in place from
+the KV pool through the row's block table (no gather into a contiguous copy).
+
+The Triton kernel runs one program per (batch row, KV head). A program loads the G = H / Hkv query
+heads that share its KV head, walks the row's context in tiles of positions (each position's slot comes
+from the block table: `block_tables[row, pos // block_size] * block_size + pos % block_size`) and keeps
+an online softmax in fp32. Grid, tile sizes and loop bounds depend only on shapes and on device-side
+values, so a call never reads the device from the host and can be captured in a CUDA graph.
+
+`paged_decode_attention_reference` computes the same thing in plain torch, for tests and as a fallback
+where Triton cannot run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # Triton is optional on CPU-only installs; `triton_usable` reports whether it can run.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+# Upper bound on the elements of the (G, tile, D) product a program holds at once (registers on a GPU).
+_TILE_ELEMENTS = 8192
+
+
+def triton_usable(device: torch.device) -> bool:
+    """True when the kernel can run on tensors of `device`: CUDA with Triton importable, or any device
+    under Triton's interpreter (TRITON_INTERPRET=1, read when this module was imported)."""
+    if triton is None:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        bt_ptr,
+        lens_ptr,
+        out_ptr,
+        stride_qb,
+        stride_qh,
+        stride_qd,
+        stride_ks,
+        stride_kh,
+        stride_kd,
+        stride_vs,
+        stride_vh,
+        stride_vd,
+        stride_btb,
+        stride_btn,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        scale,
+        block_size,
+        sliding_window,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        TILE: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        seq_len = tl.load(lens_ptr + row)
+        start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, DIM_PAD)
+        t = tl.arange(0, TILE)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(
+            q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q = q * scale
+
+        m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GROUP_PAD,), tl.float32)
+        acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
+        # Every tile in [first, seq_len) holds at least one visible position, so the running max stays
+        # finite; a padding row (seq_len 0) runs no tile and reads nothing, not even its block table.
+        first = (start // TILE) * TILE
+        for tile_start in range(first, seq_len, TILE):
+            pos = tile_start + t
+            seen = (pos < seq_len) & (pos >= start)
+            block = tl.load(bt_ptr + row * stride_btb + (pos // block_size) * stride_btn, mask=seen, other=0)
+            slot = block.to(tl.int64) * block_size + pos % block_size
+            kv_mask = seen[:, None] & d_ok[None, :]
+            k = tl.load(
+                k_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :] * stride_kd,
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (GROUP_PAD, TILE)
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            v = tl.load(
+                v_ptr + slot[:, None] * stride_vs + kvh * stride_vh + d[None, :] * stride_vd,
+                mask=kv_mask,
+                other=0.0,
+            ).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _check_shapes(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> tuple[int, int, int, int]:
+    """(B, H, Hkv, D) after checking that the arguments agree; raises ValueError otherwise."""
+    if query.dim() != 3 or k_pool.dim() != 3 or v_pool.shape != k_pool.shape:
+        raise ValueError(
+            f"query must be (B, H, D) and the pools (slots, Hkv, D): {tuple(query.shape)}, "
+            f"{tuple(k_pool.shape)}, {tuple(v_pool.shape)}"
+        )
+    b, h, d = query.shape
+    hkv = k_pool.shape[1]
+    if k_pool.shape[2] != d or h % hkv:
+        raise ValueError(f"query heads {h} x dim {d} do not fit KV heads {hkv} x dim {k_pool.shape[2]}")
+    if block_tables.dim() != 2 or block_tables.shape[0] != b or tuple(seq_lens.shape) != (b,):
+        raise ValueError(
+            f"block_tables must be (B, max_blocks) and seq_lens (B,) for B={b}: "
+            f"{tuple(block_tables.shape)}, {tuple(seq_lens.shape)}"
+        )
+    return b, h, hkv, d
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per row over its cached context, read through the block table.
+
+    query (B, H, D) after RoPE; k_pool / v_pool (num_slots, Hkv, D) with slot = block * block_size +
+    offset; block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
+    int32, the context length including the new token, whose K/V must already be in the pool (0 = a
+    padding row: its output is zeros and nothing of it is read); sliding_window 0 = none, else a row
+    sees the keys at positions > pos - window. Query head h uses KV head h // (H / Hkv). Returns (B, H,
+    D) in the query's dtype, written into `out` when given. Accumulates in fp32. Never synchronises
+    with the device, so it can be captured in a CUDA graph.
+    """
+    b, h, hkv, d = _check_shapes(query, k_pool, v_pool, block_tables, seq_lens)
+    if out is None:
+        out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
+    elif tuple(out.shape) != (b, h, d):
+        raise ValueError(f"out must be {(b, h, d)}, got {tuple(out.shape)}")
+    if b == 0:
+        return out
+    if not triton_usable(query.device):
+        out.copy_(
+            paged_decode_attention_reference(
+                query, k_pool, v_pool, block_tables, seq_lens, block_size, scale, sliding_window
+            )
+        )
+        return out
+    group = h // hkv
+    group_pad = _next_pow2(group)
+    dim_pad = max(16, _next_pow2(d))
+    tile = 64
+    while tile > 16 and group_pad * dim_pad * tile > _TILE_ELEMENTS:
+        tile //= 2
+    _paged_decode_kernel[(b, hkv)](
+        query,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        out,
+        *query.stride(),
+        *k_pool.stride(),
+        *v_pool.stride(),
+        *block_tables.stride(),
+        *out.stride(),
+        float(scale),
+        int(block_size),
+        int(sliding_window),
+        GROUP=group,
+        HEAD_DIM=d,
+        GROUP_PAD=group_pad,
+        DIM_PAD=dim_pad,
+        TILE=tile,
+        num_warps=4,
+    )
+    return out
+
+
+def paged_decode_attention_reference(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_decode_attention` in plain torch (fp32 math, same arguments and result). It gathers every
+    row's whole block table (clamped into the pool) and masks, so it is for tests, not for speed."""
+    b, h, hkv, d = _check_shapes(query, k_pool, v_pool, block_tables, seq_lens)
+    num_slots = k_pool.shape[0]
+    max_len = block_tables.shape[1] * block_size
+    pos = torch.arange(max_len, device=query.device)
+    lens = seq_lens.to(torch.long)[:, None]
+    seen = pos[None, :] < lens  # (B, L)
+    if sliding_window:
+        seen &= pos[None, :] >= lens - sliding_window
+    blocks = block_tables.to(torch.long)[:, pos // block_size]  # (B, L)
+    slots = (blocks * block_size + pos % block_size).clamp(0, num_slots - 1)
+    k = k_pool.index_select(0, slots.reshape(-1)).view(b, max_len, hkv, d).float()
+    v = v_pool.index_select(0, slots.reshape(-1)).view(b, max_len, hkv, d).float()
+    group = h // hkv
+    hidden = ~seen[:, :, None, None]  # a slot outside the context may hold anything, NaN included
+    k = k.masked_fill(hidden, 0.0)
+    v = v.masked_fill(hidden, 0.0)
+    k = k.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, H, L, D)
+    v = v.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+    scores = torch.einsum("bhd,bhld->bhl", query.float() * scale, k)
+    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row sees nothing: zeros
+    result = torch.einsum("bhl,bhld->bhd", probs, v).to(query.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
