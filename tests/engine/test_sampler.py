@@ -140,3 +140,35 @@ def test_launch_keeps_the_ids_on_the_device_and_reads_the_step_back_once() -> No
         assert lp.logprob == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-5)
     assert out.logprobs[1] is None and out.logprobs[3] is None
     assert handle.result() is out
+
+
+def test_launch_on_the_test_device_matches_the_cpu() -> None:
+    """On CUDA (scripts/gpu_check.sh) the parameters go through pinned staging and the results come back
+    through one pinned copy behind an event; the values are those of the CPU path."""
+    from tests.engine.conftest import TEST_DEVICE
+
+    dev = torch.device(TEST_DEVICE)
+    x = logits(6, seed=6)
+    params = [
+        SamplingParams(logprobs=4),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, logprobs=1),
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(),
+        SamplingParams(presence_penalty=0.7, logprobs=2),
+        SamplingParams(temperature=1e-4),
+    ]
+    stops = StoppingParams(min_new_tokens=2, stop_token_ids=(3,))
+
+    def run(device: torch.device) -> tuple[list[int], list]:
+        reqs = [req(p, output=[4, 4, 9] if i % 2 else [], stopping=stops) for i, p in enumerate(params)]
+        out = Sampler(device).launch(x.to(device), reqs).result()
+        return out.token_ids, out.logprobs
+
+    want_ids, want_lps = run(torch.device("cpu"))
+    got_ids, got_lps = run(dev)
+    greedy_rows = [0, 2, 3, 4, 5]  # row 1 draws from a generator of its device
+    assert [got_ids[i] for i in greedy_rows] == [want_ids[i] for i in greedy_rows]
+    for i in (0, 4):
+        assert got_lps[i].top_ids == want_lps[i].top_ids
+        assert got_lps[i].top_logprobs == pytest.approx(want_lps[i].top_logprobs, abs=1e-4)
+    assert got_lps[1] is not None and len(got_lps[1].top_ids) == 1
