@@ -288,6 +288,7 @@ class LLMEngine:
         if sched.empty:
             if self._in_flight is not None:
                 outputs.extend(self._drain())
+                self._account_drain(time.perf_counter() - start)
             elif sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
                 # Unreachable while the context length fits the pool; never spin on a stuck request.
                 stuck = self.scheduler.waiting[0]
@@ -468,6 +469,14 @@ class LLMEngine:
             allocated = sum(len(r.block_ids) for r in running) * self.block_manager.block_size
             self._peak_blocks = used
             self._peak_efficiency = stored / allocated if allocated else 0.0
+
+    def _account_drain(self, step_s: float) -> None:
+        """A step that only read the launched step: its time counts in the totals (no step, no batch), and
+        on CUDA the forwards finished meanwhile (the runner reports those once; on CPU its figure is the
+        last step's, counted already)."""
+        if self.runner.device.type == "cuda":
+            self._forward_s += self.runner.last_forward_s
+        self._step_s += step_s
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
