@@ -5,11 +5,15 @@ The engine packs one step into a single `(1, T)` sequence: first one row per dec
 the chunk of each prefilling request. The model computes Q/K/V and RoPE as usual and calls
 `paged_attention` per layer with the step's `StepMeta` in kwargs. It writes the step's K/V into the
 pool slots of each token, then attends per sequence, never across sequences:
-- decode rows in groups of similar context length: each row's K/V gathered from its blocks, padded
-  to the group's longest context and masked by length, the grouped query heads folded into the query
-  axis;
+- decode rows, backend "triton" (CUDA): the first `num_decodes` rows in one call of the paged decode
+  kernel (services/engine/kernels/paged_attention.py), which reads K/V in place through each row's
+  block table; padding rows (sequence length 0) come out as zeros;
+- decode rows, backend "torch" (CPU): in groups of similar context length, each row's K/V gathered from
+  its blocks, padded to the group's longest context and masked by length, the grouped query heads
+  folded into the query axis;
 - each prefill chunk alone: causal, aligned bottom-right against its cached context (plain causal
-  against its own K/V when it has no context).
+  against its own K/V when it has no context). Without a sliding window the alignment is SDPA's
+  `causal_lower_right` bias, not a mask tensor, so flash / memory-efficient kernels can run on CUDA.
 A sliding window (`sliding_window` from the model's layer) hides keys more than `window - 1` positions
 back.
 """
@@ -20,6 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from services.engine.kernels import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
 META_KWARG = "sluice_step"
@@ -106,13 +113,68 @@ def paged_attention(
     k_pool, v_pool = meta.kv[module.layer_idx]
     h, t, d = query.shape[1], query.shape[2], query.shape[3]
     hkv = key.shape[1]
-    group = h // hkv
     k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
     v_new = value[0].transpose(0, 1)
     k_pool.index_copy_(0, meta.slot_mapping, k_new)
     v_pool.index_copy_(0, meta.slot_mapping, v_new)
     out = query.new_empty((t, h, d))
     q = query[0]  # (H, T, D)
+    if meta.backend == "triton":
+        _decode_triton(meta, q, k_pool, v_pool, out, scaling, window)
+    else:
+        _decode_torch(meta, q, k_pool, v_pool, out, scaling, window, hkv)
+    for p in meta.prefills:
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        out[rows] = _prefill(
+            p, q[None, :, rows], key[:, :, rows], value[:, :, rows], k_pool, v_pool, scaling, window
+        )
+    return out[None], None
+
+
+def _decode_triton(
+    meta: StepMeta,
+    q: torch.Tensor,  # (H, T, D)
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,  # (T, H, D)
+    scaling: float | None,
+    window: int,
+) -> None:
+    """The first `meta.num_decodes` rows through one paged-kernel call, written into `out` in place."""
+    nd = meta.num_decodes
+    if nd == 0:
+        return
+    if meta.block_tables is None or meta.seq_lens is None:
+        raise RuntimeError(
+            "the triton attention backend needs block_tables and seq_lens in the step metadata"
+        )
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    paged_decode_attention(
+        q[:, :nd].transpose(0, 1),
+        k_pool,
+        v_pool,
+        meta.block_tables,
+        meta.seq_lens,
+        meta.block_size,
+        scale,
+        window,
+        out=out[:nd],
+    )
+
+
+def _decode_torch(
+    meta: StepMeta,
+    q: torch.Tensor,  # (H, T, D)
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    out: torch.Tensor,  # (T, H, D)
+    scaling: float | None,
+    window: int,
+    hkv: int,
+) -> None:
+    """Each DecodeGroup's rows: K/V gathered from the pool, then one SDPA call per group."""
+    h, d = q.shape[0], q.shape[2]
+    group = h // hkv
     for g in meta.decode_groups:
         rows, lmax = g.slots.shape
         # (H, rows, D) → (rows, Hkv, G, D): the G query heads of a KV head act as G query rows.
@@ -122,21 +184,31 @@ def paged_attention(
         vd = v_pool.index_select(0, flat).view(rows, lmax, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, q.dtype), scale=scaling)
         out[g.row_start : g.row_start + rows] = od.reshape(rows, h, d)
-    for p in meta.prefills:
-        rows = slice(p.q_start, p.q_start + p.q_len)
-        qp = q[None, :, rows]  # (1, H, n, D)
-        if p.ctx_slots is None and not window:
-            op = F.scaled_dot_product_attention(
-                qp, key[:, :, rows], value[:, :, rows], is_causal=True, scale=scaling, enable_gqa=True
-            )
-        else:
-            if p.ctx_slots is None:
-                kp, vp = key[:, :, rows], value[:, :, rows]
-            else:
-                kp = k_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
-                vp = v_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask(window, q.device), scale=scaling, enable_gqa=True
-            )
-        out[rows] = op[0].transpose(0, 1)
-    return out[None], None
+
+
+def _prefill(
+    p: PrefillSeq,
+    qp: torch.Tensor,  # (1, H, n, D)
+    k_new: torch.Tensor,  # (1, Hkv, n, D)
+    v_new: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    scaling: float | None,
+    window: int,
+) -> torch.Tensor:
+    """One prefill chunk's attention, (n, H, D): plain causal without context, the lower-right causal
+    bias over a cached context, a materialised mask only for a sliding window."""
+    if p.ctx_slots is None:
+        kp, vp = k_new, v_new
+    else:
+        kp = k_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
+        vp = v_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]
+    if window:
+        mask = p.mask(window, qp.device)
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=True)
+    elif p.ctx_slots is None:
+        op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True)
+    else:
+        bias = causal_lower_right(p.q_len, kp.shape[2])
+        op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, scale=scaling, enable_gqa=True)
+    return op[0].transpose(0, 1)
