@@ -149,6 +149,8 @@ class LLMEngine:
                 kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings),
                 gpu_memory_utilization=settings.gpu_memory_utilization,
                 num_kv_blocks=settings.num_kv_blocks,
+                attention_backend=settings.attention_backend,
+                cuda_graphs=settings.cuda_graphs,
             )
             kv_sizing.fit_kv_pool(runner, settings)  # CUDA, automatic size: from free memory after a warm-up
         self.runner = runner

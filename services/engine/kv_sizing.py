@@ -127,9 +127,10 @@ def warm_up(runner: Any, max_tokens: int) -> None:
 
 
 def replace_pool(runner: Any, num_blocks: int) -> None:
-    """Releases the runner's pool and allocates one of `num_blocks` blocks in the same layout."""
+    """Releases the runner's pool and allocates one of `num_blocks` blocks in the same layout (with the
+    runner's scratch block past them, which the block manager never hands out)."""
     runner.kv = []
-    slots = num_blocks * runner.block_size
+    slots = (num_blocks + 1) * runner.block_size
     shape = (slots, runner.num_kv_heads, runner.head_dim)
     runner.kv = [
         (

@@ -11,10 +11,12 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -27,6 +29,7 @@ from services.engine.attention import (
     StepMeta,
     paged_attention,
 )
+from services.engine.cuda_graphs import Staging, StaticDecode
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -62,11 +65,48 @@ def read_eos_ids(model_dir: Path, config: transformers.PretrainedConfig) -> froz
     return frozenset(eos) if isinstance(eos, list) else frozenset([int(eos)])  # type: ignore[arg-type]
 
 
+def triton_status(device: torch.device) -> tuple[bool, str]:
+    """Whether the paged Triton kernel can run on `device`, and if not, why."""
+    try:
+        from services.engine.kernels.paged_attention import triton_usable
+    except ImportError as exc:
+        return False, f"the paged attention kernel cannot be imported ({exc})"
+    if triton_usable(device):
+        return True, ""
+    if device.type == "cuda":
+        return False, "triton is not importable"
+    interp = os.environ.get("TRITON_INTERPRET", "")
+    return False, f"device {device} is not CUDA and TRITON_INTERPRET=1 is not set (it is {interp!r})"
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """The decode attention backend: "triton" or "torch". auto = triton on CUDA when usable, else torch;
+    "triton" where the kernel cannot run raises ValueError saying why."""
+    if name == "torch":
+        return "torch"
+    if name not in ("auto", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    if name == "auto" and device.type != "cuda":
+        return "torch"
+    usable, why = triton_status(device)
+    if usable:
+        return "triton"
+    if name == "auto":
+        log.warning("attention backend: torch, the triton kernel is not usable: %s", why)
+        return "torch"
+    raise ValueError(f"attention_backend triton cannot run: {why}")
+
+
 class ModelRunner:
     """The model, its KV pool, and `execute` (one step's forward).
 
-    Pool layout: per layer a K and a V tensor of shape (num_blocks * block_size, Hkv, D); slot
-    `b * block_size + i` holds token i of block b.
+    Pool layout: per layer a K and a V tensor of shape ((num_blocks + 1) * block_size, Hkv, D); slot
+    `b * block_size + i` holds token i of block b. Block `num_blocks` is scratch, never handed out: the
+    padding rows of a padded decode batch write their K/V there.
+
+    `attention_backend`: auto | torch | triton (see `resolve_backend`). `cuda_graphs`: on | off, acts on
+    CUDA with the triton backend. `static_decode`: run decode-only steps through the padded static
+    buffers of `StaticDecode` even without graphs (eagerly; tests use it on CPU), triton backend only.
     """
 
     def __init__(
@@ -79,6 +119,9 @@ class ModelRunner:
         kv_cache_gb: float = 0.5,
         gpu_memory_utilization: float = 0.9,
         num_kv_blocks: int = 0,
+        attention_backend: str = "auto",
+        cuda_graphs: str = "on",
+        static_decode: bool = False,
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():
@@ -92,6 +135,13 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.backend = resolve_backend(attention_backend, self.device)
+        if cuda_graphs not in ("on", "off"):
+            raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
+        if static_decode and self.backend != "triton":
+            raise ValueError("static_decode needs the triton attention backend")
+        self.cuda_graphs = cuda_graphs
+        self.static_decode = static_decode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
         ).to(self.device)
@@ -105,7 +155,7 @@ class ModelRunner:
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         self.num_blocks = num_kv_blocks or self._blocks_from_budget(kv_cache_gb, gpu_memory_utilization)
-        slots = self.num_blocks * block_size
+        slots = (self.num_blocks + 1) * block_size  # + the scratch block
         self.kv = [
             (
                 torch.zeros((slots, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device),
@@ -116,18 +166,23 @@ class ModelRunner:
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.max_model_len = 0  # set by prepare()
         self.max_num_seqs = 0
-        self.last_forward_s = 0.0
+        self._forward_s = 0.0  # CPU: the last step's forward; CUDA: finished forwards not reported yet
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards in flight
+        self._long = Staging(self.device, torch.int64)
+        self._int = Staging(self.device, torch.int32)
+        self._static: StaticDecode | None = None
         # Decode grouping: a new group pays off when it saves this many padded key slots (per-call
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
         log.info(
-            "loaded %s (%s) on %s %s; KV pool %d blocks of %d tokens",
+            "loaded %s (%s) on %s %s; KV pool %d blocks of %d tokens; decode attention %s",
             self.model_dir,
             config.model_type,
             self.device,
             self.dtype,
             self.num_blocks,
             block_size,
+            self.backend,
         )
 
     def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
@@ -143,10 +198,58 @@ class ModelRunner:
             raise ValueError(f"KV cache budget too small for one block of {per_block} bytes")
         return blocks
 
+    @property
+    def scratch_slot(self) -> int:
+        """The first slot of the scratch block (past the blocks the block manager hands out)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def last_forward_s(self) -> float:
+        """Seconds in the model forward. CPU: the last step's. CUDA: the forwards (timed by events) that
+        have finished since the previous read, read without waiting; the engine reads it once a step,
+        after the step's results, so the sum over steps is the whole forward time."""
+        if self.device.type != "cuda":
+            return self._forward_s
+        done = 0
+        while done < len(self._timings) and self._timings[done][1].query():
+            start, end = self._timings[done]
+            self._forward_s += start.elapsed_time(end) / 1000.0
+            done += 1
+        del self._timings[:done]
+        figure, self._forward_s = self._forward_s, 0.0
+        return figure
+
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Called once by the engine before its first step (see `Runner.prepare`)."""
+        """Called once by the engine before its first step, with the pool final (see `Runner.prepare`):
+        the static decode buffers and, on CUDA with graphs on and the triton backend, the graphs."""
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        graphs, why = self._graphs_wanted()
+        self._static = None
+        if graphs or self.static_decode:
+            self._static = StaticDecode(
+                self.kv,
+                device=self.device,
+                block_size=self.block_size,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                scratch_slot=self.scratch_slot,
+            )
+        if graphs:
+            assert self._static is not None
+            with torch.inference_mode():
+                self._static.capture(self._forward_all)
+        elif self.device.type == "cuda":
+            log.info("CUDA graphs: none, every step runs eagerly (%s)", why)
+
+    def _graphs_wanted(self) -> tuple[bool, str]:
+        if self.device.type != "cuda":
+            return False, "not a CUDA device"
+        if self.cuda_graphs != "on":
+            return False, "cuda_graphs is off"
+        if self.backend != "triton":
+            return False, "the torch attention backend"
+        return True, ""
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -159,38 +262,115 @@ class ModelRunner:
 
         Decode rows (one new token, longest context first) go first in the packed batch, then the
         prefill chunks. A decode row with `prev_row >= 0` reads its input token from
-        `prev_tokens[prev_row]` on the device (async scheduling).
+        `prev_tokens[prev_row]` on the device (async scheduling). The host builds the inputs; on CUDA
+        they go to the device in non-blocking copies and nothing here waits for the device. A decode-only
+        step runs through the padded static buffers (and a CUDA graph) when `prepare` made them.
         """
         decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         decodes.sort(key=lambda x: -x[0].num_computed_tokens)  # longest context first, for grouping
         prefills = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
         ids, pos, slots, keep_rows = self._pack(decodes, prefills)
-        meta = self._meta(decodes, prefills, slots)
-        dev = self.device
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)[None]
         pending = [(row, r.prev_row) for row, (r, _) in enumerate(decodes) if r.prev_row >= 0]
+        if pending and prev_tokens is None:
+            raise ValueError("a request waits for a token of the previous step, but none was given")
+        timer = self._start_timer()
+        static = self._static
+        if static is not None and not prefills and len(decodes) <= static.max_rows:
+            keep, rows, src = self._long.stage(
+                [[row for _, row in keep_rows], [a for a, _ in pending], [b for _, b in pending]]
+            )
+            prev = (rows, src, prev_tokens) if pending and prev_tokens is not None else None
+            blocks = [r.block_ids for r, _ in decodes]
+            all_logits = static.run(ids, pos, slots, blocks, prev, self._forward_all)
+            logits = all_logits.index_select(0, keep)
+        else:
+            logits = self._execute_eager(decodes, prefills, ids, pos, slots, keep_rows, pending, prev_tokens)
+        self._stop_timer(timer)
+        return logits, [r for r, _ in keep_rows]
+
+    def _execute_eager(
+        self,
+        decodes: list[tuple[Request, int]],
+        prefills: list[tuple[Request, int]],
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        keep_rows: list[tuple[Request, int]],
+        pending: list[tuple[int, int]],
+        prev_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The packed step as it is: every input in one staged copy (two with the triton backend)."""
+        triton = self.backend == "triton"
+        parts: list[Sequence[int] | np.ndarray] = [
+            ids,
+            pos,
+            slots,
+            [row for _, row in keep_rows],
+            [a for a, _ in pending],
+            [b for _, b in pending],
+        ]
+        ctx_blocks = [self._ctx_blocks(r.block_ids, r.num_computed_tokens + n) for r, n in prefills]
+        parts.extend(ctx_blocks)
+        table = self._decode_table(decodes) if decodes else np.zeros((0, 0), dtype=np.int64)
+        if decodes and not triton:
+            parts.extend([table.reshape(-1), [r.num_computed_tokens + 1 for r, _ in decodes]])
+        staged = self._long.stage(parts)
+        ids_t, pos_t, slots_t, keep, rows, src = staged[:6]
+        ctx_t = staged[6 : 6 + len(prefills)]
+        if triton:
+            lens = [r.num_computed_tokens + 1 for r, _ in decodes]
+            table_t, lens_t = self._int.stage([table.reshape(-1), lens])
+            meta = self._meta(decodes, prefills, slots_t, ctx_t)
+            meta.block_tables = table_t.view(len(decodes), table.shape[1])
+            meta.seq_lens = lens_t
+        else:
+            meta = self._meta(decodes, prefills, slots_t, ctx_t)
+            if decodes:
+                table_t, lens_t = staged[6 + len(prefills) :]
+                meta.decode_groups = self._decode_groups(decodes, table_t.view(table.shape), lens_t)
+        input_ids = ids_t[None]
         if pending:
-            if prev_tokens is None:
-                raise ValueError("a request waits for a token of the previous step, but none was given")
-            rows, src = zip(*pending, strict=True)
-            idx = torch.tensor(src, dtype=torch.long, device=dev)
-            input_ids[0, torch.tensor(rows, dtype=torch.long, device=dev)] = prev_tokens.index_select(0, idx)
-        position_ids = torch.tensor(pos, dtype=torch.long, device=dev)[None]
-        keep = torch.tensor([row for _, row in keep_rows], dtype=torch.long, device=dev)
-        start = time.perf_counter()
+            assert prev_tokens is not None
+            input_ids = input_ids.clone()
+            input_ids[0, rows] = prev_tokens.index_select(0, src).to(input_ids.dtype)
+        with self._sdpa_backends():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=pos_t[None],
+                use_cache=False,
+                logits_to_keep=keep,
+                **{META_KWARG: meta},
+            )
+        return out.logits[0]  # (N, V) in packed order
+
+    def _forward_all(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: StepMeta
+    ) -> torch.Tensor:
+        """The forward of a padded decode batch: logits (G, V) of every row (the shape a graph needs)."""
         with self._sdpa_backends():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=keep,
+                logits_to_keep=0,
                 **{META_KWARG: meta},
             )
-        logits = out.logits[0]  # (N, V) in packed order
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        self.last_forward_s = time.perf_counter() - start
-        return logits, [r for r, _ in keep_rows]
+        return out.logits[0]
+
+    def _start_timer(self) -> torch.cuda.Event | float:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start
+
+    def _stop_timer(self, start: torch.cuda.Event | float) -> None:
+        if isinstance(start, float):
+            self._forward_s = time.perf_counter() - start
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timings.append((start, end))
 
     def _sdpa_backends(self) -> contextlib.AbstractContextManager[None]:
         """On CUDA, SDPA without the cuDNN backend: it plans a graph for every new shape, and attention
@@ -226,25 +406,48 @@ class ModelRunner:
                 keep.append((r, len(ids) - 1))
         return ids, pos, slots, keep
 
+    def _ctx_blocks(self, block_ids: list[int], length: int) -> list[int]:
+        """The blocks holding the first `length` tokens of a prefill with a cached context ([] without)."""
+        return block_ids[: -(-length // self.block_size)] if length else []
+
     def _meta(
-        self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]], slots: list[int]
+        self,
+        decodes: list[tuple[Request, int]],
+        prefills: list[tuple[Request, int]],
+        slot_mapping: torch.Tensor,
+        ctx_blocks: list[torch.Tensor],
     ) -> StepMeta:
-        dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
-        groups = self._decode_groups(decodes) if decodes else []
         seqs: list[PrefillSeq] = []
         row = len(decodes)
-        for r, n in prefills:
+        for (r, n), blocks in zip(prefills, ctx_blocks, strict=True):
             p0 = r.num_computed_tokens
-            ctx = self._ctx_slots(r.block_ids, p0 + n) if p0 > 0 else None
+            ctx = self._ctx_slots(blocks, p0 + n) if p0 > 0 else None
             seqs.append(PrefillSeq(q_start=row, q_len=n, ctx_start=p0, ctx_slots=ctx))
             row += n
-        return StepMeta(self.kv, slot_mapping, groups, seqs)
+        return StepMeta(
+            self.kv,
+            slot_mapping,
+            [],
+            seqs,
+            backend=self.backend,
+            num_decodes=len(decodes),
+            block_size=self.block_size,
+        )
 
-    def _decode_groups(self, decodes: list[tuple[Request, int]]) -> list[DecodeGroup]:
+    def _decode_table(self, decodes: list[tuple[Request, int]]) -> np.ndarray:
+        """(Bd, max_blocks) block ids of the decode rows, padded with block 0."""
+        max_blocks = max(len(r.block_ids) for r, _ in decodes)
+        table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        for i, (r, _) in enumerate(decodes):
+            table[i, : len(r.block_ids)] = r.block_ids
+        return table
+
+    def _decode_groups(
+        self, decodes: list[tuple[Request, int]], blocks: torch.Tensor, lens_t: torch.Tensor
+    ) -> list[DecodeGroup]:
         """Splits the decode rows (sorted by context length, longest first) where padding every later row
-        to the current group's length would cost more than another attention call."""
-        dev = self.device
+        to the current group's length would cost more than another attention call. `blocks`: their block
+        table on the device (Bd, max_blocks); `lens_t`: their context lengths."""
         bs = self.block_size
         lens = [r.num_computed_tokens + 1 for r, _ in decodes]
         starts = [0]
@@ -253,19 +456,13 @@ class ModelRunner:
             if (longest - n) * (len(lens) - i) > self.group_split_slots:
                 starts.append(i)
                 longest = n
-        max_blocks = -(-lens[0] // bs)
-        table = [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r, _ in decodes]
-        blocks = torch.tensor(table, dtype=torch.long, device=dev)  # (Bd, max_blocks)
-        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(len(decodes), -1)
-        lens_t = torch.tensor(lens, dtype=torch.long, device=dev)
+        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(len(decodes), -1)
         bounds = [*starts, len(lens)]
         return [
             DecodeGroup(a, slots[a:b, : lens[a]].contiguous(), lens_t[a:b])
             for a, b in itertools.pairwise(bounds)
         ]
 
-    def _ctx_slots(self, block_ids: list[int], length: int) -> torch.Tensor:
+    def _ctx_slots(self, blocks: torch.Tensor, length: int) -> torch.Tensor:
         bs = self.block_size
-        nb = -(-length // bs)
-        blocks = torch.tensor(block_ids[:nb], dtype=torch.long, device=self.device)
         return (blocks[:, None] * bs + torch.arange(bs, device=self.device)).reshape(-1)[:length]

@@ -108,7 +108,8 @@ def test_fit_kv_pool_warms_up_then_sizes_the_pool_from_free_memory(runner_factor
     assert blocks == int((64 * MiB + provisional * per_block) * 0.5) // per_block == runner.num_blocks
     assert blocks != provisional
     for k, v in runner.kv:
-        assert k.shape == v.shape == (blocks * runner.block_size, runner.num_kv_heads, runner.head_dim)
+        slots = (blocks + 1) * runner.block_size  # + the scratch block
+        assert k.shape == v.shape == (slots, runner.num_kv_heads, runner.head_dim)
     # The new pool computes what a runner built with that many blocks computes.
     prompt = [5, 9, 13, 17, 21, 40, 41, 42, 7, 3, 99, 100, 101, 102, 103, 104, 105, 6]
     reference = runner_factory(num_kv_blocks=blocks)
@@ -122,7 +123,7 @@ def test_fit_kv_pool_takes_no_more_blocks_than_requests_can_fill(runner_factory)
     runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings))
     assert runner.max_position_embeddings == 512
     assert kv_sizing.fit_kv_pool(runner, settings, mem_get_info=FakeDevice(runner, 100 * GiB)) == 128
-    assert runner.num_blocks == 128 and runner.kv[0][0].shape[0] == 128 * runner.block_size
+    assert runner.num_blocks == 128 and runner.kv[0][0].shape[0] == (128 + 1) * runner.block_size
     shorter = EngineSettings(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=100)
     runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(shorter))
     assert kv_sizing.fit_kv_pool(runner, shorter, mem_get_info=FakeDevice(runner, 100 * GiB)) == 4 * 7
