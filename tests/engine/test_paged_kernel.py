@@ -19,6 +19,7 @@ from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from services.engine.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
 from services.engine.kernels import paged_decode_attention, paged_decode_attention_reference, triton_usable
+from services.engine.kernels.paged_attention import default_num_splits, paged_decode_attention_splits
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)
@@ -115,6 +116,29 @@ def test_kernel_matches_reference(h: int, hkv: int, d: int, bs: int, window: int
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
     pad = c.seq_lens == 0
     assert (got[pad] == 0).all()
+
+
+@pytest.mark.parametrize(
+    ("h", "hkv", "d", "bs", "window", "splits"), [(8, 4, 24, 16, 0, 3), (8, 2, 80, 8, 11, 4)]
+)
+def test_split_context_matches_reference(h: int, hkv: int, d: int, bs: int, window: int, splits: int) -> None:
+    """Flash-decoding split (several programs per row, combined by a second kernel), as used for small
+    batches on a GPU: rows shorter than the split count, a padding row and windows included."""
+    c = make_case(h, hkv, d, bs, [*lens_for(bs), 2], torch.float32)
+    got = paged_decode_attention_splits(*c.args(), c.scale, window, num_splits=splits)
+    want = paged_decode_attention_reference(*c.args(), c.scale, window)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_split_count_depends_on_shapes_only() -> None:
+    cpu = torch.device("cpu")
+    assert default_num_splits(1, 2, 4096, cpu) == 1
+    if DEV.type == "cuda":
+        sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+        assert default_num_splits(sms, 1, 4096, DEV) == 1  # enough programs already
+        assert default_num_splits(1, 2, 4096, DEV) == 16
+        assert default_num_splits(1, 2, 512, DEV) == 2  # at least 256 positions each
 
 
 def torch_decode_path(c: Case, window: int) -> torch.Tensor:

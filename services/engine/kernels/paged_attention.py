@@ -4,8 +4,10 @@ the KV pool through the row's block table (no gather into a contiguous copy).
 The Triton kernel runs one program per (batch row, KV head). A program loads the G = H / Hkv query
 heads that share its KV head, walks the row's context in tiles of positions (each position's slot comes
 from the block table: `block_tables[row, pos // block_size] * block_size + pos % block_size`) and keeps
-an online softmax in fp32. Grid, tile sizes and loop bounds depend only on shapes and on device-side
-values, so a call never reads the device from the host and can be captured in a CUDA graph.
+an online softmax in fp32. When the (row, KV head) programs are too few to fill a GPU (small decode
+batches), each row's context is also split over several programs whose partial results a second kernel
+combines (flash-decoding). Grid, tile sizes, split counts and loop bounds depend only on shapes and on
+device-side values, so a call never reads the device from the host and can be captured in a CUDA graph.
 
 `paged_decode_attention_reference` computes the same thing in plain torch, for tests and as a fallback
 where Triton cannot run.
@@ -13,6 +15,7 @@ where Triton cannot run.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -62,19 +65,28 @@ if triton is not None:
         stride_ob,
         stride_oh,
         stride_od,
+        part_ml_ptr,
+        part_acc_ptr,
         scale,
         block_size,
         sliding_window,
+        NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         DIM_PAD: tl.constexpr,
         TILE: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
+        split = tl.program_id(2)
         seq_len = tl.load(lens_ptr + row)
         start = tl.where(sliding_window > 0, tl.maximum(seq_len - sliding_window, 0), 0)
+        # This program's share of the visible positions [start, seq_len): [lo, hi), whole tiles each.
+        chunk = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), TILE) * TILE
+        lo = start + split * chunk
+        hi = tl.minimum(lo + chunk, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, DIM_PAD)
@@ -92,12 +104,11 @@ if triton is not None:
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
         acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
-        # Every tile in [first, seq_len) holds at least one visible position, so the running max stays
-        # finite; a padding row (seq_len 0) runs no tile and reads nothing, not even its block table.
-        first = (start // TILE) * TILE
-        for tile_start in range(first, seq_len, TILE):
+        # Every tile in [lo, hi) starts at a visible position, so the running max stays finite once a
+        # tile ran; a padding row (seq_len 0) runs no tile and reads nothing, not even its block table.
+        for tile_start in range(lo, hi, TILE):
             pos = tile_start + t
-            seen = (pos < seq_len) & (pos >= start)
+            seen = pos < hi
             block = tl.load(bt_ptr + row * stride_btb + (pos // block_size) * stride_btn, mask=seen, other=0)
             slot = block.to(tl.int64) * block_size + pos % block_size
             kv_mask = seen[:, None] & d_ok[None, :]
@@ -120,11 +131,54 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if NUM_SPLITS == 1:
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            tl.store(
+                out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+                out.to(out_ptr.dtype.element_ty),
+                mask=g_ok[:, None] & d_ok[None, :],
+            )
+        else:
+            # Partial results, unnormalised, for _combine_splits_kernel: (B, H, splits, 2) max and sum,
+            # (B, H, splits, DIM_PAD) weighted values.
+            part = (row * NUM_HEADS + heads) * NUM_SPLITS + split  # (GROUP_PAD,)
+            tl.store(part_ml_ptr + part * 2, m_i, mask=g_ok)
+            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+            tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
+
+    @triton.jit
+    def _combine_splits_kernel(
+        part_ml_ptr,
+        part_acc_ptr,
+        out_ptr,
+        stride_ob,
+        stride_oh,
+        stride_od,
+        NUM_HEADS: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_PAD: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, DIM_PAD)
+        sp_ok = sp < NUM_SPLITS
+        part = (row * NUM_HEADS + head) * NUM_SPLITS + sp
+        m = tl.load(part_ml_ptr + part * 2, mask=sp_ok, other=float("-inf"))
+        l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
+        m_max = tl.max(m, axis=0)
+        m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # a padding row: every split empty
+        w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty split weighs 0
+        num = tl.sum(w[:, None] * acc, axis=0)
+        den = tl.sum(w * l_s, axis=0)
+        out = num / tl.where(den > 0, den, 1.0)
         tl.store(
-            out_ptr + row * stride_ob + heads[:, None] * stride_oh + d[None, :] * stride_od,
+            out_ptr + row * stride_ob + head * stride_oh + d * stride_od,
             out.to(out_ptr.dtype.element_ty),
-            mask=g_ok[:, None] & d_ok[None, :],
+            mask=d < HEAD_DIM,
         )
 
 
@@ -178,11 +232,55 @@ def paged_decode_attention(
     D) in the query's dtype, written into `out` when given. Accumulates in fp32. Never synchronises
     with the device, so it can be captured in a CUDA graph.
     """
+    splits = default_num_splits(
+        query.shape[0], k_pool.shape[1], block_tables.shape[1] * block_size, query.device
+    )
+    return paged_decode_attention_splits(
+        query, k_pool, v_pool, block_tables, seq_lens, block_size, scale, sliding_window, out, splits
+    )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
+    """How many programs share one row's context (flash-decoding style): 1 when the (row, KV head)
+    programs already fill the GPU's multiprocessors, else enough to fill them, at most 16 and with at
+    least 256 positions of the block table's capacity each. From shapes only, so a captured graph
+    keeps its split."""
+    if device.type != "cuda":
+        return 1
+    programs = batch * kv_heads
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(16, -(-sms // programs), max_len // 256))
+
+
+def paged_decode_attention_splits(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int = 0,
+    out: torch.Tensor | None = None,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """`paged_decode_attention` with each row's visible context split over `num_splits` programs per
+    (row, KV head), whose partial softmax results a second kernel combines (num_splits 1: one kernel,
+    no partials). The result does not depend on `num_splits` beyond rounding."""
     b, h, hkv, d = _check_shapes(query, k_pool, v_pool, block_tables, seq_lens)
     if out is None:
         out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
     elif tuple(out.shape) != (b, h, d):
         raise ValueError(f"out must be {(b, h, d)}, got {tuple(out.shape)}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     if b == 0:
         return out
     if not triton_usable(query.device):
@@ -198,7 +296,12 @@ def paged_decode_attention(
     tile = 64
     while tile > 16 and group_pad * dim_pad * tile > _TILE_ELEMENTS:
         tile //= 2
-    _paged_decode_kernel[(b, hkv)](
+    if num_splits > 1:
+        part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=query.device)
+        part_acc = torch.empty((b, h, num_splits, dim_pad), dtype=torch.float32, device=query.device)
+    else:
+        part_ml = part_acc = out  # unused
+    _paged_decode_kernel[(b, hkv, num_splits)](
         query,
         k_pool,
         v_pool,
@@ -210,16 +313,33 @@ def paged_decode_attention(
         *v_pool.stride(),
         *block_tables.stride(),
         *out.stride(),
+        part_ml,
+        part_acc,
         float(scale),
         int(block_size),
         int(sliding_window),
+        NUM_HEADS=h,
         GROUP=group,
         HEAD_DIM=d,
         GROUP_PAD=group_pad,
         DIM_PAD=dim_pad,
         TILE=tile,
+        NUM_SPLITS=num_splits,
         num_warps=4,
     )
+    if num_splits > 1:
+        _combine_splits_kernel[(b, h)](
+            part_ml,
+            part_acc,
+            out,
+            *out.stride(),
+            NUM_HEADS=h,
+            HEAD_DIM=d,
+            DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=_next_pow2(num_splits),
+            num_warps=4,
+        )
     return out
 
 
