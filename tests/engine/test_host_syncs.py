@@ -158,3 +158,19 @@ def test_the_stand_in_keeps_the_kernels_contract(runner: ModelRunner) -> None:
         mp.setattr(attention, "paged_decode_attention", paged_decode_attention_reference)
         reference, _ = runner.execute(decoding([20, 5, 33], prev=False))
     torch.testing.assert_close(stand_in, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_step_reads_nothing_on_the_host(runner: ModelRunner) -> None:
+    """An eager step: decode rows (one of them fed from the device) and a fresh prefill. (A chunk over a
+    cached context attends through SDPA's `causal_lower_right` bias, a tensor subclass that a dispatch
+    mode cannot wrap, so it is left out here.)"""
+    scheduled = decoding([20, 5], prev=True)
+    fresh = Request("fresh", list(range(3, 20)), SamplingParams(), StoppingParams(max_new_tokens=4))
+    fresh.block_ids = [8, 9]
+    scheduled.append((fresh, 17))
+    reads = HostReads()
+    with reads:
+        logits, reqs = runner.execute(scheduled, torch.arange(3, 7, device=TEST_DEVICE))
+        Sampler(runner.device).launch(logits, reqs)
+    assert reads.seen == [], f"host reads in a step with a prefill: {reads.seen}"
+    assert len(reqs) == 3
