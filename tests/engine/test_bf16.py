@@ -12,7 +12,6 @@ sequences whatever the rounding.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,10 +52,8 @@ DTYPES = {"bfloat16": (torch.bfloat16, BF16), "float32": (torch.float32, FP32)}
 
 
 def _triton_available() -> bool:
-    """The runner can choose the triton backend and the kernel runs on TEST_DEVICE (on CPU only through
-    Triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported)."""
-    if "attention_backend" not in inspect.signature(ModelRunner).parameters:
-        return False
+    """The kernel runs on TEST_DEVICE (on CPU only through Triton's interpreter: tests/conftest.py sets
+    TRITON_INTERPRET=1 before triton is imported)."""
     try:
         from services.engine.kernels.paged_attention import triton_usable
     except ImportError:
@@ -194,15 +191,15 @@ def mismatches(observed: Observed, reference: dict[str, torch.Tensor], tol: Tole
 def make_runner(model_dir: Path, dtype: str, backend: str) -> ModelRunner:
     """With the triton backend, decode-only steps run through the padded static buffers (on CUDA their
     graphs, cuda_graphs being on by default)."""
-    kwargs: dict[str, object] = {}
-    params = inspect.signature(ModelRunner).parameters
-    if backend != "torch" or "attention_backend" in params:
-        kwargs["attention_backend"] = backend
-    if backend == "triton" and "static_decode" in params:
-        kwargs["static_decode"] = True
     runner = ModelRunner(
-        model_dir, device=TEST_DEVICE, dtype=dtype, block_size=BLOCK_SIZE, num_kv_blocks=NUM_BLOCKS, **kwargs
-    )  # type: ignore[arg-type]
+        model_dir,
+        device=TEST_DEVICE,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=NUM_BLOCKS,
+        attention_backend=backend,
+        static_decode=backend == "triton",
+    )
     runner.prepare(NUM_BLOCKS * BLOCK_SIZE, 8)
     return runner
 
@@ -226,7 +223,7 @@ def test_engine_logits_match_transformers(
     torch_dtype, tol = DTYPES[dtype]
     runner = make_runner(model_dirs[model], dtype, backend)
     assert runner.dtype == torch_dtype and runner.kv[0][0].dtype == torch_dtype
-    assert getattr(runner, "backend", "torch") == backend
+    assert runner.backend == backend
     observed, tokens = run_schedule(runner)
     reference = reference_logits(model_dirs[model], torch_dtype, tokens)
     assert mismatches(observed, reference, tol) == []
