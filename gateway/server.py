@@ -148,5 +148,4 @@ async def serve(settings: GatewaySettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(GatewaySettings, argv, prog="sluice serve gateway")
-    grpc_server.run(serve(settings))
-    return 0
+    return grpc_server.run(serve(settings))

@@ -202,12 +202,19 @@ async def serve_forever(
         await on_drain()
 
 
-def run(main: Awaitable[None]) -> None:
-    """Runs a service's main coroutine on uvloop."""
+def run(main: Awaitable[None]) -> int:
+    """Runs a service's main coroutine on uvloop and returns the process's exit status: 0, or 2 when a
+    setting is refused (a ValueError, e.g. a context length the KV pool cannot hold), whose message is
+    logged alone: the reader needs the numbers, not a traceback through the start-up code."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvloop.run(main)  # type: ignore[arg-type]
+    try:
+        uvloop.run(main)  # type: ignore[arg-type]
+    except ValueError as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
+    return 0
 
 
 async def wait_healthy(

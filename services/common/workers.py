@@ -29,7 +29,9 @@ def _child_main(module_name: str, settings: Any, parent_pid: int) -> None:
     from services.common import grpc_server
 
     module = importlib.import_module(module_name)
-    grpc_server.run(module.serve_one(settings, reuse_port=True, stop_when=_parent_gone(parent_pid)))
+    status = grpc_server.run(module.serve_one(settings, reuse_port=True, stop_when=_parent_gone(parent_pid)))
+    if status:
+        raise SystemExit(status)
 
 
 async def _parent_gone(parent_pid: int) -> None:

@@ -47,5 +47,4 @@ async def serve(settings: DetokenizerSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(DetokenizerSettings, argv, prog="sluice serve detokenizer")
-    grpc_server.run(serve(settings))
-    return 0
+    return grpc_server.run(serve(settings))

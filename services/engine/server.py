@@ -89,5 +89,4 @@ async def serve(settings: EngineSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(EngineSettings, argv, prog="sluice serve engine")
-    grpc_server.run(serve(settings))
-    return 0
+    return grpc_server.run(serve(settings))

@@ -45,5 +45,4 @@ async def serve(settings: TokenizerSettings) -> None:
 
 def main(argv: list[str]) -> int:
     settings = load_settings(TokenizerSettings, argv, prog="sluice serve tokenizer")
-    grpc_server.run(serve(settings))
-    return 0
+    return grpc_server.run(serve(settings))
