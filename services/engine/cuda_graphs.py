@@ -70,6 +70,13 @@ class Staging:
         self.dev = torch.empty(capacity, dtype=self.dtype, device=self.device) if self.cuda else self.host
         self._np = self.host.numpy()
 
+    def reserve(self, capacity: int) -> None:
+        """Grows the buffers to hold at least `capacity` elements (at start-up, so that steps do not)."""
+        if capacity > self.capacity:
+            if self._event is not None:
+                self._event.synchronize()
+            self._alloc(1 << (capacity - 1).bit_length())
+
     def stage(self, parts: Sequence[Part]) -> list[torch.Tensor]:
         """Device tensors (1-D) holding `parts`, in order."""
         total = sum(len(p) for p in parts)

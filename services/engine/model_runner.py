@@ -224,6 +224,11 @@ class ModelRunner:
         the static decode buffers and, on CUDA with graphs on and the triton backend, the graphs."""
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        # A full decode batch's inputs without growing the staging buffers: ids, positions, slots, sampled
+        # rows, pending rows (two), and the block table and lengths (int64 for torch, int32 for triton).
+        table = max_num_seqs * (-(-max_model_len // self.block_size) + 1)
+        self._long.reserve(6 * max_num_seqs + (table if self.backend == "torch" else 0))
+        self._int.reserve(table if self.backend == "triton" else 0)
         graphs, why = self._graphs_wanted()
         self._static = None
         if graphs or self.static_decode:
