@@ -294,14 +294,15 @@ def kv_cache_gb(ctx: BenchContext, lengths: list[int], block_size: int) -> float
 
 
 def _engine_settings(
-    ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str
+    ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, max_num_seqs: int = 0
 ) -> EngineSettings:
     """The engine for requests of these total lengths: a context length just above the longest (the model's
-    own may not fit the pool) and a pool holding them all."""
+    own may not fit the pool) and a pool holding them all. `max_num_seqs` 0 keeps the engine's default."""
     from services.engine.settings import EngineSettings
 
     block_size = EngineSettings.block_size
     return EngineSettings(
+        max_num_seqs=max_num_seqs or EngineSettings.max_num_seqs,
         model=str(ctx.model_dir),
         device=ctx.device,
         dtype=ctx.dtype,
@@ -427,7 +428,8 @@ def measure_decode_step(
     prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)
     new_tokens = DECODE_WARM_STEPS + steps + 4  # none ends during the timed steps
     lengths = [prompt_len + new_tokens] * batch
-    engine = LLMEngine(_engine_settings(ctx, "continuous", lengths, cuda_graphs))
+    # max_num_seqs = batch: CUDA graphs are captured up to the batch measured, not beyond.
+    engine = LLMEngine(_engine_settings(ctx, "continuous", lengths, cuda_graphs, max_num_seqs=batch))
     rng = random.Random(seed)
     vocab = engine.runner.vocab_size
     greedy = SamplingParams(temperature=0.0)

@@ -1,4 +1,4 @@
-"""The engine benchmark's models and roofline: preset shapes, the directory a preset writes, the arithmetic."""
+"""The engine benchmark's models and roofline: preset shapes, the directories presets write, arithmetic."""
 
 from __future__ import annotations
 
