@@ -3,10 +3,13 @@ whole run ending in one summary table (GPU_CHECK_DEVICE=cpu)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 from pathlib import Path
+
+from sluice.bench.gpu_summary import Stage, format_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
@@ -68,3 +71,27 @@ def test_a_stage_past_its_limit_is_cut_and_reported(tmp_path: Path) -> None:
     summary = (tmp_path / "summary.txt").read_text()
     assert re.search(r"^tests/engine \(cpu\) .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
     assert re.search(r"^tiny .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
+
+
+def test_a_stage_stopped_midway_keeps_the_concurrencies_it_finished(tmp_path: Path) -> None:
+    fig = {"tokens_per_s": 900.0, "ratio_to_hf-continuous": 2.0, "forward_share_max_batch": 0.95}
+    doc = {
+        "partial": True,
+        "runs": [
+            {"concurrency": 64, "methods": {"sluice-continuous": {**fig, "cuda_graphs": "on", "setting": ""}}}
+        ],
+        "decode_steps": [],
+        "decode_error": "not measured yet",
+        "targets": [
+            {"name": "[m, 64 requests] x", "value": 2.0, "threshold": 2.5, "met": False, "at_most": False}
+        ],
+    }
+    (tmp_path / "b.json").write_text(json.dumps(doc))
+    table = format_summary(None, [Stage("qwen2-0.5b", tmp_path / "b.json", 124, 190)])
+    assert re.search(r"qwen2-0.5b +64 +sluice-continuous +900 +2\.00 +95\.0% +on", table)
+    assert (
+        "decode steps" in table
+        and "not reached" in table
+        and "NOT MET: [m, 64 requests] x: 2 (>= 2.5)" in table
+    )
+    assert "FAILED, figures of the concurrencies finished before it stopped (TIMED OUT after 190 s)" in table

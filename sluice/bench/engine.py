@@ -272,9 +272,22 @@ def main(argv: list[str]) -> int:
         model_dir = args.model or preset_model_dir(args.preset, args.dtype, args.seed, Path(tmp))
         config = AutoConfig.from_pretrained(model_dir)
         ctx = BenchContext(model_dir, args.device, args.dtype, args.hf_batch_tokens)
-        blocks = [run_block(args, ctx, config, label, c) for c in args.concurrency]
+        blocks: list[report.Block] = []
+        for concurrency in args.concurrency:
+            blocks.append(run_block(args, ctx, config, label, concurrency))
+            _write_partial(args, meta, blocks)
         decode, decode_error = run_decode(args, ctx, config, blocks[0].work)
     return _report(args, meta, blocks, decode, decode_error)
+
+
+def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> None:
+    """Writes the JSON of the blocks so far (`"partial": true`), so that a run stopped by a time limit
+    still leaves its finished figures; the complete JSON replaces it at the end."""
+    if args.json is None:
+        return
+    targets = [t for b in blocks for t in b.targets()]
+    doc = report.to_json_runs(blocks, [], "not measured yet", targets, {**meta, "partial": True})
+    report.write_json(args.json, doc)
 
 
 def run_block(

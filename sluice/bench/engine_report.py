@@ -487,6 +487,7 @@ def to_json_runs(
         runs.append({"concurrency": block.concurrency, "workload": block.workload, **doc})
     first = runs[0]
     return {
+        "partial": False,
         **meta,
         "reference": REFERENCE,
         "baseline": BASELINE,

@@ -6,7 +6,8 @@ Usage: `python -m sluice.bench.gpu_summary [--tests LABEL JUNIT_XML RC SECONDS]
 Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
 concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
 its decode-only steps (tokens/s, the step time against the memory roofline), and its targets. A stage
-that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so.
+that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so; one that
+stopped after some concurrencies shows their figures (the benchmark writes its JSON after each).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    if doc.get("partial"):
+        return [(label, "-", "decode steps", "-", "-", "-", "-", "-", "not reached: the stage stopped first")]
     rows = []
     for d in doc.get("decode_steps", []):
         roofline = "n/a" if d["ratio_to_roofline"] is None else f"{d['ratio_to_roofline']:.2f}×"
@@ -161,6 +164,8 @@ def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
     rows += decode_rows(stage.label, doc)
     rows += target_rows(stage.label, doc)
     verdict = "ok" if stage.rc == 0 else "FAILED"
+    if doc.get("partial"):
+        verdict += ", figures of the concurrencies finished before it stopped"
     rows.append((stage.label, "-", "stage", "-", "-", "-", "-", "-", f"{verdict} ({_outcome(stage)})"))
     return rows
 

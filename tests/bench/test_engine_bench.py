@@ -69,6 +69,26 @@ def test_every_method_runs_and_reports_its_figures(quick_run: tuple[int, dict[st
         )
     assert doc["methods"]["hf-continuous"]["sweep"][0]["max_batch_tokens"] == 256
     assert doc["machine"]["device"] == "cpu" and doc["machine"]["torch"]
+    assert doc["partial"] is False
+
+
+def test_the_json_holds_each_finished_concurrency_before_the_run_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "b.json"
+    seen: list[dict[str, Any]] = []
+
+    def decode_reads_the_json(*args: object) -> tuple[list[Any], None]:
+        seen.append(json.loads(out.read_text()))
+        return [], None
+
+    monkeypatch.setattr(bench, "run_decode", decode_reads_the_json)
+    argv = [*QUICK, "--concurrency", "2,3", "--methods", "sluice-continuous", "--json", str(out)]
+    assert bench.main(argv) == 0
+    (partial,) = seen
+    assert partial["partial"] is True and [r["concurrency"] for r in partial["runs"]] == [2, 3]
+    assert partial["decode_steps"] == [] and partial["decode_error"] == "not measured yet"
+    assert json.loads(out.read_text())["partial"] is False
 
 
 def test_greedy_outputs_agree_with_sequential_generate(quick_run: tuple[int, dict[str, Any], Path]) -> None:
