@@ -69,7 +69,7 @@ def test_a_stage_past_its_limit_is_cut_and_reported(tmp_path: Path) -> None:
     )
     assert done.returncode != 0
     summary = (tmp_path / "summary.txt").read_text()
-    assert re.search(r"^tests/engine \(cpu\) .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
+    assert re.search(r"^tests/engine \(cpu\) .* NO RESULTS \(TIMED OUT after \d+ s", summary, re.M)
     assert re.search(r"^tiny .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
 
 
@@ -95,3 +95,12 @@ def test_a_stage_stopped_midway_keeps_the_concurrencies_it_finished(tmp_path: Pa
         and "NOT MET: [m, 64 requests] x: 2 (>= 2.5)" in table
     )
     assert "FAILED, figures of the concurrencies finished before it stopped (TIMED OUT after 190 s)" in table
+
+
+def test_tests_cut_at_their_limit_are_counted_from_the_progress_lines(tmp_path: Path) -> None:
+    (tmp_path / "gpu-tests.log").write_text("..F.s.....   [ 40%]\n.E..\nwarnings summary\n")
+    table = format_summary(Stage("tests/engine (cuda)", tmp_path / "gpu-tests.xml", 124, 170), [])
+    assert (
+        "NO RESULTS (TIMED OUT after 170 s; before it stopped: 11 passed, 1 failed, 1 errors, 1 skipped)"
+        in table
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def _outcome(stage: Stage) -> str:
     return f"exit {stage.rc}, {stage.seconds:.0f} s"
 
 
-def test_counts(junit: Path) -> dict[str, int] | None:
+def junit_counts(junit: Path) -> dict[str, int] | None:
     """passed / failed / errors / skipped from pytest's JUnit XML; None when there is no readable file."""
     try:
         root = ET.parse(junit).getroot()
@@ -66,10 +67,31 @@ def test_counts(junit: Path) -> dict[str, int] | None:
     }
 
 
-def test_row(stage: Stage) -> tuple[str, ...]:
-    counts = test_counts(stage.path)
+PROGRESS_LINE = re.compile(r"^([.FEsxX]+)\s*(\[\s*\d+%\])?$")
+
+
+def progress_counts(log: Path) -> dict[str, int] | None:
+    """passed / failed / errors / skipped so far, from `pytest -q`'s progress lines (for a run stopped
+    before it wrote its JUnit XML); None without a readable log."""
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    marks = "".join(m[1] for line in text.splitlines() if (m := PROGRESS_LINE.match(line.strip())))
+    return {
+        "passed": marks.count("."),
+        "failed": marks.count("F"),
+        "errors": marks.count("E"),
+        "skipped": marks.count("s"),
+    }
+
+
+def tests_row(stage: Stage) -> tuple[str, ...]:
+    counts = junit_counts(stage.path)
     if counts is None:
-        result = f"NO RESULTS ({_outcome(stage)})"
+        so_far = progress_counts(stage.path.with_suffix(".log"))
+        shown = f"; before it stopped: {', '.join(f'{n} {k}' for k, n in so_far.items())}" if so_far else ""
+        result = f"NO RESULTS ({_outcome(stage)}{shown})"
     else:
         verdict = "PASSED" if stage.rc == 0 else "FAILED"
         shown = ", ".join(f"{n} {k}" for k, n in counts.items())
@@ -173,7 +195,7 @@ def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
 def format_summary(tests: Stage | None, benches: list[Stage]) -> str:
     rows: list[tuple[str, ...]] = [HEADER]
     if tests is not None:
-        rows.append(test_row(tests))
+        rows.append(tests_row(tests))
     for stage in benches:
         rows.extend(bench_rows(stage))
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
