@@ -280,7 +280,7 @@ class ModelRunner:
             raise ValueError("a request waits for a token of the previous step, but none was given")
         timer = self._start_timer()
         static = self._static
-        if static is not None and not prefills and len(decodes) <= static.max_rows:
+        if static is not None and decodes and not prefills and len(decodes) <= static.max_rows:
             keep, rows, src = self._long.stage(
                 [[row for _, row in keep_rows], [a for a, _ in pending], [b for _, b in pending]]
             )
