@@ -18,7 +18,6 @@ from services.engine.errors import DEADLINE_EXCEEDED, INTERNAL, error_class
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.conftest import VOCAB
 from tests.engine.fakes import FAKE_VOCAB, FakeRunner, expected_output, fake_engine
-from tests.engine.test_async_engine import until_idle
 from tests.engine.test_model import reference, run_engine, small_engine, workload
 
 GREEDY = SamplingParams()
@@ -85,6 +84,14 @@ def assert_done(engine: LLMEngine, outs: Outputs) -> None:
     for rid, seq in outs.items():
         assert [o.finished for o in seq].count(True) == 1 and seq[-1].finished, rid
         assert seq[-1].completion_tokens == sum(len(o.new_token_ids) for o in seq), rid
+
+
+async def until_idle(engine: AsyncEngine, timeout_s: float = 60.0) -> None:
+    """Polls until the loop holds no request and no unread step (generous: the machine is shared)."""
+    deadline = time.monotonic() + timeout_s
+    while not engine.idle():
+        assert time.monotonic() < deadline, "engine did not go idle"
+        await asyncio.sleep(0.005)
 
 
 def tokens(seq: list[RequestOutput]) -> list[int]:
