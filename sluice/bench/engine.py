@@ -356,7 +356,8 @@ def _report(
     """Prints each concurrency's table and greedy check, the decode steps and the targets, writes the JSON
     and the plot; returns the exit status."""
     label = model_label(args)
-    targets = [t for b in blocks for t in b.targets()] + report.decode_targets(decode, label)
+    targets = [t for b in blocks for t in b.targets()]
+    targets += report.decode_targets(decode, label, args.decode_batch)
     for block in blocks:
         print()
         print(report.format_block(block))

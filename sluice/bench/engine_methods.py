@@ -424,9 +424,13 @@ def measure_decode_step(
     whole batch (it would not measure what it says)."""
     from services.engine.engine import LLMEngine
     from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.settings import EngineSettings
 
     prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)
-    new_tokens = DECODE_WARM_STEPS + steps + 4  # none ends during the timed steps
+    # None ends during the timed steps: a request whose prefill finished in an early step of the burst
+    # decodes during the later prefill steps, so it can be ahead by up to one token per prefill step.
+    prefill_steps = -(-batch * prompt_len // EngineSettings.max_num_batched_tokens)
+    new_tokens = DECODE_WARM_STEPS + steps + prefill_steps + 4
     lengths = [prompt_len + new_tokens] * batch
     # max_num_seqs = batch: CUDA graphs are captured up to the batch measured, not beyond.
     engine = LLMEngine(_engine_settings(ctx, "continuous", lengths, cuda_graphs, max_num_seqs=batch))
@@ -452,6 +456,8 @@ def measure_decode_step(
     engine.observer = None
     if shapes.shapes != [(batch, True)] * steps:
         raise RuntimeError(f"timed steps were not all decodes of {batch} rows: {shapes.shapes}")
-    start = prompt_len + DECODE_WARM_STEPS + 1  # context of the first timed step, give or take async's one
+    # Context of a row in the first timed step: its prompt, its outputs so far and the new token (give or
+    # take the one a step launched before may be computing).
+    start = prompt_len + sum(len(t) for t in produced.values()) / batch + 1
     mean_context = start + (steps - 1) / 2
     return DecodeStep(_graphs_state(ctx, cuda_graphs), batch, mean_context, steps, elapsed[0] / steps)

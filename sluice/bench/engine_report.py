@@ -264,12 +264,11 @@ class DecodeFigure:
         return self.step.step_s / seconds if seconds else None
 
 
-def decode_targets(figures: list[DecodeFigure], model: str) -> list[Target]:
+def decode_targets(figures: list[DecodeFigure], model: str, batch: int) -> list[Target]:
     """The decode step within ROOFLINE_TARGET× the roofline (graphs on, or the CPU's only run), and CUDA
     graphs' decode tokens/s over eager at least GRAPHS_TARGET (CUDA only)."""
     main = next((f for f in figures if f.step.cuda_graphs in ("on", NOT_ON_CPU)), None)
     eager = next((f for f in figures if f.step.cuda_graphs == "off"), None)
-    batch = figures[0].step.batch if figures else "N"
     graphs = None
     if main is not None and eager is not None and eager.step.tokens_per_s > 0:
         graphs = main.step.tokens_per_s / eager.step.tokens_per_s

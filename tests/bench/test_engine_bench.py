@@ -21,6 +21,7 @@ from sluice.bench.engine_methods import (
     MethodResult,
     Progress,
     load_hf_model,
+    measure_decode_step,
     reference_logits,
     run_hf_sequential,
 )
@@ -212,6 +213,15 @@ def test_decode_steps_are_timed_on_the_whole_batch(quick_run: tuple[int, dict[st
     )
     assert step["weight_bytes"] > 0 and step["kv_bytes"] > 0
     assert step["roofline_s"] is None and step["ratio_to_roofline"] is None
+
+
+def test_decode_steps_of_a_burst_whose_prefill_takes_several_steps(tmp_path: Path) -> None:
+    # 32 prompts of ~400 tokens: the prefill takes 7 steps of 2048 tokens, and the requests whose prefill
+    # ended first decode ahead of the others (by up to 6 tokens): none may finish while the steps are timed.
+    ctx = BenchContext(write_bench_model(tmp_path / "m", 0), "cpu", "float32")
+    step = measure_decode_step(ctx, batch=32, context=410, steps=8)
+    assert (step.batch, step.steps, step.cuda_graphs) == (32, 8, "n/a (CPU)")
+    assert step.mean_context == pytest.approx(410, abs=4) and step.step_s > 0
 
 
 def test_concurrency_blocks_eager_on_cpu_and_a_given_bandwidth(

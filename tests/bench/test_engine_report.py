@@ -165,11 +165,11 @@ def _decode(graphs: str, step_s: float, gbps: float | None = 1000.0) -> DecodeFi
 def test_decode_targets_roofline_ratio_and_graphs_speedup() -> None:
     on, off = _decode("on", 0.002), _decode("off", 0.004)  # roofline: 1e9 bytes at 1000 GB/s = 1 ms
     assert on.roofline.seconds == pytest.approx(1e-3) and on.ratio == pytest.approx(2.0)
-    roofline, graphs = decode_targets([on, off], "qwen2-0.5b")
+    roofline, graphs = decode_targets([on, off], "qwen2-0.5b", 64)
     assert (roofline.value, roofline.met, roofline.at_most) == (pytest.approx(2.0), True, True)
     assert (graphs.value, graphs.met) == (pytest.approx(2.0), True)
     assert "[qwen2-0.5b] decode-only step at batch 64" in roofline.name
-    slow = decode_targets([_decode("on", 0.0035), _decode("off", 0.004)], "m")
+    slow = decode_targets([_decode("on", 0.0035), _decode("off", 0.004)], "m", 64)
     assert [t.met for t in slow] == [False, False]  # 3.5× the roofline; graphs only 1.14× eager
     text = format_decode([on, off], None)
     assert "2.00 ms a step" in text and "2.00× the roofline" in text and "CUDA graphs off" in text
@@ -178,8 +178,8 @@ def test_decode_targets_roofline_ratio_and_graphs_speedup() -> None:
 def test_decode_targets_unmeasured_on_cpu_or_without_a_run() -> None:
     cpu = _decode(NOT_ON_CPU, 0.01, gbps=None)
     assert cpu.ratio is None
-    assert [t.met for t in decode_targets([cpu], "tiny")] == [None, None]
-    assert [t.value for t in decode_targets([], "tiny")] == [None, None]
+    assert [t.met for t in decode_targets([cpu], "tiny", 64)] == [None, None]
+    assert [t.value for t in decode_targets([], "tiny", 64)] == [None, None]
     assert "roofline n/a" in format_decode([cpu], None)
     assert "FAILED: RuntimeError: x" in format_decode([], "RuntimeError: x")
 
@@ -203,7 +203,7 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
         Block("tiny", c, work, {"num_requests": c}, _all(speed), {}, {"sluice-continuous-eager": NOT_ON_CPU})
         for c, speed in ((64, 1000.0), (256, 700.0))
     ]
-    targets = [t for b in blocks for t in b.targets()] + decode_targets([], "tiny")
+    targets = [t for b in blocks for t in b.targets()] + decode_targets([], "tiny", 64)
     doc = to_json_runs(blocks, [_decode("on", 0.002)], None, targets, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
