@@ -136,6 +136,8 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.backend = resolve_backend(attention_backend, self.device)
+        if self.backend == "triton" and self.device.type == "cuda":
+            self.backend = self._checked_kernel(attention_backend, config)
         if cuda_graphs not in ("on", "off"):
             raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
         if static_decode and self.backend != "triton":
@@ -184,6 +186,22 @@ class ModelRunner:
             block_size,
             self.backend,
         )
+
+    def _checked_kernel(self, setting: str, config: transformers.PretrainedConfig) -> str:
+        """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
+        layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
+        from services.engine.kernels import self_check
+
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        why = self_check(self.device, self.dtype, heads, kv_heads, head_dim)
+        if why is None:
+            return "triton"
+        if setting == "triton":
+            raise ValueError(f"attention_backend triton: the kernel fails its start-up check: {why}")
+        log.warning("attention backend: torch, the triton kernel fails its start-up check: %s", why)
+        return "torch"
 
     def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -242,8 +260,13 @@ class ModelRunner:
             )
         if graphs:
             assert self._static is not None
-            with torch.inference_mode():
-                self._static.capture(self._forward_all)
+            try:
+                with torch.inference_mode():
+                    self._static.capture(self._forward_all)
+            except Exception as exc:  # e.g. an operation of the model's code that cannot be captured
+                why = f"{type(exc).__name__}: {exc}"
+                log.warning("CUDA graphs: capture failed, every step runs eagerly: %s", why)
+                self._static = None
         elif self.device.type == "cuda":
             log.info("CUDA graphs: none, every step runs eagerly (%s)", why)
 

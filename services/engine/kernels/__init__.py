@@ -3,7 +3,8 @@
 from services.engine.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
+    self_check,
     triton_usable,
 )
 
-__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "triton_usable"]
+__all__ = ["paged_decode_attention", "paged_decode_attention_reference", "self_check", "triton_usable"]

@@ -382,3 +382,34 @@ def paged_decode_attention_reference(
         return result
     out.copy_(result)
     return out
+
+
+def self_check(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> str | None:
+    """Runs the kernel once on small random inputs of the model's head layout and dtype and compares it
+    with the reference. None when it agrees; else why not (a compile or launch error, or a mismatch), so
+    that a GPU or Triton build the kernel does not work on is found at start-up, not at the first decode.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    block_size, blocks = 16, 6
+    slots = blocks * block_size
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+    query = rand(3, num_heads, head_dim)
+    k_pool, v_pool = rand(slots, num_kv_heads, head_dim), rand(slots, num_kv_heads, head_dim)
+    tables = torch.tensor([[4, 1, 0], [2, 5, 3], [0, 0, 0]], dtype=torch.int32, device=device)
+    lens = torch.tensor([40, 17, 0], dtype=torch.int32, device=device)  # the last row pads
+    scale = head_dim**-0.5
+    try:
+        got = paged_decode_attention(query, k_pool, v_pool, tables, lens, block_size, scale)
+        want = paged_decode_attention_reference(query, k_pool, v_pool, tables, lens, block_size, scale)
+        error = (got.float() - want.float()).abs().max().item()
+    except Exception as exc:  # a compile or launch failure of this device's Triton build
+        return f"{type(exc).__name__}: {exc}"
+    tolerance = 1e-3 if dtype == torch.float32 else 3e-2
+    if not error <= tolerance:
+        return f"its output is {error:.3g} away from the reference (tolerance {tolerance})"
+    return None
