@@ -372,8 +372,9 @@ def paged_decode_attention_reference(
     hidden = ~seen[:, :, None, None]  # a slot outside the context may hold anything, NaN included
     k = k.masked_fill(hidden, 0.0)
     v = v.masked_fill(hidden, 0.0)
-    k = k.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)  # (B, H, L, D)
-    v = v.repeat_interleave(group, dim=2).permute(0, 2, 1, 3)
+    # Query head j uses KV head j // group: each KV head repeated `group` times, (B, H, L, D).
+    k = k[:, :, :, None].expand(b, max_len, hkv, group, d).reshape(b, max_len, h, d).permute(0, 2, 1, 3)
+    v = v[:, :, :, None].expand(b, max_len, hkv, group, d).reshape(b, max_len, h, d).permute(0, 2, 1, 3)
     scores = torch.einsum("bhd,bhld->bhl", query.float() * scale, k)
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row sees nothing: zeros
