@@ -101,7 +101,7 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
     context_len = settings.max_model_len or runner.max_position_embeddings
     if context_len:
         blocks = min(blocks, useful_blocks(settings.max_num_seqs, context_len, runner.block_size))
-    replace_pool(runner, blocks)
+    runner.allocate_pool(blocks)
     log.info(
         "KV pool sized from free memory after a warm-up: %d blocks (%.2f GiB, %.0f%% of %.2f GiB)",
         blocks,
@@ -124,19 +124,3 @@ def warm_up(runner: Any, max_tokens: int) -> None:
     runner.execute([(request, n)])
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
-
-
-def replace_pool(runner: Any, num_blocks: int) -> None:
-    """Releases the runner's pool and allocates one of `num_blocks` blocks in the same layout (with the
-    runner's scratch block past them, which the block manager never hands out)."""
-    runner.kv = []
-    slots = (num_blocks + 1) * runner.block_size
-    shape = (slots, runner.num_kv_heads, runner.head_dim)
-    runner.kv = [
-        (
-            torch.zeros(shape, dtype=runner.dtype, device=runner.device),
-            torch.zeros(shape, dtype=runner.dtype, device=runner.device),
-        )
-        for _ in range(runner.num_layers)
-    ]
-    runner.num_blocks = num_blocks

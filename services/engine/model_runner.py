@@ -30,6 +30,7 @@ from services.engine.attention import (
     paged_attention,
 )
 from services.engine.cuda_graphs import Staging, StaticDecode
+from services.engine.kv_sizing import block_bytes
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,12 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.backend = resolve_backend(attention_backend, self.device)
         if self.backend == "triton" and self.device.type == "cuda":
-            self.backend = self._checked_kernel(attention_backend, config)
+            self.backend = self._checked_kernel(attention_backend)
         if cuda_graphs not in ("on", "off"):
             raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
         if static_decode and self.backend != "triton":
@@ -152,19 +156,8 @@ class ModelRunner:
         self.vocab_size = int(config.vocab_size)
         self.block_size = block_size
         self.num_layers = int(config.num_hidden_layers)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        self.head_dim = int(
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        self.num_blocks = num_kv_blocks or self._blocks_from_budget(kv_cache_gb, gpu_memory_utilization)
-        slots = (self.num_blocks + 1) * block_size  # + the scratch block
-        self.kv = [
-            (
-                torch.zeros((slots, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device),
-                torch.zeros((slots, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device),
-            )
-            for _ in range(self.num_layers)
-        ]
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate_pool(num_kv_blocks or self._blocks_from_budget(kv_cache_gb, gpu_memory_utilization))
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.max_model_len = 0  # set by prepare()
         self.max_num_seqs = 0
@@ -187,15 +180,12 @@ class ModelRunner:
             self.backend,
         )
 
-    def _checked_kernel(self, setting: str, config: transformers.PretrainedConfig) -> str:
+    def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
         from services.engine.kernels import self_check
 
-        heads = int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        why = self_check(self.device, self.dtype, heads, kv_heads, head_dim)
+        why = self_check(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
         if why is None:
             return "triton"
         if setting == "triton":
@@ -203,9 +193,24 @@ class ModelRunner:
         log.warning("attention backend: torch, the triton kernel fails its start-up check: %s", why)
         return "torch"
 
+    def allocate_pool(self, num_blocks: int) -> None:
+        """Releases the KV pool and allocates one of `num_blocks` blocks, plus the scratch block past them
+        that the block manager never hands out: per layer K and V of ((num_blocks + 1) * block_size, Hkv,
+        D)."""
+        self.kv = []  # the old pool is freed before the new one takes its memory
+        shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.num_layers)
+        ]
+        self.num_blocks = num_blocks
+
     def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        per_block = block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, elem)
         if self.device.type == "cuda" and kv_cache_gb <= 0:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * utilization)

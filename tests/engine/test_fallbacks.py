@@ -54,12 +54,12 @@ def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
 
     monkeypatch.setattr(kernels, "self_check", lambda *a: "RuntimeError: no kernel image")
     with caplog.at_level(logging.WARNING):
-        assert r._checked_kernel("auto", r.config) == "torch"
+        assert r._checked_kernel("auto") == "torch"
     assert "fails its start-up check: RuntimeError: no kernel image" in caplog.text
     with pytest.raises(ValueError, match="triton: the kernel fails its start-up check: RuntimeError"):
-        r._checked_kernel("triton", r.config)
+        r._checked_kernel("triton")
     monkeypatch.setattr(kernels, "self_check", lambda *a: None)
-    assert r._checked_kernel("auto", r.config) == "triton"
+    assert r._checked_kernel("auto") == "triton"
 
 
 def test_a_failing_graph_capture_leaves_every_step_eager(
