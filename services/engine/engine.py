@@ -53,7 +53,7 @@ class Runner(Protocol):
     vocab_size: int
     eos_ids: frozenset[int]
     max_position_embeddings: int
-    last_forward_s: float
+    last_forward_s: float  # forward seconds finished since the previous read (each reported once)
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         """Called once by the engine before its first step, with the pool final: static buffers and CUDA
@@ -474,10 +474,8 @@ class LLMEngine:
 
     def _account_drain(self, step_s: float) -> None:
         """A step that only read the launched step: its time counts in the totals (no step, no batch), and
-        on CUDA the forwards finished meanwhile (the runner reports those once; on CPU its figure is the
-        last step's, counted already)."""
-        if self.runner.device.type == "cuda":
-            self._forward_s += self.runner.last_forward_s
+        so do the forwards the runner saw finish meanwhile (it reports each once)."""
+        self._forward_s += self.runner.last_forward_s
         self._step_s += step_s
 
     def stats(self) -> EngineStats:

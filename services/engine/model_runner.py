@@ -161,7 +161,7 @@ class ModelRunner:
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.max_model_len = 0  # set by prepare()
         self.max_num_seqs = 0
-        self._forward_s = 0.0  # CPU: the last step's forward; CUDA: finished forwards not reported yet
+        self._forward_s = 0.0  # finished forwards not reported yet (see last_forward_s)
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # CUDA forwards in flight
         self._long = Staging(self.device, torch.int64)
         self._int = Staging(self.device, torch.int32)
@@ -228,11 +228,9 @@ class ModelRunner:
 
     @property
     def last_forward_s(self) -> float:
-        """Seconds in the model forward. CPU: the last step's. CUDA: the forwards (timed by events) that
-        have finished since the previous read, read without waiting; the engine reads it once a step,
-        after the step's results, so the sum over steps is the whole forward time."""
-        if self.device.type != "cuda":
-            return self._forward_s
+        """Seconds in the model forward of the forwards finished since the previous read (CPU: timed by
+        the host; CUDA: by events, read without waiting), so the sum of the reads is the whole forward
+        time however often the engine reads."""
         done = 0
         while done < len(self._timings) and self._timings[done][1].query():
             start, end = self._timings[done]
@@ -399,7 +397,7 @@ class ModelRunner:
 
     def _stop_timer(self, start: torch.cuda.Event | float) -> None:
         if isinstance(start, float):
-            self._forward_s = time.perf_counter() - start
+            self._forward_s += time.perf_counter() - start
             return
         end = torch.cuda.Event(enable_timing=True)
         end.record()
