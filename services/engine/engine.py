@@ -151,6 +151,8 @@ class LLMEngine:
                 num_kv_blocks=settings.num_kv_blocks,
                 attention_backend=settings.attention_backend,
                 cuda_graphs=settings.cuda_graphs,
+                quantization=settings.quantization,
+                kv_cache_dtype=settings.kv_cache_dtype,
             )
             kv_sizing.fit_kv_pool(runner, settings)  # CUDA, automatic size: from free memory after a warm-up
         self.runner = runner
@@ -170,7 +172,10 @@ class LLMEngine:
         )
         self.sampler = Sampler(runner.device, settings.seed)
         mode = settings.async_scheduling
-        self.async_scheduling = mode == "on" or (mode == "auto" and runner.device.type == "cuda")
+        # Speculation proposes from the host's tokens, so auto leaves async scheduling off with it.
+        self.async_scheduling = mode == "on" or (
+            mode == "auto" and runner.device.type == "cuda" and settings.speculative == "off"
+        )
         self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on

@@ -123,6 +123,8 @@ class ModelRunner:
         attention_backend: str = "auto",
         cuda_graphs: str = "on",
         static_decode: bool = False,
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").exists():

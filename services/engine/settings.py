@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from services.common.settings import StageTlsSettings
 
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
+SPECULATIVE_METHODS = ("off", "ngram")
+QUANTIZATIONS = ("none", "int8", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,36 @@ class EngineSettings(StageTlsSettings):
         default="auto",
         metadata={"help": "auto (on for CUDA) | on | off: schedule step N+1 while the device runs step N"},
     )
+    speculative: str = field(
+        default="off",
+        metadata={"help": "off | ngram: propose tokens by matching the request's last n-gram against its own "
+                  "prompt and output, and verify them in one forward"},
+    )
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "speculative: most tokens proposed per request and step"}
+    )
+    ngram_min: int = field(default=1, metadata={"help": "speculative ngram: shortest n-gram matched"})
+    ngram_max: int = field(
+        default=4, metadata={"help": "speculative ngram: longest n-gram matched (tried first)"}
+    )
+    speculative_disable_batch_size: int = field(
+        default=8,
+        metadata={"help": "speculative: no proposals in a step with more running requests than this (a full "
+                  "batch has no compute to spare)"},
+    )
+    speculative_min_acceptance: float = field(
+        default=0.2,
+        metadata={"help": "speculative: a request whose acceptance rate falls below this stops proposing "
+                  "for a while"},
+    )
+    quantization: str = field(
+        default="none",
+        metadata={"help": "none | int8 (weight-only, CPU and CUDA) | fp8 (float8 weights, CUDA only)"},
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3 KV pool: twice the blocks of bf16)"},
+    )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     max_model_len: int = field(default=0, metadata={"help": "context length; 0 = the model's own"})
     default_max_new_tokens: int = field(
@@ -94,9 +127,13 @@ class EngineSettings(StageTlsSettings):
             ("attention_backend", ("auto", "torch", "triton")),
             ("cuda_graphs", ("on", "off")),
             ("async_scheduling", ("auto", "on", "off")),
+            ("speculative", SPECULATIVE_METHODS),
+            ("quantization", QUANTIZATIONS),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        self._validate_speculative()
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.kv_cache_gb < 0:
@@ -109,3 +146,17 @@ class EngineSettings(StageTlsSettings):
             raise ValueError("report_interval_ms must be >= 0")
         if not 0.0 <= self.trace_step_sample_rate <= 1.0:
             raise ValueError("trace_step_sample_rate must be between 0 and 1")
+
+    def _validate_speculative(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError("num_speculative_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.speculative_disable_batch_size < 1:
+            raise ValueError("speculative_disable_batch_size must be >= 1")
+        if not 0.0 <= self.speculative_min_acceptance <= 1.0:
+            raise ValueError("speculative_min_acceptance must be between 0 and 1")
+        if self.speculative != "off" and self.async_scheduling == "on":
+            raise ValueError(
+                "speculative decoding proposes from the host's tokens: use async_scheduling auto or off"
+            )
