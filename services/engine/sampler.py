@@ -13,6 +13,18 @@ ids, and the chosen and top-k log-probabilities when a request asks for them) ar
 device tensor and copied back once, non-blocking, into a pinned host buffer with an event recorded
 after the copy. `SampleHandle.result()` waits for that event only. The sampled ids also stay on the
 device (`SampleHandle.token_ids`) for the next step's inputs (async scheduling).
+
+Speculative decoding (`verify`): a request with d drafted tokens owns d + 1 rows, row j being the
+distribution after its first j drafts. Every row is sampled exactly as `launch` samples a row (one
+definition of the distribution), and the drafts are accepted while each equals its row's token; the
+emitted tokens are the accepted drafts and the token of the first disagreeing row (or of the last row).
+For greedy rows that is the argmax rule. For sampled rows it is rejection sampling with a deterministic
+proposal (q one-hot on the draft d): the row's token equals d with probability p(d) (accept), and given
+that it differs it is distributed as p with d removed and renormalised (the residual); so the output
+has exactly the target distribution. A seeded request draws its rows from its own generator in order
+and, after a rejection, its generator is set back to its state after the last emitted row: it has then
+consumed one draw per emitted token, as without speculation, and its tokens do not depend on the drafts
+(nor on whether it was given any), only on the logits.
 """
 
 from __future__ import annotations
@@ -30,6 +42,15 @@ from services.engine.request import PLACEHOLDER, Request
 class SampleResult:
     token_ids: list[int]
     logprobs: list[TokenLogprob | None]
+
+
+@dataclass
+class VerifyResult:
+    """Per request of a `Sampler.verify` call: the accepted drafts then one more token, and a log-probability
+    entry for each of them (None entries when the request did not ask for log-probabilities)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprob | None]]
 
 
 @dataclass
@@ -105,6 +126,54 @@ class Sampler:
 
         Requests with penalties need the host values of their output tokens: none may hold a placeholder
         (`Request.prev_row >= 0`) here; the engine reads the previous step's results first."""
+        return self._launch(logits, reqs, None)
+
+    def verify(
+        self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
+    ) -> VerifyResult:
+        """Verifies drafted tokens (see the module docstring); synchronous, one read-back.
+
+        logits: (sum(len(d) + 1 for d in drafts), V); request i owns len(drafts[i]) + 1 consecutive rows,
+        in order, row j being the distribution after its first j drafts. Returns, per request, the
+        accepted drafts then one more token (greedy: the argmax of the first row that disagrees with its
+        draft, or of the last row; sampling: rejection sampling, exact). A request without drafts gets
+        what `launch` would give it. Requests with drafts may have no penalties and must be past
+        `min_new_tokens` (their rows are processed alone, without the drafts before them)."""
+        if len(drafts) != len(reqs):
+            raise ValueError(f"{len(reqs)} requests but {len(drafts)} draft lists")
+        rows: list[Request] = []
+        rewind: dict[int, list[torch.Tensor]] = {}
+        for r, d in zip(reqs, drafts, strict=True):
+            if d:
+                assert not r.sampling.has_penalties, "drafts for a request with penalties"
+                assert r.num_output_tokens >= r.stopping.min_new_tokens, "drafts before min_new_tokens"
+                if r.sampling.seed is not None and not r.sampling.greedy:
+                    rewind[id(r)] = []
+            rows.extend([r] * (len(d) + 1))
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} verification rows")
+        out = self._launch(logits, rows, rewind).result()
+        tokens: list[list[int]] = []
+        logprobs: list[list[TokenLogprob | None]] = []
+        start = 0
+        for r, d in zip(reqs, drafts, strict=True):
+            row_tokens = out.token_ids[start : start + len(d) + 1]
+            accepted = 0
+            while accepted < len(d) and row_tokens[accepted] == d[accepted]:
+                accepted += 1
+            tokens.append(row_tokens[: accepted + 1])
+            logprobs.append(out.logprobs[start : start + accepted + 1])
+            states = rewind.get(id(r))
+            if states and accepted < len(d):
+                r.generator.set_state(states[accepted])
+            start += len(d) + 1
+        return VerifyResult(tokens, logprobs)
+
+    def _launch(
+        self, logits: torch.Tensor, reqs: Sequence[Request], rewind: dict[int, list[torch.Tensor]] | None
+    ) -> SampleHandle:
+        """`launch`; `rewind` (verify): its keys are ids of seeded requests whose generator state after
+        each of their rows' draws is appended to their list."""
         n = len(reqs)
         if n == 0:
             empty = torch.empty((0,), dtype=torch.long, device=logits.device)
@@ -123,7 +192,8 @@ class Sampler:
         sampled_rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
         if sampled_rows:
             idx = self._to_device(sampled_rows, torch.long)
-            drawn = self._draw(x.index_select(0, idx), [reqs[i] for i in sampled_rows])
+            sampled = [reqs[i] for i in sampled_rows]
+            drawn = self._draw(self._probs(x.index_select(0, idx), sampled), sampled, rewind)
             tokens = tokens.index_copy(0, idx, drawn)
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs > 0]
         if not lp_rows:
@@ -195,9 +265,10 @@ class Sampler:
         x[self._to_device(rows, torch.long), self._to_device(cols, torch.long)] = float("-inf")
         return x
 
-    def _draw(self, x: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """x: (S, V) processed logits of the sampling rows → (S,) token ids."""
-        dev = x.device
+    def _probs(self, x: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """x: (S, V) logits of the sampling rows after penalties and suppression → (S, V) the
+        distribution each row is drawn from: temperature → top-k → top-p → min-p (zeroed, not
+        renormalised: the draw does not need it)."""
         s = len(reqs)
         params = self._to_device(
             [v for r in reqs for v in (r.sampling.temperature, r.sampling.top_p, r.sampling.min_p)],
@@ -212,6 +283,18 @@ class Sampler:
         if any(r.sampling.min_p > 0 for r in reqs):
             thresh = params[:, 2:3] * probs.max(dim=-1, keepdim=True).values
             probs = torch.where(probs < thresh, torch.zeros_like(probs), probs)
+        return probs
+
+    def _draw(
+        self,
+        probs: torch.Tensor,
+        reqs: Sequence[Request],
+        rewind: dict[int, list[torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
+        """probs: (S, V) from `_probs` → (S,) token ids, row j drawn with probability proportional to
+        probs[j]. `rewind`: see `_launch`."""
+        dev = probs.device
+        s = len(reqs)
         q = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(reqs) if r.sampling.seed is None]
         if unseeded:
@@ -228,6 +311,8 @@ class Sampler:
                     r.generator = torch.Generator(device=dev)
                     r.generator.manual_seed(r.sampling.seed)
                 q[j].exponential_(generator=r.generator)
+                if rewind and id(r) in rewind:
+                    rewind[id(r)].append(r.generator.get_state())
         return (probs / q.clamp_min_(1e-20)).max(dim=-1).indices
 
     def _top_k_top_p(self, x: torch.Tensor, top_k: list[int], p: torch.Tensor) -> torch.Tensor:

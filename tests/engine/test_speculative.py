@@ -1,0 +1,172 @@
+"""Prompt-lookup proposals and the verification of drafts in the sampler, on hand-made tokens and logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.engine.params import SamplingParams, StoppingParams
+from services.engine.request import Request
+from services.engine.sampler import Sampler
+from services.engine.speculative import NgramProposer, TokenMirror
+
+V = 32
+CPU = torch.device("cpu")
+
+
+def req(
+    sampling: SamplingParams | None = None,
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    stopping: StoppingParams | None = None,
+) -> Request:
+    r = Request(
+        "r",
+        prompt or [1, 2, 3],
+        sampling or SamplingParams(),
+        stopping or StoppingParams(),
+        eos_ids=frozenset([0]),
+    )
+    r.token_ids.extend(output or [])
+    return r
+
+
+def logits(rows: int, seed: int = 0, vocab: int = V) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def propose(tokens: list[int], k: int = 4, lo: int = 1, hi: int = 4, max_tokens: int = 100) -> list[int]:
+    """The proposal with and without a mirror, checked to agree."""
+    proposer = NgramProposer(k, lo, hi)
+    plain = proposer.propose(tokens, max_tokens)
+    assert proposer.propose(tokens, max_tokens, TokenMirror()) == plain
+    return plain
+
+
+# ---- the proposer ------------------------------------------------------------------------------------
+
+
+def test_the_longest_ngram_wins_over_a_later_shorter_one() -> None:
+    # "7 8 9" occurs at the start (followed by 1 2); "8 9" alone occurs later (followed by 5 6).
+    tokens = [7, 8, 9, 1, 2, 3, 3, 8, 9, 5, 6, 4, 4, 7, 8, 9]
+    assert propose(tokens, k=2) == [1, 2]
+    assert propose(tokens, k=2, hi=2) == [5, 6]  # with 2-grams at most, the latest "8 9" wins
+
+
+def test_the_latest_occurrence_wins() -> None:
+    tokens = [5, 6, 10, 11, 0, 5, 6, 20, 21, 0, 5, 6]
+    assert propose(tokens, k=2) == [20, 21]
+
+
+def test_the_suffix_does_not_match_itself() -> None:
+    assert propose([1, 2, 3, 4]) == []
+    assert propose([4, 1, 2, 3, 4], k=3) == [1, 2, 3]  # only the earlier 4 counts
+
+
+def test_max_tokens_and_num_tokens_bound_the_proposal() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    assert propose(tokens, k=5) == [3, 4, 5, 6, 7]
+    assert propose(tokens, k=5, max_tokens=2) == [3, 4]
+    assert propose(tokens, k=5, max_tokens=0) == []
+    assert propose(tokens, k=5, max_tokens=-1) == []
+
+
+def test_nothing_to_propose_without_a_match_of_at_least_ngram_min() -> None:
+    assert propose([1, 2, 3, 4, 5]) == []
+    assert propose([]) == [] and propose([1]) == []
+    tokens = [1, 2, 9, 3, 2]  # only the 1-gram "2" matches
+    assert propose(tokens, lo=1) == [9, 3, 2, 9]
+    assert propose(tokens, lo=2) == []
+
+
+def test_matches_in_the_prompt_and_in_the_output() -> None:
+    prompt = [40, 41, 42, 43, 44, 45, 46]
+    r = req(prompt=prompt, output=[9, 41, 42])
+    assert propose(r.token_ids, k=3) == [43, 44, 45]  # copying from the prompt
+    r.token_ids.extend([50, 51, 52, 53, 7, 50, 51])
+    assert propose(r.token_ids, k=3) == [52, 53, 7]  # copying from the output
+
+
+def test_a_proposal_continues_a_repetition_past_the_end() -> None:
+    assert propose([3, 1, 2, 1, 2], k=5) == [1, 2, 1, 2, 1]
+    assert propose([9, 9, 9], k=3) == [9, 9, 9]
+
+
+def test_a_mirror_follows_a_growing_request_and_a_replaced_last_token() -> None:
+    proposer = NgramProposer(3, 1, 3)
+    mirror = TokenMirror()
+    tokens = [1, 2, 3, 4, 5, -1]
+    assert proposer.propose(tokens, 10, mirror) == []
+    tokens[-1] = 2  # a placeholder replaced by its value
+    assert proposer.propose(tokens, 10, mirror) == [3, 4, 5]
+    for t in range(100, 300):  # grows past the mirror's first capacity
+        tokens.append(t)
+    tokens.extend([1, 2, 3])
+    assert proposer.propose(tokens, 10, mirror) == [4, 5, 2]
+    assert mirror.update(tokens).tolist() == tokens
+
+
+def test_proposer_settings_are_checked() -> None:
+    for bad in ((0, 1, 2), (3, 0, 2), (3, 3, 2)):
+        with pytest.raises(ValueError):
+            NgramProposer(*bad)
+
+
+# ---- greedy verification ----------------------------------------------------------------------------
+
+
+def test_greedy_all_accepted_gives_the_drafts_and_a_bonus_token() -> None:
+    x = logits(4, seed=1)
+    drafts = x[:3].argmax(-1).tolist()
+    out = Sampler(CPU).verify(x, [req()], [drafts])
+    assert out.token_ids == [[*drafts, int(x[3].argmax())]]
+    assert out.logprobs == [[None] * 4]
+
+
+@pytest.mark.parametrize("miss", [0, 1, 2])
+def test_greedy_first_mismatch_ends_with_the_argmax_of_its_row(miss: int) -> None:
+    x = logits(4, seed=2)
+    drafts = x[:3].argmax(-1).tolist()
+    drafts[miss] = (drafts[miss] + 1) % V
+    out = Sampler(CPU).verify(x, [req()], [drafts])
+    assert out.token_ids == [[*drafts[:miss], int(x[miss].argmax())]]
+
+
+def test_several_requests_with_different_draft_counts_and_logprobs() -> None:
+    x = logits(1 + 4 + 2 + 1, seed=3)
+    best = x.argmax(-1).tolist()
+    reqs = [req(), req(SamplingParams(logprobs=3)), req(SamplingParams(logprobs=2)), req()]
+    # request 0: no drafts (row 0); 1: three drafts, the second wrong (rows 1-4); 2: one draft, right
+    # (rows 5-6); 3: no drafts (row 7).
+    drafts = [[], [best[1], (best[2] + 5) % V, best[3]], [best[5]], []]
+    out = Sampler(CPU).verify(x, reqs, drafts)
+    assert out.token_ids == [[best[0]], [best[1], best[2]], [best[5], best[6]], [best[7]]]
+    ref = torch.log_softmax(x, -1)
+    assert out.logprobs[0] == [None] and out.logprobs[3] == [None]
+    for i, row0, want in ((1, 1, 3), (2, 5, 2)):
+        assert len(out.logprobs[i]) == len(out.token_ids[i])
+        for j, (tok, lp) in enumerate(zip(out.token_ids[i], out.logprobs[i], strict=True)):
+            assert lp is not None and len(lp.top_ids) == want
+            assert lp.logprob == pytest.approx(ref[row0 + j, tok].item(), abs=1e-5)
+            assert lp.top_ids == ref[row0 + j].topk(want).indices.tolist()
+
+
+def test_requests_without_drafts_get_what_launch_gives() -> None:
+    x = logits(6, seed=4)
+    stops = StoppingParams(min_new_tokens=2, stop_token_ids=(3,))
+    params = [
+        SamplingParams(logprobs=4),
+        SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, logprobs=1),
+        SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5),
+        SamplingParams(),
+        SamplingParams(temperature=1.0, presence_penalty=0.7, logprobs=2),
+        SamplingParams(temperature=1.2),
+    ]
+
+    def reqs() -> list[Request]:
+        return [req(p, output=[4, 4, 9] if i % 2 else [], stopping=stops) for i, p in enumerate(params)]
+
+    want = Sampler(CPU, seed=5).launch(x, reqs()).result()
+    got = Sampler(CPU, seed=5).verify(x, reqs(), [[] for _ in params])
+    assert got.token_ids == [[t] for t in want.token_ids]
+    assert got.logprobs == [[lp] for lp in want.logprobs]
