@@ -8,6 +8,7 @@
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
     sluice bench routing [--engines 2] [--json FILE]                engine routing policies across replicas
+    sluice bench latency [--variants off,ngram,int8] [--json FILE]  speculation and quantized weights
     sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
     sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
 
@@ -36,6 +37,7 @@ BENCHMARKS = {
     "pipeline": "sluice.bench.pipeline",
     "compare": "sluice.bench.compare",
     "routing": "sluice.bench.routing",
+    "latency": "sluice.bench.latency",
 }
 
 

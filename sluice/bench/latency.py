@@ -1,0 +1,499 @@
+"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine.
+
+Usage: `sluice bench latency [--model DIR | --preset NAME] [--variants off,ngram,int8,fp8]
+[--num-requests 8] [--concurrency 64] [--output-len 128] [--int8-preset qwen2-0.5b|none]
+[--perplexity-tokens 16384] [--json FILE] [--plot FILE] [--quick] [--no-progress]`.
+
+Each variant (off: the plain engine; ngram: prompt-lookup speculation; int8: int8 weight-only; fp8: float8
+weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads of the model
+(sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive
+one). Per variant and workload: batch-1 decode tokens/s and TTFT p50 over `--num-requests` requests one
+at a time, and output tokens/s and TTFT p50 / p99 with `--concurrency` requests added at once (after a
+warm-up request); ngram's acceptance rate and mean accepted length. The model is the embedded chat model
+unless `--model` or `--preset` (random weights, sluice/bench/engine_presets.py) says otherwise.
+
+Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
+a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model on
+held-out text, unquantized against each quantization, through the engine's model runner
+(sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and fp8.
+Prints the tables and the targets (MET / NOT MET / NOT MEASURED). Exit status 0 when every variant asked
+for ran (fp8 on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoConfig
+from transformers.utils import logging as hf_logging
+
+from sluice.bench import latency_report as rep
+from sluice.bench import perplexity as ppl
+from sluice.bench.engine_presets import PRESET_NAMES, preset_model_dir
+from sluice.bench.engine_report import machine_info
+from sluice.bench.latency_run import (
+    CUDA_ONLY,
+    OFF,
+    VARIANTS,
+    EngineSpec,
+    build_engine,
+    greedy_continuations,
+    release,
+    run_batch1,
+    run_concurrent,
+    warm_up,
+)
+from sluice.bench.latency_workload import (
+    FIRST_PLAIN_ID,
+    WORKLOADS,
+    LatencyRequest,
+    LatencyWorkload,
+    copy_fraction,
+    lookup_fraction,
+    make_encoder,
+    mean_fraction,
+    non_repetitive,
+    repetitive,
+)
+
+QUICK_DEFAULTS = {
+    "num_requests": 2,
+    "concurrency": 4,
+    "output_len": 12,
+    "int8_preset": "none",
+    "shape_requests": 1,
+    "shape_output_len": 6,
+    "perplexity_tokens": 1024,
+}
+FULL_DEFAULTS = {
+    "num_requests": 8,
+    "concurrency": 64,
+    "output_len": 128,
+    "int8_preset": "qwen2-0.5b",
+    "shape_requests": 2,
+    "shape_output_len": 32,
+    "perplexity_tokens": ppl.DEFAULT_MAX_TOKENS,
+}
+SHAPE_PROMPT_LEN = 64
+KV_BUDGET_GB = 1.0
+SPEC_FLAGS = (
+    "num_speculative_tokens",
+    "ngram_min",
+    "ngram_max",
+    "speculative_disable_batch_size",
+    "speculative_min_acceptance",
+)
+
+
+def _variants(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
+    return names
+
+
+def _workloads(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    if not names or any(n not in WORKLOADS for n in names):
+        raise argparse.ArgumentTypeError(f"choose workloads from {', '.join(WORKLOADS)}, got {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice bench latency",
+        description="Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
+    )
+    add = parser.add_argument
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model")
+    model.add_argument(
+        "--preset",
+        default=None,
+        choices=PRESET_NAMES,
+        help="random weights in a model's shape (default: the embedded chat model)",
+    )
+    add(
+        "--variants",
+        type=_variants,
+        default=None,
+        metavar="LIST",
+        help=f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)",
+    )
+    add("--workloads", type=_workloads, default=WORKLOADS, metavar="LIST", help="repetitive,non-repetitive")
+    add(
+        "--num-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="batch-1 requests per workload (default 8)",
+    )
+    add("--concurrency", type=int, default=None, metavar="N", help="requests added at once (default 64)")
+    add("--output-len", type=int, default=None, metavar="N", help="output tokens per request (default 128)")
+    add("--seed", type=int, default=0, metavar="N", help="seed of the workloads and of preset weights")
+    add("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    add(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
+    )
+    add(
+        "--int8-preset",
+        default=None,
+        choices=(*PRESET_NAMES, "none"),
+        help="the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)",
+    )
+    add("--shape-requests", type=int, default=None, metavar="N", help="requests on that shape (default 2)")
+    add("--shape-output-len", type=int, default=None, metavar="N", help="their output tokens (default 32)")
+    add(
+        "--perplexity-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="held-out tokens scored for perplexity (default 16384; 0 = skip)",
+    )
+    add(
+        "--kv-budget-gb",
+        type=float,
+        default=KV_BUDGET_GB,
+        metavar="GB",
+        help="CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8",
+    )
+    for name in SPEC_FLAGS:
+        add(
+            f"--{name.replace('_', '-')}",
+            type=float if "acceptance" in name else int,
+            default=None,
+            help=f"ngram variant: the engine's {name} (default: the engine's)",
+        )
+    add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
+    add("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON here")
+    add("--plot", type=Path, default=None, metavar="FILE", help="write a PNG bar chart here")
+    add("--quick", action="store_true", help="tiny counts (2 / 4 requests, 12 tokens) for smoke tests")
+    add("--no-progress", action="store_true", help="hide the progress bars")
+    return parser
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """Fills unset options from the quick or full defaults and checks them; ValueError names a bad one."""
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if cuda else "float32"
+    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.variants is None:
+        args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
+    for name in ("num_requests", "concurrency", "output_len", "shape_requests", "shape_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.perplexity_tokens < 0 or args.kv_budget_gb <= 0:
+        raise ValueError("--perplexity-tokens must be >= 0 and --kv-budget-gb positive")
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+
+
+def _bar(show: bool, total: int, desc: str) -> tqdm:
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="tok",
+        disable=not show,
+        file=sys.stderr,
+        mininterval=0.5,
+        dynamic_ncols=True,
+    )
+
+
+def _error(exc: BaseException) -> str:
+    traceback.print_exc(file=sys.stderr)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _skip_reason(variant: str, device: str) -> str | None:
+    if variant in CUDA_ONLY and not device.startswith("cuda"):
+        return "skipped: CUDA only"
+    return None
+
+
+class Bench:
+    """One run: the options, the model, and the report filled in as the stages finish."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, label: str, meta: dict[str, Any]) -> None:
+        self.args = args
+        self.model_dir = model_dir
+        overrides = {name: getattr(args, name) for name in SPEC_FLAGS}
+        self.spec = EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
+        self.report = rep.Report(label, args.concurrency, [])
+        self.meta = meta
+
+    def save(self, partial: bool) -> None:
+        """Writes the JSON so far (`"partial": true` until the end), so that a run cut short keeps it."""
+        if self.args.json is not None:
+            rep.save_json(self.args.json, self.report, {**self.meta, "partial": partial})
+
+    # ---- workloads ---------------------------------------------------------------------------
+
+    def workloads(self) -> list[LatencyWorkload]:
+        args = self.args
+        vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
+        encode = make_encoder(self.model_dir, vocab)
+        n = max(args.concurrency, args.num_requests)
+        built: list[LatencyWorkload] = []
+        for name in args.workloads:
+            if name == "repetitive":
+
+                def greedy(prompts: list[list[int]], k: int) -> list[list[int]]:
+                    return greedy_continuations(self.spec, prompts, k, n)
+
+                built.append(repetitive(encode, greedy, n, args.output_len, args.seed))
+            else:
+                built.append(non_repetitive(encode, n, args.output_len, args.seed))
+        for w in built:
+            self.report.workloads[w.name] = {
+                "how": w.how,
+                "requests": len(w),
+                "prompt_tokens": w.prompt_tokens,
+            }
+            print(f"workload {w.name}: {len(w)} requests, {w.prompt_tokens} prompt tokens; {w.how}")
+        return built
+
+    # ---- variants ----------------------------------------------------------------------------
+
+    def run_variant(self, k: int, variant: str, workloads: list[LatencyWorkload]) -> None:
+        args = self.args
+        skip = _skip_reason(variant, args.device)
+        if skip is not None:
+            self.report.errors[variant] = skip
+            return
+        lengths = [len(r.prompt) + r.max_new_tokens for w in workloads for r in w.requests]
+        total = sum(
+            r.max_new_tokens for w in workloads for r in (*w.requests[: args.num_requests], *w.requests)
+        )
+        bar = _bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
+        try:
+            with bar:
+                engine = build_engine(self.spec, variant, lengths, args.concurrency)
+                for w in workloads:
+                    warm_up(engine, w)
+                    cell = rep.Cell(variant, w.name)
+                    cell.batch1 = run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
+                    cell.concurrent = run_concurrent(
+                        engine, w.head(args.concurrency), args.device, bar.update
+                    )
+                    prompts = [r.prompt for r in w.requests[: args.concurrency]]
+                    cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
+                    cell.lookup_fraction = mean_fraction(lookup_fraction, prompts, cell.concurrent.outputs)
+                    self.report.cells.append(cell)
+        except Exception as exc:
+            self.report.errors[variant] = _error(exc)
+        finally:
+            engine = None
+            release(args.device)
+        self.save(partial=True)
+
+    # ---- the larger shape --------------------------------------------------------------------
+
+    def run_shape(self, scratch: Path) -> None:
+        """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
+        args = self.args
+        wanted = [v for v in (OFF, "int8", "fp8") if v == OFF or v in args.variants]
+        if args.int8_preset == "none" or wanted == [OFF]:
+            return
+        model_dir = preset_model_dir(args.int8_preset, args.dtype, args.seed, scratch)
+        shape = rep.ShapeRun(args.int8_preset, args.dtype)
+        self.report.shape = shape
+        vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
+        rng = random.Random(args.seed)
+        requests = tuple(
+            LatencyRequest(
+                tuple(rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)),
+                args.shape_output_len,
+            )
+            for _ in range(args.shape_requests)
+        )
+        work = LatencyWorkload("random", requests, "random prompts, greedy")
+        spec = EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
+        lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
+        print(f"== batch-1 decode on {args.int8_preset}: {', '.join(wanted)}")
+        for variant in wanted:
+            skip = _skip_reason(variant, args.device)
+            if skip is not None:
+                shape.errors[variant] = skip
+                continue
+            total = sum(r.max_new_tokens for r in requests)
+            try:
+                with _bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
+                    engine = build_engine(spec, variant, lengths, 1)
+                    warm_up(engine, work, tokens=2)
+                    shape.runs[variant] = run_batch1(engine, work, args.device, bar.update)
+            except Exception as exc:
+                shape.errors[variant] = _error(exc)
+            finally:
+                engine = None
+                release(args.device)
+            self.save(partial=True)
+
+    # ---- KV blocks and quality ---------------------------------------------------------------
+
+    def run_kv_blocks(self) -> None:
+        """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""
+        from services.engine.engine import LLMEngine
+
+        args = self.args
+        if not args.device.startswith("cuda"):
+            return
+        kv = rep.KvBlocks(args.kv_budget_gb)
+        self.report.kv = kv
+        for kv_dtype in ("auto", "fp8"):
+            try:
+                settings = build_engine_settings_kv(self.spec, args.kv_budget_gb, kv_dtype)
+                engine = LLMEngine(settings)
+                kv.blocks[kv_dtype] = engine.stats().num_blocks
+            except Exception as exc:
+                kv.error = _error(exc)
+                return
+            finally:
+                engine = None
+                release(args.device)
+        print(rep.format_kv(kv))
+
+    def run_quality(self) -> None:
+        """Perplexity of the embedded chat model on held-out text: unquantized and each quantization asked
+        for (on CUDA also the fp8 KV cache)."""
+        args = self.args
+        if args.perplexity_tokens == 0:
+            return
+        from services.common.models import resolve_model_dir
+
+        model_dir = resolve_model_dir("")
+        self.report.quality_model = f"{model_dir.name}, {args.perplexity_tokens} held-out tokens"
+        ids = ppl.encode_documents(model_dir / "tokenizer.json", ppl.held_out_texts(), args.perplexity_tokens)
+        cases = [("none", "none", "auto")]
+        cases += [
+            (q, q, "auto") for q in ("int8", "fp8") if q in args.variants and not _skip_reason(q, args.device)
+        ]
+        if args.device.startswith("cuda"):
+            cases.append(("fp8-kv", "none", "fp8"))
+        print(f"== perplexity on {len(ids)} held-out tokens: {', '.join(c[0] for c in cases)}")
+        for variant, quant, kv_dtype in cases:
+            try:
+                runner = ppl.make_runner(
+                    model_dir, args.device, args.dtype, quant, kv_dtype, ppl.DEFAULT_WINDOW
+                )
+                result = ppl.runner_perplexity(runner, ids)
+                self.report.quality.append(
+                    ppl.QualityResult(variant, quant, kv_dtype, result.value, result.tokens)
+                )
+            except Exception as exc:
+                self.report.quality.append(ppl.QualityResult(variant, quant, kv_dtype, None, 0, _error(exc)))
+            finally:
+                runner = None
+                release(args.device)
+        self.save(partial=True)
+
+
+def build_engine_settings_kv(spec: EngineSpec, budget_gb: float, kv_cache_dtype: str) -> Any:
+    """Engine settings with a fixed KV budget and `kv_cache_dtype` (for counting blocks)."""
+    from services.engine.settings import EngineSettings
+
+    return EngineSettings(
+        model=str(spec.model_dir),
+        device=spec.device,
+        dtype=spec.dtype,
+        kv_cache_gb=budget_gb,
+        kv_cache_dtype=kv_cache_dtype,
+        max_num_seqs=8,
+        cuda_graphs="off",
+    )
+
+
+def model_label(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return args.model.name
+    return args.preset or "embedded chat model"
+
+
+def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
+    if args.model is not None:
+        return args.model
+    if args.preset is not None:
+        return preset_model_dir(args.preset, args.dtype, args.seed, scratch)
+    from services.common.models import resolve_model_dir
+
+    return resolve_model_dir("")
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        _resolve(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    meta = {
+        "command": "sluice bench latency " + " ".join(argv),
+        "dtype": args.dtype,
+        "machine": machine_info(args.device),
+    }
+    label = model_label(args)
+    print(f"model: {label}, {args.dtype}, {args.device}; variants {','.join(args.variants)}")
+    with tempfile.TemporaryDirectory(prefix="sluice-latency-") as tmp:
+        bench = Bench(args, _model_dir(args, Path(tmp)), label, meta)
+        stages: list[Callable[[], None]] = []
+        workloads = bench.workloads()
+        stages += [
+            lambda k=k, v=v: bench.run_variant(k, v, workloads) for k, v in enumerate(args.variants, 1)
+        ]
+        stages += [lambda: bench.run_shape(Path(tmp)), bench.run_kv_blocks, bench.run_quality]
+        for stage in stages:
+            stage()
+    return _finish(args, bench)
+
+
+def _finish(args: argparse.Namespace, bench: Bench) -> int:
+    report = bench.report
+    print()
+    print(rep.format_main(report))
+    print()
+    print(rep.format_shape(report.shape))
+    print()
+    print(rep.format_quality(report))
+    print(rep.format_kv(report.kv))
+    print("targets:")
+    for target in rep.targets(report):
+        print(target.line())
+    bench.save(partial=False)
+    if args.json is not None:
+        print(f"wrote {args.json}")
+    if args.plot is not None and report.cells:
+        rep.write_plot(
+            args.plot, report, f"sluice bench latency: {report.model}, {args.device}, {args.dtype}"
+        )
+        print(f"wrote {args.plot}")
+    failed = [v for v, why in report.errors.items() if not why.startswith("skipped")]
+    if report.shape is not None:
+        failed += [v for v, why in report.shape.errors.items() if not why.startswith("skipped")]
+    failed += [q.variant for q in report.quality if q.error]
+    return 1 if failed else 0
