@@ -16,6 +16,11 @@ pool slots of each token, then attends per sequence, never across sequences:
   `causal_lower_right` bias, not a mask tensor, so flash / memory-efficient kernels can run on CUDA.
 A sliding window (`sliding_window` from the model's layer) hides keys more than `window - 1` positions
 back.
+
+The pool may be float8 e4m3 (kv_cache_dtype fp8): K/V are clamped to the format's range (±448; a cast
+out of range gives NaN on CUDA) and stored with scale 1.0 (the K and V of real models lie well inside
+that range); every read converts back to the query's dtype (the Triton kernel loads fp8 and computes in
+fp32). A prefill chunk without cached context attends its own K/V at full precision.
 """
 
 from __future__ import annotations
@@ -30,6 +35,23 @@ from services.engine.kernels import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
 META_KWARG = "sluice_step"
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+
+
+def write_kv(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """pool[slots] = values (T, Hkv, D), converted to the pool's dtype; into a float8 pool clamped to
+    its finite range first, and written through a uint8 view (CPU float8 tensors have no index_copy)."""
+    if pool.dtype in FP8_KV_DTYPES:
+        limit = torch.finfo(pool.dtype).max
+        fp8 = values.clamp(-limit, limit).to(pool.dtype)
+        pool.view(torch.uint8).index_copy_(0, slots, fp8.view(torch.uint8))
+    else:
+        pool.index_copy_(0, slots, values)
+
+
+def read_kv(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """pool[slots] in `dtype` (a float8 pool's values converted back, scale 1.0)."""
+    return pool.index_select(0, slots).to(dtype)
 
 
 @dataclass
@@ -115,8 +137,8 @@ def paged_attention(
     hkv = key.shape[1]
     k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
     v_new = value[0].transpose(0, 1)
-    k_pool.index_copy_(0, meta.slot_mapping, k_new)
-    v_pool.index_copy_(0, meta.slot_mapping, v_new)
+    write_kv(k_pool, meta.slot_mapping, k_new)
+    write_kv(v_pool, meta.slot_mapping, v_new)
     out = query.new_empty((t, h, d))
     q = query[0]  # (H, T, D)
     if meta.backend == "triton":
@@ -180,8 +202,8 @@ def _decode_torch(
         # (H, rows, D) → (rows, Hkv, G, D): the G query heads of a KV head act as G query rows.
         qd = q[:, g.row_start : g.row_start + rows].reshape(hkv, group, rows, d).permute(2, 0, 1, 3)
         flat = g.slots.reshape(-1)
-        kd = k_pool.index_select(0, flat).view(rows, lmax, hkv, d).transpose(1, 2)  # (rows, Hkv, Lmax, D)
-        vd = v_pool.index_select(0, flat).view(rows, lmax, hkv, d).transpose(1, 2)
+        kd = read_kv(k_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)  # (rows, Hkv, Lmax, D)
+        vd = read_kv(v_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, q.dtype), scale=scaling)
         out[g.row_start : g.row_start + rows] = od.reshape(rows, h, d)
 
@@ -201,8 +223,8 @@ def _prefill(
     if p.ctx_slots is None:
         kp, vp = k_new, v_new
     else:
-        kp = k_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
-        vp = v_pool.index_select(0, p.ctx_slots).transpose(0, 1)[None]
+        kp = read_kv(k_pool, p.ctx_slots, qp.dtype).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
+        vp = read_kv(v_pool, p.ctx_slots, qp.dtype).transpose(0, 1)[None]
     if window:
         mask = p.mask(window, qp.device)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=True)

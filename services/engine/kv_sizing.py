@@ -55,6 +55,11 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
+def kv_dtype(runner: Any) -> torch.dtype:
+    """The dtype of `runner`'s KV pool: its `kv_dtype` (float8 with kv_cache_dtype fp8), else the model's."""
+    return getattr(runner, "kv_dtype", None) or runner.dtype
+
+
 def blocks_from_free_memory(
     free_bytes: int, released_bytes: int, fraction: float, bytes_per_block: int
 ) -> int:
@@ -92,7 +97,7 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
         runner.block_size,
         runner.num_kv_heads,
         runner.head_dim,
-        torch.tensor([], dtype=runner.dtype).element_size(),
+        torch.tensor([], dtype=kv_dtype(runner)).element_size(),
     )
     warm_up(runner, settings.max_num_batched_tokens)
     free, _ = (mem_get_info or torch.cuda.mem_get_info)(runner.device)

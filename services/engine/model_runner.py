@@ -31,6 +31,7 @@ from services.engine.attention import (
 )
 from services.engine.cuda_graphs import Staging, StaticDecode
 from services.engine.kv_sizing import block_bytes
+from services.engine.quantization import check_quantization, quantize_model
 from services.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,15 @@ def triton_status(device: torch.device) -> tuple[bool, str]:
     return False, f"device {device} is not CUDA and TRITON_INTERPRET=1 is not set (it is {interp!r})"
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)."""
+    if name == "auto":
+        return dtype
+    if name == "fp8":
+        return torch.float8_e4m3fn
+    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
     """The decode attention backend: "triton" or "torch". auto = triton on CUDA when usable, else torch;
     "triton" where the kernel cannot run raises ValueError saying why."""
@@ -108,6 +118,9 @@ class ModelRunner:
     `attention_backend`: auto | torch | triton (see `resolve_backend`). `cuda_graphs`: on | off, acts on
     CUDA with the triton backend. `static_decode`: run decode-only steps through the padded static
     buffers of `StaticDecode` even without graphs (eagerly; tests use it on CPU), triton backend only.
+    `quantization`: none | int8 | fp8, applied to the weights after loading (services/engine/quantization.py).
+    `kv_cache_dtype`: auto (the model's dtype) | fp8 (float8 e4m3 pool, `kv_dtype`; attention reads it back
+    in the compute dtype), which halves a block's bytes against bf16.
     """
 
     def __init__(
@@ -138,6 +151,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        self.quantization = quantization
+        check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
@@ -154,6 +170,7 @@ class ModelRunner:
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
         ).to(self.device)
         self.model.eval()
+        quantize_model(self.model, quantization, self.device)
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
         self.block_size = block_size
@@ -172,13 +189,16 @@ class ModelRunner:
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
         log.info(
-            "loaded %s (%s) on %s %s; KV pool %d blocks of %d tokens; decode attention %s",
+            "loaded %s (%s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s; "
+            "decode attention %s",
             self.model_dir,
             config.model_type,
             self.device,
             self.dtype,
+            quantization,
             self.num_blocks,
             block_size,
+            self.kv_dtype,
             self.backend,
         )
 
@@ -187,7 +207,9 @@ class ModelRunner:
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
         from services.engine.kernels import self_check
 
-        why = self_check(self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim)
+        why = self_check(
+            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
+        )
         if why is None:
             return "triton"
         if setting == "triton":
@@ -198,20 +220,20 @@ class ModelRunner:
     def allocate_pool(self, num_blocks: int) -> None:
         """Releases the KV pool and allocates one of `num_blocks` blocks, plus the scratch block past them
         that the block manager never hands out: per layer K and V of ((num_blocks + 1) * block_size, Hkv,
-        D)."""
+        D) in `kv_dtype`."""
         self.kv = []  # the old pool is freed before the new one takes its memory
         shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
         self.kv = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(self.num_layers)
         ]
         self.num_blocks = num_blocks
 
     def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         per_block = block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, elem)
         if self.device.type == "cuda" and kv_cache_gb <= 0:
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -225,7 +225,8 @@ def paged_decode_attention(
     """Attention of one new token per row over its cached context, read through the block table.
 
     query (B, H, D) after RoPE; k_pool / v_pool (num_slots, Hkv, D) with slot = block * block_size +
-    offset; block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
+    offset, in the query's dtype or float8 e4m3 (loaded and converted to fp32, scale 1.0);
+    block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
     int32, the context length including the new token, whose K/V must already be in the pool (0 = a
     padding row: its output is zeros and nothing of it is read); sliding_window 0 = none, else a row
     sees the keys at positions > pos - window. Query head h uses KV head h // (H / Hkv). Returns (B, H,
@@ -386,11 +387,17 @@ def paged_decode_attention_reference(
 
 
 def self_check(
-    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+    device: torch.device,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
-    """Runs the kernel once on small random inputs of the model's head layout and dtype and compares it
-    with the reference. None when it agrees; else why not (a compile or launch error, or a mismatch), so
-    that a GPU or Triton build the kernel does not work on is found at start-up, not at the first decode.
+    """Runs the kernel once on small random inputs of the model's head layout and dtype (the pools in
+    `kv_dtype`, default `dtype`) and compares it with the reference. None when it agrees; else why not
+    (a compile or launch error, or a mismatch), so that a GPU or Triton build the kernel does not work on
+    is found at start-up, not at the first decode.
     """
     gen = torch.Generator(device="cpu").manual_seed(0)
     block_size, blocks = 16, 6
@@ -401,6 +408,8 @@ def self_check(
 
     query = rand(3, num_heads, head_dim)
     k_pool, v_pool = rand(slots, num_kv_heads, head_dim), rand(slots, num_kv_heads, head_dim)
+    if kv_dtype is not None:
+        k_pool, v_pool = k_pool.to(kv_dtype), v_pool.to(kv_dtype)
     tables = torch.tensor([[4, 1, 0], [2, 5, 3], [0, 0, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([40, 17, 0], dtype=torch.int32, device=device)  # the last row pads
     scale = head_dim**-0.5
