@@ -268,20 +268,22 @@ def toy_model(context: list[int]) -> torch.Tensor:
     return torch.randn(V, generator=torch.Generator().manual_seed(key)) * 2.5
 
 
-def decode_one_by_one(params: SamplingParams, steps: int) -> list[int]:
+def decode_one_by_one(params: SamplingParams, steps: int, dev: torch.device) -> list[int]:
     r = req(params, prompt=[5, 6, 7])
-    sampler = Sampler(CPU, seed=21)
+    sampler = Sampler(dev, seed=21)
     for _ in range(steps):
-        r.token_ids.append(sampler.sample(toy_model(r.token_ids)[None], [r]).token_ids[0])
+        r.token_ids.append(sampler.sample(toy_model(r.token_ids)[None].to(dev), [r]).token_ids[0])
     return r.output_ids
 
 
-def decode_with_drafts(params: SamplingParams, steps: int, reference: list[int]) -> list[int]:
+def decode_with_drafts(
+    params: SamplingParams, steps: int, reference: list[int], dev: torch.device
+) -> list[int]:
     """Each step drafts up to 3 tokens of `reference` (the one-by-one output), some with one token
     replaced by a wrong one, and verifies them; a second seeded request without drafts rides along."""
     r = req(params, prompt=[5, 6, 7])
     other = req(SamplingParams(temperature=1.0, seed=99), prompt=[5, 6, 7])
-    sampler = Sampler(CPU, seed=22)
+    sampler = Sampler(dev, seed=22)
     step = 0
     while r.num_output_tokens < steps:
         done = r.num_output_tokens
@@ -291,7 +293,7 @@ def decode_with_drafts(params: SamplingParams, steps: int, reference: list[int])
             drafts[wrong] = (drafts[wrong] + 1) % V
         rows = [toy_model(r.token_ids + drafts[:j]) for j in range(len(drafts) + 1)]
         rows.append(toy_model(other.token_ids))
-        out = sampler.verify(torch.stack(rows), [r, other], [drafts, []])
+        out = sampler.verify(torch.stack(rows).to(dev), [r, other], [drafts, []])
         r.token_ids.extend(out.token_ids[0])
         other.token_ids.extend(out.token_ids[1])
         step += 1
@@ -305,9 +307,13 @@ def decode_with_drafts(params: SamplingParams, steps: int, reference: list[int])
     ids=["greedy", "seeded"],
 )
 def test_drafts_do_not_change_greedy_or_seeded_outputs(params: SamplingParams) -> None:
-    reference = decode_one_by_one(params, 40)
+    """On the test device (scripts/gpu_check.sh runs it on CUDA, with CUDA generators)."""
+    from tests.engine.conftest import TEST_DEVICE
+
+    dev = torch.device(TEST_DEVICE)
+    reference = decode_one_by_one(params, 40, dev)
     assert len(set(reference)) > 3
-    assert decode_with_drafts(params, 40, reference) == reference
+    assert decode_with_drafts(params, 40, reference, dev) == reference
 
 
 def test_seeded_requests_give_the_same_tokens_for_the_same_logits_and_drafts() -> None:
