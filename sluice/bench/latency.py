@@ -13,11 +13,13 @@ warm-up request); ngram's acceptance rate and mean accepted length. The model is
 unless `--model` or `--preset` (random weights, sluice/bench/engine_presets.py) says otherwise.
 
 Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
-a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model on
-held-out text, unquantized against each quantization, through the engine's model runner
-(sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and fp8.
-Prints the tables and the targets (MET / NOT MET / NOT MEASURED). Exit status 0 when every variant asked
-for ran (fp8 on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
+a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model (or
+`--quality-model`) on held-out text, unquantized against each quantization, through the engine's model
+runner (sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and
+fp8. `--repeat N` runs each timed measurement N times in a row and keeps the best (a busy machine's slow
+moments then weigh less on one variant than another). Prints the tables and the targets (MET / NOT MET /
+NOT MEASURED). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1
+otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sluice.bench.latency_run import (
     OFF,
     VARIANTS,
     EngineSpec,
+    RunFigures,
     build_engine,
     greedy_continuations,
     release,
@@ -177,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help=f"ngram variant: the engine's {name} (default: the engine's)",
         )
+    add(
+        "--quality-model",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)",
+    )
+    add(
+        "--repeat", type=int, default=1, metavar="N", help="run each timed measurement N times, keep the best"
+    )
     add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
     add("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON here")
     add("--plot", type=Path, default=None, metavar="FILE", help="write a PNG bar chart here")
@@ -199,13 +212,15 @@ def _resolve(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
-    for name in ("num_requests", "concurrency", "output_len", "shape_requests", "shape_output_len"):
+    for name in ("num_requests", "concurrency", "output_len", "shape_requests", "shape_output_len", "repeat"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     if args.perplexity_tokens < 0 or args.kv_budget_gb <= 0:
         raise ValueError("--perplexity-tokens must be >= 0 and --kv-budget-gb positive")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    if args.quality_model is not None and not (args.quality_model / "tokenizer.json").is_file():
+        raise ValueError(f"--quality-model {args.quality_model}: no tokenizer.json there")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
 
@@ -284,7 +299,7 @@ class Bench:
             self.report.errors[variant] = skip
             return
         lengths = [len(r.prompt) + r.max_new_tokens for w in workloads for r in w.requests]
-        total = sum(
+        total = args.repeat * sum(
             r.max_new_tokens for w in workloads for r in (*w.requests[: args.num_requests], *w.requests)
         )
         bar = _bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
@@ -294,9 +309,12 @@ class Bench:
                 for w in workloads:
                     warm_up(engine, w)
                     cell = rep.Cell(variant, w.name)
-                    cell.batch1 = run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
-                    cell.concurrent = run_concurrent(
-                        engine, w.head(args.concurrency), args.device, bar.update
+                    b1, many = w.head(args.num_requests), w.head(args.concurrency)
+                    cell.batch1 = best_of(
+                        args.repeat, "decode_tok_s", run_batch1, engine, b1, args.device, bar.update
+                    )
+                    cell.concurrent = best_of(
+                        args.repeat, "output_tok_s", run_concurrent, engine, many, args.device, bar.update
                     )
                     prompts = [r.prompt for r in w.requests[: args.concurrency]]
                     cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
@@ -338,12 +356,14 @@ class Bench:
             if skip is not None:
                 shape.errors[variant] = skip
                 continue
-            total = sum(r.max_new_tokens for r in requests)
+            total = args.repeat * sum(r.max_new_tokens for r in requests)
             try:
                 with _bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
                     engine = build_engine(spec, variant, lengths, 1)
                     warm_up(engine, work, tokens=2)
-                    shape.runs[variant] = run_batch1(engine, work, args.device, bar.update)
+                    shape.runs[variant] = best_of(
+                        args.repeat, "decode_tok_s", run_batch1, engine, work, args.device, bar.update
+                    )
             except Exception as exc:
                 shape.errors[variant] = _error(exc)
             finally:
@@ -383,7 +403,7 @@ class Bench:
             return
         from services.common.models import resolve_model_dir
 
-        model_dir = resolve_model_dir("")
+        model_dir = args.quality_model or resolve_model_dir("")
         self.report.quality_model = f"{model_dir.name}, {args.perplexity_tokens} held-out tokens"
         ids = ppl.encode_documents(model_dir / "tokenizer.json", ppl.held_out_texts(), args.perplexity_tokens)
         cases = [("none", "none", "auto")]
@@ -408,6 +428,15 @@ class Bench:
                 runner = None
                 release(args.device)
         self.save(partial=True)
+
+
+def best_of(repeat: int, figure: str, run: Callable[..., RunFigures], *args: Any) -> RunFigures:
+    """The run with the highest `figure` of `repeat` calls of `run(*args)`; every run's figure is kept in
+    its `repeats`."""
+    runs = [run(*args) for _ in range(repeat)]
+    best = max(runs, key=lambda r: getattr(r, figure))
+    best.repeats = [getattr(r, figure) for r in runs]
+    return best
 
 
 def build_engine_settings_kv(spec: EngineSpec, budget_gb: float, kv_cache_dtype: str) -> Any:

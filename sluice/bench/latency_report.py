@@ -304,6 +304,7 @@ def run_json(run: RunFigures | None) -> dict[str, Any] | None:
         "ttft_p99_s": run.ttft(0.99),
         "steps": run.steps,
         "spec": run.spec,
+        "repeats": run.repeats,
     }
 
 

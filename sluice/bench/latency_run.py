@@ -187,6 +187,7 @@ class RunFigures:
     outputs: list[list[int]]
     spec: dict[str, float] = field(default_factory=dict)
     steps: int = 0
+    repeats: list[float] = field(default_factory=list)  # the headline figure of every repeat (--repeat)
 
     @property
     def output_tok_s(self) -> float:
