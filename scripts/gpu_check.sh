@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The engine tests and the engine benchmarks on CUDA, in one command, within 8 minutes (time limits below),
+# The engine tests and the engine benchmarks on CUDA, in one command, within 9 minutes (time limits below),
 # ending with ONE table (tests passed/failed; per model and concurrency each method's tok/s, × hf-continuous,
-# forward share, CUDA graphs on/off; decode-only steps against the memory roofline; the targets).
+# forward share, CUDA graphs on/off; decode-only steps against the memory roofline; speculative decoding and
+# quantized weights against the plain engine; the targets).
 #
 #   scripts/gpu_check.sh                 on a CUDA machine: the stages below, then the table
 #   scripts/gpu_check.sh --dry-run       print each stage's command and time limit; run nothing
@@ -14,7 +15,11 @@
 #                decode-only steps at batch 64 (CUDA graphs on and off)                      TINY_TIMEOUT_S=90
 #   qwen2-0.5b   hf-continuous, sluice-continuous at 64 and 256 requests (bf16), decode-only
 #                steps at batch 64 against the memory roofline                              MODEL_TIMEOUT_S=190
-#   BENCH_PRESETS="llama-1b llama-8b" adds those presets (each MODEL_TIMEOUT_S more: beyond the 8 minutes,
+#   latency      sluice bench latency: off / ngram / int8 / fp8 engines at batch 1 and 64 at once on the
+#                embedded chat model (the tiny preset when it is not built on the machine: carry
+#                ~/.cache/sluice/tiny-chat-* and set SLUICE_CACHE_DIR for it and its perplexity), batch-1
+#                decode of off / int8 / fp8 on the qwen2-0.5b shape, fp8 KV blocks at one budget      LATENCY_TIMEOUT_S=70
+#   BENCH_PRESETS="llama-1b llama-8b" adds those presets (each MODEL_TIMEOUT_S more: beyond the 9 minutes,
 #   which is why they are left out by default).
 # GPU_CHECK_DEVICE=cpu runs the same stages on the CPU, each in a --quick version (one small test file, 4
 # requests, tiny model only unless BENCH_PRESETS): a check of the script itself, for machines without a GPU.
@@ -22,7 +27,8 @@
 # Python: .venv/bin/python if its torch sees CUDA; else python3 if its torch sees CUDA (a machine image
 # with CUDA torch; then wheels found in .whl/ are installed into a private directory first, with no
 # network); else, where there is no .venv yet, a new one installed from constraints.txt (needs network).
-# Writes gpu-tests.{log,xml}, bench-<stage>.{log,json} and summary.txt to ${OUT:-bench-results}.
+# Writes gpu-tests.{log,xml}, bench-<stage>.{log,json} (bench-latency too) and summary.txt to
+# ${OUT:-bench-results}.
 # Environment: TEST_ARGS (extra pytest arguments), BENCH_ARGS (extra arguments of every benchmark),
 # HF_BATCH_TOKENS (hf-continuous's max_batch_tokens tried, default 512,2048), the *_TIMEOUT_S above.
 set -euo pipefail
@@ -54,6 +60,7 @@ DEVICE=${GPU_CHECK_DEVICE:-cuda}
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-170}
 TINY_TIMEOUT_S=${TINY_TIMEOUT_S:-90}
 MODEL_TIMEOUT_S=${MODEL_TIMEOUT_S:-190}
+LATENCY_TIMEOUT_S=${LATENCY_TIMEOUT_S:-70}
 HF_BATCH_TOKENS=${HF_BATCH_TOKENS:-512,2048}
 BENCH=(-m sluice.cli bench engine --no-progress)
 
@@ -73,6 +80,18 @@ bench_args() {
             --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
     *) printf '%s\n' --preset "$1" --dtype bfloat16 --concurrency 64,256 --methods hf-continuous,sluice-continuous ;;
   esac
+}
+
+# The latency benchmark's arguments, one word per line. On CUDA the qwen2-0.5b stage has cached that shape
+# in bfloat16 already (same seed), so this stage only loads it.
+latency_args() {
+  if [[ $DEVICE == cpu ]]; then
+    printf '%s\n' --device cpu --quick --threads 1 --preset tiny --variants off,ngram,int8 --perplexity-tokens 0
+    return
+  fi
+  printf '%s\n' --device cuda --variants off,ngram,int8,fp8 --if-no-embedded tiny --num-requests 4 \
+    --concurrency 64 --output-len 64 --int8-preset qwen2-0.5b --shape-requests 2 --shape-output-len 32 \
+    --perplexity-tokens 8192
 }
 
 stages() {
@@ -161,6 +180,10 @@ dry_run() {
     echo "== $stage (timeout $(stage_timeout "$stage")s): PY ${BENCH[*]} $(bench_args "$stage" | tr '\n' ' ')" \
       "--json OUT/bench-$stage.json ${BENCH_ARGS:-}"
   done
+  total=$((total + LATENCY_TIMEOUT_S))
+  # shellcheck disable=SC2046  # one word per line
+  echo "== latency (timeout ${LATENCY_TIMEOUT_S}s): PY -m sluice.cli bench latency --no-progress" \
+    "$(latency_args | tr '\n' ' ')--json OUT/bench-latency.json"
   echo "== time limits add up to ${total}s"
 }
 
@@ -199,6 +222,14 @@ main() {
     summary+=(--bench "$stage" "$out/bench-$stage.json" "$RC" "$SECONDS_TAKEN")
     [[ $RC -eq 0 ]] || failed=1
   done
+
+  echo "== sluice bench latency (timeout ${LATENCY_TIMEOUT_S}s)"
+  mapfile -t args < <(latency_args)
+  rm -f "$out/bench-latency.json"
+  run_stage "$LATENCY_TIMEOUT_S" "$out/bench-latency.log" \
+    "$PY" -m sluice.cli bench latency --no-progress "${args[@]}" --json "$out/bench-latency.json"
+  summary+=(--bench latency "$out/bench-latency.json" "$RC" "$SECONDS_TAKEN")
+  [[ $RC -eq 0 ]] || failed=1
 
   echo
   echo "== summary ($SECONDS s in all; outputs in $out)"

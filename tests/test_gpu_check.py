@@ -13,7 +13,7 @@ from sluice.bench.gpu_summary import Stage, format_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-BUDGET_S = 8 * 60
+BUDGET_S = 9 * 60
 STARTUP_S = 20  # versions, the summary, and what the stages' limits do not cover
 
 
@@ -28,22 +28,25 @@ def _stages(text: str) -> dict[str, tuple[int, str]]:
     return {m[1]: (int(m[2]), m[3]) for m in re.finditer(r"^== (\S+) \(timeout (\d+)s\): (.*)$", text, re.M)}
 
 
-def test_default_stages_fit_the_eight_minutes() -> None:
+def test_default_stages_fit_the_nine_minutes() -> None:
     done = _run("--dry-run", GPU_CHECK_DEVICE="cuda", BENCH_PRESETS="")
     assert done.returncode == 0, done.stderr
     stages = _stages(done.stdout)
-    assert list(stages) == ["tests", "tiny", "qwen2-0.5b"]  # llama-8b only when asked for
+    assert list(stages) == ["tests", "tiny", "qwen2-0.5b", "latency"]  # llama-8b only when asked for
     assert sum(limit for limit, _ in stages.values()) + STARTUP_S <= BUDGET_S
     assert "SLUICE_TEST_DEVICE=cuda" in stages["tests"][1] and "tests/engine " in stages["tests"][1]
     tiny, qwen = stages["tiny"][1], stages["qwen2-0.5b"][1]
     assert "--concurrency 256" in tiny and "sluice-continuous-eager" in tiny and "--decode-batch 64" in tiny
     assert "--concurrency 64,256" in qwen and "--dtype bfloat16" in qwen and "--decode-batch 64" in qwen
     assert "--device cuda" in qwen and "--methods hf-continuous,sluice-continuous " in qwen
+    lat = stages["latency"][1]
+    assert "bench latency" in lat and "--variants off,ngram,int8,fp8" in lat and "--concurrency 64" in lat
+    assert "--int8-preset qwen2-0.5b" in lat and "--device cuda" in lat and "--if-no-embedded tiny" in lat
 
 
 def test_bench_presets_adds_stages() -> None:
     done = _run("--dry-run", GPU_CHECK_DEVICE="cuda", BENCH_PRESETS="llama-1b llama-8b")
-    assert list(_stages(done.stdout)) == ["tests", "tiny", "qwen2-0.5b", "llama-1b", "llama-8b"]
+    assert list(_stages(done.stdout)) == ["tests", "tiny", "qwen2-0.5b", "llama-1b", "llama-8b", "latency"]
     assert "--preset llama-8b" in _stages(done.stdout)["llama-8b"][1]
 
 
@@ -61,16 +64,31 @@ def test_cpu_run_ends_with_one_summary_table(tmp_path: Path) -> None:
     assert "skipped" in rows["tiny", "sluice-continuous-eager"]
     assert "decode steps, batch 4" in summary and "MET: [tiny, 4 requests]" in summary
     assert "ok (exit 0" in rows["tiny", "stage"]
+    # The latency stage: every CPU variant on both workloads at batch 1 and 4 at once, then its targets.
+    for variant in ("off", "ngram", "int8"):
+        for workload in ("repetitive", "non-repetitive"):
+            assert re.search(
+                rf"^latency +1 +{variant} {workload} \(decode\) +[\d,]+ .*x off; TTFT p50", summary, re.M
+            )
+            assert re.search(rf"^latency +4 +{variant} {workload} \(output\) +[\d,]+ .*x off", summary, re.M)
+    assert re.search(r"^latency .* NOT MEASURED: fp8 KV blocks", summary, re.M)
+    assert "ok (exit 0" in rows["latency", "stage"]
 
 
 def test_a_stage_past_its_limit_is_cut_and_reported(tmp_path: Path) -> None:
     done = _run(
-        OUT=str(tmp_path), GPU_CHECK_DEVICE="cpu", BENCH_PRESETS="", TESTS_TIMEOUT_S="1", TINY_TIMEOUT_S="1"
+        OUT=str(tmp_path),
+        GPU_CHECK_DEVICE="cpu",
+        BENCH_PRESETS="",
+        TESTS_TIMEOUT_S="1",
+        TINY_TIMEOUT_S="1",
+        LATENCY_TIMEOUT_S="1",
     )
     assert done.returncode != 0
     summary = (tmp_path / "summary.txt").read_text()
     assert re.search(r"^tests/engine \(cpu\) .* NO RESULTS \(TIMED OUT after \d+ s", summary, re.M)
     assert re.search(r"^tiny .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
+    assert re.search(r"^latency .* NO RESULTS \(TIMED OUT after \d+ s\)", summary, re.M)
 
 
 def test_a_stage_stopped_midway_keeps_the_concurrencies_it_finished(tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ Usage: `python -m sluice.bench.gpu_summary [--tests LABEL JUNIT_XML RC SECONDS]
 
 Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
 concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
-its decode-only steps (tokens/s, the step time against the memory roofline), and its targets. A stage
-that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so; one that
-stopped after some concurrencies shows their figures (the benchmark writes its JSON after each).
+its decode-only steps (tokens/s, the step time against the memory roofline), and its targets. The latency
+benchmark's JSON (`"bench": "latency"`) gives a row per variant, workload and batch (tok/s; × off, TTFT and
+speculation's acceptance in the last column), the larger shape's batch-1 decode, perplexity and KV blocks.
+A stage that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so;
+one that stopped after some concurrencies shows their figures (the benchmark writes its JSON after each).
 """
 
 from __future__ import annotations
@@ -176,14 +178,69 @@ def target_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _latency_run_row(label: str, name: str, run: dict[str, Any], ratio: float | None) -> tuple[str, ...]:
+    """One timed run of `sluice bench latency`: batch 1 shows decode tok/s, a concurrent run output tok/s."""
+    batch1 = run["concurrency"] == 1
+    speed = run["decode_tok_s"] if batch1 else run["output_tok_s"]
+    note = f"{_num(ratio, '.2f')}x off; TTFT p50 {_ms(run['ttft_p50_s'])}"
+    if not batch1:
+        note += f", p99 {_ms(run['ttft_p99_s'])}"
+    spec = run.get("spec") or {}
+    if name.startswith("ngram") and "spec_acceptance_rate" in spec:
+        accepted = spec.get("spec_mean_accepted_length")
+        note += f"; accepted {spec['spec_acceptance_rate']:.0%}, mean length {_num(accepted, '.2f')}"
+    measure = f"{name} ({'decode' if batch1 else 'output'})"
+    return (label, str(run["concurrency"]), measure, _num(speed, ",.0f"), "-", "-", "-", "-", note)
+
+
+def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """`sluice bench latency`'s figures: each variant and workload at batch 1 and at once, the larger shape's
+    batch-1 decode, perplexity against unquantized, the fp8 KV blocks (its targets come after)."""
+    rows = []
+    for cell in doc["cells"]:
+        name = f"{cell['variant']} {cell['workload']}"
+        for key, ratio in (("batch1", "batch1_ratio_to_off"), ("concurrent", "concurrent_ratio_to_off")):
+            if cell.get(key):
+                rows.append(_latency_run_row(label, name, cell[key], cell[ratio]))
+    for variant, why in doc["errors"].items():
+        result = why if why.startswith("skipped") else f"FAILED: {why[:60]}"
+        rows.append((label, "-", variant, "-", "-", "-", "-", "-", result))
+    shape = doc.get("shape")
+    if shape:
+        for variant, run in shape["runs"].items():
+            name = f"{variant} {shape['model']}"
+            rows.append(_latency_run_row(label, name, run, shape["ratios_to_off"].get(variant)))
+        for variant, why in shape["errors"].items():
+            result = why if why.startswith("skipped") else f"FAILED: {why[:60]}"
+            rows.append((label, "-", f"{variant} {shape['model']}", "-", "-", "-", "-", "-", result))
+    for q in doc.get("quality", []):
+        if q["error"]:
+            result = f"FAILED: {q['error'][:60]}"
+        else:
+            result = f"{q['perplexity']:.3f} ({_num(q['ratio_to_none'], '.4f')}x none, {q['tokens']} tokens)"
+        rows.append((label, "-", f"perplexity {q['variant']}", "-", "-", "-", "-", "-", result))
+    kv = doc.get("kv_blocks")
+    if kv:
+        shown = kv["error"] or ", ".join(f"{k}: {n:,}" for k, n in kv["blocks"].items())
+        rows.append((label, "-", f"KV blocks at {kv['budget_gb']:g} GiB", "-", "-", "-", "-", "-", shown))
+    return rows
+
+
 def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
     """A benchmark's rows, or one row saying why there are none."""
     try:
         doc = json.loads(stage.path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return [(stage.label, "-", "-", "-", "-", "-", "-", "-", f"NO RESULTS ({_outcome(stage)})")]
-    rows = [r for run in doc["runs"] for r in method_rows(stage.label, run)]
-    rows += decode_rows(stage.label, doc)
+    if doc.get("bench") == "latency":
+        rows = latency_rows(stage.label, doc)
+    else:
+        rows = [r for run in doc["runs"] for r in method_rows(stage.label, run)]
+        rows += decode_rows(stage.label, doc)
     rows += target_rows(stage.label, doc)
     verdict = "ok" if stage.rc == 0 else "FAILED"
     if doc.get("partial"):

@@ -188,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)",
     )
     add(
+        "--if-no-embedded",
+        default=None,
+        choices=PRESET_NAMES,
+        metavar="PRESET",
+        help="when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
+        "and leave perplexity out instead of training the model first (minutes)",
+    )
+    add(
         "--repeat", type=int, default=1, metavar="N", help="run each timed measurement N times, keep the best"
     )
     add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
@@ -454,6 +462,26 @@ def build_engine_settings_kv(spec: EngineSpec, budget_gb: float, kv_cache_dtype:
     )
 
 
+def cached_embedded_model() -> Path | None:
+    """The embedded chat model's directory when it is already built in the cache, else None."""
+    from sluice.model import tiny
+
+    name = f"tiny-chat-llama-t{tiny.DEFAULT_TRAIN_SECONDS:g}-s0-r{tiny.RECIPE_VERSION}"
+    path = tiny.cache_root() / name
+    return path if (path / tiny.MARKER).exists() else None
+
+
+def _fall_back(args: argparse.Namespace) -> None:
+    """`--if-no-embedded PRESET` on a machine without the embedded model: PRESET, and no perplexity."""
+    if args.if_no_embedded is None or cached_embedded_model() is not None:
+        return
+    if args.model is None and args.preset is None:
+        args.preset = args.if_no_embedded
+    if args.quality_model is None and args.perplexity_tokens:
+        args.perplexity_tokens = 0
+        print("perplexity: left out, the embedded chat model is not built on this machine")
+
+
 def model_label(args: argparse.Namespace) -> str:
     if args.model is not None:
         return args.model.name
@@ -477,6 +505,7 @@ def main(argv: list[str]) -> int:
         _resolve(args)
     except ValueError as exc:
         parser.error(str(exc))
+    _fall_back(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     hf_logging.set_verbosity_error()

@@ -167,8 +167,8 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _spec_cell(run: RunFigures | None) -> str:
-    if run is None or not run.spec:
+def _spec_cell(variant: str, run: RunFigures | None) -> str:
+    if variant != "ngram" or run is None or not run.spec:
         return "-"
     rate = run.spec.get("spec_acceptance_rate")
     length = run.spec.get("spec_mean_accepted_length")
@@ -224,8 +224,8 @@ def format_main(report: Report) -> str:
                 _x(concurrent_ratio(report, cell.variant, cell.workload)),
                 _ms(k.ttft(0.5) if k else None),
                 _ms(k.ttft(0.99) if k else None),
-                _spec_cell(b),
-                _spec_cell(k),
+                _spec_cell(cell.variant, b),
+                _spec_cell(cell.variant, k),
                 _f(cell.copy_fraction, ".0%"),
                 _f(cell.lookup_fraction, ".0%"),
             )
