@@ -15,7 +15,10 @@ engine      sluice_time_to_first_token_seconds, sluice_inter_token_latency_secon
             sluice_prompt_tokens_total, sluice_generation_tokens_total,
             sluice_requests_total{finish_reason}, sluice_prefix_cache_queries_total,
             sluice_prefix_cache_hits_total, sluice_preemptions_total (counters);
-            sluice_batch_size, sluice_step_tokens, sluice_step_duration_seconds (per engine step)
+            sluice_batch_size, sluice_step_tokens, sluice_step_duration_seconds (per engine step);
+            speculative decoding: sluice_spec_proposed_tokens_total, sluice_spec_accepted_tokens_total
+            (counters; acceptance rate = accepted / proposed), sluice_spec_accepted_length (histogram: tokens
+            emitted per verification of a request with drafts, accepted + 1)
 tokenizer   sluice_tokenize_duration_seconds, sluice_tokenize_batch_size
 detokenizer sluice_detokenize_duration_seconds, sluice_detokenize_batch_size
 gateway     sluice_gateway_requests_total{api,outcome}, sluice_gateway_requests_in_flight,
@@ -54,6 +57,7 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0,
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 CPU_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+SPEC_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 GATEWAY_STAGES = ("tokenize", "engine_first_token", "detokenize")  # see gateway/observability.py
@@ -69,7 +73,9 @@ class EngineMetrics:
     """Engine metrics. Per request: `queue_time`, `prefill_time`, `ttft`, `decode_time`, `e2e` once;
     `itl` once per step in which it got tokens (the step's interval divided over its tokens is not
     done: one observation per step and request). Per step: `batch_size` (requests in the step),
-    `step_tokens` (tokens computed), `step_duration`, and the gauges."""
+    `step_tokens` (tokens computed, speculative drafts included), `step_duration`, and the gauges.
+    Speculative decoding, per step that verified drafts: `spec_proposed` and `spec_accepted` (drafts),
+    and `spec_accepted_length` once per request with drafts (tokens its verification emitted)."""
 
     def __init__(self) -> None:
         r = self.registry = _registry()
@@ -108,6 +114,13 @@ class EngineMetrics:
                                      buckets=COUNT_BUCKETS, registry=r)
         self.step_duration = Histogram("sluice_step_duration_seconds", "Wall time of one engine step.",
                                        buckets=STEP_BUCKETS, registry=r)
+        self.spec_proposed = Counter("sluice_spec_proposed_tokens", "Speculative draft tokens verified.",
+                                     registry=r)
+        self.spec_accepted = Counter("sluice_spec_accepted_tokens", "Speculative draft tokens accepted.",
+                                     registry=r)
+        self.spec_accepted_length = Histogram("sluice_spec_accepted_length", "Tokens emitted by one "
+                                              "verification of a request's drafts (accepted drafts + 1).",
+                                              buckets=SPEC_LENGTH_BUCKETS, registry=r)
 
 
 class TokenizerMetrics:

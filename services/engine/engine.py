@@ -20,6 +20,16 @@ device (`Request.prev_row`). Outputs are the same as without it:
   freed at once (a later step's writes to them follow the in-flight step's in stream order);
 - a step that needs the host's values of pending tokens (penalties over the output) reads step N first;
   a request preempted while its token is pending is not scheduled again before step N is read.
+
+Speculative decoding (`EngineSettings.speculative` ngram; synchronous steps only): before scheduling, each
+running request about to decode proposes up to `num_speculative_tokens` drafts from its own tokens
+(services/engine/speculative.py) into `Request.spec_ids`; the scheduler computes them with its last token
+in one chunk when the step has budget and blocks to spare. `Sampler.verify` accepts the longest run the
+model agrees with plus one more token (rejection sampling for temperature > 0: the output distribution is
+the model's); the request appends them one by one under the stop rules, counts the accepted drafts as
+computed and frees blocks that held only rejected ones (`Scheduler.accept_drafts`). A request never
+proposes while it has penalties, is under `min_new_tokens`, or is paused by the acceptance gate (`_gate`),
+nor more drafts than could be emitted before max_new_tokens or the context length.
 """
 
 from __future__ import annotations
@@ -44,6 +54,21 @@ from services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
+# The acceptance gate of speculative decoding (see LLMEngine._gate): a request's acceptance is judged over
+# windows of this many verified drafts; one below `speculative_min_acceptance` pauses its proposals for
+# SPEC_COOLDOWN output tokens, twice as long after each failed window in a row, up to SPEC_MAX_COOLDOWN.
+SPEC_GATE_WINDOW = 8
+SPEC_COOLDOWN = 16
+SPEC_MAX_COOLDOWN = 256
+
+
+class Proposer(Protocol):
+    """Speculative drafts for a request (services/engine/speculative.py's NgramProposer, or a test's)."""
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to `max_tokens` tokens likely to follow `token_ids` (prompt + output); [] for none."""
+        ...
+
 
 class Runner(Protocol):
     """What the engine needs from a model runner (services/engine/model_runner.py, or a fake in tests)."""
@@ -66,7 +91,13 @@ class Runner(Protocol):
         """Runs one step; returns the logits (N, V) of the requests that sample (those whose chunk reaches
         their last token) and those requests, row i for logits row i. A request with `prev_row >= 0`
         takes its last input token from `prev_tokens[prev_row]` (the previous step's sampled ids, still on
-        the device) instead of `token_ids[-1]`."""
+        the device) instead of `token_ids[-1]`.
+
+        Speculative decoding: a request with drafts (`spec_ids`) is scheduled for its last token plus
+        them (positions num_tokens - 1 ...); its input is `token_ids + spec_ids` from
+        `num_computed_tokens`, and it has 1 + len(spec_ids) consecutive rows in position order (row j:
+        the distribution after its first j drafts), the request repeated once per row. Requests may come
+        in any order, each one's rows together."""
         ...
 
 
@@ -113,6 +144,12 @@ class EngineStats:
     num_preemptions: int
     prefix_hit_rate: float  # cached blocks reused / full prompt blocks, once per request at admission
     generated_tokens: int
+    # Speculative decoding: drafts verified, drafts accepted, accepted / proposed, and the tokens emitted
+    # per verification of a request with drafts (accepted + 1, averaged).
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
 
 def context_length(settings: EngineSettings, runner: Runner, block_size: int) -> int:
@@ -169,6 +206,9 @@ class LLMEngine:
             policy=settings.batching,
             batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
+            spec_disable_batch_size=(
+                settings.speculative_disable_batch_size if settings.speculative != "off" else 0
+            ),
         )
         self.sampler = Sampler(runner.device, settings.seed)
         mode = settings.async_scheduling
@@ -176,6 +216,8 @@ class LLMEngine:
         self.async_scheduling = mode == "on" or (
             mode == "auto" and runner.device.type == "cuda" and settings.speculative == "off"
         )
+        self.proposer: Proposer | None = self._make_proposer(settings)
+        assert self.proposer is None or not self.async_scheduling, "speculation needs synchronous steps"
         self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
@@ -190,6 +232,27 @@ class LLMEngine:
         self._peak_blocks = 0
         self._peak_efficiency = 0.0
         self._generated = 0
+        self._spec_proposed = 0
+        self._spec_accepted = 0
+        self._spec_verified = 0  # verifications of a request with drafts
+
+    @staticmethod
+    def _make_proposer(settings: EngineSettings) -> Proposer | None:
+        if settings.speculative == "off":
+            return None
+        from services.engine.speculative import NgramProposer
+
+        log.info(
+            "speculative decoding: %s, up to %d tokens per step, n-grams of %d..%d tokens; no proposals in "
+            "steps with more than %d running requests, paused for requests below %.0f%% acceptance",
+            settings.speculative,
+            settings.num_speculative_tokens,
+            settings.ngram_min,
+            settings.ngram_max,
+            settings.speculative_disable_batch_size,
+            100 * settings.speculative_min_acceptance,
+        )
+        return NgramProposer(settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -290,6 +353,8 @@ class LLMEngine:
         outputs.extend(self._expire(time.monotonic()))
         if self._in_flight is not None and self._needs_host_tokens():
             outputs.extend(self._drain())
+        if self.proposer is not None:
+            self._propose(self.proposer)
         sched = self.scheduler.schedule()
         self._forming_until = time.monotonic() + sched.wait_s
         if sched.empty:
@@ -317,6 +382,8 @@ class LLMEngine:
         """Launches `sched`, reads the step launched before it (async), settles `sched` and, without async
         scheduling, reads it too; appends the outputs. False when the step failed: a failing step fails
         its requests, never the loop (a request of the step before gets that step's token first)."""
+        if sched.num_draft_tokens:
+            return self._run_speculative(sched, outputs)
         prev, self._in_flight = self._in_flight, None
         try:
             launched = self._launch(sched, prev)
@@ -370,6 +437,107 @@ class LLMEngine:
             outputs.extend(self._fail_step(launched.sched, exc))
             return exc
         return None
+
+    # ---- speculative decoding --------------------------------------------------------------------
+
+    def _propose(self, proposer: Proposer) -> None:
+        """Drafts for each running request about to decode that may speculate (see the module docstring),
+        unless the batch is already past `speculative_disable_batch_size`."""
+        running = self.scheduler.running
+        if len(running) > self.settings.speculative_disable_batch_size:
+            return
+        k = self.settings.num_speculative_tokens
+        for req in running:
+            if req.num_tokens - req.num_computed_tokens != 1 or not self._may_speculate(req):
+                continue
+            # A step emits at most drafts + 1 tokens: never past max_new_tokens or the context length.
+            room = min(
+                k,
+                req.stopping.max_new_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            if room > 0:
+                req.spec_ids = list(proposer.propose(req.token_ids, room))[:room]
+
+    @staticmethod
+    def _may_speculate(req: Request) -> bool:
+        return (
+            req.prev_row < 0
+            and not req.sampling.has_penalties
+            and req.num_output_tokens >= req.stopping.min_new_tokens
+            and req.num_output_tokens >= req.spec_resume_at
+        )
+
+    def _run_speculative(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
+        """A step with drafts, synchronously: execute, verify, and each sampling request takes its
+        accepted drafts and one more token. False when the step failed (its requests failed)."""
+        assert self._in_flight is None, "speculative steps are synchronous"
+        try:
+            logits, rows = self.runner.execute(sched.scheduled)
+            reqs = _row_owners(rows)
+            result = self.sampler.verify(logits, reqs, [r.spec_ids for r in reqs])
+            self.scheduler.advance(sched)  # each request's own token; the accepted drafts follow
+            for req, tokens, logprobs in zip(reqs, result.token_ids, result.logprobs, strict=True):
+                out = self._accept(sched, req, tokens, logprobs)
+                if out is not None:
+                    outputs.append(out)
+        except Exception as exc:
+            log.exception("engine step failed")
+            outputs.extend(self._fail_step(sched, exc))
+            return False
+        return True
+
+    def _accept(
+        self, sched: SchedulerOutput, req: Request, tokens: list[int], logprobs: list
+    ) -> RequestOutput | None:
+        """Appends a verified run (accepted drafts, then one more token) token by token under the stop
+        rules, counts the speculation figures and the gate, and settles the request's counters."""
+        if req.finished:
+            return None
+        drafts = len(req.spec_ids)
+        accepted = len(tokens) - 1
+        assert 0 <= accepted <= drafts, "verify returns the accepted drafts and one token"
+        if drafts:
+            self._spec_proposed += drafts
+            self._spec_accepted += accepted
+            self._spec_verified += 1
+            req.spec_proposed += drafts
+            req.spec_accepted += accepted
+            sched.spec_accepted_lengths.append(accepted + 1)
+        emitted: list[int] = []
+        for tok in tokens:
+            req.token_ids.append(tok)
+            emitted.append(tok)
+            self._generated += 1
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                self.requests.pop(req.request_id, None)
+                break
+        if not req.finished:
+            if drafts:
+                self._gate(req, drafts, accepted)
+            self.scheduler.accept_drafts(req, accepted)
+        lps = logprobs[: len(emitted)] if logprobs and logprobs[0] is not None else None
+        return self._output(req, emitted, lps)
+
+    def _gate(self, req: Request, drafts: int, accepted: int) -> None:
+        """The acceptance gate: over tumbling windows of at least SPEC_GATE_WINDOW verified drafts, a
+        request accepting less than `speculative_min_acceptance` of them stops proposing for a cool-down
+        of output tokens (SPEC_COOLDOWN, doubled after each failed window in a row up to
+        SPEC_MAX_COOLDOWN), then tries again; a window that passes resets the cool-down."""
+        req.spec_window_proposed += drafts
+        req.spec_window_accepted += accepted
+        if req.spec_window_proposed < SPEC_GATE_WINDOW:
+            return
+        rate = req.spec_window_accepted / req.spec_window_proposed
+        req.spec_window_proposed = req.spec_window_accepted = 0
+        if rate >= self.settings.speculative_min_acceptance:
+            req.spec_cooldown = 0
+            return
+        cooldown = 2 * req.spec_cooldown if req.spec_cooldown else SPEC_COOLDOWN
+        req.spec_cooldown = min(cooldown, SPEC_MAX_COOLDOWN)
+        req.spec_resume_at = req.num_output_tokens + req.spec_cooldown
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         detail = f"internal error in engine step: {exc}"
@@ -506,6 +674,12 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_hit_rate=bm.prefix_hit_blocks / bm.prefix_query_blocks if bm.prefix_query_blocks else 0.0,
             generated_tokens=self._generated,
+            spec_proposed_tokens=self._spec_proposed,
+            spec_accepted_tokens=self._spec_accepted,
+            spec_acceptance_rate=self._spec_accepted / self._spec_proposed if self._spec_proposed else 0.0,
+            spec_mean_accepted_length=(
+                1.0 + self._spec_accepted / self._spec_verified if self._spec_verified else 0.0
+            ),
         )
 
     def reset_stats(self) -> None:
@@ -517,3 +691,19 @@ class LLMEngine:
         self._peak_blocks = 0
         self._peak_efficiency = 0.0
         self._generated = 0
+        self._spec_proposed = self._spec_accepted = self._spec_verified = 0
+
+
+def _row_owners(rows: Sequence[Request]) -> list[Request]:
+    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(spec_ids)
+    consecutive rows (see `Runner.execute`)."""
+    owners: list[Request] = []
+    i = 0
+    while i < len(rows):
+        req = rows[i]
+        span = 1 + len(req.spec_ids)
+        if i + span > len(rows) or any(r is not req for r in rows[i : i + span]):
+            raise RuntimeError(f"request {req.request_id}: its {span} rows are not together in the step")
+        owners.append(req)
+        i += span
+    return owners

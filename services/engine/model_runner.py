@@ -314,6 +314,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Request]]:
         """Runs the model on the step's tokens and returns the logits (N, V) of the requests that sample
         (a request samples when its chunk reaches its last token) and those requests, in row order.
+        A request with drafts (`spec_ids`, speculative decoding) computes its last token and the drafts
+        as one chunk and gets 1 + len(spec_ids) consecutive rows, its name repeated once per row.
 
         Decode rows (one new token, longest context first) go first in the packed batch, then the
         prefill chunks. A decode row with `prev_row >= 0` reads its input token from
@@ -453,12 +455,16 @@ class ModelRunner:
         for r, n in prefills:
             p0 = r.num_computed_tokens
             ids.extend(r.token_ids[p0 : p0 + n])
+            drafts = len(r.spec_ids)
+            if drafts:  # speculative: the chunk is the last token and the drafts after it
+                assert p0 + n == r.num_tokens + drafts and r.prev_row < 0, "drafts come with the last token"
+                ids.extend(r.spec_ids)
             rng = range(p0, p0 + n)
             pos.extend(rng)
             blocks = r.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in rng)
-            if p0 + n == r.num_tokens:
-                keep.append((r, len(ids) - 1))
+            if p0 + n == r.num_tokens + drafts:
+                keep.extend((r, len(ids) - 1 - j) for j in range(drafts, -1, -1))
         return ids, pos, slots, keep
 
     def _ctx_blocks(self, block_ids: list[int], length: int) -> list[int]:

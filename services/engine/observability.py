@@ -191,6 +191,8 @@ class EngineObserver:
             m.batch_size.observe(batch)
             m.step_tokens.observe(sched.num_tokens)
             m.step_duration.observe(step_s)
+            if sched.spec_accepted_lengths:
+                self._count_speculation(sched)
             if step_links is not None:
                 self._step_span(sched, step_links, now, step_s)
         self._update_gauges()
@@ -266,6 +268,14 @@ class EngineObserver:
             },
         )
         span.end(end_time=self._wall_ns(now))
+
+    def _count_speculation(self, sched: SchedulerOutput) -> None:
+        """The drafts a step verified: proposed and accepted counts, and each request's accepted length."""
+        m = self.metrics
+        lengths = sched.spec_accepted_lengths
+        m.spec_proposed.inc(sched.num_draft_tokens)
+        m.spec_accepted.inc(sum(lengths) - len(lengths))
+        observe_many(m.spec_accepted_length, lengths)
 
     def _update_gauges(self) -> None:
         m, scheduler, bm = self.metrics, self.scheduler, self.block_manager

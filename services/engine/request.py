@@ -4,6 +4,10 @@ A request has no phases: `num_computed_tokens` (tokens whose KV is in the pool) 
 `num_tokens` (prompt plus generated tokens). A step that brings it level samples one more token.
 Prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are all the same
 arithmetic on these counters.
+
+Speculative decoding adds `spec_ids`: tokens proposed for the positions after `token_ids`, computed in
+the next step together with the request's own last token and verified by the sampler. They are never
+part of `token_ids` (nor of a block hash); accepted ones are appended to it after the step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,17 @@ class Request:
     # step sampled on the device and the host has not read yet; its row in that step's sampled ids.
     prev_row: int = -1
     plain_greedy: bool = field(init=False, default=False)
+    # Speculative decoding: the drafts scheduled for the next step (set by the engine, trimmed by the
+    # scheduler; empty outside a step that verifies them).
+    spec_ids: list[int] = field(default_factory=list)
+    spec_proposed: int = 0  # drafts verified over the request's life
+    spec_accepted: int = 0  # of those, accepted
+    # The acceptance gate (LLMEngine._gate): drafts verified and accepted in the current window, the
+    # output length before which the request does not propose, and the length of its next cool-down.
+    spec_window_proposed: int = 0
+    spec_window_accepted: int = 0
+    spec_resume_at: int = 0
+    spec_cooldown: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,5 +1,6 @@
 """A model runner without a model: the next token is a hash of the tokens so far, so outputs depend
-only on each request's own tokens (any batching, chunking or preemption must give the same outputs)."""
+only on each request's own tokens (any batching, chunking, preemption or speculation must give the same
+outputs)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class FakeRunner:
         self.steps: list[list[tuple[str, int]]] = []
         self.fail_next = False
         self.fed_from_device = 0  # decode rows whose input token came from the previous step's ids
+        self.drafts: list[list[tuple[str, list[int]]]] = []  # per step: (request, its drafts) computed
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         pass
@@ -49,10 +51,12 @@ class FakeRunner:
         bm = self.block_manager
         assert bm is not None
         self.steps.append([(r.request_id, n) for r, n in scheduled])
-        rows = []
-        sampling = []
+        self.drafts.append([(r.request_id, list(r.spec_ids)) for r, _ in scheduled if r.spec_ids])
+        rows: list[list[torch.Tensor]] = []
+        sampling: list[list[Request]] = []
         for req, n in scheduled:
             end = req.num_computed_tokens + n
+            drafts = len(req.spec_ids)
             assert len(req.block_ids) * bm.block_size >= end, "blocks allocated for every scheduled token"
             first, last = req.num_computed_tokens // bm.block_size, (end - 1) // bm.block_size
             for b in req.block_ids[first : last + 1]:
@@ -63,14 +67,21 @@ class FakeRunner:
                 tokens = [*tokens[:-1], int(prev_tokens[req.prev_row])]
                 self.fed_from_device += 1
             assert PLACEHOLDER not in tokens, "the model never reads a placeholder"
-            if end == req.num_tokens:
-                row = torch.full((FAKE_VOCAB,), -10.0)
-                row[next_token(tokens)] = 10.0
-                rows.append(row)
-                sampling.append(req)
-        # Reversed, as a runner may order rows as it likes.
-        logits = torch.stack(rows[::-1]) if rows else torch.empty((0, FAKE_VOCAB))
-        return logits, sampling[::-1]
+            if drafts:  # speculative: the last token and the drafts, one row each
+                assert end == req.num_tokens + drafts and n == drafts + 1, "drafts come with the last token"
+                tokens = [*tokens, *req.spec_ids]
+            if end == req.num_tokens + drafts:
+                own = []
+                for j in range(drafts + 1):
+                    row = torch.full((FAKE_VOCAB,), -10.0)
+                    row[next_token(tokens[: req.num_tokens + j])] = 10.0
+                    own.append(row)
+                rows.append(own)
+                sampling.append([req] * (drafts + 1))
+        # Requests reversed, as a runner may order them as it likes (a request's rows stay together).
+        flat = [row for own in rows[::-1] for row in own]
+        logits = torch.stack(flat) if flat else torch.empty((0, FAKE_VOCAB))
+        return logits, [r for own in sampling[::-1] for r in own]
 
 
 def fake_engine(num_blocks: int = 64, **settings: object) -> tuple[LLMEngine, FakeRunner]:
