@@ -8,13 +8,19 @@
   which is every decode step of a small batch; the kernel's time grows with the rows (it is a
   matrix-vector kernel), so larger steps (prefill, big decode batches) convert the weight to bf16 and run
   a bf16 matmul, scaling the output (torchao's eager weight-only linear does the same in the model's
-  dtype). On CUDA the int8pack kernel is used where this build has one (probed once per device at load);
-  elsewhere every step takes the bf16 path. torchao's own `Int8WeightOnlyConfig` linear converts the weight
-  to the activation dtype on every call, which on a CPU makes an fp32 model's decode slower, not faster.
+  dtype). torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every
+  call, which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
+  converting path: torch 2.11's CUDA int8pack kernel was slower still on an H200 (896x4864 weight, one row,
+  in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16; batch-1 decode of the qwen2-0.5b
+  preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a fused kernel (torch.compile) int8
+  only saves memory on a GPU.
 - fp8: torchao `Float8DynamicActivationFloat8WeightConfig` with per-row scales: the weights in float8
   e4m3 and each step's activations quantized per row on the fly, the matmul on the fp8 tensor cores
-  (`torch._scaled_mm`). Weight-only fp8 would convert the weight back for every matmul in eager mode, as
-  above. Needs CUDA compute capability 8.9 or newer (Ada, Hopper); anywhere else a ValueError at start-up.
+  (`torch._scaled_mm`). torchao's Float8WeightOnlyConfig converts the weight back for every matmul in
+  eager mode, as above (H200, qwen2-0.5b preset, batch-1 decode: 7.1 ms/token against 5.6 with dynamic
+  activations and 2.7 for bf16: at this size a step is bound by kernel count, and each fp8 linear adds the
+  activation's quantization kernels). Needs CUDA compute capability 8.9 or newer (Ada, Hopper); anywhere
+  else a ValueError at start-up.
 
 torchao is imported only when a quantization is asked for (its import looks for CUDA extensions).
 """
@@ -38,8 +44,8 @@ FP8_MIN_CAPABILITY = (8, 9)
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W stored as int8 (N, K) and one scale per output channel.
 
-    `qweight` (N, K) int8, `scale` (N,) in the compute dtype (bf16 on CPU and for fp32 models, else the
-    model's half dtype), `bias` (N,) in the model's dtype or None. The output is in the input's dtype.
+    `qweight` (N, K) int8, `scale` (N,) in the compute dtype (bf16 for fp32 models, else the model's
+    half dtype), `bias` (N,) in the model's dtype or None. The output is in the input's dtype.
     """
 
     def __init__(
@@ -141,7 +147,7 @@ def _quantize_int8(model: nn.Module, device: torch.device) -> int:
     if not targets:
         return 0
     dtype = compute_dtype(targets[0][1].weight.dtype)
-    use_pack = int8pack_supported(device, dtype)
+    use_pack = device.type == "cpu" and int8pack_supported(device, dtype)
     for name, linear in targets:
         qdata, scale = int8_per_channel(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach()
