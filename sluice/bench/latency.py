@@ -9,8 +9,8 @@ weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads 
 (sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive
 one). Per variant and workload: batch-1 decode tokens/s and TTFT p50 over `--num-requests` requests one
 at a time, and output tokens/s and TTFT p50 / p99 with `--concurrency` requests added at once (after a
-warm-up request); ngram's acceptance rate and mean accepted length. The model is the embedded chat model
-unless `--model` or `--preset` (random weights, sluice/bench/engine_presets.py) says otherwise.
+warm-up of both shapes); ngram's acceptance rate and mean accepted length. The model is the embedded chat
+model unless `--model` or `--preset` (random weights, sluice/bench/engine_presets.py) says otherwise.
 
 Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
 a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model (or
@@ -28,6 +28,7 @@ import argparse
 import random
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -315,7 +316,7 @@ class Bench:
             with bar:
                 engine = build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
-                    warm_up(engine, w)
+                    warm_up(engine, w, args.concurrency)
                     cell = rep.Cell(variant, w.name)
                     b1, many = w.head(args.num_requests), w.head(args.concurrency)
                     cell.batch1 = best_of(
@@ -368,7 +369,7 @@ class Bench:
             try:
                 with _bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
                     engine = build_engine(spec, variant, lengths, 1)
-                    warm_up(engine, work, tokens=2)
+                    warm_up(engine, work, 1, tokens=2)
                     shape.runs[variant] = best_of(
                         args.repeat, "decode_tok_s", run_batch1, engine, work, args.device, bar.update
                     )
@@ -519,14 +520,22 @@ def main(argv: list[str]) -> int:
     print(f"model: {label}, {args.dtype}, {args.device}; variants {','.join(args.variants)}")
     with tempfile.TemporaryDirectory(prefix="sluice-latency-") as tmp:
         bench = Bench(args, _model_dir(args, Path(tmp)), label, meta)
-        stages: list[Callable[[], None]] = []
+        start = time.perf_counter()
         workloads = bench.workloads()
-        stages += [
-            lambda k=k, v=v: bench.run_variant(k, v, workloads) for k, v in enumerate(args.variants, 1)
+        bench.meta["stage_s"] = {"workloads": time.perf_counter() - start}
+        stages: list[tuple[str, Callable[[], None]]] = [
+            (v, lambda k=k, v=v: bench.run_variant(k, v, workloads)) for k, v in enumerate(args.variants, 1)
         ]
-        stages += [lambda: bench.run_shape(Path(tmp)), bench.run_kv_blocks, bench.run_quality]
-        for stage in stages:
+        stages += [
+            ("shape", lambda: bench.run_shape(Path(tmp))),
+            ("kv_blocks", bench.run_kv_blocks),
+            ("perplexity", bench.run_quality),
+        ]
+        for name, stage in stages:
+            start = time.perf_counter()
             stage()
+            bench.meta["stage_s"][name] = time.perf_counter() - start
+    print("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in bench.meta["stage_s"].items()))
     return _finish(args, bench)
 
 

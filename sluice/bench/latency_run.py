@@ -166,11 +166,19 @@ def spec_stats(engine: LLMEngine) -> dict[str, float]:
     return {n: float(getattr(stats, n)) for n in names if n.startswith("spec_")}
 
 
-def warm_up(engine: LLMEngine, workload: LatencyWorkload, tokens: int = 8) -> None:
-    """One request shaped like the workload's first, outside any timed run."""
-    first = workload.requests[0]
-    _add(engine, "warmup", dataclasses.replace(first, max_new_tokens=min(tokens, first.max_new_tokens)))
-    _drive(engine, {}, lambda _: None)
+def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, tokens: int = 8) -> None:
+    """Outside any timed run: the workload's first request alone, then its first `concurrency` requests
+    at once, each for `tokens` tokens, so that the shapes of both runs (a full step budget of prefill, decode
+    batches up to `concurrency`) have run once (on CUDA the first large prefill pays one-time costs)."""
+    rounds = [workload.requests[:1]] + ([workload.requests[:concurrency]] if concurrency > 1 else [])
+    for k, requests in enumerate(rounds):
+        for i, req in enumerate(requests):
+            _add(
+                engine,
+                f"warmup{k}-{i}",
+                dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens)),
+            )
+        _drive(engine, {}, lambda _: None)
 
 
 @dataclass
