@@ -37,7 +37,7 @@ cd "$(dirname "$0")/.."
 WHEELS=${SLUICE_WHEELS:-.whl}  # pinned wheels brought along for a machine with no network (not in git)
 PINNED=(transformers protobuf grpcio grpcio-health-checking grpcio-reflection
         opentelemetry-api opentelemetry-sdk opentelemetry-semantic-conventions
-        pytest pluggy iniconfig pytest-asyncio pytest-timeout)
+        pytest pluggy iniconfig pytest-asyncio pytest-timeout torchao)
 # Only these pytest plugins load: an image's other plugins may not work with the pinned pytest.
 PYTEST=(-m pytest -q -p no:cacheprovider -p pytest_asyncio.plugin -p pytest_timeout)
 
