@@ -16,10 +16,11 @@ Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random we
 a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model (or
 `--quality-model`) on held-out text, unquantized against each quantization, through the engine's model
 runner (sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and
-fp8. `--repeat N` runs each timed measurement N times in a row and keeps the best (a busy machine's slow
-moments then weigh less on one variant than another). Prints the tables and the targets (MET / NOT MET /
-NOT MEASURED). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1
-otherwise, 2 on bad arguments.
+fp8. `--repeat N` runs the variants N times in turn (one engine at a time, rebuilt each round) and keeps
+each measurement's best, so that a busy spell of the machine weighs on one round of every variant rather
+than on one variant; the larger shape's runs are repeated in place. Prints the tables and the targets
+(MET / NOT MET / NOT MEASURED). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped,
+not failed), 1 otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -196,9 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
         "and leave perplexity out instead of training the model first (minutes)",
     )
-    add(
-        "--repeat", type=int, default=1, metavar="N", help="run each timed measurement N times, keep the best"
-    )
+    add("--repeat", type=int, default=1, metavar="N", help="N rounds of every measurement, the best kept")
     add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
     add("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON here")
     add("--plot", type=Path, default=None, metavar="FILE", help="write a PNG bar chart here")
@@ -302,13 +301,16 @@ class Bench:
     # ---- variants ----------------------------------------------------------------------------
 
     def run_variant(self, k: int, variant: str, workloads: list[LatencyWorkload]) -> None:
+        """One round of `variant`: its engine, then per workload a warm-up, the batch-1 run and the
+        concurrent run. A later round (--repeat) keeps, per run, the faster of its figures and the earlier
+        ones."""
         args = self.args
         skip = _skip_reason(variant, args.device)
-        if skip is not None:
-            self.report.errors[variant] = skip
+        if skip is not None or variant in self.report.errors:
+            self.report.errors.setdefault(variant, skip or "")
             return
         lengths = [len(r.prompt) + r.max_new_tokens for w in workloads for r in w.requests]
-        total = args.repeat * sum(
+        total = sum(
             r.max_new_tokens for w in workloads for r in (*w.requests[: args.num_requests], *w.requests)
         )
         bar = _bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
@@ -317,24 +319,26 @@ class Bench:
                 engine = build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
                     warm_up(engine, w, args.concurrency)
-                    cell = rep.Cell(variant, w.name)
-                    b1, many = w.head(args.num_requests), w.head(args.concurrency)
-                    cell.batch1 = best_of(
-                        args.repeat, "decode_tok_s", run_batch1, engine, b1, args.device, bar.update
-                    )
-                    cell.concurrent = best_of(
-                        args.repeat, "output_tok_s", run_concurrent, engine, many, args.device, bar.update
-                    )
-                    prompts = [r.prompt for r in w.requests[: args.concurrency]]
-                    cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
-                    cell.lookup_fraction = mean_fraction(lookup_fraction, prompts, cell.concurrent.outputs)
-                    self.report.cells.append(cell)
+                    b1 = run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
+                    many = run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
+                    self._keep(variant, w, b1, many)
         except Exception as exc:
             self.report.errors[variant] = _error(exc)
         finally:
             engine = None
             release(args.device)
         self.save(partial=True)
+
+    def _keep(self, variant: str, work: LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
+        cell = self.report.cell(variant, work.name)
+        if cell is None:
+            cell = rep.Cell(variant, work.name)
+            self.report.cells.append(cell)
+        cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
+        cell.concurrent = faster(cell.concurrent, many, "output_tok_s")
+        prompts = [r.prompt for r in work.requests[: self.args.concurrency]]
+        cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
+        cell.lookup_fraction = mean_fraction(lookup_fraction, prompts, cell.concurrent.outputs)
 
     # ---- the larger shape --------------------------------------------------------------------
 
@@ -440,11 +444,20 @@ class Bench:
 
 
 def best_of(repeat: int, figure: str, run: Callable[..., RunFigures], *args: Any) -> RunFigures:
-    """The run with the highest `figure` of `repeat` calls of `run(*args)`; every run's figure is kept in
-    its `repeats`."""
-    runs = [run(*args) for _ in range(repeat)]
-    best = max(runs, key=lambda r: getattr(r, figure))
-    best.repeats = [getattr(r, figure) for r in runs]
+    """The run with the highest `figure` of `repeat` calls of `run(*args)` (see `faster`)."""
+    best: RunFigures | None = None
+    for _ in range(repeat):
+        best = faster(best, run(*args), figure)
+    assert best is not None
+    return best
+
+
+def faster(kept: RunFigures | None, new: RunFigures, figure: str) -> RunFigures:
+    """Of an earlier run of a measurement (or None) and a new one, the one with the higher `figure`; its
+    `repeats` lists the figure of every run so far."""
+    repeats = [*(kept.repeats if kept else []), getattr(new, figure)]
+    best = new if kept is None or getattr(new, figure) > getattr(kept, figure) else kept
+    best.repeats = repeats
     return best
 
 
@@ -523,8 +536,12 @@ def main(argv: list[str]) -> int:
         start = time.perf_counter()
         workloads = bench.workloads()
         bench.meta["stage_s"] = {"workloads": time.perf_counter() - start}
+        # --repeat N: N rounds over the variants in turn, so that a busy spell of the machine falls on
+        # one round of each rather than on every run of one variant.
         stages: list[tuple[str, Callable[[], None]]] = [
-            (v, lambda k=k, v=v: bench.run_variant(k, v, workloads)) for k, v in enumerate(args.variants, 1)
+            (v, lambda k=k, v=v: bench.run_variant(k, v, workloads))
+            for _ in range(args.repeat)
+            for k, v in enumerate(args.variants, 1)
         ]
         stages += [
             ("shape", lambda: bench.run_shape(Path(tmp))),
@@ -534,7 +551,7 @@ def main(argv: list[str]) -> int:
         for name, stage in stages:
             start = time.perf_counter()
             stage()
-            bench.meta["stage_s"][name] = time.perf_counter() - start
+            bench.meta["stage_s"][name] = bench.meta["stage_s"].get(name, 0.0) + time.perf_counter() - start
     print("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in bench.meta["stage_s"].items()))
     return _finish(args, bench)
 

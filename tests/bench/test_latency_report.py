@@ -8,6 +8,7 @@ import math
 import pytest
 
 from sluice.bench import latency_report as rep
+from sluice.bench.latency import faster
 from sluice.bench.latency_run import RunFigures, percentile
 from sluice.bench.latency_workload import NON_REPETITIVE, REPETITIVE, copy_fraction, lookup_fraction
 from sluice.bench.perplexity import QualityResult
@@ -116,3 +117,11 @@ def test_percentile_interpolates_between_ranks() -> None:
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
     assert math.isnan(percentile([], 0.5))
+
+
+def test_repeats_keep_the_fastest_run_and_list_every_figure() -> None:
+    kept = None
+    for tok_s in (50.0, 80.0, 60.0):
+        kept = faster(kept, _run(1, tok_s), "decode_tok_s")
+    assert kept is not None and kept.decode_tok_s == pytest.approx(80.0)
+    assert kept.repeats == pytest.approx([50.0, 80.0, 60.0])

@@ -1,0 +1,120 @@
+"""`sluice bench latency`: its workloads differ as they claim on the embedded chat model, and a `--quick` run
+of every CPU variant writes its JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sluice.bench import latency
+from sluice.bench.latency_run import EngineSpec, build_engine, greedy_continuations, release, run_concurrent
+from sluice.bench.latency_workload import (
+    copy_fraction,
+    lookup_fraction,
+    make_encoder,
+    mean_fraction,
+    non_repetitive,
+    repetitive,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_torch_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> None:
+    """On the embedded chat model (built once and cached on first use), with the plain engine: the
+    repetitive workload's outputs copy 4-token spans of their prompts for most of their tokens, the
+    non-repetitive one's for few."""
+    from services.common.models import resolve_model_dir
+
+    model_dir = resolve_model_dir("")
+    spec = EngineSpec(model_dir, "cpu", "float32", threads=1)
+    encode = make_encoder(model_dir, 4096)
+    n, length = 8, 64
+    works = [
+        repetitive(encode, lambda p, k: greedy_continuations(spec, p, k, n), n, length, seed=0),
+        non_repetitive(encode, n, length, seed=0),
+    ]
+    engine = build_engine(spec, "off", [len(r.prompt) + length for w in works for r in w.requests], n)
+    copied, found = [], []
+    for work in works:
+        outputs = run_concurrent(engine, work, "cpu", lambda _: None).outputs
+        assert [len(o) for o in outputs] == [length] * n
+        prompts = [r.prompt for r in work.requests]
+        copied.append(mean_fraction(copy_fraction, prompts, outputs))
+        found.append(mean_fraction(lookup_fraction, prompts, outputs))
+    del engine
+    release("cpu")
+    assert copied[0] >= 0.5 and found[0] >= 0.6, (copied, found)
+    assert copied[1] <= 0.35 and found[1] <= 0.4, (copied, found)
+    assert copied[0] - copied[1] >= 0.3
+
+
+@pytest.fixture(scope="module")
+def quick_run(
+    tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path
+) -> tuple[int, dict[str, Any], Path]:
+    """One `--quick` run of off, ngram and int8 on the untrained test model, its 0.5B-shape stage on the tiny
+    preset, and perplexity on the same test model."""
+    out = tmp_path_factory.mktemp("latency")
+    model = str(tiny_model_dir)
+    argv = [
+        "--quick", "--device", "cpu", "--no-progress", "--threads", "1", "--model", model,
+        "--quality-model", model, "--int8-preset", "tiny", "--variants", "off,ngram,int8",
+        "--perplexity-tokens", "300", "--json", str(out / "l.json"), "--plot", str(out / "l.png"),
+    ]  # fmt: skip
+    rc = latency.main(argv)
+    return rc, json.loads((out / "l.json").read_text()), out / "l.png"
+
+
+def test_quick_run_measures_every_variant_and_workload(quick_run: tuple[int, dict[str, Any], Path]) -> None:
+    rc, doc, png = quick_run
+    assert rc == 0, doc["errors"]
+    assert doc["bench"] == "latency" and doc["partial"] is False and doc["errors"] == {}
+    cells = {(c["variant"], c["workload"]): c for c in doc["cells"]}
+    assert set(cells) == {(v, w) for v in ("off", "ngram", "int8") for w in ("repetitive", "non-repetitive")}
+    for cell in cells.values():
+        b1, many = cell["batch1"], cell["concurrent"]
+        assert b1["requests"] == 2 and b1["output_tokens"] == 2 * 12 and b1["decode_tok_s"] > 0
+        assert many["requests"] == 4 and many["output_tokens"] == 4 * 12 and many["output_tok_s"] > 0
+        assert many["ttft_p50_s"] <= many["ttft_p99_s"]
+        assert 0.0 <= cell["copy_fraction"] <= cell["lookup_fraction"] <= 1.0
+    assert cells["off", "repetitive"]["batch1_ratio_to_off"] == 1.0
+    assert "spec_acceptance_rate" in cells["ngram", "repetitive"]["batch1"]["spec"]
+    assert set(doc["shape"]["runs"]) == {"off", "int8"} and doc["shape"]["ratios_to_off"]["int8"] > 0
+    quality = {q["variant"]: q for q in doc["quality"]}
+    assert set(quality) == {"none", "int8"} and quality["none"]["tokens"] == 299
+    assert abs(quality["int8"]["ratio_to_none"] - 1) < 0.1
+    met = {t["name"].split(" (")[0].split(" on ")[0]: t["met"] for t in doc["targets"]}
+    assert met["fp8 KV blocks / model-dtype KV blocks at one budget"] is None  # CUDA only
+    assert all(m is not None for name, m in met.items() if "fp8" not in name)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_fp8_is_skipped_on_cpu_and_bad_arguments_exit_2(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        latency.main(["--variants", "off,nope"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        latency.main(["--quick", "--concurrency", "0"])
+    assert exit_info.value.code == 2
+    argv = [
+        "--quick", "--device", "cpu", "--no-progress", "--threads", "1", "--model", str(tiny_model_dir),
+        "--variants", "off,fp8", "--workloads", "non-repetitive", "--perplexity-tokens", "0",
+        "--json", str(tmp_path / "l.json"),
+    ]  # fmt: skip
+    assert latency.main(argv) == 0
+    doc = json.loads((tmp_path / "l.json").read_text())
+    assert doc["errors"] == {"fp8": "skipped: CUDA only"}
+    assert [(c["variant"], c["workload"]) for c in doc["cells"]] == [("off", "non-repetitive")]
