@@ -9,11 +9,13 @@
   matrix-vector kernel), so larger steps (prefill, big decode batches) convert the weight to bf16 and run
   a bf16 matmul, scaling the output (torchao's eager weight-only linear does the same in the model's
   dtype). torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every
-  call, which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
-  converting path: torch 2.11's CUDA int8pack kernel was slower still on an H200 (896x4864 weight, one row,
-  in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16; batch-1 decode of the qwen2-0.5b
-  preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a fused kernel (torch.compile) int8
-  only saves memory on a GPU.
+  call, which on a CPU makes an fp32 model's decode slower, not faster. Batch-1 decode of the qwen2-0.5b
+  preset (fp32 model, LLMEngine steps, 2 threads, best of 4 alternated rounds): 100.5 -> 59.1 ms/token
+  (1.70x) on an idle Xeon, 85.0 -> 57.9 (1.47x) on this project's shared 2-core machine at load ~0.6.
+  On CUDA every step takes the converting path: torch 2.11's CUDA int8pack kernel was slower still on an
+  H200 (896x4864 weight, one row, in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16;
+  batch-1 decode of the qwen2-0.5b preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a
+  fused kernel (torch.compile) int8 only saves memory on a GPU.
 - fp8: torchao `Float8DynamicActivationFloat8WeightConfig` with per-row scales: the weights in float8
   e4m3 and each step's activations quantized per row on the fly, the matmul on the fp8 tensor cores
   (`torch._scaled_mm`). torchao's Float8WeightOnlyConfig converts the weight back for every matmul in
@@ -22,7 +24,8 @@
   activation's quantization kernels). Needs CUDA compute capability 8.9 or newer (Ada, Hopper); anywhere
   else a ValueError at start-up.
 
-torchao is imported only when a quantization is asked for (its import looks for CUDA extensions).
+torchao is imported here only when a quantization is asked for (its import looks for CUDA extensions;
+transformers imports it anyway when it is installed).
 """
 
 from __future__ import annotations
