@@ -79,14 +79,14 @@ class EngineSettings(StageTlsSettings):
         default=4, metadata={"help": "speculative ngram: longest n-gram matched (tried first)"}
     )
     speculative_disable_batch_size: int = field(
-        default=8,
+        default=4,
         metadata={"help": "speculative: no proposals in a step with more running requests than this (a full "
                   "batch has no compute to spare)"},
     )
     speculative_min_acceptance: float = field(
-        default=0.2,
-        metadata={"help": "speculative: a request whose acceptance rate falls below this stops proposing "
-                  "for a while"},
+        default=0.3,
+        metadata={"help": "speculative: a request accepting less than this share of its drafts (over windows "
+                  "of 8) stops proposing for 16 output tokens, doubling while it stays below"},
     )
     quantization: str = field(
         default="none",
