@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{name.replace('_', '-')}",
             type=float if "acceptance" in name else int,
             default=None,
+            metavar="X" if "acceptance" in name else "N",
             help=f"ngram variant: the engine's {name} (default: the engine's)",
         )
     add(
