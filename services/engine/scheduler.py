@@ -22,9 +22,10 @@ Speculative decoding: a decoding request (one token left to compute) may hold dr
 set by the engine before `schedule`). They are scheduled after every real token of the step, running and
 waiting, in the budget that is left: such a request computes 1 + len(spec_ids) tokens, its drafts
 trimmed to the budget and to the blocks free (drafts never preempt anyone), and dropped altogether in a
-step with more than `spec_disable_batch_size` running requests. After the step, `advance` counts the
-request's own token only; `accept_drafts` counts the accepted ones once the engine has appended them, and
-frees the blocks that held only rejected drafts. Block hashes come from `token_ids`, never from drafts.
+step with more than `spec_disable_batch_size` running requests or with a preemption. After the step,
+`advance` counts the request's own token only; `accept_drafts` counts the accepted ones once the engine
+has appended them, and frees the blocks that held only rejected drafts. Block hashes come from
+`token_ids`, never from drafts.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ class Scheduler:
     def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Extends each scheduled decoding request that holds drafts by as many of them as the budget left
         and the free blocks allow (`spec_ids` trimmed to those); every other running request's drafts are
-        dropped, all of them in a step with more than `spec_disable_batch_size` running requests."""
-        allowed = len(self.running) <= self.spec_disable_batch_size
+        dropped, all of them in a step with more than `spec_disable_batch_size` running requests or with a
+        preemption (blocks are short: those freed go back to the preempted request first)."""
+        allowed = not out.preempted and len(self.running) <= self.spec_disable_batch_size
         drafted: set[int] = set()
         for i, (req, n) in enumerate(out.scheduled):
             if not req.spec_ids or not allowed or n != 1 or req.num_tokens - req.num_computed_tokens != 1:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from services.common.metrics import EngineMetrics
+from services.engine.async_engine import AsyncEngine
 from services.engine.block_manager import BlockManager, chain_hashes
 from services.engine.engine import SPEC_COOLDOWN, SPEC_GATE_WINDOW, LLMEngine
 from services.engine.observability import EngineObserver
@@ -234,6 +235,26 @@ def test_scheduler_drops_drafts_above_the_disable_batch_size() -> None:
         assert bm.num_free_blocks == 32
 
 
+def test_no_drafts_in_a_step_that_preempts() -> None:
+    bm = BlockManager(3, 4)
+    sched = Scheduler(
+        bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=12, spec_disable_batch_size=4
+    )
+    a, b = (Request(r, [5, 6, 7, 8], GREEDY, StoppingParams(6)) for r in "ab")
+    sched.add(a)
+    sched.add(b)
+    sched.advance(sched.schedule())
+    for r in (a, b):
+        r.token_ids.append(9)
+        r.spec_ids = [1, 2, 3]
+    out = sched.schedule()  # a takes the last free block, b needs one: b is preempted
+    assert out.preempted == [b]
+    assert out.scheduled == [(a, 1)] and not a.spec_ids and not b.spec_ids
+    sched.finish(a, "cancelled")
+    sched.finish(b, "cancelled")
+    assert bm.num_free_blocks == 3
+
+
 def test_acceptance_gate_pauses_a_request_and_lets_it_try_again() -> None:
     k = 4
     proposer = OracleProposer(k=k, wrong=lambda n, j: True)
@@ -402,3 +423,29 @@ def test_sampling_with_speculation_respects_limits_and_seeds(llama_dir: Path) ->
     assert sample(5, speculative=True) == a, "a seeded request is reproducible"
     assert sample(5, speculative=False) == a, "and draws as it does without speculation"
     assert sample(6, speculative=True) != a
+
+
+async def test_async_engine_streams_the_accepted_runs() -> None:
+    """The engine loop and its callers with speculation: several tokens per output, merged in order."""
+    core, _ = spec_engine(OracleProposer(k=4, wrong=mixed))
+    engine = AsyncEngine(core)
+    engine.start()
+    try:
+        caller = engine.open_caller()
+        prompts = {f"r{i}": [5, 6, i + 3] for i in range(3)}
+        for rid, prompt in prompts.items():
+            caller.submit(rid, prompt, GREEDY, StoppingParams(max_new_tokens=23))
+        caller.close_input()
+        got: dict[str, list[int]] = {rid: [] for rid in prompts}
+        finished = set()
+        while batch := await caller.get():
+            for o in batch:
+                got[o.request_id] += o.new_token_ids
+                if o.finished:
+                    finished.add(o.request_id)
+        assert finished == set(prompts)
+        assert got == {rid: expected_output(p, 23) for rid, p in prompts.items()}
+        assert core.stats().spec_accepted_tokens > 0
+    finally:
+        engine.stop()
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
