@@ -449,3 +449,29 @@ async def test_async_engine_streams_the_accepted_runs() -> None:
     finally:
         engine.stop()
     assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+
+
+def test_logprobs_line_up_with_the_accepted_runs(llama_dir: Path) -> None:
+    prompt = [17, 29, 31, 5, 77, 12] * 4
+    sampling = SamplingParams(logprobs=3)
+    stopping = StoppingParams(max_new_tokens=30, ignore_eos=True)
+
+    def outputs(speculative: bool) -> list[RequestOutput]:
+        engine = small_engine(llama_dir, **(SPEC if speculative else {}))
+        engine.add_request("a", prompt, sampling, stopping)
+        outs: list[RequestOutput] = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        if speculative:
+            assert engine.stats().spec_accepted_tokens > 0
+        return outs
+
+    spec, base = outputs(True), outputs(False)
+    assert any(len(o.new_token_ids) > 1 for o in spec)
+    assert ids(spec) == ids(base)
+    spec_lps = [lp for o in spec for lp in o.logprobs or []]
+    base_lps = [lp for o in base for lp in o.logprobs or []]
+    assert len(spec_lps) == len(base_lps) == 30
+    for tok, s, b in zip(ids(spec), spec_lps, base_lps, strict=True):
+        assert s.top_ids[0] == tok and s.top_ids == b.top_ids
+        assert s.logprob == pytest.approx(b.logprob, abs=1e-4)
