@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import services.engine.kernels.paged_attention as paged
+from services.engine.cuda_graphs import StaticDecode
 from services.engine.kernels import self_check
 from services.engine.model_runner import ModelRunner
 from services.engine.params import SamplingParams, StoppingParams
@@ -65,8 +66,13 @@ def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
 def test_a_failing_graph_capture_leaves_every_step_eager(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """On CPU capture itself fails ("CUDA graphs need a CUDA device"): the runner must go on eagerly."""
+    """A capture that raises (injected, so on any device): the runner must go on eagerly."""
+
+    def refuse(self: StaticDecode, forward: object) -> None:
+        raise RuntimeError("capture refused for the test")
+
     monkeypatch.setattr(ModelRunner, "_graphs_wanted", lambda self: (True, ""))
+    monkeypatch.setattr(StaticDecode, "capture", refuse)
     r = runner(llama_dir)
     with caplog.at_level(logging.WARNING):
         r.prepare(max_model_len=128, max_num_seqs=4)
