@@ -1,0 +1,3 @@
+"""sluice's command line, models and benchmarks."""
+
+import services  # noqa: F401  (quiets libraries' import-time warnings before anything imports them)
