@@ -60,6 +60,12 @@ def kv_dtype(runner: Any) -> torch.dtype:
     return getattr(runner, "kv_dtype", None) or runner.dtype
 
 
+def pool_block_bytes(runner: Any) -> int:
+    """Bytes of one block of `runner`'s KV pool, in the pool's dtype (`kv_dtype`)."""
+    element = torch.tensor([], dtype=kv_dtype(runner)).element_size()
+    return block_bytes(runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, element)
+
+
 def blocks_from_free_memory(
     free_bytes: int, released_bytes: int, fraction: float, bytes_per_block: int
 ) -> int:
@@ -92,13 +98,7 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
     left as built."""
     if not sized_automatically(settings) or (runner.device.type != "cuda" and mem_get_info is None):
         return int(runner.num_blocks)
-    per_block = block_bytes(
-        runner.num_layers,
-        runner.block_size,
-        runner.num_kv_heads,
-        runner.head_dim,
-        torch.tensor([], dtype=kv_dtype(runner)).element_size(),
-    )
+    per_block = pool_block_bytes(runner)
     warm_up(runner, settings.max_num_batched_tokens)
     free, _ = (mem_get_info or torch.cuda.mem_get_info)(runner.device)
     released = runner.num_blocks * per_block

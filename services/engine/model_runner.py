@@ -30,7 +30,7 @@ from services.engine.attention import (
     paged_attention,
 )
 from services.engine.cuda_graphs import Staging, StaticDecode
-from services.engine.kv_sizing import block_bytes
+from services.engine.kv_sizing import pool_block_bytes
 from services.engine.quantization import check_quantization, quantize_model
 from services.engine.request import Request
 
@@ -233,8 +233,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
 
     def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        per_block = block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, elem)
+        per_block = pool_block_bytes(self)
         if self.device.type == "cuda" and kv_cache_gb <= 0:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * utilization)
