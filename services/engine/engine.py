@@ -51,6 +51,7 @@ from services.engine.request import PLACEHOLDER, Request
 from services.engine.sampler import SampleHandle, Sampler
 from services.engine.scheduler import Scheduler, SchedulerOutput
 from services.engine.settings import EngineSettings
+from services.engine.speculative import TokenMirror
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,11 @@ SPEC_MAX_COOLDOWN = 256
 class Proposer(Protocol):
     """Speculative drafts for a request (services/engine/speculative.py's NgramProposer, or a test's)."""
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to `max_tokens` tokens likely to follow `token_ids` (prompt + output); [] for none."""
+    def propose(
+        self, token_ids: Sequence[int], max_tokens: int, mirror: TokenMirror | None = None
+    ) -> list[int]:
+        """Up to `max_tokens` tokens likely to follow `token_ids` (prompt + output); [] for none. `mirror`:
+        the request's own copy of its tokens as an array, kept up to date across calls."""
         ...
 
 
@@ -457,7 +461,9 @@ class LLMEngine:
                 self.max_model_len - req.num_tokens - 1,
             )
             if room > 0:
-                req.spec_ids = list(proposer.propose(req.token_ids, room))[:room]
+                if req.token_mirror is None:
+                    req.token_mirror = TokenMirror()
+                req.spec_ids = list(proposer.propose(req.token_ids, room, req.token_mirror))[:room]
 
     @staticmethod
     def _may_speculate(req: Request) -> bool:

@@ -58,6 +58,9 @@ class Request:
     # Speculative decoding: the drafts scheduled for the next step (set by the engine, trimmed by the
     # scheduler; empty outside a step that verifies them).
     spec_ids: list[int] = field(default_factory=list)
+    # Its tokens as an array for the proposer (speculative.TokenMirror), made by the engine: token_ids only
+    # grows while speculating (async scheduling is off), so it is brought up to date, never rebuilt.
+    token_mirror: Any = None
     spec_proposed: int = 0  # drafts verified over the request's life
     spec_accepted: int = 0  # of those, accepted
     # The acceptance gate (LLMEngine._gate): drafts verified and accepted in the current window, the

@@ -41,7 +41,7 @@ class OracleProposer:
         self.wrong = wrong
         self.proposals: list[tuple[int, list[int], int]] = []
 
-    def propose(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int], max_tokens: int, mirror: object = None) -> list[int]:
         toks = list(token_ids)
         drafts: list[int] = []
         right = -1
