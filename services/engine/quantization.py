@@ -3,19 +3,34 @@
 - int8: weight-only, symmetric, one scale per output channel, computed by torchao
   (`Int8Tensor.from_hp` with `PerRow()`, what `Int8WeightOnlyConfig` stores). Every `nn.Linear` of the
   decoder layers and the lm_head becomes an `Int8Linear`; a tied lm_head gets its own int8 copy and the
-  embedding stays as it is. The matmul: `torch._weight_int8pack_mm` (activations in bf16, the int8 weight
-  read as is, the per-channel scale applied by the kernel) for steps of fewer than `PACK_MAX_ROWS` rows,
-  which is every decode step of a small batch; the kernel's time grows with the rows (it is a
-  matrix-vector kernel), so larger steps (prefill, big decode batches) convert the weight to bf16 and run
-  a bf16 matmul, scaling the output (torchao's eager weight-only linear does the same in the model's
-  dtype). torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every
-  call, which on a CPU makes an fp32 model's decode slower, not faster. Batch-1 decode of the qwen2-0.5b
-  preset (fp32 model, LLMEngine steps, 2 threads, best of 4 alternated rounds): 100.5 -> 59.1 ms/token
-  (1.70x) on an idle Xeon, 85.0 -> 57.9 (1.47x) on this project's shared 2-core machine at load ~0.6.
-  On CUDA every step takes the converting path: torch 2.11's CUDA int8pack kernel was slower still on an
-  H200 (896x4864 weight, one row, in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16;
-  batch-1 decode of the qwen2-0.5b preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a
-  fused kernel (torch.compile) int8 only saves memory on a GPU.
+  embedding stays as it is. A decode step reads every weight once for a few rows of activations, so its
+  time is the time to stream the weights from memory, and the kernel decides how close to the memory's
+  rate that is. Steps of fewer than `FEW_ROWS` rows (every decode step of a small batch) take one of two
+  CPU kernels, chosen per layer at load:
+  - `onednn`: oneDNN's int8 matmul (`onednn::qlinear_pointwise`, VNNI / AMX, the weight prepacked once),
+    which multiplies int8 by int8 exactly into int32. To keep the activations' precision (weight-only
+    quantization), each activation row x is split into two int8 limbs, x ~ s (a1 + a2 / 254) with s =
+    max|x| / 127, a1 = round(x / s), a2 = round(254 (x / s - a1)): both limbs go through the matmul as
+    rows of one call (the weight is read once), and the output is s (y1 + y2 / 254). The activation's
+    error is at most s / 508 per element (max|x| / 64,516: finer than bf16's 2^-9 relative). Used on a
+    CPU with VNNI for layers at least `ONEDNN_MIN_OUT` outputs wide: on narrower ones (and on single-row
+    problems, hence never one limb alone) oneDNN picks its reference kernel, 9 ms for a 128 x 896 weight
+    against 25 us for int8pack.
+  - `int8pack`: `torch._weight_int8pack_mm` (bf16 activations, the int8 weight read as is, the scale
+    applied by the kernel), for the narrower layers and CPUs without VNNI. It streams int8 weights at
+    about 6 GB/s on one core of this project's Xeon, where oneDNN's kernel and fp32 matmuls reach 13.
+  Measured on the qwen2-0.5b preset (fp32, batch-1 decode through LLMEngine, one thread, the same
+  process): fp32 166.7 ms/step, int8 with int8pack everywhere 99.9 (1.67x), with the oneDNN kernel
+  79.6 (2.09x). Larger steps (prefill, big decode batches) convert the weight to bf16 and run a bf16
+  matmul, scaling the output (torchao's eager weight-only linear does the same in the model's dtype).
+  torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every call,
+  which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
+  converting path: torch 2.11's CUDA int8pack kernel was slower still on an H200 (896x4864 weight, one
+  row, in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16; batch-1 decode of the
+  qwen2-0.5b preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a fused kernel
+  (torch.compile) int8 only saves memory on a GPU. The `onednn` kernel keeps the prepacked weight beside
+  the int8 one (which the large steps convert), so int8 weights take half the bytes of fp32 there, not a
+  quarter.
 - fp8: torchao `Float8DynamicActivationFloat8WeightConfig` with per-row scales: the weights in float8
   e4m3 and each step's activations quantized per row on the fly, the matmul on the fp8 tensor cores
   (`torch._scaled_mm`). torchao's Float8WeightOnlyConfig converts the weight back for every matmul in
@@ -40,43 +55,69 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 METHODS = ("none", "int8", "fp8")
-PACK_MAX_ROWS = 16  # steps of fewer rows use the int8pack kernel (measured crossing at ~16 rows on CPU)
+FEW_ROWS = 16  # steps of fewer rows take the few-row kernels (measured crossing at ~16 rows on CPU)
+ONEDNN_MIN_OUT = 192  # narrower layers fall to oneDNN's reference int8 kernel (see the module docstring)
+ONEDNN_MIN_WEIGHTS = 1 << 19  # smaller weights stay in cache, where the limbs' extra ops cost more
+LIMB = 254.0  # the second limb counts 1/254ths of the first's unit: |x / s - a1| <= 1/2 -> |a2| <= 127
 FP8_MIN_CAPABILITY = (8, 9)
+KERNELS = ("onednn", "int8pack", "convert")
 
 
 class Int8Linear(nn.Module):
     """y = x W^T (+ b) with W stored as int8 (N, K) and one scale per output channel.
 
     `qweight` (N, K) int8, `scale` (N,) in the compute dtype (bf16 for fp32 models, else the model's
-    half dtype), `bias` (N,) in the model's dtype or None. The output is in the input's dtype.
+    half dtype), `bias` (N,) in the model's dtype or None. `kernel` is the few-row kernel (one of
+    KERNELS; see the module docstring); steps of FEW_ROWS rows or more always convert. The output is in
+    the input's dtype.
     """
 
     def __init__(
-        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, use_pack: bool
+        self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, kernel: str
     ) -> None:
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.in_features = int(qweight.shape[1])
         self.out_features = int(qweight.shape[0])
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", bias)
-        self.use_pack = use_pack
+        self.kernel = kernel
+        if kernel == "onednn":
+            # The prepacked weight is an opaque oneDNN tensor: an attribute, not a buffer.
+            self.packed = torch.ops.onednn.qlinear_prepack(qweight, [2, self.in_features])
+            self.register_buffer("scale32", scale.float())
+            self.register_buffer("zero_points", torch.zeros(self.out_features, dtype=torch.long))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.scale.dtype)
-        if self.use_pack and flat.shape[0] < PACK_MAX_ROWS:
-            y = torch._weight_int8pack_mm(flat.contiguous(), self.qweight, self.scale)
+        flat = x.reshape(-1, self.in_features)  # (M, K)
+        if flat.shape[0] >= FEW_ROWS or self.kernel == "convert":
+            y = F.linear(flat.to(self.scale.dtype), self.qweight.to(self.scale.dtype)) * self.scale
+        elif self.kernel == "onednn":
+            y = self._two_limb_mm(flat.float())
         else:
-            y = F.linear(flat, self.qweight.to(self.scale.dtype)) * self.scale
+            y = torch._weight_int8pack_mm(flat.to(self.scale.dtype).contiguous(), self.qweight, self.scale)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias
         return y
 
+    def _two_limb_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (M, K) fp32 -> (M, N) fp32 through oneDNN's int8 matmul on the two int8 limbs of x."""
+        m = x.shape[0]
+        amax = x.abs().amax(dim=-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny)  # (M, 1)
+        units = x * (127.0 / amax)  # |units| <= 127
+        first = units.round()
+        second = (units - first).mul_(LIMB).round_()
+        limbs = torch.cat([first, second]).to(torch.int8)  # (2M, K)
+        y = onednn_int8_mm(limbs, self.packed, self.scale32, self.zero_points)  # (2M, N)
+        return torch.add(y[:m], y[m:], alpha=1.0 / LIMB).mul_(amax * (1.0 / 127.0))
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, int8pack={self.use_pack}"
+            f"bias={self.bias is not None}, kernel={self.kernel}"
         )
 
 
@@ -131,6 +172,46 @@ def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.qdata.contiguous(), q.scale.reshape(-1).float()
 
 
+def onednn_int8_mm(
+    a: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_points: torch.Tensor
+) -> torch.Tensor:
+    """a (M, K) int8 @ W^T * scale -> (M, N) fp32, W (N, K) int8 prepacked by
+    `torch.ops.onednn.qlinear_prepack`, scale (N,) fp32, zero_points (N,) int64 zeros. The int32 sums
+    are exact; M * N must be large enough for oneDNN's VNNI / AMX kernel (see ONEDNN_MIN_OUT)."""
+    args = (1.0, 0, torch.float32, "none", [], "")  # output scale, zero point, dtype, no post-op
+    return torch.ops.onednn.qlinear_pointwise(a, 1.0, 0, packed, scale, zero_points, None, *args)
+
+
+@functools.cache
+def onednn_int8_supported() -> bool:
+    """Whether this CPU has VNNI and oneDNN's int8 matmul runs and is exact here (probed once)."""
+    if not torch.cpu._is_vnni_supported():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randint(-127, 128, (2, 64), dtype=torch.int8, generator=gen)
+        w = torch.randint(-127, 128, (ONEDNN_MIN_OUT, 64), dtype=torch.int8, generator=gen)
+        packed = torch.ops.onednn.qlinear_prepack(w, [2, 64])
+        zeros = torch.zeros(ONEDNN_MIN_OUT, dtype=torch.long)
+        y = onednn_int8_mm(a, packed, torch.ones(ONEDNN_MIN_OUT), zeros)
+        return bool(torch.equal(y, (a.int() @ w.int().T).float()))
+    except (AttributeError, RuntimeError, NotImplementedError) as exc:
+        log.info("int8: oneDNN's int8 matmul does not run here (%s)", exc)
+        return False
+
+
+def few_row_kernel(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
+    """The kernel of an int8 layer (out_features, in_features) for steps of fewer than FEW_ROWS rows on
+    `device` with activations of `dtype` in the matmul: onednn, int8pack or convert (see the module
+    docstring)."""
+    if device.type != "cpu":
+        return "convert"
+    wide = out_features >= ONEDNN_MIN_OUT and out_features * in_features >= ONEDNN_MIN_WEIGHTS
+    if wide and onednn_int8_supported():
+        return "onednn"
+    return "int8pack" if int8pack_supported(device, dtype) else "convert"
+
+
 @functools.cache
 def int8pack_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._weight_int8pack_mm runs on `device` with activations of `dtype` (probed once)."""
@@ -150,15 +231,19 @@ def _quantize_int8(model: nn.Module, device: torch.device) -> int:
     if not targets:
         return 0
     dtype = compute_dtype(targets[0][1].weight.dtype)
-    use_pack = device.type == "cpu" and int8pack_supported(device, dtype)
+    kernels: dict[str, int] = {}
     for name, linear in targets:
         qdata, scale = int8_per_channel(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach()
-        _set_module(model, name, Int8Linear(qdata, scale.to(dtype), bias, use_pack))
+        kernel = few_row_kernel(device, dtype, linear.out_features, linear.in_features)
+        kernels[kernel] = kernels.get(kernel, 0) + 1
+        _set_module(model, name, Int8Linear(qdata, scale.to(dtype), bias, kernel))
     log.info(
-        "int8 weight-only: %d linear layers, matmul %s",
+        "int8 weight-only: %d linear layers; below %d rows %s; else %s after conversion",
         len(targets),
-        f"int8pack below {PACK_MAX_ROWS} rows, else bf16" if use_pack else f"{dtype} after conversion",
+        FEW_ROWS,
+        ", ".join(f"{count} {kernel}" for kernel, count in kernels.items()),
+        dtype,
     )
     return len(targets)
 

@@ -1,10 +1,12 @@
 """Quantized weights: int8 weight-only (every linear layer, CPU and CUDA) and fp8 (CUDA 8.9+ only).
 
-int8 stores each weight as int8 with one fp32-derived scale per output channel (bf16 in the matmul) and
-feeds the matmul bf16 activations. Its error against fp32, relative to a logits row's scale (largest
-|logit|), measured on CPU on the tiny llama here: 0.017 over 8 rows (int8pack kernel), 0.037 over 48 rows
-(bf16 matmul, whose outputs are bf16 too). The bound 0.07 still fails when one output channel of one
-layer has its scale doubled (0.11 and 0.15).
+int8 stores each weight as int8 with one fp32-derived scale per output channel. Steps of few rows take
+oneDNN's int8 matmul on two int8 limbs of the activations (layers at least ONEDNN_MIN_OUT wide, on a CPU
+with VNNI) or the int8pack kernel on bf16 activations; larger steps a bf16 matmul. The error against fp32,
+relative to a logits row's scale (largest |logit|), measured on CPU on the tiny llama here: 0.017 over 8
+rows (int8pack layers and a oneDNN lm_head), 0.037 over 48 rows (bf16 matmul, whose outputs are bf16
+too). The bound 0.07 still fails when one output channel of one layer has its scale doubled (0.11 and
+0.15).
 """
 
 from __future__ import annotations
@@ -19,9 +21,21 @@ import torch
 import transformers
 from torch import nn
 
+from services.engine import quantization
 from services.engine.engine import LLMEngine
 from services.engine.params import SamplingParams, StoppingParams
-from services.engine.quantization import Int8Linear, quantize_model
+from services.engine.quantization import (
+    FEW_ROWS,
+    KERNELS,
+    ONEDNN_MIN_OUT,
+    ONEDNN_MIN_WEIGHTS,
+    Int8Linear,
+    few_row_kernel,
+    int8_per_channel,
+    int8pack_supported,
+    onednn_int8_supported,
+    quantize_model,
+)
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
 
@@ -72,13 +86,23 @@ def test_a_tied_lm_head_gets_its_own_int8_copy_and_the_embedding_stays(tied_dir:
     assert model.lm_head.qweight.data_ptr() != after.data_ptr()
 
 
-@pytest.mark.parametrize("rows", [8, 48], ids=["int8pack-rows", "bf16-matmul-rows"])
-def test_int8_logits_are_close_to_fp32_and_keep_every_clear_argmax(llama_dir: Path, rows: int) -> None:
-    """Teacher-forced: one forward over `rows` tokens (fewer than 16 rows take the int8pack kernel on
-    CPU, more the bf16 matmul)."""
+@pytest.mark.parametrize(
+    ("rows", "min_weights"),
+    [(8, ONEDNN_MIN_WEIGHTS), (8, 0), (48, ONEDNN_MIN_WEIGHTS)],
+    ids=["few-rows", "few-rows-onednn-where-wide", "bf16-matmul-rows"],
+)
+def test_int8_logits_are_close_to_fp32_and_keep_every_clear_argmax(
+    llama_dir: Path, rows: int, min_weights: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Teacher-forced: one forward over `rows` tokens (fewer than 16 rows take the few-row kernels on
+    CPU, more the bf16 matmul). The test model's layers are too small for oneDNN's kernel; with the size
+    floor lifted, its lm_head (384 wide) takes it."""
+    monkeypatch.setattr(quantization, "ONEDNN_MIN_WEIGHTS", min_weights)
     ref_model = load(llama_dir)
     model = copy.deepcopy(ref_model)
     quantize_model(model, "int8", DEVICE)
+    if min_weights == 0 and _kernel_available("onednn"):
+        assert model.lm_head.kernel == "onednn"
     ids = torch.randint(3, VOCAB, (1, rows), generator=torch.Generator().manual_seed(rows)).to(DEVICE)
     with torch.inference_mode():
         ref = ref_model(input_ids=ids).logits[0].float()
@@ -92,8 +116,28 @@ def test_int8_logits_are_close_to_fp32_and_keep_every_clear_argmax(llama_dir: Pa
     assert torch.equal(got.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
+def _kernel_available(kernel: str) -> bool:
+    if kernel == "onednn":
+        return DEVICE.type == "cpu" and onednn_int8_supported()
+    if kernel == "int8pack":
+        return int8pack_supported(DEVICE, torch.bfloat16)
+    return True
+
+
+def _int8_linear(kernel: str, in_features: int, out_features: int, seed: int) -> Int8Linear:
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.empty((out_features, in_features)).normal_(0.0, 0.1, generator=gen)
+    bias = torch.empty(out_features).normal_(0.0, 0.1, generator=gen)
+    qdata, scale = int8_per_channel(weight)
+    return Int8Linear(qdata.to(DEVICE), scale.to(torch.bfloat16).to(DEVICE), bias.to(DEVICE), kernel)
+
+
+def _dequantized_matmul(m: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    return x.double() @ (m.qweight.double() * m.scale.double()[:, None]).T + m.bias.double()
+
+
 @pytest.mark.parametrize("rows", [1, 15, 16, 40])
-def test_int8_linear_is_the_dequantized_matmul(rows: int) -> None:
+def test_quantize_model_keeps_the_dequantized_matmul(rows: int) -> None:
     gen = torch.Generator().manual_seed(rows)
     linear = nn.Linear(96, 80, bias=True)
     with torch.no_grad():
@@ -104,13 +148,65 @@ def test_int8_linear_is_the_dequantized_matmul(rows: int) -> None:
     m = holder[0]
     assert isinstance(m, Int8Linear)
     x = torch.randn((2, rows, 96), generator=gen).to(DEVICE)
-    dequantized = m.qweight.float() * m.scale.float()[:, None]
-    want = x @ dequantized.T + m.bias
+    want = _dequantized_matmul(m, x)
     got = m(x)
     assert got.shape == want.shape and got.dtype == x.dtype
     # bf16 activations: each product rounded at 2^-9 relative, summed over 96 terms.
-    assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()
+    assert (got.double() - want).abs().max().item() < 0.02 * want.abs().max().item()
+    dequantized = m.qweight.float() * m.scale.float()[:, None]
     assert (dequantized - linear.weight).abs().max().item() <= linear.weight.abs().max().item() / 127
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, FEW_ROWS - 1, FEW_ROWS, 40])
+def test_every_kernel_computes_the_dequantized_matmul(kernel: str, rows: int) -> None:
+    """Each few-row kernel (and the bf16 matmul of larger steps) against the float64 matmul of the
+    dequantized weight. The two-limb oneDNN kernel keeps the activations to max|x| / 64,516 per element:
+    its bound is 100x tighter than bf16's."""
+    if not _kernel_available(kernel):
+        pytest.skip(f"the {kernel} kernel does not run on {DEVICE}")
+    m = _int8_linear(kernel, 320, 2 * ONEDNN_MIN_OUT, seed=rows)
+    x = torch.randn((1, rows, 320), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    want = _dequantized_matmul(m, x)
+    got = m(x)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    err = (got.double() - want).abs().max().item() / want.abs().max().item()
+    few_rows_on_onednn = kernel == "onednn" and rows < FEW_ROWS
+    assert err < (2e-4 if few_rows_on_onednn else 0.02), err
+
+
+@pytest.mark.skipif(not _kernel_available("onednn"), reason="oneDNN's int8 matmul needs a CPU with VNNI")
+def test_the_two_limb_kernel_keeps_small_activations_beside_an_outlier() -> None:
+    """One activation 1,000x the others: with one int8 limb (scale = outlier / 127) every small entry
+    would round to zero; the second limb keeps them. Zero rows give zero outputs, not NaN."""
+    m = _int8_linear("onednn", 256, ONEDNN_MIN_OUT, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((4, 256), generator=gen) * 0.01
+    x[0, 17] = 10.0
+    x[1] = 0.0
+    got = m(x)
+    want = _dequantized_matmul(m, x)
+    assert torch.equal(got[1], m.bias), "a zero row is the bias"
+    small = x.clone()
+    small[0, 17] = 0.0
+    signal = _dequantized_matmul(m, small) - m.bias.double()  # the small entries' share of row 0
+    err = (got.double() - want)[0].abs().max().item()
+    assert err < 0.01 * signal[0].abs().max().item(), (err, signal[0].abs().max().item())
+
+
+def test_each_layer_takes_the_kernel_its_shape_and_device_allow() -> None:
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    pack = "int8pack" if int8pack_supported(cpu, bf16) else "convert"
+    deep = ONEDNN_MIN_WEIGHTS // (ONEDNN_MIN_OUT - 64) + 1  # enough weights even when narrow
+    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT - 64, deep) == pack  # too narrow for oneDNN
+    shallow = ONEDNN_MIN_WEIGHTS // ONEDNN_MIN_OUT
+    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, shallow) == pack  # too few weights
+    large = -(-ONEDNN_MIN_WEIGHTS // ONEDNN_MIN_OUT)
+    want = "onednn" if onednn_int8_supported() else pack
+    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, large) == want
+    assert few_row_kernel(torch.device("cuda"), bf16, ONEDNN_MIN_OUT, large) == "convert"
+    with pytest.raises(ValueError, match="kernel must be one of onednn, int8pack, convert"):
+        Int8Linear(torch.zeros((4, 4), dtype=torch.int8), torch.ones(4), None, "int4")
 
 
 def test_unknown_methods_are_refused(llama_dir: Path) -> None:
