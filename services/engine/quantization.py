@@ -15,13 +15,21 @@
     error is at most s / 508 per element (max|x| / 64,516: finer than bf16's 2^-9 relative). Used on a
     CPU with VNNI for layers at least `ONEDNN_MIN_OUT` outputs wide: on narrower ones (and on single-row
     problems, hence never one limb alone) oneDNN picks its reference kernel, 9 ms for a 128 x 896 weight
-    against 25 us for int8pack.
+    against 25 us for int8pack. And only for layers of enough weights: with one torch thread
+    `ONEDNN_MIN_WEIGHTS` (smaller ones sit in cache, where the limbs' dozen small ops cost more than
+    they save: the embedded model's decode ran 0.65x of int8pack with oneDNN on every layer), with more
+    threads `ONEDNN_MIN_WEIGHTS_THREADED`, in practice the lm_head (at two threads oneDNN's few-row
+    matmul on the 0.5B shape's 896- and 4864-wide layers ran slower than int8pack).
   - `int8pack`: `torch._weight_int8pack_mm` (bf16 activations, the int8 weight read as is, the scale
     applied by the kernel), for the narrower layers and CPUs without VNNI. It streams int8 weights at
     about 6 GB/s on one core of this project's Xeon, where oneDNN's kernel and fp32 matmuls reach 13.
-  Measured on the qwen2-0.5b preset (fp32, batch-1 decode through LLMEngine, one thread, the same
-  process): fp32 166.7 ms/step, int8 with int8pack everywhere 99.9 (1.67x), with the oneDNN kernel
-  79.6 (2.09x). Larger steps (prefill, big decode batches) convert the weight to bf16 and run a bf16
+  Measured on the qwen2-0.5b preset (fp32, batch-1 forward, the variants alternated in one process, 12
+  rounds, median ms): one thread, fp32 134.6, int8pack everywhere 96.6 (1.39x), oneDNN on the lm_head
+  80.0 (1.68x), oneDNN on every layer from 2^19 weights 67.8 (1.99x); two threads, fp32 108.7, int8pack
+  74.0 (1.47x), oneDNN on the lm_head 72.9 (1.49x), on every layer 92.7 (1.17x). This shared host's AMX
+  units have slow spells (oneDNN's rate on the lm_head falls from ~13 to ~5 GB/s for a while), which
+  the medians include.
+  Larger steps (prefill, big decode batches) convert the weight to bf16 and run a bf16
   matmul, scaling the output (torchao's eager weight-only linear does the same in the model's dtype).
   torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every call,
   which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
@@ -57,7 +65,8 @@ log = logging.getLogger(__name__)
 METHODS = ("none", "int8", "fp8")
 FEW_ROWS = 16  # steps of fewer rows take the few-row kernels (measured crossing at ~16 rows on CPU)
 ONEDNN_MIN_OUT = 192  # narrower layers fall to oneDNN's reference int8 kernel (see the module docstring)
-ONEDNN_MIN_WEIGHTS = 1 << 19  # smaller weights stay in cache, where the limbs' extra ops cost more
+ONEDNN_MIN_WEIGHTS = 1 << 19  # one thread: smaller weights stay in cache, where the limbs' ops cost more
+ONEDNN_MIN_WEIGHTS_THREADED = 1 << 24  # more threads: only the largest layers (the lm_head) gain
 LIMB = 254.0  # the second limb counts 1/254ths of the first's unit: |x / s - a1| <= 1/2 -> |a2| <= 127
 FP8_MIN_CAPABILITY = (8, 9)
 KERNELS = ("onednn", "int8pack", "convert")
@@ -203,10 +212,11 @@ def onednn_int8_supported() -> bool:
 def few_row_kernel(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """The kernel of an int8 layer (out_features, in_features) for steps of fewer than FEW_ROWS rows on
     `device` with activations of `dtype` in the matmul: onednn, int8pack or convert (see the module
-    docstring)."""
+    docstring). The size floor depends on torch's thread count at the time of the call."""
     if device.type != "cpu":
         return "convert"
-    wide = out_features >= ONEDNN_MIN_OUT and out_features * in_features >= ONEDNN_MIN_WEIGHTS
+    floor = ONEDNN_MIN_WEIGHTS if torch.get_num_threads() == 1 else ONEDNN_MIN_WEIGHTS_THREADED
+    wide = out_features >= ONEDNN_MIN_OUT and out_features * in_features >= floor
     if wide and onednn_int8_supported():
         return "onednn"
     return "int8pack" if int8pack_supported(device, dtype) else "convert"

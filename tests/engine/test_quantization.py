@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from services.engine.quantization import (
     KERNELS,
     ONEDNN_MIN_OUT,
     ONEDNN_MIN_WEIGHTS,
+    ONEDNN_MIN_WEIGHTS_THREADED,
     Int8Linear,
     few_row_kernel,
     int8_per_channel,
@@ -98,6 +100,7 @@ def test_int8_logits_are_close_to_fp32_and_keep_every_clear_argmax(
     CPU, more the bf16 matmul). The test model's layers are too small for oneDNN's kernel; with the size
     floor lifted, its lm_head (384 wide) takes it."""
     monkeypatch.setattr(quantization, "ONEDNN_MIN_WEIGHTS", min_weights)
+    monkeypatch.setattr(quantization, "ONEDNN_MIN_WEIGHTS_THREADED", min_weights)
     ref_model = load(llama_dir)
     model = copy.deepcopy(ref_model)
     quantize_model(model, "int8", DEVICE)
@@ -194,17 +197,30 @@ def test_the_two_limb_kernel_keeps_small_activations_beside_an_outlier() -> None
     assert err < 0.01 * signal[0].abs().max().item(), (err, signal[0].abs().max().item())
 
 
-def test_each_layer_takes_the_kernel_its_shape_and_device_allow() -> None:
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_each_layer_takes_the_kernel_its_shape_and_device_allow(one_thread: None) -> None:
     cpu, bf16 = torch.device("cpu"), torch.bfloat16
     pack = "int8pack" if int8pack_supported(cpu, bf16) else "convert"
+    onednn = "onednn" if onednn_int8_supported() else pack
     deep = ONEDNN_MIN_WEIGHTS // (ONEDNN_MIN_OUT - 64) + 1  # enough weights even when narrow
     assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT - 64, deep) == pack  # too narrow for oneDNN
     shallow = ONEDNN_MIN_WEIGHTS // ONEDNN_MIN_OUT
     assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, shallow) == pack  # too few weights
     large = -(-ONEDNN_MIN_WEIGHTS // ONEDNN_MIN_OUT)
-    want = "onednn" if onednn_int8_supported() else pack
-    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, large) == want
+    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, large) == onednn
     assert few_row_kernel(torch.device("cuda"), bf16, ONEDNN_MIN_OUT, large) == "convert"
+    torch.set_num_threads(2)  # with more threads, only layers of the larger floor
+    assert few_row_kernel(cpu, bf16, ONEDNN_MIN_OUT, large) == pack
+    huge = -(-ONEDNN_MIN_WEIGHTS_THREADED // 4096)
+    assert few_row_kernel(cpu, bf16, 4096, huge) == onednn
+    assert few_row_kernel(cpu, bf16, 4096, huge - 1) == pack
     with pytest.raises(ValueError, match="kernel must be one of onednn, int8pack, convert"):
         Int8Linear(torch.zeros((4, 4), dtype=torch.int8), torch.ones(4), None, "int4")
 
