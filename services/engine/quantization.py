@@ -28,9 +28,8 @@
   80.0 (1.68x), oneDNN on every layer from 2^19 weights 67.8 (1.99x); two threads, fp32 108.7, int8pack
   74.0 (1.47x), oneDNN on the lm_head 72.9 (1.49x), on every layer 92.7 (1.17x). This shared host's AMX
   units have slow spells (oneDNN's rate on the lm_head falls from ~13 to ~5 GB/s for a while), which
-  the medians include.
-  Larger steps (prefill, big decode batches) convert the weight to bf16 and run a bf16
-  matmul, scaling the output (torchao's eager weight-only linear does the same in the model's dtype).
+  the medians include. Larger steps (prefill, big decode batches) convert the weight to bf16 and run a
+  bf16 matmul, scaling the output (torchao's eager weight-only linear does the same in the model's dtype).
   torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every call,
   which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
   converting path: torch 2.11's CUDA int8pack kernel was slower still on an H200 (896x4864 weight, one
