@@ -290,7 +290,7 @@ def _json_string(raw: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """The length of the longest end of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
@@ -409,7 +409,7 @@ class HermesToolCalls(ToolCallStream):
                 continue
             end = self._buf.find(CLOSE_TAG)
             if end < 0:
-                keep = 0 if final else _partial_suffix(self._buf, CLOSE_TAG)
+                keep = 0 if final else tag_prefix_len(self._buf, CLOSE_TAG)
                 self._read_call(self._buf[: len(self._buf) - keep])
                 self._buf = self._buf[len(self._buf) - keep :]
                 return
@@ -431,7 +431,7 @@ class HermesToolCalls(ToolCallStream):
             self._piece(self._buf)
             self._buf = ""
             return
-        held = _partial_suffix(self._buf, OPEN_TAG)
+        held = tag_prefix_len(self._buf, OPEN_TAG)
         emit = len(self._buf[: len(self._buf) - held].rstrip())
         self._piece(self._buf[:emit])
         self._buf = self._buf[emit:]

@@ -8,8 +8,8 @@ otherwise, its special tokens, its chat template); ids come from its Rust backen
 
 Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
 `trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
-`strftime_now` and a JSON `tojson` filter, the variables `messages`, `add_generation_prompt` and the
-special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
+`strftime_now` and a JSON `tojson` filter, the variables `messages`, `tools`, `add_generation_prompt`
+and the special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
 tokens again, so the ids equal `AutoTokenizer.apply_chat_template(..., tokenize=True)`.
 
 Tools and tool-calling history reach the template in transformers' convention: `tools` is the list of
