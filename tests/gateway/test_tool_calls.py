@@ -555,3 +555,18 @@ def test_random_walks_under_the_grammar_parse_into_valid_calls(
                 assert len(arguments["city"]) <= 8 and arguments.get("unit", "C") in ("C", "F")
         counts.append(len(found))
     assert max(counts) == 1 if not parallel else max(counts) > 1
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_strict_tools_refuse_keywords_the_grammar_cannot_enforce(strict: bool) -> None:
+    parameters = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    body = {
+        "tools": [
+            {"type": "function", "function": {"name": "f", "strict": strict, "parameters": parameters}}
+        ],
+        "tool_choice": "required",
+    }
+    request = tool_request(body)
+    assert request is not None and request.grammar() is not None
+    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", request.grammar()[1]))
+    assert ("uniqueItems" in error) if strict else error == ""
