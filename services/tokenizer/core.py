@@ -8,9 +8,15 @@ otherwise, its special tokens, its chat template); ids come from its Rust backen
 
 Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
 `trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
-`strftime_now` and a JSON `tojson` filter, the variables `messages`, `add_generation_prompt` and the
-special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
+`strftime_now` and a JSON `tojson` filter, the variables `messages`, `tools`, `add_generation_prompt`
+and the special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
 tokens again, so the ids equal `AutoTokenizer.apply_chat_template(..., tokenize=True)`.
+
+Tools and tool-calling history reach the template in transformers' convention: `tools` is the list of
+OpenAI tool objects (`{"type": "function", "function": {...}}`), an assistant message carries
+`tool_calls` as a list of `{"id", "type", "function": {"name", "arguments"}}` whose `arguments` is the
+decoded JSON value (a dict), not OpenAI's JSON text, and a tool message carries `tool_call_id`.
+`chat_message` and `parse_tools` turn OpenAI's wire form into that.
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ class Truncation:
 
 @dataclass(frozen=True)
 class TokenizeJob:
-    """One request: `text`, or `messages` (dicts with role and content) for the chat template."""
+    """One request: `text`, or `messages` (template messages, see `chat_message`) and optional `tools`
+    for the chat template."""
 
     text: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     truncation: Truncation = Truncation()
@@ -92,6 +100,66 @@ def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, list):
         return [v for v in value if isinstance(v, int)]
     return []
+
+
+def _tool_call(raw: Any, where: str) -> dict[str, Any]:
+    """One OpenAI tool call as a template sees it: `function.arguments` decoded from its JSON text
+    (empty or missing = `{}`)."""
+    function = raw.get("function") if isinstance(raw, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidInput(f"{where} must be an object with function.name")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments.strip():
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise InvalidInput(f"{where}.function.arguments is not JSON: {exc}") from None
+    elif arguments is None or arguments == "":
+        arguments = {}
+    call: dict[str, Any] = {"id": raw["id"]} if isinstance(raw.get("id"), str) else {}
+    call["type"] = raw.get("type", "function")
+    call["function"] = {"name": function["name"], "arguments": arguments}
+    return call
+
+
+def chat_message(role: str, content: str | None, *, name: str = "", tool_call_id: str = "",
+                 tool_calls_json: str = "", where: str = "message") -> dict[str, Any]:
+    """One message of an OpenAI chat history in the form chat templates read (transformers'
+    convention). `content` None stays None (null) only on an assistant turn that calls tools; elsewhere
+    it is "". `name`, `tool_call_id` and `tool_calls` appear only when given. `tool_calls_json` is the
+    OpenAI `tool_calls` array as JSON text. Raises InvalidInput naming `where` when it is malformed."""
+    message: dict[str, Any] = {"role": role}
+    tool_calls: list[dict[str, Any]] = []
+    if tool_calls_json:
+        try:
+            raw = json.loads(tool_calls_json)
+        except ValueError as exc:
+            raise InvalidInput(f"{where}.tool_calls is not JSON: {exc}") from None
+        if not isinstance(raw, list):
+            raise InvalidInput(f"{where}.tool_calls must be an array")
+        tool_calls = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(raw)]
+    message["content"] = content if content is not None or tool_calls else ""
+    if name:
+        message["name"] = name
+    if tool_call_id:
+        message["tool_call_id"] = tool_call_id
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return message
+
+
+def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
+    """The OpenAI `tools` array from its JSON text, for the template (`""` or `[]` = None: no tools).
+    Raises InvalidInput unless it is an array of objects."""
+    if not tools_json:
+        return None
+    try:
+        tools = json.loads(tools_json)
+    except ValueError as exc:
+        raise InvalidInput(f"tools is not JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidInput("tools must be an array of objects")
+    return tools or None
 
 
 def _pick_chat_template(hf: PreTrainedTokenizerBase) -> str | None:
@@ -214,9 +282,12 @@ class TokenizerCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[dict[str, str]], *, add_generation_prompt: bool) -> str:
-        """The conversation rendered with the model's chat template. Raises InvalidInput when the
-        model has none, the conversation is empty, or the template rejects it."""
+    def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation (template messages, see `chat_message`) and its `tools` rendered with the
+        model's chat template. Raises InvalidInput when the model has none, the conversation is empty,
+        or the template rejects it (its own exception, or a value it cannot combine, such as a null
+        content it adds to text)."""
         if self.chat_template is None:
             raise InvalidInput(f"model {self.model_name!r} has no chat template; send text instead")
         if not messages:
@@ -226,11 +297,11 @@ class TokenizerCore:
             return template.render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **self.template_vars,
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except (jinja2.exceptions.TemplateError, TypeError) as exc:
             raise InvalidInput(f"chat template rejected the conversation: {exc}") from exc
 
     def limit(self, truncation: Truncation) -> int:
@@ -293,7 +364,8 @@ class TokenizerCore:
     def _prepare(self, job: TokenizeJob) -> tuple[str, bool]:
         """The text to encode and whether to add special tokens (never for chat: the template did)."""
         if job.messages is not None:
-            return self.render_chat(job.messages, add_generation_prompt=job.add_generation_prompt), False
+            prompt = job.add_generation_prompt
+            return self.render_chat(job.messages, add_generation_prompt=prompt, tools=job.tools), False
         if not job.text:
             raise InvalidInput("empty input: give a non-empty text or a chat")
         return job.text, job.add_special_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 from opentelemetry import trace
@@ -12,8 +13,16 @@ from opentelemetry import trace
 from services.common import telemetry
 from services.common.batching import MicroBatcher
 from services.common.metrics import TokenizerMetrics
-from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
-from services.tokenizer.core import Encoded, InvalidInput, TokenizeJob, TokenizerCore, Truncation
+from services.common.pb import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from services.tokenizer.core import (
+    Encoded,
+    InvalidInput,
+    TokenizeJob,
+    TokenizerCore,
+    Truncation,
+    chat_message,
+    parse_tools,
+)
 
 _SIDES = {
     tokenizer_pb2.TRUNCATION_SIDE_UNSPECIFIED: "",
@@ -22,8 +31,15 @@ _SIDES = {
 }
 
 
+def _message(m: common_pb2.ChatMessage, where: str) -> dict[str, Any]:
+    content = m.content if m.HasField("content") else None
+    return chat_message(m.role, content, name=m.name, tool_call_id=m.tool_call_id,
+                        tool_calls_json=m.tool_calls_json, where=where)
+
+
 def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
-    """Raises InvalidInput for a request that sets neither text nor chat, or an unknown side."""
+    """Raises InvalidInput for a request that sets neither text nor chat, an unknown side, or
+    malformed tools or tool calls."""
     side = _SIDES.get(request.truncation_side)
     if side is None:
         raise InvalidInput(f"unknown truncation_side {request.truncation_side}")
@@ -32,8 +48,9 @@ def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
     add_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
     kind = request.WhichOneof("input")
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-        return TokenizeJob(messages=messages, add_generation_prompt=add_prompt, truncation=truncation)
+        messages = [_message(m, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)]
+        return TokenizeJob(messages=messages, tools=parse_tools(request.tools_json),
+                           add_generation_prompt=add_prompt, truncation=truncation)
     if kind == "text":
         return TokenizeJob(text=request.text, add_special_tokens=add_special, truncation=truncation)
     raise InvalidInput("empty input: set text or chat")

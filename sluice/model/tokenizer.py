@@ -33,12 +33,46 @@ PAD_ID, BOS_ID, EOS_DOC_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
 GENERATION_EOS_IDS = [IM_END_ID, EOS_DOC_ID]
 DEFAULT_VOCAB_SIZE = 8192
 
-# ChatML with a leading bos. Rendered with `add_special_tokens=False` (as transformers does for chat
-# templates), so bos appears exactly once.
+# ChatML with a leading bos, and tools in the Hermes style. Rendered with `add_special_tokens=False` (as
+# transformers does for chat templates), so bos appears exactly once. A chat without tools and tool calls
+# renders as `{bos}<|im_start|>{role}\n{content}<|im_end|>\n`... exactly as the trainer's `render_chat`.
+# With `tools` (OpenAI tool objects), a system turn first lists them as JSON lines inside <tools></tools>
+# after the conversation's own system message (merged into it). An assistant turn's `tool_calls`
+# (transformers' convention: `function.arguments` a dict; a JSON string is written as it is) follow its
+# content as `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, separated by newlines; a
+# `tool` turn wraps its content in <tool_response></tool_response>. A null content renders as nothing.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% set system_first = messages and messages[0]['role'] == 'system' %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if system_first and messages[0]['content'] %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% set content = message['content'] | default('', true) %}"
+    "{% if tools and loop.first and system_first %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>tool\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content }}"
+    "{% if message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if content or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + function['name'] | tojson + ', \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -18,7 +18,7 @@ TRUNCATION_SIDE_LEFT: TruncationSide
 TRUNCATION_SIDE_RIGHT: TruncationSide
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("request_id", "text", "chat", "add_special_tokens", "add_generation_prompt", "truncation_side", "max_tokens", "trace_context")
+    __slots__ = ("request_id", "text", "chat", "add_special_tokens", "add_generation_prompt", "truncation_side", "max_tokens", "trace_context", "tools_json")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class TokenizeRequest(_message.Message):
     TRUNCATION_SIDE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     chat: _common_pb2.Conversation
@@ -42,7 +43,8 @@ class TokenizeRequest(_message.Message):
     truncation_side: TruncationSide
     max_tokens: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tools_json: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., chat: _Optional[_Union[_common_pb2.Conversation, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., truncation_side: _Optional[_Union[TruncationSide, str]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., tools_json: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("request_id", "ids", "truncated", "error")
