@@ -49,6 +49,7 @@ from gateway.observability import RequestTrace
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
+from services.common import errors as engine_errors
 from services.common.grpc_server import ChannelTls
 from services.common.metrics import GatewayMetrics
 from services.common.pb import (
@@ -60,7 +61,6 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
-from services.engine import errors as engine_errors
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
 
 
 def _engine_failure(request_id: str, error: str) -> Failed:
-    """An engine error final (`services.engine.errors`) as the client sees it: its class, with the
+    """An engine error final (`services.common.errors`) as the client sees it: its class, with the
     engine's words only when it refused the request as given (the log has the rest)."""
     code = engine_errors.error_class(error)
     if code == INVALID_ARGUMENT:

@@ -12,7 +12,7 @@ replica, adds what this gateway itself has in flight there, and picks:
   whose cached contexts are what make it fast), the one holding the longest
   prefix of the prompt, then the least loaded, ties in turn. A prompt's keys are computed as the engine
   computes them (`chain_hashes`, with the block size the engine reported), over the blocks the engine
-  would look up (all full blocks but one token). Until a replica's report confirms them, the keys of
+  would look up (`max_hit_blocks`). Until a replica's report confirms them, the keys of
   prompts just routed there count as held for `PENDING_S`: a burst of requests sharing a new prefix
   goes to one replica instead of each computing the prefix somewhere else.
 
@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.settings import ROUTING_POLICIES as POLICIES
+from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
 from services.common.pb import engine_pb2
-from services.engine.block_manager import BlockHash, chain_hashes
 
 PENDING_S = 5.0  # how long keys of a routed prompt count as held before the engine reports them
 TOKENS_PER_LOAD = 4096  # queued prompt tokens that weigh as much as one request in flight
@@ -171,7 +171,6 @@ class Router:
 
 
 def prompt_keys(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The cache keys an engine looks up for this prompt: its full blocks, leaving at least one token
-    to compute (as `Scheduler._max_hit_blocks`)."""
-    blocks = (len(prompt_ids) - 1) // block_size
+    """The cache keys an engine looks up for this prompt (`max_hit_blocks` of its full blocks)."""
+    blocks = max_hit_blocks(len(prompt_ids), block_size)
     return chain_hashes(prompt_ids[: blocks * block_size], block_size, 0, None)

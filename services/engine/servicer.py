@@ -9,20 +9,14 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
-from services.common import telemetry
+from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.async_engine import AsyncEngine, Caller, Report, ReportFeed
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
+FINISH_REASON_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 def params_from_proto(
     request: engine_pb2.GenerateRequest, default_max_new_tokens: int
@@ -63,7 +57,7 @@ def chunk_to_proto(out: RequestOutput) -> engine_pb2.TokenChunk:
 def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
     return engine_pb2.RequestFinal(
         request_id=out.request_id,
-        finish_reason=FINISH_REASONS.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=errors.FINISH_REASONS.get(out.finish_reason or "", FINISH_REASON_UNSPECIFIED),
         usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
         error=out.error or "",
     )

@@ -15,8 +15,8 @@ from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generati
 from gateway.routing import Router, prompt_keys
 from gateway.server import GatewayServer, create_server
 from gateway.settings import GatewaySettings
+from services.common.block_keys import chain_hashes
 from services.common.pb import common_pb2, engine_pb2
-from services.engine.block_manager import chain_hashes
 from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text, start_upstreams
 from tests.gateway.test_replicas import start_stage
