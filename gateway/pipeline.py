@@ -281,7 +281,7 @@ class Pipeline:
     """Runs generations through the upstream services. Create it inside the event loop that will use
     it; `close()` fails what is still running and closes every upstream call and channel."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics) -> None:
         self._settings = settings
         tls = ChannelTls.from_settings(settings)
         per_replica, interval = settings.channels_per_replica, settings.resolve_interval_s
@@ -290,7 +290,7 @@ class Pipeline:
         self._engines = Replicas("engine", settings.engine, tls, resolve_interval_s=interval)
         self._detokenizers = Replicas("detokenizer", settings.detokenizer, tls,
                                       channels_per_replica=per_replica, resolve_interval_s=interval)
-        self.metrics = GatewayMetrics()
+        self.metrics = metrics
         self._engine_links: dict[str, EngineLink] = {}
         self._router = Router(
             settings.routing, self._engine_load, settings.routing_margin, settings.routing_margin_ratio
@@ -367,10 +367,15 @@ class Pipeline:
             return False
         return True
 
-    async def close(self) -> None:
+    def end_all(self) -> None:
+        """Fails every generation still running with "unavailable"; new ones are refused from now on."""
         self._draining = True
         for request in list(self._requests.values()):
             self._finish(request, Failed(UNAVAILABLE, "the gateway is shutting down"))
+
+    async def close(self) -> None:
+        """Ends every generation (`end_all`), then closes every upstream call and channel."""
+        self.end_all()
         links: list[EngineLink | DetokLink] = [*self._engine_links.values(), *self._detok_links.values()]
         self._engine_links.clear()
         self._detok_links.clear()

@@ -17,7 +17,7 @@ import trustme
 from websockets.asyncio.client import connect
 
 from gateway import upstream
-from gateway.server import GatewayServer, create_server
+from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
 from services.common import grpc_server
@@ -85,8 +85,8 @@ async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
     server = await create_server(gateway_settings(first, engine=engines))
     await server.start()
     try:
-        await until(lambda: len(server.pipeline._engines.connected()) == 2)  # else the first up gets all
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        await until(lambda: len(server.core._engines.connected()) == 2)  # else the first up gets all
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             ids = {f"g{i}" for i in range(8)}
             for frame_id in sorted(ids):
                 await send(
@@ -95,7 +95,7 @@ async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
                 )
             results = await collect(client, ids)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await first.stop()
         await second.stop()
     assert all(r["end"]["type"] == "done" for r in results.values())
@@ -135,16 +135,16 @@ async def wait_for_state(channel: grpc.aio.Channel, wanted: grpc.ChannelConnecti
         state = channel.get_state()
 
 
-def stage_channel(server: GatewayServer, stage: str, address: str) -> grpc.aio.Channel:
+def stage_channel(server: GatewayHandle, stage: str, address: str) -> grpc.aio.Channel:
     """The first channel to the replica at `address`."""
     name = {"tokenizer": "_tokenizers", "engine": "_engines", "detokenizer": "_detokenizers"}[stage]
-    replicas: Replicas = getattr(server.pipeline, name)
+    replicas: Replicas = getattr(server.core, name)
     return next(channel for key, channel in replicas.channels.items() if replicas.replica_of(key) == address)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 async def test_a_request_waits_for_a_stage_that_is_starting(
-    stage: str, make_gateway: Callable[..., Awaitable[GatewayServer]]
+    stage: str, make_gateway: Callable[..., Awaitable[GatewayHandle]]
 ) -> None:
     """The gateway is up before one stage listens: a request sent then succeeds once the stage starts
     (it is started only after the gateway's connection attempt to it has failed)."""
@@ -152,7 +152,7 @@ async def test_a_request_waits_for_a_stage_that_is_starting(
     server = await make_gateway(**{stage: (address,)}, upstream_wait_s=WAIT_S)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
     late: grpc.aio.Server | None = None
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         reply = asyncio.ensure_future(http.post("/v1/completions", json=body))
         try:
             await wait_for_state(
@@ -170,10 +170,10 @@ async def test_a_request_waits_for_a_stage_that_is_starting(
 
 @pytest.mark.parametrize("stage", STAGES)
 async def test_a_stage_that_never_starts_fails_the_request_with_unavailable(
-    stage: str, make_gateway: Callable[..., Awaitable[GatewayServer]]
+    stage: str, make_gateway: Callable[..., Awaitable[GatewayHandle]]
 ) -> None:
     server = await make_gateway(**{stage: (dead_address(),)}, upstream_wait_s=0.2)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     assert response.status_code == 503
     error = response.json()["error"]
@@ -186,7 +186,7 @@ async def test_a_replica_that_is_down_gets_no_work(upstreams: FakeUpstreams) -> 
     server = await create_server(gateway_settings(upstreams, engine=engines))
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             ids = {f"g{i}" for i in range(6)}
             for frame_id in sorted(ids):
                 await send(
@@ -194,7 +194,7 @@ async def test_a_replica_that_is_down_gets_no_work(upstreams: FakeUpstreams) -> 
                 )
             results = await collect(client, ids)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert [r["end"]["type"] for r in results.values()] == ["done"] * 6
     assert len(upstreams.engine.submits) == 6
 
@@ -296,10 +296,10 @@ async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves
     settings = gateway_settings(upstreams, engine=(f"dns:///engines:{port}",), resolve_interval_s=0.05)
     server = await create_server(settings)
     await server.start()
-    engines: Replicas = server.pipeline._engines  # type: ignore[attr-defined]
+    engines: Replicas = server.core._engines  # type: ignore[attr-defined]
     try:
         ids = {f"g{i}" for i in range(8)}
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await until(lambda: len(engines.connected()) == 2)
             for frame_id in sorted(ids):
                 await send(
@@ -320,7 +320,7 @@ async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves
                 )
             second = await collect(client, {f"{i}b" for i in ids})
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await one.stop(0)
         await two.stop(0)
     assert all(r["end"]["type"] == "done" for r in [*first.values(), *second.values()])
@@ -339,22 +339,20 @@ async def test_a_gateway_stream_outlives_the_servers_maximum_connection_age(
     server = await create_server(gateway_settings(fakes))
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await send(
                 client, {"type": "generate", "id": "long", "prompt": "hi", "params": {"max_tokens": 40}}
             )
             long = asyncio.ensure_future(collect(client, {"long"}))
             await until(lambda: len(fakes.engine.submits) == 1)
             await asyncio.sleep(0.3)  # past the connection age while "long" streams
-            async with httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S
-            ) as http:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
                 reply = await http.post(
                     "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}
                 )
             results = await long
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await fakes.stop()
     assert reply.status_code == 200, reply.text
     assert results["long"]["end"]["type"] == "done" and results["long"]["text"] == expected_text(40)
