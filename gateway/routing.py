@@ -1,8 +1,10 @@
-"""Which engine replica gets a new request: `round_robin`, `least_load` or `prefix_affinity`.
+"""Which replica of a stage gets the next piece of work: one `Picker`, with a policy per stage.
 
-Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys of the KV blocks it
-can reuse (`EngineReport`: a snapshot when the call opens, then changes). `Router` mirrors that per
-replica, adds what this gateway itself has in flight there, and picks:
+Tokenizer and detokenizer replicas are interchangeable: their picker goes `round_robin`. The engine
+replica of each request is picked by the `routing` policy: `round_robin`, `least_load` or
+`prefix_affinity`. Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys
+of the KV blocks it can reuse (`EngineReport`: a snapshot when the call opens, then changes); the
+engines' picker mirrors that per replica, adds what this gateway itself has in flight there, and picks:
 
 - `round_robin`: the candidates in turn, blind to load and cache;
 - `least_load`: the least loaded; ties go round the candidates in turn;
@@ -93,22 +95,28 @@ class ReplicaView:
                 pending.move_to_end(key)
 
 
-class Router:
-    """Mirrors every engine replica's reports and picks the replica for each new request.
+class Picker:
+    """Picks the replica for each new piece of work among candidates, by `policy` (one of POLICIES);
+    mirrors the reports of engine replicas for the load- and cache-aware policies.
 
-    `in_flight(address)`: this gateway's requests on that replica now. `margin`, `margin_ratio`: how
-    many requests more than the least loaded candidate a replica may have and still win on its cached
-    prefix: `margin`, or `margin_ratio` times the least load when that is more."""
+    `in_flight(address)`: this gateway's requests on that replica now (none counted when not given).
+    `margin`, `margin_ratio`: how many requests more than the least loaded candidate a replica may have
+    and still win on its cached prefix: `margin`, or `margin_ratio` times the least load when that is
+    more."""
 
     def __init__(
-        self, policy: str, in_flight: Callable[[str], int], margin: int = 4, margin_ratio: float = 0.0
+        self,
+        policy: str = "round_robin",
+        in_flight: Callable[[str], int] | None = None,
+        margin: int = 4,
+        margin_ratio: float = 0.0,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
         self.margin = margin
         self.margin_ratio = margin_ratio
-        self._in_flight = in_flight
+        self._in_flight = in_flight or _nothing_in_flight
         self._views: dict[str, ReplicaView] = {}
         self._turn = itertools.count()
 
@@ -133,8 +141,9 @@ class Router:
             return float(own)
         return max(own, view.running + view.waiting) + view.queued_prompt_tokens / TOKENS_PER_LOAD
 
-    def pick(self, candidates: Sequence[str], prompt_ids: Sequence[int]) -> str:
-        """The replica for a request of `prompt_ids` among `candidates` (not empty)."""
+    def pick(self, candidates: Sequence[str], prompt_ids: Sequence[int] = ()) -> str:
+        """The replica for a piece of work among `candidates` (not empty); `prompt_ids`, the request's
+        prompt, for `prefix_affinity`."""
         assert candidates, "no candidate replica"
         start = next(self._turn) % len(candidates)
         in_turn = [*candidates[start:], *candidates[:start]]
@@ -168,6 +177,10 @@ class Router:
         view = self._views.get(address)
         if view is not None and view.block_size in keys_by_size:
             view.expect(keys_by_size[view.block_size], time.monotonic())
+
+
+def _nothing_in_flight(address: str) -> int:
+    return 0
 
 
 def prompt_keys(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:

@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
-from gateway.pipeline import Done, GenerateInput
+from gateway.events import Done, GenerateInput
 from gateway.server import GatewayHandle
 from services.common import grpc_server
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc

@@ -17,6 +17,7 @@ import trustme
 from websockets.asyncio.client import connect
 
 from gateway import upstream
+from gateway.routing import Picker
 from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
@@ -55,12 +56,12 @@ async def test_pick_goes_round_every_replica() -> None:
 
 
 async def test_pick_takes_the_least_loaded_and_spreads_ties() -> None:
-    replicas = Replicas("engine", ADDRESSES)
     load = {"127.0.0.1:1": 5, "127.0.0.1:2": 0, "127.0.0.1:3": 0}
+    replicas = Replicas("engine", ADDRESSES, picker=Picker("least_load", load.__getitem__))
     try:
-        first = [replicas.pick(load.__getitem__) for _ in range(4)]
+        first = [replicas.pick() for _ in range(4)]
         for _ in range(20):  # each pick adds one request where it went: the loads even out
-            load[replicas.pick(load.__getitem__)] += 1
+            load[replicas.pick()] += 1
     finally:
         await replicas.close()
     assert "127.0.0.1:1" not in first and set(first) == {"127.0.0.1:2", "127.0.0.1:3"}
@@ -68,12 +69,12 @@ async def test_pick_takes_the_least_loaded_and_spreads_ties() -> None:
 
 
 async def test_one_replica_always_gets_the_work() -> None:
-    replicas = Replicas("detokenizer", ADDRESSES[:1])
-    try:
-        assert {replicas.pick() for _ in range(5)} == {ADDRESSES[0]}
-        assert replicas.pick(lambda address: 7) == ADDRESSES[0]
-    finally:
-        await replicas.close()
+    for picker in (Picker(), Picker("least_load", lambda address: 7)):
+        replicas = Replicas("detokenizer", ADDRESSES[:1], picker=picker)
+        try:
+            assert {replicas.pick() for _ in range(5)} == {ADDRESSES[0]}
+        finally:
+            await replicas.close()
 
 
 async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
@@ -85,7 +86,7 @@ async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
     server = await create_server(gateway_settings(first, engine=engines))
     await server.start()
     try:
-        await until(lambda: len(server.core._engines.connected()) == 2)  # else the first up gets all
+        await until(lambda: len(server.core._stages.engines.connected()) == 2)  # else the first up gets all
         async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             ids = {f"g{i}" for i in range(8)}
             for frame_id in sorted(ids):
@@ -137,8 +138,8 @@ async def wait_for_state(channel: grpc.aio.Channel, wanted: grpc.ChannelConnecti
 
 def stage_channel(server: GatewayHandle, stage: str, address: str) -> grpc.aio.Channel:
     """The first channel to the replica at `address`."""
-    name = {"tokenizer": "_tokenizers", "engine": "_engines", "detokenizer": "_detokenizers"}[stage]
-    replicas: Replicas = getattr(server.core, name)
+    name = {"tokenizer": "tokenizers", "engine": "engines", "detokenizer": "detokenizers"}[stage]
+    replicas: Replicas = getattr(server.core._stages, name)
     return next(channel for key, channel in replicas.channels.items() if replicas.replica_of(key) == address)
 
 
@@ -296,7 +297,7 @@ async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves
     settings = gateway_settings(upstreams, engine=(f"dns:///engines:{port}",), resolve_interval_s=0.05)
     server = await create_server(settings)
     await server.start()
-    engines: Replicas = server.core._engines  # type: ignore[attr-defined]
+    engines: Replicas = server.core._stages.engines  # type: ignore[attr-defined]
     try:
         ids = {f"g{i}" for i in range(8)}
         async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:

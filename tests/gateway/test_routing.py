@@ -11,8 +11,9 @@ from dataclasses import replace
 import pytest
 
 from gateway import routing
-from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
-from gateway.routing import Router, prompt_keys
+from gateway.events import Delta, Done, Event, Failed, GenerateInput, Generation
+from gateway.pipeline import Pipeline
+from gateway.routing import Picker, prompt_keys
 from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from services.common.block_keys import chain_hashes
@@ -37,9 +38,9 @@ def report(
 
 def router(
     policy: str, in_flight: Counter[str] | None = None, margin: int = 4, margin_ratio: float = 0.0
-) -> Router:
+) -> Picker:
     counts = in_flight if in_flight is not None else Counter()
-    return Router(policy, counts.__getitem__, margin, margin_ratio)
+    return Picker(policy, counts.__getitem__, margin, margin_ratio)
 
 
 # ----- policies
@@ -186,7 +187,7 @@ async def start_gateway(first: FakeUpstreams, second: FakeUpstreams, **overrides
     settings = replace(gateway_settings(first, engine=engines), **overrides)
     server = await create_server(settings)
     await server.start()
-    await until(lambda: len(server.core._engines.connected()) == 2)  # else all go to the first up
+    await until(lambda: len(server.core._stages.engines.connected()) == 2)  # else all go to the first up
     return server
 
 
@@ -217,7 +218,7 @@ async def test_a_prompt_sharing_a_long_prefix_goes_to_the_replica_that_reported_
     server = await start_gateway(first, second)
     try:
         pipeline = server.core
-        views = [pipeline._router.view(u.addresses["engine"]) for u in two]
+        views = [pipeline._stages.engines.picker.view(u.addresses["engine"]) for u in two]
         async with asyncio.timeout(WAIT_S):
             while not all(v.reported for v in views):  # a request opens a report stream to each engine
                 warm = await events(generate(pipeline, "x", 1))  # connected then
@@ -336,12 +337,12 @@ async def test_a_killed_engine_leaves_the_rotation_and_gets_traffic_again_once_r
         await first.stop("engine")
         ends = [(await events(g))[-1] for g in queued]
         assert all(isinstance(end, Done) for end in ends), ends
-        await until(lambda: address not in server.core._engines.connected())
+        await until(lambda: address not in server.core._stages.engines.connected())
         while_down = [await events(generate(server.core, "down", 2)) for _ in range(3)]
         assert all(isinstance(r[-1], Done) for r in while_down)
         assert len(first.engine.submits) == 2
         restarted = await start_stage("engine", address)
-        await until(lambda: address in server.core._engines.connected())
+        await until(lambda: address in server.core._stages.engines.connected())
         after = [generate(server.core, f"after {i}", 2) for i in range(4)]
         results = await asyncio.gather(*(events(g) for g in after))
         assert all(isinstance(r[-1], Done) for r in results)
