@@ -111,8 +111,7 @@ class Picker:
         margin: int = 4,
         margin_ratio: float = 0.0,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
+        assert policy in POLICIES, policy  # settings are validated when loaded
         self.policy = policy
         self.margin = margin
         self.margin_ratio = margin_ratio

@@ -213,3 +213,16 @@ async def test_a_tiny_top_p_is_not_read_as_off(
 ) -> None:
     await ACCEPTS[api](gateway, {"max_tokens": 1, "top_p": 1e-50})
     assert upstreams.engine.submits[-1].sampling.top_p > 0  # float32 0 would be off: the whole nucleus
+
+
+def test_the_default_max_tokens_applies_when_a_request_asks_none() -> None:
+    settings = GatewaySettings(default_max_tokens=7)
+    assert params.max_new_tokens(None, settings) == params.max_new_tokens(0, settings) == 7
+    assert params.max_new_tokens(3, settings) == 3
+    assert params.generation_params({}, settings)[1].max_new_tokens == 7
+
+
+def test_logprobs_above_the_limit_are_refused() -> None:
+    assert params.logprobs(params.MAX_LOGPROBS, "sampling.logprobs") == params.MAX_LOGPROBS
+    with pytest.raises(params.ParamError, match="at most"):
+        params.logprobs(params.MAX_LOGPROBS + 1, "sampling.logprobs")
