@@ -14,30 +14,15 @@ from typing import Any
 import grpc
 
 from gateway import params
-from gateway import pipeline as pl
 from gateway.auth import ApiKeys
+from gateway.events import Delta, Done, GenerateInput
 from gateway.params import ParamError
-from gateway.pipeline import Delta, Done, GenerateInput, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from services.common import errors
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-MAX_LOGPROBS = 20
-
-_STATUS = {
-    pl.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    pl.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    pl.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
-    pl.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
-    pl.INTERNAL: grpc.StatusCode.INTERNAL,
-}
-
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-}
 
 
 def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: GatewaySettings) -> GenerateInput:
@@ -54,9 +39,7 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
         roles = [params.chat_role(m.role, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)]
         messages = tuple(zip(roles, (m.content for m in request.chat.messages), strict=True))
     sampling, stopping = params.generation_params(_generation_values(request), settings)
-    if request.sampling.logprobs > MAX_LOGPROBS:
-        raise ParamError("logprobs", f"sampling.logprobs must be at most {MAX_LOGPROBS}")
-    sampling.logprobs = request.sampling.logprobs
+    sampling.logprobs = params.logprobs(request.sampling.logprobs, "sampling.logprobs")
     stopping.include_stop_str_in_output = request.stopping.include_stop_str_in_output
     return GenerateInput(
         prompt=request.prompt if kind == "prompt" else None,
@@ -143,7 +126,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield gateway_pb2.PublicGenerateResponse(request_id=request_id, delta=delta)
                 elif isinstance(event, Done):
                     final = gateway_pb2.GenerateFinal(
-                        finish_reason=_FINISH[event.finish_reason],
+                        finish_reason=errors.FINISH_REASONS[event.finish_reason],
                         usage=common_pb2.Usage(
                             prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
                         ),
@@ -151,6 +134,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
                     yield gateway_pb2.PublicGenerateResponse(request_id=request_id, final=final)
                 else:
-                    await context.abort(_STATUS.get(event.code, grpc.StatusCode.INTERNAL), event.message)
+                    status = errors.STATUS_CODES.get(event.code, grpc.StatusCode.INTERNAL)
+                    await context.abort(status, event.message)
         finally:
             generation.cancel()

@@ -50,23 +50,14 @@ def with_connection_drop(app: ASGIApp) -> ASGIApp:
 
 def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    page = chat_page()
-    handlers = OpenAIHandlers(pipeline, settings)
+    _add_error_handlers(app)
+    _add_open_routes(app, pipeline)
+    _add_api_routes(app, pipeline, settings, keys)
+    return app
 
-    async def authorized(request: Request) -> None:
-        if not keys.check_bearer(request.headers.get("authorization")):
-            raise ApiError(
-                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
-            )
 
-    async def trusted_origin(request: Request) -> None:
-        """A browser page of another origin may not drive the API (with keys off, any page the user
-        visits could otherwise POST to it); clients that send no Origin are not browsers."""
-        origin = request.headers.get("origin")
-        if not origin_allowed(origin, request.headers.get("host"), settings.allowed_origins):
-            log.info("%s %s refused: origin %r is not allowed", request.method, request.url.path, origin)
-            raise ApiError(403, "this origin may not use the API (the gateway's --allowed-origins lists the "
-                           "origins that may)", code="origin_not_allowed")  # fmt: skip
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as OpenAI-style JSON; an unexpected one a 500 that names no internals."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -81,6 +72,11 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
         """Any other failure: a JSON 500 that names no internals (the log has the details)."""
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
         return ApiError(500, "internal error", type_="server_error", code="internal_error").response()
+
+
+def _add_open_routes(app: FastAPI, pipeline: Pipeline) -> None:
+    """The routes open without a key: the chat page, health and metrics."""
+    page = chat_page()
 
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
@@ -110,22 +106,42 @@ def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> 
         body, content_type = render(pipeline.metrics.registry)
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(trusted_origin), Depends(authorized)])
+
+def _add_api_routes(app: FastAPI, pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> None:
+    """The `/v1/` routes: a trusted origin and, with keys on, a key (the WebSocket checks its own)."""
+    handlers = OpenAIHandlers(pipeline, settings)
+
+    async def authorized(request: Request) -> None:
+        if not keys.check_bearer(request.headers.get("authorization")):
+            raise ApiError(
+                401, "a valid API key is needed: Authorization: Bearer KEY", code="invalid_api_key"
+            )
+
+    async def trusted_origin(request: Request) -> None:
+        """A browser page of another origin may not drive the API (with keys off, any page the user
+        visits could otherwise POST to it); clients that send no Origin are not browsers."""
+        origin = request.headers.get("origin")
+        if not origin_allowed(origin, request.headers.get("host"), settings.allowed_origins):
+            log.info("%s %s refused: origin %r is not allowed", request.method, request.url.path, origin)
+            raise ApiError(403, "this origin may not use the API (the gateway's --allowed-origins lists the "
+                           "origins that may)", code="origin_not_allowed")  # fmt: skip
+
+    guarded = [Depends(trusted_origin), Depends(authorized)]
+
+    @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
         served = await handlers.model_name(None)
         card = {"id": served, "object": "model", "created": 0, "owned_by": "sluice"}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions", dependencies=[Depends(trusted_origin), Depends(authorized)])
+    @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
         return await handlers.handle(request, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(trusted_origin), Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
         return await handlers.handle(request, chat=True)
 
     @app.websocket("/v1/ws")
     async def websocket(ws: WebSocket) -> None:
         await serve_socket(ws, pipeline, settings, keys)
-
-    return app

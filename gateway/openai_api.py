@@ -28,17 +28,15 @@ from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
 from gateway import params
-from gateway import pipeline as pl
+from gateway.events import Delta, Done, Event, Failed, GenerateInput, Generation, TokenPiece
 from gateway.observability import trace_context_from
 from gateway.params import ParamError
-from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from services.common import errors
 from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
-
-MAX_TOP_LOGPROBS_CHAT = 20
-MAX_LOGPROBS_COMPLETIONS = 5
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Scope key of a callable that drops the request's connection at once (`http_app.with_connection_drop`).
@@ -71,16 +69,16 @@ class ApiError(Exception):
 
 def failure_error(failure: Failed, settings: GatewaySettings) -> ApiError:
     """The HTTP answer to a pipeline failure."""
-    if failure.code == pl.INVALID_ARGUMENT:
+    if failure.code == errors.INVALID_ARGUMENT:
         return ApiError(400, failure.message)
-    if failure.code == pl.RESOURCE_EXHAUSTED:
+    if failure.code == errors.RESOURCE_EXHAUSTED:
         headers = {"Retry-After": str(settings.retry_after_s)}
         return ApiError(
             429, failure.message, type_="rate_limit_error", code="rate_limit_exceeded", headers=headers
         )
-    if failure.code == pl.UNAVAILABLE:
+    if failure.code == errors.UNAVAILABLE:
         return ApiError(503, failure.message, type_="service_unavailable", code=failure.code)
-    if failure.code == pl.DEADLINE_EXCEEDED:
+    if failure.code == errors.DEADLINE_EXCEEDED:
         return ApiError(504, failure.message, type_="timeout_error", code=failure.code)
     return ApiError(500, failure.message, type_="server_error", code="internal_error")
 
@@ -168,7 +166,7 @@ def _parse_input(
             raise ParamError("messages", "'messages' is required")
         messages = params.chat_messages(body["messages"], "messages")
         want = params.boolean(body, "logprobs")
-        top = params.integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS_CHAT)
+        top = params.integer(body, "top_logprobs", 0, params.MAX_LOGPROBS)
         if top is not None and not want:
             raise ParamError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
         return None, messages, (top or 0) if want else None
@@ -177,7 +175,7 @@ def _parse_input(
         raw = raw[0]
     if not isinstance(raw, str):
         raise ParamError("prompt", "'prompt' must be a string (or a list of one string)")
-    return raw, None, params.integer(body, "logprobs", 0, MAX_LOGPROBS_COMPLETIONS)
+    return raw, None, params.integer(body, "logprobs", 0, params.MAX_LOGPROBS_COMPLETIONS)
 
 
 def _sampling_and_stopping(
@@ -230,7 +228,7 @@ class _Renderer:
         top_ids = [list(e.top_token_ids[:top_n]) for e in entries]
         pieces = await self.pipeline.token_pieces(ids + [i for row in top_ids for i in row])
         own, rest = pieces[: len(ids)], pieces[len(ids) :]
-        tops: list[list[tuple[pl.TokenPiece, float]]] = []
+        tops: list[list[tuple[TokenPiece, float]]] = []
         for entry, row in zip(entries, top_ids, strict=True):
             tops.append(list(zip(rest[: len(row)], entry.top_logprobs[: len(row)], strict=True)))
             rest = rest[len(row) :]
@@ -282,7 +280,7 @@ def _as_failure(event: Event) -> Failed | None:
     if isinstance(event, Failed):
         return event
     if isinstance(event, Done) and event.finish_reason == "cancelled":
-        return Failed(pl.UNAVAILABLE, "the request was cancelled by the server")
+        return Failed(errors.UNAVAILABLE, "the request was cancelled by the server")
     return None
 
 

@@ -1,13 +1,16 @@
 """Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and
 public gRPC APIs: `generation_params` turns the sampling and stopping values of any of them into the
-protobufs the pipeline takes.
+protobufs the pipeline takes. The gateway's defaults and limits live here, and only here: the default
+max tokens (`max_new_tokens`, from `default_max_tokens`) and the logprob limits included.
 
 Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a
 positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0 to 10, seed
 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, at most
 `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
 detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
-token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it).
+token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it);
+logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's `top_logprobs`, the gRPC
+API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI completions' `logprobs`.
 
 `OPENAI_EXTENSIONS` are the keys of `GENERATION_KEYS` that OpenAI's API lacks and vLLM's accepts; the
 README's "OpenAI extensions" table lists the same (a test checks).
@@ -34,6 +37,8 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32
+MAX_LOGPROBS = 20
+MAX_LOGPROBS_COMPLETIONS = 5
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -221,6 +226,19 @@ def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *,
     stopping.min_new_tokens = min_tokens
 
 
+def max_new_tokens(asked: int | None, settings: GatewaySettings) -> int:
+    """The most tokens a request may generate: `asked`, or `settings.default_max_tokens` when it asked
+    none (None, or a protobuf's 0)."""
+    return asked or settings.default_max_tokens
+
+
+def logprobs(raw: int, label: str) -> int:
+    """A protobuf's count of top alternatives per token (0 = no logprobs), at most `MAX_LOGPROBS`."""
+    if raw > MAX_LOGPROBS:
+        raise ParamError(label, f"{label} must be at most {MAX_LOGPROBS}")
+    return raw
+
+
 # What the OpenAI bodies accept beyond OpenAI's own sampling fields, as vLLM does.
 OPENAI_EXTENSIONS = ("ignore_eos", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "top_k")
 GENERATION_KEYS = frozenset({
@@ -249,8 +267,8 @@ def generation_params(
     if seed is not None:
         sampling.seed = seed
     stopping = common_pb2.StoppingParams()
-    max_tokens = integer(values, "max_tokens", 1, MAX_INT32, where=where)
-    stopping.max_new_tokens = settings.default_max_tokens if max_tokens is None else max_tokens
+    asked = integer(values, "max_tokens", 1, MAX_INT32, where=where)
+    stopping.max_new_tokens = max_new_tokens(asked, settings)
     stopping.stop.extend(stop_strings(values.get("stop"), where + "stop"))
     stopping.stop_token_ids.extend(stop_token_ids(values.get("stop_token_ids"), where + "stop_token_ids"))
     length_controls(values, stopping, where=where)

@@ -1,8 +1,10 @@
-"""Which engine replica gets a new request: `round_robin`, `least_load` or `prefix_affinity`.
+"""Which replica of a stage gets the next piece of work: one `Picker`, with a policy per stage.
 
-Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys of the KV blocks it
-can reuse (`EngineReport`: a snapshot when the call opens, then changes). `Router` mirrors that per
-replica, adds what this gateway itself has in flight there, and picks:
+Tokenizer and detokenizer replicas are interchangeable: their picker goes `round_robin`. The engine
+replica of each request is picked by the `routing` policy: `round_robin`, `least_load` or
+`prefix_affinity`. Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys
+of the KV blocks it can reuse (`EngineReport`: a snapshot when the call opens, then changes); the
+engines' picker mirrors that per replica, adds what this gateway itself has in flight there, and picks:
 
 - `round_robin`: the candidates in turn, blind to load and cache;
 - `least_load`: the least loaded; ties go round the candidates in turn;
@@ -12,7 +14,7 @@ replica, adds what this gateway itself has in flight there, and picks:
   whose cached contexts are what make it fast), the one holding the longest
   prefix of the prompt, then the least loaded, ties in turn. A prompt's keys are computed as the engine
   computes them (`chain_hashes`, with the block size the engine reported), over the blocks the engine
-  would look up (all full blocks but one token). Until a replica's report confirms them, the keys of
+  would look up (`max_hit_blocks`). Until a replica's report confirms them, the keys of
   prompts just routed there count as held for `PENDING_S`: a burst of requests sharing a new prefix
   goes to one replica instead of each computing the prefix somewhere else.
 
@@ -30,8 +32,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.settings import ROUTING_POLICIES as POLICIES
+from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
 from services.common.pb import engine_pb2
-from services.engine.block_manager import BlockHash, chain_hashes
 
 PENDING_S = 5.0  # how long keys of a routed prompt count as held before the engine reports them
 TOKENS_PER_LOAD = 4096  # queued prompt tokens that weigh as much as one request in flight
@@ -93,22 +95,27 @@ class ReplicaView:
                 pending.move_to_end(key)
 
 
-class Router:
-    """Mirrors every engine replica's reports and picks the replica for each new request.
+class Picker:
+    """Picks the replica for each new piece of work among candidates, by `policy` (one of POLICIES);
+    mirrors the reports of engine replicas for the load- and cache-aware policies.
 
-    `in_flight(address)`: this gateway's requests on that replica now. `margin`, `margin_ratio`: how
-    many requests more than the least loaded candidate a replica may have and still win on its cached
-    prefix: `margin`, or `margin_ratio` times the least load when that is more."""
+    `in_flight(address)`: this gateway's requests on that replica now (none counted when not given).
+    `margin`, `margin_ratio`: how many requests more than the least loaded candidate a replica may have
+    and still win on its cached prefix: `margin`, or `margin_ratio` times the least load when that is
+    more."""
 
     def __init__(
-        self, policy: str, in_flight: Callable[[str], int], margin: int = 4, margin_ratio: float = 0.0
+        self,
+        policy: str = "round_robin",
+        in_flight: Callable[[str], int] | None = None,
+        margin: int = 4,
+        margin_ratio: float = 0.0,
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
+        assert policy in POLICIES, policy  # settings are validated when loaded
         self.policy = policy
         self.margin = margin
         self.margin_ratio = margin_ratio
-        self._in_flight = in_flight
+        self._in_flight = in_flight or _nothing_in_flight
         self._views: dict[str, ReplicaView] = {}
         self._turn = itertools.count()
 
@@ -133,8 +140,9 @@ class Router:
             return float(own)
         return max(own, view.running + view.waiting) + view.queued_prompt_tokens / TOKENS_PER_LOAD
 
-    def pick(self, candidates: Sequence[str], prompt_ids: Sequence[int]) -> str:
-        """The replica for a request of `prompt_ids` among `candidates` (not empty)."""
+    def pick(self, candidates: Sequence[str], prompt_ids: Sequence[int] = ()) -> str:
+        """The replica for a piece of work among `candidates` (not empty); `prompt_ids`, the request's
+        prompt, for `prefix_affinity`."""
         assert candidates, "no candidate replica"
         start = next(self._turn) % len(candidates)
         in_turn = [*candidates[start:], *candidates[:start]]
@@ -170,8 +178,11 @@ class Router:
             view.expect(keys_by_size[view.block_size], time.monotonic())
 
 
+def _nothing_in_flight(address: str) -> int:
+    return 0
+
+
 def prompt_keys(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The cache keys an engine looks up for this prompt: its full blocks, leaving at least one token
-    to compute (as `Scheduler._max_hit_blocks`)."""
-    blocks = (len(prompt_ids) - 1) // block_size
+    """The cache keys an engine looks up for this prompt (`max_hit_blocks` of its full blocks)."""
+    blocks = max_hit_blocks(len(prompt_ids), block_size)
     return chain_hashes(prompt_ids[: blocks * block_size], block_size, 0, None)

@@ -1,10 +1,11 @@
 """The gateway process: the HTTP app (uvicorn) and the public gRPC API on one event loop, sharing
 one pipeline to the upstream services.
 
-`create_server(settings)` binds both ports (0 picks free ones) and returns a `GatewayServer`;
-`start()` serves; `shutdown(grace_s)` drains: stops accepting, marks gRPC health NOT_SERVING, lets
-generations in flight finish for up to `grace_s` seconds, fails the rest with "unavailable", then
-closes connections and the upstream calls.
+`create_server(settings)` builds the pipeline and binds both ports (0 picks free ones); it returns the
+`ServerHandle` every service returns: its server a `GatewayServer` (both servers), its port the HTTP
+port, its core the `Pipeline`, its health that of the gRPC API. `stop(grace_s)` drains: stops
+accepting, marks gRPC health NOT_SERVING, lets generations in flight finish for up to `grace_s`
+seconds, fails the rest with "unavailable", then closes connections and the upstream calls.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 from collections.abc import Iterator
 
+import grpc
 import uvicorn
 
 from gateway.auth import ApiKeys
@@ -24,6 +25,8 @@ from gateway.http_app import create_app, with_connection_drop
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from services.common import decoding, grpc_server, telemetry
+from services.common.grpc_server import ServerHandle
+from services.common.metrics import GatewayMetrics
 from services.common.pb import gateway_pb2
 from services.common.settings import load_settings
 
@@ -61,17 +64,12 @@ class GatewayServer:
     """Both servers of one gateway process and the pipeline they share. The HTTP socket listens as
     soon as this object exists (connections wait in the backlog until `start`)."""
 
-    def __init__(self, settings: GatewaySettings, pipeline: Pipeline, keys: ApiKeys) -> None:
-        self.settings = settings
+    def __init__(
+        self, settings: GatewaySettings, pipeline: Pipeline, keys: ApiKeys, grpc_api: grpc.aio.Server
+    ) -> None:
         self.pipeline = pipeline
-        # The public API takes requests no larger than the HTTP API's bodies.
-        self.grpc_server, self._health = grpc_server.new_server(
-            [SERVICE_NAME], max_receive_bytes=settings.max_body_bytes
-        )
-        servicer = GatewayServicer(pipeline, settings, keys)
-        service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
-        decoding.add_servicer(self.grpc_server, service, servicer)
-        self.grpc_port = grpc_server.bind(self.grpc_server, settings.host, settings.grpc_port)
+        self.grpc_server = grpc_api
+        self.grpc_port = grpc_server.bind(grpc_api, settings.host, settings.grpc_port)
         self._socket = _listen(settings.host, settings.port)
         self.http_port: int = self._socket.getsockname()[1]
         config = uvicorn.Config(
@@ -90,7 +88,6 @@ class GatewayServer:
 
     async def start(self) -> None:
         await self.grpc_server.start()
-        await self._health.set_serving(True)
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[self._socket]))
         while not self._http.started:
             if self._http_task.done():
@@ -98,10 +95,12 @@ class GatewayServer:
                 raise RuntimeError("the HTTP server stopped during startup")
             await asyncio.sleep(0.01)
 
-    async def shutdown(self, grace_s: float) -> None:
-        """Graceful drain (see the module docstring); returns once everything is closed."""
+    async def stop(self, grace: float | None) -> None:
+        """Graceful drain (see the module docstring), up to `grace` seconds (None: none); returns once
+        both servers are closed and every generation has ended. The upstream calls stay open for
+        the pipeline's `close`."""
+        grace_s = 0.0 if grace is None else grace
         self.pipeline.start_draining()
-        await self._health.set_serving(False)
         for server in getattr(self._http, "servers", []):
             server.close()  # stop accepting; open WebSockets go on
         grpc_stop = asyncio.get_running_loop().create_task(self.grpc_server.stop(grace_s))
@@ -109,7 +108,7 @@ class GatewayServer:
             log.warning(
                 "%d generations still running after %.1fs; failing them", self.pipeline.in_flight, grace_s
             )
-        await self.pipeline.close()
+        self.pipeline.end_all()
         self._http.should_exit = True
         if self._http_task is not None:
             await self._http_task
@@ -117,33 +116,38 @@ class GatewayServer:
         self._socket.close()
 
 
-async def create_server(settings: GatewaySettings) -> GatewayServer:
-    """Builds the pipeline and both servers, bound but not started (ports in `http_port`, `grpc_port`).
-    Raises ValueError on bad settings, OSError when a port or the API keys file is unusable."""
-    settings.validate()
+GatewayHandle = ServerHandle[GatewayServer, Pipeline]
+
+
+async def create_server(settings: GatewaySettings) -> GatewayHandle:
+    """Builds the pipeline and both servers, bound but not started. Raises OSError when a port or the
+    API keys file is unusable."""
     keys = ApiKeys.from_settings(settings)
-    return GatewayServer(settings, Pipeline(settings), keys)
+    metrics = GatewayMetrics()
+    pipeline = Pipeline(settings, metrics)
+    # The public API takes requests no larger than the HTTP API's bodies.
+    grpc_api, health = grpc_server.new_server([SERVICE_NAME], max_receive_bytes=settings.max_body_bytes)
+    service = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"]
+    decoding.add_servicer(grpc_api, service, GatewayServicer(pipeline, settings, keys))
+    try:
+        server = GatewayServer(settings, pipeline, keys, grpc_api)
+    except OSError:
+        await pipeline.close()
+        raise
+    return ServerHandle(server, server.http_port, pipeline, health, metrics, pipeline.close)
 
 
 async def serve(settings: GatewaySettings) -> None:
     telemetry.init_tracing("gateway")
-    server = await create_server(settings)
-    await server.start()
-    host = settings.host
-    print(
+    handle = await create_server(settings)
+    host, server = settings.host, handle.server
+    banner = (
         f"gateway listening on http://{host}:{server.http_port} (chat page /, WebSocket /v1/ws), "
-        f"gRPC {host}:{server.grpc_port}",
-        flush=True,
+        f"gRPC {host}:{server.grpc_port}"
     )
     if not server.keys_enabled:
-        print("gateway: no API keys configured, every API is open", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("gateway draining (grace %.1fs)", settings.grace_s)
-    await server.shutdown(settings.grace_s)
+        banner += "\ngateway: no API keys configured, every API is open"
+    await grpc_server.serve_forever(handle, name="gateway", grace_s=settings.grace_s, banner=banner)
 
 
 def main(argv: list[str]) -> int:

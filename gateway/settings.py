@@ -134,6 +134,11 @@ class GatewaySettings:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        self._validate_endpoints()
+        self._validate_limits()
+        self._validate_routing_and_tls()
+
+    def _validate_endpoints(self) -> None:
         from gateway.upstream import Endpoint
 
         for name in ("tokenizer", "engine", "detokenizer"):
@@ -144,6 +149,8 @@ class GatewaySettings:
                     Endpoint.parse(address)
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
+
+    def _validate_limits(self) -> None:
         if self.resolve_interval_s <= 0:
             raise ValueError("resolve_interval_s must be > 0")
         if self.channels_per_replica < 1:
@@ -162,18 +169,8 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be >= 0")
         if self.upstream_wait_s < 0:
             raise ValueError("upstream_wait_s must be >= 0")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        if self.routing_margin < 0:
-            raise ValueError("routing_margin must be >= 0")
-        if not self.routing_margin_ratio >= 0:
-            raise ValueError("routing_margin_ratio must be >= 0")
         if self.ws_max_in_flight < 0:
             raise ValueError("ws_max_in_flight must be >= 0")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("tls_cert_file and tls_key_file go together")
-        if self.tls_cert_file and not self.tls_ca_file:
-            raise ValueError("tls_cert_file needs tls_ca_file")
         for name in (
             "max_body_bytes",
             "max_ws_frame_bytes",
@@ -184,3 +181,15 @@ class GatewaySettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+    def _validate_routing_and_tls(self) -> None:
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.routing_margin < 0:
+            raise ValueError("routing_margin must be >= 0")
+        if not self.routing_margin_ratio >= 0:
+            raise ValueError("routing_margin_ratio must be >= 0")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_cert_file and not self.tls_ca_file:
+            raise ValueError("tls_cert_file needs tls_ca_file")

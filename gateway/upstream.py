@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.routing import Picker
 from services.common import telemetry
 from services.common.grpc_server import CHANNEL_OPTIONS, ChannelTls, client_channel
 
@@ -95,9 +95,9 @@ class Replicas:
     (`--workers N`, SO_REUSEPORT: the kernel hands each connection to one worker) get work on each.
     `addresses` are the keys of the members in rotation; `channels` holds every open channel by key.
 
-    `pick` chooses the member for new work: the least loaded by the caller's measure when one is given
-    (ties go round the members in turn), else the next in turn; `pick_ready` chooses so among the
-    members that are connected, waiting a bounded time for one when none is.
+    `picker` (`gateway.routing.Picker`; default: round robin) chooses the member for new work: `pick`
+    among every member, `pick_ready` among the members that are connected, waiting a bounded time for
+    one when none is.
 
     Names (`dns:///`) are resolved as soon as an event loop runs (before the first pick) and every
     `resolve_interval_s` seconds after (`resolve` is injectable; default: the system resolver), and
@@ -115,6 +115,7 @@ class Replicas:
         endpoints: Sequence[str],
         tls: ChannelTls | None = None,
         *,
+        picker: Picker | None = None,
         channels_per_replica: int = 1,
         resolve_interval_s: float = 10.0,
         resolve: Resolve | None = None,
@@ -125,6 +126,7 @@ class Replicas:
         self.endpoints = [Endpoint.parse(e) for e in endpoints]
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.addresses: tuple[str, ...] = ()
+        self.picker = picker or Picker()
         self._tls = tls
         self._per_replica = channels_per_replica
         self._interval = resolve_interval_s
@@ -137,7 +139,6 @@ class Replicas:
         self._refresher: asyncio.Task[None] | None = None
         self._first_resolve: asyncio.Task[None] | None = None
         self._last_resolve = -math.inf
-        self._turn = itertools.count()
         self._set_members()
         self._start_resolving()
 
@@ -247,14 +248,10 @@ class Replicas:
 
     # ----- choice
 
-    def pick(self, load: Callable[[str], int] | None = None, among: Collection[str] | None = None) -> str:
-        """The member for the next piece of work. `load(key)` (e.g. requests in flight there);
-        `among`: the candidates (default: every member; must not be empty)."""
-        start = next(self._turn) % len(self.addresses)
-        in_turn = [a for a in self.addresses[start:] + self.addresses[:start] if among is None or a in among]
-        if load is None:
-            return in_turn[0]
-        return min(in_turn, key=load)
+    def pick(self, prompt_ids: Sequence[int] = ()) -> str:
+        """The member for the next piece of work among every member, by the picker (`prompt_ids`: the
+        request's prompt, for prefix affinity)."""
+        return self.picker.pick(self.addresses, prompt_ids)
 
     def connected(self) -> list[str]:
         """The members whose channel is READY. Idle channels are asked to connect. While the names
@@ -266,24 +263,24 @@ class Replicas:
             members = tuple(a for a in members if not a.startswith(DNS_SCHEME))
         return [a for a in members if self.channels[a].get_state(try_to_connect=True) == ready]
 
-    async def pick_ready(self, timeout_s: float, load: Callable[[str], int] | None = None) -> str:
-        """The member for the next piece of work among those whose channel is READY, chosen as
-        `pick` chooses. When none is (the stage is starting or restarting), resolves the names again
-        and waits up to `timeout_s` for the first to become READY; when none does, `pick(load)`: a
-        call there fails at once with UNAVAILABLE. Returns at once when a member is READY."""
+    async def pick_ready(self, timeout_s: float, prompt_ids: Sequence[int] = ()) -> str:
+        """The member for the next piece of work among those whose channel is READY, by the picker.
+        When none is (the stage is starting or restarting), resolves the names again and waits up to
+        `timeout_s` for the first to become READY; when none does, `pick`: a call there fails at once
+        with UNAVAILABLE. Returns at once when a member is READY."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         await self._ensure_resolved()
         while True:
             ready = self.connected()
             if ready:
-                return self.pick(load, ready)
+                return self.picker.pick(ready, prompt_ids)
             if self._first_resolve is not None and loop.time() - self._last_resolve >= MIN_RESOLVE_GAP_S:
                 await self.refresh()
                 continue
             left = deadline - loop.time()
             if left <= 0:
-                return self.pick(load)
+                return self.pick(prompt_ids)
             await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
 
     async def _any_ready(self, timeout_s: float) -> None:

@@ -28,26 +28,17 @@ from typing import Any
 from fastapi import WebSocket
 
 from gateway import params
-from gateway import pipeline as pl
 from gateway.auth import ApiKeys, origin_allowed
+from gateway.events import Delta, Done, Failed, GenerateInput, Generation
 from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
-from gateway.pipeline import Delta, Done, Failed, GenerateInput, Generation, Pipeline
+from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from services.common import errors
 
 log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
-
-# Pipeline error codes → the protocol's codes.
-_WS_CODES = {
-    pl.INVALID_ARGUMENT: "invalid_argument",
-    pl.RESOURCE_EXHAUSTED: "resource_exhausted",
-    pl.UNAVAILABLE: "unavailable",
-    pl.DEADLINE_EXCEEDED: "deadline_exceeded",
-    pl.INTERNAL: "internal",
-}
-
 
 class FrameError(Exception):
     """A client frame that is not a valid message; `frame_id` is the id it carried, or None."""
@@ -269,12 +260,13 @@ class SocketSession:
     async def _on_message(self, message: dict[str, Any]) -> None:
         text = message.get("text")
         if text is None:
-            await self._write(error_frame(None, "invalid_argument", "frames must be JSON text, not binary"))
+            refusal = error_frame(None, errors.INVALID_ARGUMENT, "frames must be JSON text, not binary")
+            await self._write(refusal)
             return
         try:
             frame = parse_frame(text, self._settings)
         except FrameError as exc:
-            await self._write(error_frame(exc.frame_id, "invalid_argument", exc.message))
+            await self._write(error_frame(exc.frame_id, errors.INVALID_ARGUMENT, exc.message))
             return
         if isinstance(frame, AuthFrame):
             return
@@ -299,11 +291,11 @@ class SocketSession:
     def _refusal(self, frame_id: str) -> dict[str, Any] | None:
         """The error frame for a generate this socket may not start now, or None."""
         if frame_id in self._in_flight:
-            return error_frame(frame_id, "invalid_argument", f"id {frame_id!r} is already in flight")
+            return error_frame(frame_id, errors.INVALID_ARGUMENT, f"id {frame_id!r} is already in flight")
         cap = self._settings.ws_max_in_flight
         if cap and len(self._in_flight) >= cap:
             message = f"this socket already runs {cap} generations, the most allowed; wait for one to end"
-            return error_frame(frame_id, "resource_exhausted", message)
+            return error_frame(frame_id, errors.RESOURCE_EXHAUSTED, message)
         return None
 
     async def _stream(self, frame_id: str, generation: Generation) -> None:
@@ -350,7 +342,7 @@ class SocketSession:
 
 def _terminal_frame(frame_id: str, event: Done | Failed) -> dict[str, Any]:
     if isinstance(event, Failed):
-        return error_frame(frame_id, _WS_CODES.get(event.code, "internal"), event.message)
+        return error_frame(frame_id, event.code, event.message)
     usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}
     return {"type": "done", "id": frame_id, "finish_reason": event.finish_reason, "usage": usage}
 

@@ -2,8 +2,8 @@
 graceful drain on SIGTERM/SIGINT, and a health wait for clients.
 
 Every service has the same shape: settings → `create_server(settings)` → servicer → core.
-`create_server` builds the server with `new_server`, adds its servicer, binds with `bind`, and returns
-`(server, port)`; `serve_forever` runs it until a signal, then drains.
+`create_server` builds the server with `new_server`, adds its servicer, binds with `bind`, and returns a
+`ServerHandle`; `serve_forever` runs a handle until a signal, then drains.
 
 TLS (docs/security.md): `server_credentials(settings)` turns a stage's TLS fields into the credentials
 `bind` binds with (server TLS, or mutual TLS with a client CA); `client_channel(address, tls=...)` is
@@ -20,13 +20,14 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import telemetry
+from services.common.metrics import ServiceMetrics
 from services.common.settings import StageTlsSettings
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,47 @@ class ServiceHealth:
         )
         for name in self.names:
             await self.servicer.set(name, status)
+
+
+class Server(Protocol):
+    """What a handle starts and stops: a `grpc.aio.Server`, or the gateway's pair of servers."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self, grace: float | None) -> None: ...
+
+
+ServerT = TypeVar("ServerT", bound=Server)
+CoreT = TypeVar("CoreT")
+
+
+@dataclass(frozen=True)
+class ServerHandle(Generic[ServerT, CoreT]):
+    """What every service's `create_server(settings)` returns: its `server`, built and bound, not
+    started; the bound `port` (the gateway's: its HTTP port); the service's `core` (no gRPC in it);
+    its `health` (grpc.health.v1); its `metrics`, created by `create_server` and handed to the core;
+    and `release`, which frees what the core holds (threads, the engine's loop, channels) once the
+    server has stopped.
+
+    `start()` starts the server and marks it SERVING; `stop(grace_s)` marks it NOT_SERVING, stops the
+    server (calls in flight get `grace_s` seconds; None: cancelled at once), then releases the core.
+    Whoever calls `create_server` calls `stop` once, started or not."""
+
+    server: ServerT
+    port: int
+    core: CoreT
+    health: ServiceHealth
+    metrics: ServiceMetrics
+    release: Callable[[], Awaitable[None]]
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self.health.set_serving(True)
+
+    async def stop(self, grace_s: float | None) -> None:
+        await self.health.set_serving(False)
+        await self.server.stop(grace_s)
+        await self.release()
 
 
 def new_server(
@@ -176,28 +218,26 @@ def client_channel(
 
 
 async def serve_forever(
-    server: grpc.aio.Server,
-    health_state: ServiceHealth,
+    handle: ServerHandle[Any, Any],
     *,
     name: str,
-    port: int,
     grace_s: float,
+    banner: str = "",
     on_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Starts the server, marks it serving, and waits for SIGTERM or SIGINT; then marks it not
-    serving, lets calls in flight finish for up to `grace_s` seconds, runs `on_drain`, and returns."""
-    await server.start()
-    await health_state.set_serving(True)
-    log.info("%s serving on port %d", name, port)
-    print(f"{name} listening on port {port}", flush=True)
+    """Starts the handle's server, marks it serving, prints `banner` (default: "NAME listening on port
+    N"), and waits for SIGTERM or SIGINT; then stops the handle (not serving, calls in flight given up
+    to `grace_s` seconds, the core released), runs `on_drain`, and returns."""
+    await handle.start()
+    log.info("%s serving on port %d", name, handle.port)
+    print(banner or f"{name} listening on port {handle.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("%s draining (grace %.1fs)", name, grace_s)
-    await health_state.set_serving(False)
-    await server.stop(grace_s)
+    await handle.stop(grace_s)
     if on_drain is not None:
         await on_drain()
 

@@ -1,9 +1,11 @@
-"""Prometheus metrics of every service, one class per service, each with its own registry.
+"""Prometheus metrics of every service, one `ServiceMetrics` class per service, each with its own registry.
 
-Each service builds its metrics object once per server (`TokenizerMetrics()`, ...) and serves
-`metrics.registry`: the gateway on its HTTP app at `/metrics` (`render`), the gRPC services on their
-own port (`serve_metrics`, flag `--metrics-port`; 0 = no metrics endpoint, the default). With
-`--workers N`, worker i (0 first) serves on `metrics_port + i`.
+One pattern for all four: a service's `create_server` creates its metrics object (`TokenizerMetrics()`,
+...), hands it to the core that observes (servicer, engine observer, gateway pipeline) and returns it in
+its `ServerHandle`; nothing is module-global. The registry is served by the gateway on its HTTP app at
+`/metrics` (`render`), by the gRPC services on their own port (`serve_metrics`, flag `--metrics-port`;
+0 = no metrics endpoint, the default). With `--workers N`, worker i (0 first) serves on
+`metrics_port + i`.
 
 Intervals are measured with `time.monotonic()` inside one process; histograms are in seconds.
 Names (the Grafana dashboard and the tests read these):
@@ -45,6 +47,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from services.common import errors
+
 log = logging.getLogger(__name__)
 
 # Bucket upper bounds, seconds unless named otherwise.
@@ -59,17 +63,19 @@ CPU_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SPEC_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
 
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 GATEWAY_STAGES = ("tokenize", "engine_first_token", "detokenize")  # see gateway/observability.py
 
 
-def _registry() -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=True)
-    ProcessCollector(registry=registry)
-    return registry
+class ServiceMetrics:
+    """The metrics of one service, in `registry`: its own (with the process collector), so that
+    several services in one process (tests, benchmarks) never share a metric."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        ProcessCollector(registry=self.registry)
 
 
-class EngineMetrics:
+class EngineMetrics(ServiceMetrics):
     """Engine metrics. Per request: `queue_time`, `prefill_time`, `ttft`, `decode_time`, `e2e` once;
     `itl` once per step in which it got tokens (the step's interval divided over its tokens is not
     done: one observation per step and request). Per step: `batch_size` (requests in the step),
@@ -78,7 +84,8 @@ class EngineMetrics:
     and `spec_accepted_length` once per request with drafts (tokens its verification emitted)."""
 
     def __init__(self) -> None:
-        r = self.registry = _registry()
+        super().__init__()
+        r = self.registry
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival at the engine to first token.",
                               buckets=TTFT_BUCKETS, registry=r)
         self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between successive output tokens "
@@ -100,7 +107,7 @@ class EngineMetrics:
         self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
         self.requests = Counter("sluice_requests", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
-        for reason in FINISH_REASONS:
+        for reason in errors.FINISH_REASONS:
             self.requests.labels(reason)
         self.prefix_queries = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix "
                                       "cache.", registry=r)
@@ -123,36 +130,39 @@ class EngineMetrics:
                                               buckets=SPEC_LENGTH_BUCKETS, registry=r)
 
 
-class TokenizerMetrics:
+class TokenizerMetrics(ServiceMetrics):
     """`duration`: one observation per tokenize request (arrival at the servicer to ids ready);
     `batch_size`: requests per encode batch."""
 
     def __init__(self) -> None:
-        r = self.registry = _registry()
+        super().__init__()
+        r = self.registry
         self.duration = Histogram("sluice_tokenize_duration_seconds", "Tokenize request, arrival to ids.",
                                   buckets=CPU_STAGE_BUCKETS, registry=r)
         self.batch_size = Histogram("sluice_tokenize_batch_size", "Requests in one encode batch.",
                                     buckets=COUNT_BUCKETS, registry=r)
 
 
-class DetokenizerMetrics:
+class DetokenizerMetrics(ServiceMetrics):
     """`duration`: one observation per batch of stream messages processed together (arrival of the
     batch to its deltas ready) and per Decode call; `batch_size`: jobs per worker batch."""
 
     def __init__(self) -> None:
-        r = self.registry = _registry()
+        super().__init__()
+        r = self.registry
         self.duration = Histogram("sluice_detokenize_duration_seconds", "Detokenize work, arrival to text.",
                                   buckets=CPU_STAGE_BUCKETS, registry=r)
         self.batch_size = Histogram("sluice_detokenize_batch_size", "Jobs in one decode batch.",
                                     buckets=COUNT_BUCKETS, registry=r)
 
 
-class GatewayMetrics:
+class GatewayMetrics(ServiceMetrics):
     """Gateway metrics, seen from the client's side of the pipeline. `stage_duration{stage}`:
     tokenize call, submit to first token from the engine, and each detokenize round trip."""
 
     def __init__(self) -> None:
-        r = self.registry = _registry()
+        super().__init__()
+        r = self.registry
         self.requests = Counter("sluice_gateway_requests", "Requests answered, by API and outcome.",
                                 ["api", "outcome"], registry=r)
         self.in_flight = Gauge("sluice_gateway_requests_in_flight", "Requests in progress.", registry=r)

@@ -15,13 +15,15 @@ import multiprocessing
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.common.grpc_server import ServerHandle
 
 # serve_one(settings, reuse_port=..., on_bound=..., stop_when=...) runs one process's server.
 ServeOne = Callable[..., Awaitable[None]]
-# create() builds and binds one process's server: (server, bound port, health, servicer), where the
-# servicer has `metrics.registry` and a `close()` called once the server has drained.
-Create = Callable[[], Awaitable[tuple[Any, int, Any, Any]]]
+# create() builds and binds one process's server (its service's `create_server`).
+Create = Callable[[], Awaitable["ServerHandle[Any, Any]"]]
 CHILD_JOIN_S = 30.0
 
 
@@ -61,8 +63,9 @@ async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) ->
             metrics_port = getattr(settings, "metrics_port", 0)
             if metrics_port > 0:
                 child_settings = dataclasses.replace(child_settings, metrics_port=metrics_port + index)
-            child = context.Process(target=_child_main, args=(module_name, child_settings, os.getpid()),
-                                    daemon=False)
+            child = context.Process(
+                target=_child_main, args=(module_name, child_settings, os.getpid()), daemon=False
+            )
             child.start()
             children.append(child)
 
@@ -88,26 +91,25 @@ async def serve_worker(
 ) -> None:
     """One process of a pool: sets up tracing (`OTEL_*`), builds the server with `create`, serves
     metrics when `settings.metrics_port` is set, and serves until SIGTERM/SIGINT (or until `stop_when`
-    completes), then drains: the servicer closes, the metrics endpoint closes, `on_drain` runs."""
+    completes), then drains: the handle stops (its core released), the metrics endpoint closes,
+    `on_drain` runs."""
     from services.common import grpc_server, metrics, telemetry
 
     telemetry.init_tracing(name)
-    server, port, health, servicer = await create()
-    endpoint = metrics.maybe_serve_metrics(servicer.metrics.registry, settings.host, settings.metrics_port)
+    handle = await create()
+    endpoint = metrics.maybe_serve_metrics(handle.metrics.registry, settings.host, settings.metrics_port)
     if on_bound is not None:
-        on_bound(port)
+        on_bound(handle.port)
     watcher = asyncio.ensure_future(signal_self_when(stop_when)) if stop_when is not None else None
 
     async def drain() -> None:
-        servicer.close()
         if endpoint is not None:
             endpoint.close()
         if on_drain is not None:
             await on_drain()
 
     try:
-        await grpc_server.serve_forever(server, health, name=name, port=port, grace_s=settings.grace_s,
-                                        on_drain=drain)
+        await grpc_server.serve_forever(handle, name=name, grace_s=settings.grace_s, on_drain=drain)
     finally:
         if watcher is not None:
             watcher.cancel()

@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 
 from services.common import decoding, grpc_server
+from services.common.grpc_server import ServerHandle
+from services.common.metrics import DetokenizerMetrics
 from services.common.models import resolve_model_dir
 from services.common.pb import detokenizer_pb2
 from services.common.settings import load_settings
@@ -21,18 +23,27 @@ SERVICE_NAME = "sluice.v1.Detokenizer"
 
 async def create_server(
     settings: DetokenizerSettings, *, reuse_port: bool = False
-) -> tuple[grpc.aio.Server, int, grpc_server.ServiceHealth, DetokenizerServicer]:
-    """Builds and binds (not starts) the server; returns it, the bound port, its health state and the
-    servicer (whose `close` the caller calls after stopping the server)."""
+) -> ServerHandle[grpc.aio.Server, Vocabulary]:
+    """Builds and binds (not starts) the server (port 0 = a free port); its core is the model's
+    vocabulary, and its handle's `release` stops the servicer's batching thread."""
     vocab = Vocabulary.from_model_dir(resolve_model_dir(settings.model))
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
-    servicer = DetokenizerServicer(vocab, max_batch_size=settings.max_batch_size,
-                                   remember_finished=settings.remember_finished,
-                                   read_ahead=settings.read_ahead)
+    metrics = DetokenizerMetrics()
+    servicer = DetokenizerServicer(
+        vocab,
+        metrics,
+        max_batch_size=settings.max_batch_size,
+        remember_finished=settings.remember_finished,
+        read_ahead=settings.read_ahead,
+    )
     # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
     decoding.add_servicer(server, detokenizer_pb2.DESCRIPTOR.services_by_name["Detokenizer"], servicer)
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
-    return server, port, health, servicer
+
+    async def release() -> None:
+        servicer.close()
+
+    return ServerHandle(server, port, vocab, health, metrics, release)
 
 
 async def serve_one(settings: DetokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:

@@ -170,12 +170,12 @@ class RequestSpans:
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, vocab: Vocabulary, *, max_batch_size: int, remember_finished: int,
-                 read_ahead: int) -> None:
+    def __init__(self, vocab: Vocabulary, metrics: DetokenizerMetrics, *, max_batch_size: int,
+                 remember_finished: int, read_ahead: int) -> None:
         self.vocab = vocab
         self.remember_finished = remember_finished
         self.read_ahead = read_ahead
-        self.metrics = DetokenizerMetrics()
+        self.metrics = metrics
         self.tracer = telemetry.get_tracer(__name__)
         self.batcher: MicroBatcher[Job, Any] = MicroBatcher(self._run_jobs, max_batch=max_batch_size,
                                                             name="detokenize")

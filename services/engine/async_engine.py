@@ -43,8 +43,8 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
 from services.engine.engine import EngineStats, LLMEngine
-from services.engine.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)

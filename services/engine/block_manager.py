@@ -17,31 +17,10 @@ out by `allocate` or `acquire` is given back exactly once per reference by `free
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 
-BlockHash = bytes  # SHA-256 digest of a whole prefix, block by block
-
-
-def chain_hashes(
-    tokens: Sequence[int], block_size: int, start: int, parent: BlockHash | None
-) -> list[BlockHash]:
-    """Hashes of the full blocks of `tokens` from block index `start` on, each chained to the one before
-    (`parent` is the hash of block `start - 1`, None at 0), so equal hashes mean equal whole prefixes.
-
-    A hash is SHA-256 of the parent's digest (nothing for the first block) followed by the block's token
-    ids as little-endian uint32: the same in every process, and a collision, which would hand one
-    request (or tenant) another's KV, is out of practical reach."""
-    block = struct.Struct(f"<{block_size}I")
-    hashes: list[BlockHash] = []
-    for i in range(start, len(tokens) // block_size):
-        digest = hashlib.sha256(b"" if parent is None else parent)
-        digest.update(block.pack(*tokens[i * block_size : (i + 1) * block_size]))
-        parent = digest.digest()
-        hashes.append(parent)
-    return hashes
+from services.common.block_keys import BlockHash
 
 
 class BlockManager:

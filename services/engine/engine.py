@@ -7,7 +7,7 @@ One thread drives it: `add_request`, `abort_request` and `step` are not thread-s
 A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
 the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
-(services/engine/errors.py).
+(services/common/errors.py).
 
 Async scheduling (`EngineSettings.async_scheduling`; auto = on for CUDA): a step launches step N+1 on
 the device (execute and sample, results left there) before it reads step N's sampled ids, then
@@ -43,9 +43,9 @@ from typing import Protocol
 
 import torch
 
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
 from services.common.models import resolve_model_dir
 from services.engine.block_manager import BlockManager
-from services.engine.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.request import PLACEHOLDER, Request
 from services.engine.sampler import SampleHandle, Sampler

@@ -16,7 +16,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.block_manager import BlockHash
+from services.common.block_keys import BlockHash
 from services.engine.params import SamplingParams, StoppingParams
 
 # The value of a token the device sampled and the host has not read yet (async scheduling): never a

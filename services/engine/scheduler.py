@@ -35,7 +35,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockHash, BlockManager, chain_hashes
+from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
+from services.engine.block_manager import BlockManager
 from services.engine.request import Request, Status
 
 
@@ -280,8 +281,7 @@ class Scheduler:
         return -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
 
     def _max_hit_blocks(self, req: Request) -> int:
-        # Leave at least one token to compute; it must land in a block of the request's own.
-        return (req.num_tokens - 1) // self.block_size
+        return max_hit_blocks(req.num_tokens, self.block_size)
 
     def _prefix_hit(self, req: Request) -> list[int]:
         """The cached blocks `req` would start from (a look-up only: a waiting request is looked up at

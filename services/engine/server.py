@@ -9,7 +9,7 @@ import logging
 import grpc
 
 from services.common import decoding, grpc_server, metrics, telemetry
-from services.common.grpc_server import ServiceHealth
+from services.common.grpc_server import ServerHandle, ServiceHealth
 from services.common.pb import engine_pb2
 from services.common.settings import load_settings
 from services.engine.async_engine import AsyncEngine
@@ -23,19 +23,22 @@ SERVICE_NAME = "sluice.v1.Engine"
 log = logging.getLogger(__name__)
 
 
-async def create_server(
-    settings: EngineSettings,
-) -> tuple[grpc.aio.Server, int, AsyncEngine, ServiceHealth]:
+async def create_server(settings: EngineSettings) -> ServerHandle[grpc.aio.Server, AsyncEngine]:
     """Loads the model on the engine's loop thread (off the event loop; see AsyncEngine.build) and
-    builds and binds the server (port 0 = a free port). The caller starts the server and, at the end,
-    stops both (`await server.stop(grace)`, then `engine.stop()`)."""
-    engine = await AsyncEngine.build(lambda: _observed_engine(settings))
+    builds and binds the server (port 0 = a free port); its handle's `release` stops the engine's
+    loop."""
+    engine_metrics = metrics.EngineMetrics()
+    engine = await AsyncEngine.build(lambda: _observed_engine(settings, engine_metrics))
     server, health = grpc_server.new_server([SERVICE_NAME])
     _report_fatal(engine, health)
     # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
     decoding.add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(engine))
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
-    return server, port, engine, health
+
+    async def release() -> None:
+        await asyncio.to_thread(engine.stop)
+
+    return ServerHandle(server, port, engine, health, engine_metrics, release)
 
 
 def _report_fatal(engine: AsyncEngine, health: ServiceHealth) -> None:
@@ -56,10 +59,10 @@ def _report_fatal(engine: AsyncEngine, health: ServiceHealth) -> None:
     engine.on_fatal(on_fatal)
 
 
-def _observed_engine(settings: EngineSettings) -> LLMEngine:
+def _observed_engine(settings: EngineSettings, engine_metrics: metrics.EngineMetrics) -> LLMEngine:
     core = LLMEngine(settings)
     core.observer = EngineObserver(
-        metrics.EngineMetrics(),
+        engine_metrics,
         scheduler=core.scheduler,
         block_manager=core.block_manager,
         model_name=core.model_name,
@@ -72,19 +75,14 @@ async def serve(settings: EngineSettings) -> None:
     """Serves until SIGTERM/SIGINT. Tracing is set up from the `OTEL_*` variables; metrics are served
     when `metrics_port` is set."""
     telemetry.init_tracing("engine")
-    server, port, engine, health = await create_server(settings)
-    observer = engine.engine.observer
-    assert isinstance(observer, EngineObserver)
-    endpoint = metrics.maybe_serve_metrics(observer.metrics.registry, settings.host, settings.metrics_port)
+    handle = await create_server(settings)
+    endpoint = metrics.maybe_serve_metrics(handle.metrics.registry, settings.host, settings.metrics_port)
 
     async def drain() -> None:
-        await asyncio.to_thread(engine.stop)
         if endpoint is not None:
             endpoint.close()
 
-    await grpc_server.serve_forever(
-        server, health, name="engine", port=port, grace_s=settings.grace_s, on_drain=drain
-    )
+    await grpc_server.serve_forever(handle, name="engine", grace_s=settings.grace_s, on_drain=drain)
 
 
 def main(argv: list[str]) -> int:

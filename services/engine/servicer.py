@@ -9,26 +9,19 @@ from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
-from services.common import telemetry
+from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.async_engine import AsyncEngine, Caller, Report, ReportFeed
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
 
 def params_from_proto(
     request: engine_pb2.GenerateRequest, default_max_new_tokens: int
 ) -> tuple[SamplingParams, StoppingParams]:
-    """Maps protobuf parameters to the core's, zero values meaning the documented defaults.
-    ValueError on values out of range."""
+    """Maps protobuf parameters to the core's, zero values meaning the documented defaults. Their ranges
+    are checked once, by the engine when the request is submitted (`LLMEngine.validate_request`)."""
     s = request.sampling
     sampling = SamplingParams(
         temperature=s.temperature,
@@ -48,8 +41,6 @@ def params_from_proto(
         stop_token_ids=tuple(st.stop_token_ids),
         ignore_eos=st.ignore_eos,
     )
-    sampling.validate()
-    stopping.validate()
     return sampling, stopping
 
 
@@ -61,9 +52,10 @@ def chunk_to_proto(out: RequestOutput) -> engine_pb2.TokenChunk:
 
 
 def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
+    reason = errors.FINISH_REASONS.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
     return engine_pb2.RequestFinal(
         request_id=out.request_id,
-        finish_reason=FINISH_REASONS.get(out.finish_reason or "", common_pb2.FINISH_REASON_UNSPECIFIED),
+        finish_reason=reason,
         usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
         error=out.error or "",
     )

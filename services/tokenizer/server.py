@@ -8,6 +8,8 @@ from typing import Any
 import grpc
 
 from services.common import decoding, grpc_server
+from services.common.grpc_server import ServerHandle
+from services.common.metrics import TokenizerMetrics
 from services.common.models import resolve_model_dir
 from services.common.pb import tokenizer_pb2
 from services.common.settings import load_settings
@@ -21,16 +23,21 @@ SERVICE_NAME = "sluice.v1.Tokenizer"
 
 async def create_server(
     settings: TokenizerSettings, *, reuse_port: bool = False
-) -> tuple[grpc.aio.Server, int, grpc_server.ServiceHealth, TokenizerServicer]:
-    """Builds and binds (not starts) the server; returns it, the bound port, its health state and the
-    servicer (whose `close` the caller calls after stopping the server)."""
+) -> ServerHandle[grpc.aio.Server, TokenizerCore]:
+    """Builds and binds (not starts) the server (port 0 = a free port); its handle's `release` stops
+    the servicer's batching thread."""
     core = TokenizerCore(resolve_model_dir(settings.model))
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
-    servicer = TokenizerServicer(core, max_batch_size=settings.max_batch_size)
+    metrics = TokenizerMetrics()
+    servicer = TokenizerServicer(core, metrics, max_batch_size=settings.max_batch_size)
     # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
     decoding.add_servicer(server, tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"], servicer)
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
-    return server, port, health, servicer
+
+    async def release() -> None:
+        servicer.close()
+
+    return ServerHandle(server, port, core, health, metrics, release)
 
 
 async def serve_one(settings: TokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:

@@ -70,9 +70,9 @@ def _annotate(
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, core: TokenizerCore, *, max_batch_size: int) -> None:
+    def __init__(self, core: TokenizerCore, metrics: TokenizerMetrics, *, max_batch_size: int) -> None:
         self.core = core
-        self.metrics = TokenizerMetrics()
+        self.metrics = metrics
         self.tracer = telemetry.get_tracer(__name__)
         self.batcher: MicroBatcher[TokenizeJob, Encoded | InvalidInput] = MicroBatcher(
             self._tokenize_many, max_batch=max_batch_size, name="tokenize"

@@ -19,15 +19,22 @@ from websockets.asyncio.client import connect
 from gateway.pipeline import Pipeline
 from gateway.server import create_server as create_gateway
 from gateway.settings import GatewaySettings
-from services.common.grpc_server import ChannelTls, client_channel, server_credentials, wait_healthy
+from services.common.grpc_server import (
+    ChannelTls,
+    ServerHandle,
+    client_channel,
+    server_credentials,
+    wait_healthy,
+)
+from services.common.metrics import GatewayMetrics
 from services.common.pb import tokenizer_pb2, tokenizer_pb2_grpc
 from services.common.settings import load_settings
 from services.detokenizer.server import create_server as create_detokenizer
 from services.detokenizer.settings import DetokenizerSettings
 from services.engine.server import create_server as create_engine
 from services.engine.settings import EngineSettings
+from services.tokenizer.core import TokenizerCore
 from services.tokenizer.server import create_server as create_tokenizer
-from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
 from sluice import cli, launcher
 
@@ -77,20 +84,18 @@ def _stage_tls(pki: Pki, *, mutual: bool) -> dict[str, str]:
 @pytest.fixture
 async def tokenizer_at(tiny_model_dir: Path) -> AsyncIterator[StartTokenizer]:
     """`await tokenizer_at(**tls_fields)` starts a tokenizer with those settings; returns its address."""
-    started: list[tuple[grpc.aio.Server, TokenizerServicer]] = []
+    started: list[ServerHandle[grpc.aio.Server, TokenizerCore]] = []
 
     async def start(**tls: str) -> str:
         settings = TokenizerSettings(model=str(tiny_model_dir), port=0, **tls)
-        server, port, health, servicer = await create_tokenizer(settings)
-        await server.start()
-        await health.set_serving(True)
-        started.append((server, servicer))
-        return f"127.0.0.1:{port}"
+        tokenizer = await create_tokenizer(settings)
+        await tokenizer.start()
+        started.append(tokenizer)
+        return f"127.0.0.1:{tokenizer.port}"
 
     yield start
-    for server, servicer in started:
-        await server.stop(0)
-        servicer.close()
+    for tokenizer in started:
+        await tokenizer.stop(0)
 
 
 async def _health(address: str, tls: ChannelTls | None) -> int:
@@ -154,16 +159,13 @@ async def test_the_gateway_serves_through_mutual_tls_stages(pki: Pki, tiny_model
     model, tls = str(tiny_model_dir), _stage_tls(pki, mutual=True)
     tok = await create_tokenizer(TokenizerSettings(model=model, port=0, **tls))
     det = await create_detokenizer(DetokenizerSettings(model=model, port=0, **tls))
-    eng_server, eng_port, engine, eng_health = await create_engine(
-        EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=128, **tls)
-    )
-    for server, health in ((tok[0], tok[2]), (det[0], det[2]), (eng_server, eng_health)):
-        await server.start()
-        await health.set_serving(True)
+    eng = await create_engine(EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=128, **tls))
+    for stage in (tok, det, eng):
+        await stage.start()
     addresses = {
-        "tokenizer": (f"127.0.0.1:{tok[1]}",),
-        "engine": (f"127.0.0.1:{eng_port}",),
-        "detokenizer": (f"127.0.0.1:{det[1]}",),
+        "tokenizer": (f"127.0.0.1:{tok.port}",),
+        "engine": (f"127.0.0.1:{eng.port}",),
+        "detokenizer": (f"127.0.0.1:{det.port}",),
     }
     settings = GatewaySettings(
         port=0,
@@ -175,13 +177,13 @@ async def test_the_gateway_serves_through_mutual_tls_stages(pki: Pki, tiny_model
     )
     gateway = await create_gateway(settings)
     await gateway.start()
-    anonymous = Pipeline(GatewaySettings(tls_ca_file=pki.ca, health_timeout_s=WAIT_S, **addresses))
+    anonymous = Pipeline(
+        GatewaySettings(tls_ca_file=pki.ca, health_timeout_s=WAIT_S, **addresses), GatewayMetrics()
+    )
     try:
-        async with httpx.AsyncClient(
-            base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S
-        ) as http:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as http:
             assert (await http.get("/readyz")).status_code == 200
-        async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as ws:
+        async with connect(f"ws://127.0.0.1:{gateway.port}/v1/ws") as ws:
             params = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
             await ws.send(
                 json.dumps({"type": "generate", "id": "g", "prompt": "Once upon", "params": params})
@@ -194,12 +196,9 @@ async def test_the_gateway_serves_through_mutual_tls_stages(pki: Pki, tiny_model
         assert not any((await anonymous.check_ready()).values())
     finally:
         await anonymous.close()
-        await gateway.shutdown(0.5)
-        for server in (tok[0], det[0], eng_server):
-            await server.stop(0)
-        await asyncio.to_thread(engine.stop)
-        tok[3].close()
-        det[3].close()
+        await gateway.stop(0.5)
+        for stage in (tok, det, eng):
+            await stage.stop(0)
 
 
 @pytest.mark.parametrize("cls", STAGE_SETTINGS)

@@ -33,14 +33,12 @@ class Served:
 
 @pytest.fixture
 async def served(model_dir: Path) -> AsyncIterator[Served]:
-    server, port, health, servicer = await create_server(DetokenizerSettings(model=str(model_dir), port=0))
-    await server.start()
-    await health.set_serving(True)
-    address = f"127.0.0.1:{port}"
+    handle = await create_server(DetokenizerSettings(model=str(model_dir), port=0))
+    await handle.start()
+    address = f"127.0.0.1:{handle.port}"
     await grpc_server.wait_healthy(address, timeout_s=10)
     try:
         async with grpc.aio.insecure_channel(address, options=grpc_server.CHANNEL_OPTIONS) as channel:
             yield Served(detokenizer_pb2_grpc.DetokenizerStub(channel), address)
     finally:
-        await server.stop(None)
-        servicer.close()
+        await handle.stop(None)

@@ -170,12 +170,12 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
         server = await create_server(settings)
         await server.start()
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as http:
             replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(32)))
         served = [scrape(f"http://127.0.0.1:{metrics + i}/metrics").get(TOKENIZED, 0.0) for i in range(2)]
     finally:
         if server is not None:
-            await server.shutdown(0.5)
+            await server.stop(0.5)
         await fakes.stop()
         assert tokenizer.stop() == 0, tokenizer.output()
     assert [r.status_code for r in replies] == [200] * 32

@@ -10,11 +10,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.block_keys import chain_hashes
+from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.block_manager import chain_hashes
 from services.engine.engine import LLMEngine
-from services.engine.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.engine.params import SamplingParams, StoppingParams
 from services.engine.server import create_server
 from services.engine.settings import EngineSettings
@@ -33,15 +33,13 @@ async def channel(llama_dir: Path) -> AsyncIterator[grpc.aio.Channel]:
         num_kv_blocks=64,
         max_num_batched_tokens=64,
     )
-    server, port, engine, health = await create_server(settings)
-    await server.start()
-    await health.set_serving(True)
-    address = f"127.0.0.1:{port}"
+    handle = await create_server(settings)
+    await handle.start()
+    address = f"127.0.0.1:{handle.port}"
     await wait_healthy(address, timeout_s=10)
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         yield channel
-    await server.stop(None)
-    engine.stop()
+    await handle.stop(None)
 
 
 @pytest.fixture
@@ -301,10 +299,9 @@ async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> N
     """A step that raises, then failing its requests that raises too: the loop cannot go on. Callers get
     `unavailable` finals at once (no hang) and the service reports NOT_SERVING."""
     settings = EngineSettings(model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32")
-    server, port, engine, health = await create_server(settings)
-    await server.start()
-    await health.set_serving(True)
-    address = f"127.0.0.1:{port}"
+    handle = await create_server(settings)
+    await handle.start()
+    engine, address = handle.core, f"127.0.0.1:{handle.port}"
     await wait_healthy(address, timeout_s=10)
 
     def broken(*args: object) -> None:
@@ -327,12 +324,11 @@ async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> N
                     break
                 await asyncio.sleep(0.01)
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            await health.set_serving(True)  # a failed service stays NOT_SERVING
+            await handle.health.set_serving(True)  # a failed service stays NOT_SERVING
             status = (await health_stub.Check(health_pb2.HealthCheckRequest())).status
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
-        await server.stop(None)
-        engine.stop()
+        await handle.stop(None)
 
 
 async def _finals(replies: AsyncIterator[engine_pb2.EngineOut]) -> list[engine_pb2.RequestFinal]:

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from services.common.block_keys import chain_hashes
 from services.common.metrics import EngineMetrics
 from services.engine.async_engine import AsyncEngine
-from services.engine.block_manager import BlockManager, chain_hashes
+from services.engine.block_manager import BlockManager
 from services.engine.engine import SPEC_COOLDOWN, SPEC_GATE_WINDOW, LLMEngine
 from services.engine.observability import EngineObserver
 from services.engine.params import RequestOutput, SamplingParams, StoppingParams

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from gateway.server import GatewayServer, create_server
+from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from tests.gateway.fakes import FakeUpstreams, start_upstreams
 
@@ -47,19 +47,19 @@ async def upstreams() -> AsyncIterator[FakeUpstreams]:
 
 
 @pytest.fixture
-async def gateway(upstreams: FakeUpstreams) -> AsyncIterator[GatewayServer]:
+async def gateway(upstreams: FakeUpstreams) -> AsyncIterator[GatewayHandle]:
     server = await create_server(gateway_settings(upstreams))
     await server.start()
     yield server
-    await server.shutdown(0.5)
+    await server.stop(0.5)
 
 
 @pytest.fixture
-async def make_gateway(upstreams: FakeUpstreams) -> AsyncIterator[Callable[..., Awaitable[GatewayServer]]]:
+async def make_gateway(upstreams: FakeUpstreams) -> AsyncIterator[Callable[..., Awaitable[GatewayHandle]]]:
     """A factory of started gateways with settings overridden; all are shut down at the end."""
-    servers: list[GatewayServer] = []
+    servers: list[GatewayHandle] = []
 
-    async def make(**overrides: Any) -> GatewayServer:
+    async def make(**overrides: Any) -> GatewayHandle:
         server = await create_server(gateway_settings(upstreams, **overrides))
         await server.start()
         servers.append(server)
@@ -67,12 +67,12 @@ async def make_gateway(upstreams: FakeUpstreams) -> AsyncIterator[Callable[..., 
 
     yield make
     for server in servers:
-        await server.shutdown(0.1)
+        await server.stop(0.1)
 
 
 @pytest.fixture
-async def ws(gateway: GatewayServer) -> AsyncIterator[ClientConnection]:
-    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as client:
+async def ws(gateway: GatewayHandle) -> AsyncIterator[ClientConnection]:
+    async with connect(f"ws://127.0.0.1:{gateway.port}/v1/ws") as client:
         yield client
 
 

@@ -12,24 +12,24 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, recv, send
 from tests.gateway.fakes import MODEL, FakeUpstreams, expected_text
 
-MakeGateway = Callable[..., Awaitable[GatewayServer]]
+MakeGateway = Callable[..., Awaitable[GatewayHandle]]
 LONG = 10**6
 
 
-def oai(server: GatewayServer, key: str = "unused") -> openai.AsyncOpenAI:
+def oai(server: GatewayHandle, key: str = "unused") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key=key, max_retries=0, timeout=WAIT_S
+        base_url=f"http://127.0.0.1:{server.port}/v1", api_key=key, max_retries=0, timeout=WAIT_S
     )
 
 
 async def test_in_flight_cap_refuses_at_once_on_every_api(make_gateway: MakeGateway) -> None:
     server = await make_gateway(max_in_flight=1, retry_after_s=7)
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
         await send(ws, {"type": "generate", "id": "busy", "prompt": "x", "params": {"max_tokens": LONG}})
         assert (await recv(ws))["type"] == "delta"
         # WebSocket
@@ -43,7 +43,7 @@ async def test_in_flight_cap_refuses_at_once_on_every_api(make_gateway: MakeGate
                     await client.completions.create(model=MODEL, prompt="x", stream=stream)
                 assert caught.value.response.headers["retry-after"] == "7"
         # gRPC
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.server.grpc_port}") as channel:
             call = gateway_pb2_grpc.GatewayStub(channel).Generate(
                 gateway_pb2.PublicGenerateRequest(prompt="x"), timeout=WAIT_S
             )
@@ -59,7 +59,7 @@ async def test_in_flight_cap_refuses_at_once_on_every_api(make_gateway: MakeGate
 
 async def test_prompt_token_cap(make_gateway: MakeGateway, upstreams: FakeUpstreams) -> None:
     server = await make_gateway(max_prompt_tokens=4)
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
         await send(ws, {"type": "generate", "id": "big", "prompt": "far too long"})
         end = (await collect(ws, {"big"}))["big"]["end"]
         assert end["code"] == "invalid_argument" and "tokens" in end["message"]
@@ -75,14 +75,14 @@ async def test_body_size_cap(make_gateway: MakeGateway) -> None:
     server = await make_gateway(max_body_bytes=200)
     body = {"model": MODEL, "prompt": "x" * 500}
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
-        response = await http.post(f"http://127.0.0.1:{server.http_port}/v1/completions", json=body)
+        response = await http.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body)
     assert response.status_code == 413
     assert "larger than 200 bytes" in response.json()["error"]["message"]
 
 
 async def test_websocket_frame_size_cap(make_gateway: MakeGateway) -> None:
     server = await make_gateway(max_ws_frame_bytes=1000)
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
         await send(ws, {"type": "generate", "id": "big", "prompt": "x" * 2000})
         with pytest.raises(ConnectionClosed) as caught:
             await recv(ws)
@@ -100,7 +100,7 @@ async def test_api_keys_on_http(make_gateway: MakeGateway) -> None:
     async with oai(server, "k2") as client:
         reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
         assert reply.choices[0].text == expected_text(2)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         assert (await http.get("/healthz")).status_code == 200
         assert (await http.get("/")).status_code == 200
         assert (await http.get("/v1/models")).status_code == 401
@@ -116,7 +116,7 @@ async def test_api_keys_from_a_file(make_gateway: MakeGateway, tmp_path) -> None
 
 async def test_api_keys_on_the_websocket(make_gateway: MakeGateway) -> None:
     server = await make_gateway(api_keys=("k1",))
-    url = f"ws://127.0.0.1:{server.http_port}/v1/ws"
+    url = f"ws://127.0.0.1:{server.port}/v1/ws"
     generate = {"type": "generate", "id": "g", "prompt": "x", "params": {"max_tokens": 2}}
     # No key: the first frame is refused and the socket closed with 1008.
     async with connect(url) as ws:
@@ -147,7 +147,7 @@ async def test_api_keys_on_grpc(make_gateway: MakeGateway) -> None:
     request = gateway_pb2.PublicGenerateRequest(
         prompt="x", stopping=common_pb2.StoppingParams(max_new_tokens=2)
     )
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.server.grpc_port}") as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for _ in stub.Generate(request, timeout=WAIT_S):

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from tests.gateway import fakes
 from tests.gateway.conftest import WAIT_S, wait_for
 from tests.gateway.fakes import FakeUpstreams
@@ -121,7 +121,7 @@ MARKUP = '<img src=x onerror="window.injected=1"><script>window.injected=2</scri
 
 
 @contextlib.asynccontextmanager
-async def chat_page(browser: str, gateway: GatewayServer) -> AsyncIterator[DevTools]:
+async def chat_page(browser: str, gateway: GatewayHandle) -> AsyncIterator[DevTools]:
     """The chat page open and connected in a new tab."""
     async with connect(browser, max_size=None) as socket:
         tools = DevTools(socket)
@@ -130,7 +130,7 @@ async def chat_page(browser: str, gateway: GatewayServer) -> AsyncIterator[DevTo
             attached = await tools.send("Target.attachToTarget", targetId=target["targetId"], flatten=True)
             tools.session = attached["sessionId"]
             await tools.send("Page.enable")
-            await tools.send("Page.navigate", url=f"http://127.0.0.1:{gateway.http_port}/")
+            await tools.send("Page.navigate", url=f"http://127.0.0.1:{gateway.port}/")
             await tools.until("document.getElementById('status')?.className === 'status open'")
             yield tools
         finally:
@@ -145,7 +145,7 @@ async def send_message(tools: DevTools, text: str, max_tokens: int) -> None:
 
 
 async def test_type_stream_stop_and_continue(
-    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams
+    browser: str, gateway: GatewayHandle, upstreams: FakeUpstreams
 ) -> None:
     upstreams.engine.step_s = 0.01  # a long reply takes seconds, so Stop lands mid-reply
     async with chat_page(browser, gateway) as tools:
@@ -173,7 +173,7 @@ async def test_type_stream_stop_and_continue(
 
 
 async def test_markup_in_model_output_errors_and_prompts_shows_as_text(
-    browser: str, gateway: GatewayServer, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
+    browser: str, gateway: GatewayHandle, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fakes, "OUTPUT", MARKUP)  # the fake model's reply is the markup
     async with chat_page(browser, gateway) as tools:

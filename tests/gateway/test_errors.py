@@ -13,7 +13,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, dead_address, send
 from tests.gateway.fakes import FakeUpstreams
@@ -21,11 +21,11 @@ from tests.gateway.fakes import FakeUpstreams
 LONG = 10**6  # max_tokens of a generation that runs until it is stopped
 INTERNAL_ADDRESS = "127.0.0.1"  # every upstream of these tests listens there
 
-MakeGateway = Callable[..., Awaitable[GatewayServer]]
+MakeGateway = Callable[..., Awaitable[GatewayHandle]]
 
 
-def http_client(server: GatewayServer) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S)
+def http_client(server: GatewayHandle) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S)
 
 
 def assert_openai_json(response: httpx.Response, status: int) -> dict[str, Any]:
@@ -36,9 +36,9 @@ def assert_openai_json(response: httpx.Response, status: int) -> dict[str, Any]:
     return error
 
 
-async def test_declared_oversized_body_is_413_before_it_is_sent(gateway: GatewayServer) -> None:
+async def test_declared_oversized_body_is_413_before_it_is_sent(gateway: GatewayHandle) -> None:
     """The client declares 12 MiB and sends none of it: the answer comes from the header alone."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.http_port)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         f"Content-Length: {12 * 1024 * 1024}\r\n\r\n"
@@ -50,7 +50,7 @@ async def test_declared_oversized_body_is_413_before_it_is_sent(gateway: Gateway
     assert status_line.split()[1] == b"413"
 
 
-async def test_client_sending_12_mib_reads_413_and_keeps_its_connection(gateway: GatewayServer) -> None:
+async def test_client_sending_12_mib_reads_413_and_keeps_its_connection(gateway: GatewayHandle) -> None:
     async with http_client(gateway) as http:
         response = await http.post("/v1/completions", content=b"x" * (12 * 1024 * 1024))
         assert assert_openai_json(response, 413)["code"] == "request_too_large"
@@ -71,12 +71,12 @@ async def test_streamed_oversized_body_is_413(make_gateway: MakeGateway) -> None
 
 
 async def test_unexpected_failure_is_a_json_500_without_internals(
-    gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch
+    gateway: GatewayHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def broken() -> None:
         raise RuntimeError(f"engine at {INTERNAL_ADDRESS}:42804: failed to connect")
 
-    monkeypatch.setattr(gateway.pipeline, "model_info", broken)
+    monkeypatch.setattr(gateway.core, "model_info", broken)
     async with http_client(gateway) as http:
         response = await http.get("/v1/models")
     error = assert_openai_json(response, 500)
@@ -84,13 +84,13 @@ async def test_unexpected_failure_is_a_json_500_without_internals(
 
 
 async def test_unexpected_failure_over_grpc_is_internal_without_internals(
-    gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch
+    gateway: GatewayHandle, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def broken(*_: object) -> None:
         raise RuntimeError(f"engine at {INTERNAL_ADDRESS}:42804: failed to connect")
 
-    monkeypatch.setattr(gateway.pipeline, "generate", broken)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+    monkeypatch.setattr(gateway.core, "generate", broken)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.grpc_port}") as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
             gateway_pb2.PublicGenerateRequest(prompt="x"), timeout=WAIT_S
         )
@@ -101,7 +101,7 @@ async def test_unexpected_failure_over_grpc_is_internal_without_internals(
 
 
 async def test_broken_engine_stream_is_engine_unavailable_without_its_address(
-    gateway: GatewayServer, upstreams: FakeUpstreams
+    gateway: GatewayHandle, upstreams: FakeUpstreams
 ) -> None:
     upstreams.engine.fail_next_submit = True
     async with http_client(gateway) as http:
@@ -112,7 +112,7 @@ async def test_broken_engine_stream_is_engine_unavailable_without_its_address(
 
 async def test_unreachable_tokenizer_is_unavailable_without_its_address(make_gateway: MakeGateway) -> None:
     server = await make_gateway(tokenizer=(dead_address(),), upstream_wait_s=0.2)
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
         await send(client, {"type": "generate", "id": "u", "prompt": "x"})
         end = (await collect(client, {"u"}))["u"]["end"]
     assert (end["code"], end["message"]) == ("unavailable", "tokenizer unavailable")
@@ -139,7 +139,7 @@ async def test_deadline_is_504_with_a_json_body(make_gateway: MakeGateway) -> No
     ],
 )
 async def test_engine_error_classes_over_http(
-    gateway: GatewayServer, upstreams: FakeUpstreams, error: str, status: int
+    gateway: GatewayHandle, upstreams: FakeUpstreams, error: str, status: int
 ) -> None:
     upstreams.engine.error_next_submit = error
     async with http_client(gateway) as http:

@@ -23,6 +23,7 @@ from gateway.auth import ApiKeys
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.ws import SocketSession
+from services.common.metrics import GatewayMetrics
 from services.common.pb import common_pb2, gateway_pb2
 from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import FakeUpstreams
@@ -248,7 +249,7 @@ class FakeSocket:
 async def stack(upstreams: FakeUpstreams) -> AsyncIterator[tuple[Pipeline, GatewaySettings]]:
     """A pipeline to the fake services, shared by every example of a test."""
     settings = gateway_settings(upstreams, ws_max_in_flight=2)
-    pipeline = Pipeline(settings)
+    pipeline = Pipeline(settings, GatewayMetrics())
     yield pipeline, settings
     await pipeline.close()
 

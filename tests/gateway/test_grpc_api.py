@@ -9,15 +9,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, wait_for
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text
 
 
 @pytest.fixture
-async def stub(gateway: GatewayServer) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+async def stub(gateway: GatewayHandle) -> AsyncIterator[gateway_pb2_grpc.GatewayStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.grpc_port}") as channel:
         yield gateway_pb2_grpc.GatewayStub(channel)
 
 
@@ -86,7 +86,7 @@ async def test_stop_string_reports_the_stop(
 
 
 async def test_cancelling_the_call_aborts_the_engine(
-    stub: gateway_pb2_grpc.GatewayStub, upstreams: FakeUpstreams, gateway: GatewayServer
+    stub: gateway_pb2_grpc.GatewayStub, upstreams: FakeUpstreams, gateway: GatewayHandle
 ) -> None:
     request = gateway_pb2.PublicGenerateRequest(
         prompt="x", stopping=common_pb2.StoppingParams(max_new_tokens=10**6)
@@ -130,8 +130,8 @@ async def test_upstream_failure_is_unavailable(
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_health_and_reflection(gateway: GatewayServer) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+async def test_health_and_reflection(gateway: GatewayHandle) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.grpc_port}") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         reply = await health.Check(health_pb2.HealthCheckRequest(service="sluice.v1.Gateway"), timeout=WAIT_S)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -7,14 +7,14 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from tests.gateway.conftest import WAIT_S, dead_address
 from tests.gateway.fakes import MODEL, FakeUpstreams
 
 
 @pytest.fixture
-async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as client:
+async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as client:
         yield client
 
 
@@ -43,7 +43,7 @@ async def test_readyz_needs_one_serving_replica_of_every_stage(
     """Readiness is "every stage can serve": one engine replica of two down leaves the gateway ready."""
     dead = dead_address()
     server = await make_gateway(engine=(dead, upstreams.addresses["engine"]))
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.get("/readyz")
         assert response.status_code == 200
         assert response.json()["stages"] == {"tokenizer": True, "engine": True, "detokenizer": True}
@@ -65,7 +65,7 @@ async def test_models(http: httpx.AsyncClient) -> None:
 async def test_models_without_tokenizer_is_503(make_gateway, upstreams: FakeUpstreams) -> None:  # type: ignore[no-untyped-def]
     server = await make_gateway(upstream_wait_s=0.2)  # waits that long for the tokenizer to come back
     await upstreams.stop("tokenizer")
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.get("/v1/models")
     assert response.status_code == 503
     assert response.json()["error"]["message"]
@@ -99,7 +99,7 @@ async def test_a_browser_page_of_another_origin_may_not_drive_the_http_api(
     make_gateway, upstreams: FakeUpstreams, origin: str | None, allowed: tuple[str, ...], status: int  # type: ignore[no-untyped-def]
 ) -> None:
     gateway = await make_gateway(allowed_origins=allowed)
-    base = f"http://127.0.0.1:{gateway.http_port}"
+    base = f"http://127.0.0.1:{gateway.port}"
     headers = {} if origin is None else {"Origin": base if origin == "own" else origin}
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     async with httpx.AsyncClient(base_url=base, timeout=WAIT_S, headers=headers) as client:

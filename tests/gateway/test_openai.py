@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from tests.gateway.conftest import WAIT_S, wait_for
 from tests.gateway.fakes import MODEL, OUTPUT, FakeUpstreams, encode, expected_text
 
@@ -22,16 +22,16 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture
-async def client(gateway: GatewayServer) -> AsyncIterator[openai.AsyncOpenAI]:
+async def client(gateway: GatewayHandle) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
+        base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
     ) as oai:
         yield oai
 
 
 @pytest.fixture
-async def http(gateway: GatewayServer) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as raw:
+async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as raw:
         yield raw
 
 
@@ -162,7 +162,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 )
 async def test_text_that_is_not_unicode_or_too_deep_is_400(
     http: httpx.AsyncClient,
-    gateway: GatewayServer,
+    gateway: GatewayHandle,
     upstreams: FakeUpstreams,
     path: str,
     raw: str,
@@ -172,7 +172,7 @@ async def test_text_that_is_not_unicode_or_too_deep_is_400(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
-    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+    assert upstreams.engine.submits == [] and gateway.core.in_flight == 0
 
 
 @pytest.mark.parametrize("top_p", [0, -0.5, 1.5])
@@ -217,7 +217,7 @@ async def test_sse_headers_and_keepalive_comments(make_gateway, upstreams: FakeU
     server = await make_gateway(sse_keepalive_s=0.05)
     upstreams.tokenizer.gate = asyncio.Event()
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
-    url = f"http://127.0.0.1:{server.http_port}/v1/completions"
+    url = f"http://127.0.0.1:{server.port}/v1/completions"
     async with httpx.AsyncClient(timeout=WAIT_S) as raw, raw.stream("POST", url, json=body) as response:
         assert response.status_code == 200
         assert response.headers["x-accel-buffering"] == "no"
@@ -261,7 +261,7 @@ async def test_dropped_plain_request_aborts_the_engine(
 
 async def test_served_model_name_is_the_name_the_api_answers_to(make_gateway) -> None:  # type: ignore[no-untyped-def]
     server = await make_gateway(served_model_name="tiny")
-    base_url = f"http://127.0.0.1:{server.http_port}/v1"
+    base_url = f"http://127.0.0.1:{server.port}/v1"
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=WAIT_S) as oai:
         assert [m.id for m in (await oai.models.list()).data] == ["tiny"]
         reply = await oai.completions.create(model="tiny", prompt="x", max_tokens=2)
@@ -279,7 +279,7 @@ async def test_a_client_that_stops_reading_is_timed_out(make_gateway, upstreams:
     server = await make_gateway(send_timeout_s=0.3)
     # Small socket buffers at both ends (accepted sockets inherit the listener's): they fill in
     # kilobytes, not the megabytes loopback's autotuning would allow.
-    server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    server.server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": LONG, "stream": True}).encode()
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -289,10 +289,10 @@ async def test_a_client_that_stops_reading_is_timed_out(make_gateway, upstreams:
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
-        await loop.sock_connect(sock, ("127.0.0.1", server.http_port))
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
         await loop.sock_sendall(sock, head + body)
         await wait_for(upstreams.engine.submitted)
-        assert await server.pipeline.wait_idle(WAIT_S), "the generation still runs"
+        assert await server.core.wait_idle(WAIT_S), "the generation still runs"
         await wait_for(upstreams.engine.aborted)
         assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
         received = 0

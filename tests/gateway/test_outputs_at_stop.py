@@ -19,8 +19,8 @@ import pytest
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
-from gateway.pipeline import Done, GenerateInput
-from gateway.server import GatewayServer
+from gateway.events import Done, GenerateInput
+from gateway.server import GatewayHandle
 from services.common import grpc_server
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.detokenizer.server import create_server as create_detokenizer
@@ -49,7 +49,7 @@ def consumed(stop: str) -> str:
     [("ld", False, "hello wor"), ("wor", True, "hello wor"), ("o w", False, "hell")],
 )
 async def test_grpc_ids_and_logprobs_end_at_the_stop(
-    gateway: GatewayServer, chunky: FakeUpstreams, stop: str, include: bool, text: str
+    gateway: GatewayHandle, chunky: FakeUpstreams, stop: str, include: bool, text: str
 ) -> None:
     request = gateway_pb2.PublicGenerateRequest(
         prompt="x",
@@ -60,7 +60,7 @@ async def test_grpc_ids_and_logprobs_end_at_the_stop(
         return_token_ids=True,
     )
     got_text, ids, logprobs = "", [], []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.grpc_port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.grpc_port}") as channel:
         async for response in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=WAIT_S):
             if response.WhichOneof("kind") == "delta":
                 got_text += response.delta.text
@@ -77,7 +77,7 @@ async def test_grpc_ids_and_logprobs_end_at_the_stop(
 
 
 async def test_openai_chat_stream_logprobs_and_usage_end_at_the_stop(
-    gateway: GatewayServer, chunky: FakeUpstreams
+    gateway: GatewayHandle, chunky: FakeUpstreams
 ) -> None:
     body = {
         "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG,
@@ -85,7 +85,7 @@ async def test_openai_chat_stream_logprobs_and_usage_end_at_the_stop(
     }  # fmt: skip
     content, tokens, usage = "", [], None
     async with (
-        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as http,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as http,
         http.stream("POST", "/v1/chat/completions", json=body) as reply,
     ):
         assert reply.status_code == 200
@@ -103,10 +103,10 @@ async def test_openai_chat_stream_logprobs_and_usage_end_at_the_stop(
 
 
 async def test_openai_completion_logprobs_and_usage_end_at_the_stop(
-    gateway: GatewayServer, chunky: FakeUpstreams
+    gateway: GatewayHandle, chunky: FakeUpstreams
 ) -> None:
     body = {"model": "fake-model", "prompt": "x", "max_tokens": LONG, "stop": "ld", "logprobs": 1}
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as http:
         reply = (await http.post("/v1/completions", json=body)).json()
     choice = reply["choices"][0]
     assert choice["text"] == "hello wor" and choice["finish_reason"] == "stop"
@@ -118,8 +118,8 @@ async def test_openai_completion_logprobs_and_usage_end_at_the_stop(
     )
 
 
-async def test_websocket_usage_ends_at_the_stop(gateway: GatewayServer, chunky: FakeUpstreams) -> None:
-    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as ws:
+async def test_websocket_usage_ends_at_the_stop(gateway: GatewayHandle, chunky: FakeUpstreams) -> None:
+    async with connect(f"ws://127.0.0.1:{gateway.port}/v1/ws") as ws:
         await send(
             ws, {"type": "generate", "id": "s", "prompt": "x", "params": {"max_tokens": LONG, "stop": "ld"}}
         )
@@ -129,12 +129,12 @@ async def test_websocket_usage_ends_at_the_stop(gateway: GatewayServer, chunky: 
 
 
 async def test_cancelled_usage_counts_the_ids_handed_out(
-    gateway: GatewayServer, chunky: FakeUpstreams
+    gateway: GatewayHandle, chunky: FakeUpstreams
 ) -> None:
     inp = GenerateInput(
         prompt="x", stopping=common_pb2.StoppingParams(max_new_tokens=LONG), return_token_ids=True
     )
-    generation = gateway.pipeline.generate(inp)
+    generation = gateway.core.generate(inp)
     ids = (await generation.next()).token_ids  # type: ignore[union-attr]
     generation.cancel()
     while not isinstance(event := await generation.next(), Done):
@@ -155,22 +155,18 @@ async def real_detokenizer(
 ) -> AsyncIterator[tuple[str, Tokenizer]]:
     tokenizer = TOKENIZERS[request.param]()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    server, port, health, servicer = await create_detokenizer(
-        DetokenizerSettings(model=str(tmp_path), port=0)
-    )
-    await server.start()
-    await health.set_serving(True)
-    address = f"127.0.0.1:{port}"
+    detokenizer = await create_detokenizer(DetokenizerSettings(model=str(tmp_path), port=0))
+    await detokenizer.start()
+    address = f"127.0.0.1:{detokenizer.port}"
     await grpc_server.wait_healthy(address, timeout_s=WAIT_S)
     try:
         yield address, tokenizer
     finally:
-        await server.stop(None)
-        servicer.close()
+        await detokenizer.stop(None)
 
 
 async def test_logprob_bytes_are_each_tokens_own_bytes(
-    make_gateway: Callable[..., Awaitable[GatewayServer]],
+    make_gateway: Callable[..., Awaitable[GatewayHandle]],
     upstreams: FakeUpstreams,
     real_detokenizer: tuple[str, Tokenizer],
 ) -> None:
@@ -183,7 +179,7 @@ async def test_logprob_bytes_are_each_tokens_own_bytes(
         "model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": LONG,
         "stop": ["d."], "logprobs": True, "top_logprobs": 0,
     }  # fmt: skip
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as http:
         reply = (await http.post("/v1/chat/completions", json=body)).json()
     choice = reply["choices"][0]
     entries = choice["logprobs"]["content"]

@@ -15,7 +15,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from gateway import params
-from gateway.server import GatewayServer
+from gateway.server import GatewayHandle
 from gateway.settings import GatewaySettings
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, send
@@ -53,23 +53,23 @@ _GRPC_FIELDS = {
 }
 
 
-async def refusal_over_ws(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+async def refusal_over_ws(server: GatewayHandle, values: dict[str, Any]) -> tuple[str, str]:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
         await send(client, {"type": "generate", "id": "v", "prompt": "x", "params": values})
         end = (await collect(client, {"v"}))["v"]["end"]
     assert end["type"] == "error"
     return end["code"], end["message"]
 
 
-async def refusal_over_http(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+async def refusal_over_http(server: GatewayHandle, values: dict[str, Any]) -> tuple[str, str]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.post("/v1/completions", content=json.dumps({"prompt": "x", **values}))
     assert response.status_code == 400
     error = response.json()["error"]
     return error["type"], error["message"]
 
 
-async def refusal_over_grpc(server: GatewayServer, values: dict[str, Any]) -> tuple[str, str]:
+async def refusal_over_grpc(server: GatewayHandle, values: dict[str, Any]) -> tuple[str, str]:
     request = gateway_pb2.PublicGenerateRequest(prompt="x")
     for name, value in values.items():
         if name in ("stop", "stop_token_ids"):
@@ -77,7 +77,7 @@ async def refusal_over_grpc(server: GatewayServer, values: dict[str, Any]) -> tu
         else:
             message, field = _GRPC_FIELDS[name]
             setattr(getattr(request, message), field, value)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.server.grpc_port}") as channel:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for _ in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=WAIT_S):
                 pass
@@ -94,12 +94,12 @@ REFUSALS = {
 @pytest.mark.parametrize("api", sorted(REFUSALS))
 @pytest.mark.parametrize(("values", "words"), REFUSED)
 async def test_out_of_range_values_are_refused_alike_on_every_api(
-    gateway: GatewayServer, upstreams: FakeUpstreams, api: str, values: dict[str, Any], words: str
+    gateway: GatewayHandle, upstreams: FakeUpstreams, api: str, values: dict[str, Any], words: str
 ) -> None:
     refuse, expected_code = REFUSALS[api]
     code, message = await refuse(gateway, values)
     assert code == expected_code and words in message
-    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+    assert upstreams.engine.submits == [] and gateway.core.in_flight == 0
 
 
 def test_limits_are_inclusive() -> None:
@@ -120,20 +120,20 @@ EXTENSIONS = {
 }
 
 
-async def accept_over_ws(server: GatewayServer, values: dict[str, Any]) -> None:
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+async def accept_over_ws(server: GatewayHandle, values: dict[str, Any]) -> None:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
         await send(client, {"type": "generate", "id": "v", "prompt": "x", "params": values})
         assert (await collect(client, {"v"}))["v"]["end"]["type"] == "done"
 
 
-async def accept_over_http(server: GatewayServer, values: dict[str, Any], path: str) -> None:
+async def accept_over_http(server: GatewayHandle, values: dict[str, Any], path: str) -> None:
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.post(path, content=json.dumps({**body, **values}))
     assert response.status_code == 200, response.text
 
 
-async def accept_over_grpc(server: GatewayServer, values: dict[str, Any]) -> None:
+async def accept_over_grpc(server: GatewayHandle, values: dict[str, Any]) -> None:
     request = gateway_pb2.PublicGenerateRequest(prompt="x")
     for name, value in values.items():
         if name == "stop_token_ids":
@@ -141,7 +141,7 @@ async def accept_over_grpc(server: GatewayServer, values: dict[str, Any]) -> Non
         else:
             message, field = _GRPC_FIELDS[name]
             setattr(getattr(request, message), field, value)
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.server.grpc_port}") as channel:
         replies = [r async for r in gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=WAIT_S)]
     assert replies[-1].HasField("final")
 
@@ -156,7 +156,7 @@ ACCEPTS = {
 
 @pytest.mark.parametrize("api", sorted(ACCEPTS))
 async def test_every_extension_reaches_the_engine_on_every_api(
-    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+    gateway: GatewayHandle, upstreams: FakeUpstreams, api: str
 ) -> None:
     assert sorted(EXTENSIONS) == sorted(params.OPENAI_EXTENSIONS)
     await ACCEPTS[api](gateway, {"max_tokens": 3, **EXTENSIONS})
@@ -199,17 +199,30 @@ def test_stop_token_ids_are_checked_and_kept_in_order() -> None:
 
 @pytest.mark.parametrize("api", ["ws", "http"])
 async def test_an_integer_past_any_float_is_refused_not_an_internal_error(
-    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+    gateway: GatewayHandle, upstreams: FakeUpstreams, api: str
 ) -> None:
     refuse, expected_code = REFUSALS[api]
     code, message = await refuse(gateway, {"temperature": 10**400})
     assert code == expected_code and "temperature must be between 0 and 2" in message
-    assert upstreams.engine.submits == [] and gateway.pipeline.in_flight == 0
+    assert upstreams.engine.submits == [] and gateway.core.in_flight == 0
 
 
 @pytest.mark.parametrize("api", ["ws", "completions", "chat"])  # gRPC's top_p is a float32 already
 async def test_a_tiny_top_p_is_not_read_as_off(
-    gateway: GatewayServer, upstreams: FakeUpstreams, api: str
+    gateway: GatewayHandle, upstreams: FakeUpstreams, api: str
 ) -> None:
     await ACCEPTS[api](gateway, {"max_tokens": 1, "top_p": 1e-50})
     assert upstreams.engine.submits[-1].sampling.top_p > 0  # float32 0 would be off: the whole nucleus
+
+
+def test_the_default_max_tokens_applies_when_a_request_asks_none() -> None:
+    settings = GatewaySettings(default_max_tokens=7)
+    assert params.max_new_tokens(None, settings) == params.max_new_tokens(0, settings) == 7
+    assert params.max_new_tokens(3, settings) == 3
+    assert params.generation_params({}, settings)[1].max_new_tokens == 7
+
+
+def test_logprobs_above_the_limit_are_refused() -> None:
+    assert params.logprobs(params.MAX_LOGPROBS, "sampling.logprobs") == params.MAX_LOGPROBS
+    with pytest.raises(params.ParamError, match="at most"):
+        params.logprobs(params.MAX_LOGPROBS + 1, "sampling.logprobs")

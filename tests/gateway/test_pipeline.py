@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from gateway.pipeline import Delta, Done, _EventSlot
+from gateway.events import Delta, Done, EventSlot
 
 
 async def test_a_lagging_consumer_gets_merged_deltas_then_one_terminal() -> None:
-    slot = _EventSlot()
+    slot = EventSlot()
     slot.push("a", [1], [])
     slot.push("b", [2], [])
     slot.push("", [3], [])
@@ -24,7 +24,7 @@ async def test_a_lagging_consumer_gets_merged_deltas_then_one_terminal() -> None
 
 
 async def test_get_waits_for_the_next_push() -> None:
-    slot = _EventSlot()
+    slot = EventSlot()
     waiter = asyncio.ensure_future(slot.get())
     await asyncio.sleep(0)
     assert not waiter.done()

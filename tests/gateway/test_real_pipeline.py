@@ -17,7 +17,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from gateway.server import GatewayServer, create_server
+from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from services.detokenizer.server import create_server as create_detokenizer
@@ -38,7 +38,7 @@ LONG = 100_000
 
 @dataclass
 class Stack:
-    gateway: GatewayServer
+    gateway: GatewayHandle
     engine: engine_pb2_grpc.EngineStub
     model: str
 
@@ -68,43 +68,33 @@ class Stack:
 @pytest.fixture
 async def stack(tiny_model_dir: Path) -> AsyncIterator[Stack]:
     model = str(tiny_model_dir)
-    tok_server, tok_port, tok_health, tok_servicer = await create_tokenizer(
-        TokenizerSettings(model=model, port=0)
-    )
-    det_server, det_port, det_health, det_servicer = await create_detokenizer(
-        DetokenizerSettings(model=model, port=0)
-    )
-    eng_server, eng_port, engine, eng_health = await create_engine(
-        EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=256)
-    )
-    for server, health in ((tok_server, tok_health), (det_server, det_health), (eng_server, eng_health)):
-        await server.start()
-        await health.set_serving(True)
+    tok = await create_tokenizer(TokenizerSettings(model=model, port=0))
+    det = await create_detokenizer(DetokenizerSettings(model=model, port=0))
+    eng = await create_engine(EngineSettings(model=model, port=0, device="cpu", num_kv_blocks=256))
+    for stage in (tok, det, eng):
+        await stage.start()
     settings = GatewaySettings(
         port=0,
         grpc_port=0,
-        tokenizer=(f"127.0.0.1:{tok_port}",),
-        engine=(f"127.0.0.1:{eng_port}",),
-        detokenizer=(f"127.0.0.1:{det_port}",),
+        tokenizer=(f"127.0.0.1:{tok.port}",),
+        engine=(f"127.0.0.1:{eng.port}",),
+        detokenizer=(f"127.0.0.1:{det.port}",),
     )
     gateway = await create_server(settings)
     await gateway.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{eng_port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{eng.port}") as channel:
             stack = Stack(gateway, engine_pb2_grpc.EngineStub(channel), tiny_model_dir.name)
             await stack.assert_idle_soon()
             yield stack
     finally:
-        await gateway.shutdown(0.5)
-        for server in (tok_server, det_server, eng_server):
-            await server.stop(0)
-        await asyncio.to_thread(engine.stop)
-        tok_servicer.close()
-        det_servicer.close()
+        await gateway.stop(0.5)
+        for stage in (tok, det, eng):
+            await stage.stop(0)
 
 
 async def _ws_cancel(stack: Stack) -> None:
-    async with connect(f"ws://127.0.0.1:{stack.gateway.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{stack.gateway.port}/v1/ws") as ws:
         params = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
         await send(ws, {"type": "generate", "id": "c", "prompt": "Once upon", "params": params})
         assert (await recv(ws))["type"] == "delta"
@@ -115,7 +105,7 @@ async def _ws_cancel(stack: Stack) -> None:
 
 
 async def _ws_close(stack: Stack) -> None:
-    async with connect(f"ws://127.0.0.1:{stack.gateway.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{stack.gateway.port}/v1/ws") as ws:
         params = {"max_tokens": LONG, "temperature": 0, "ignore_eos": True}
         await send(
             ws,
@@ -134,7 +124,7 @@ async def _ws_close(stack: Stack) -> None:
 async def _sse_drop(stack: Stack) -> None:
     body = {"model": stack.model, "prompt": "Once upon", "max_tokens": LONG, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    url = f"http://127.0.0.1:{stack.gateway.http_port}/v1/completions"
+    url = f"http://127.0.0.1:{stack.gateway.port}/v1/completions"
     async with httpx.AsyncClient(timeout=WAIT_S) as http, http.stream("POST", url, json=body) as response:
         assert response.status_code == 200
         # Held, so the line iterator is not finalized after the break: finalizing it closes the connection,
@@ -150,7 +140,7 @@ async def _sse_drop(stack: Stack) -> None:
 async def _http_drop(stack: Stack) -> None:
     body = {"model": stack.model, "prompt": "Once upon", "max_tokens": LONG, "temperature": 0,
             "ignore_eos": True}
-    url = f"http://127.0.0.1:{stack.gateway.http_port}/v1/completions"
+    url = f"http://127.0.0.1:{stack.gateway.port}/v1/completions"
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
         task = asyncio.ensure_future(http.post(url, json=body))
         while (await stack.stats()).running == 0:
@@ -162,7 +152,7 @@ async def _http_drop(stack: Stack) -> None:
 
 
 async def _grpc_cancel(stack: Stack) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.gateway.grpc_port}") as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{stack.gateway.server.grpc_port}") as channel:
         request = gateway_pb2.PublicGenerateRequest(
             prompt="Once upon", stopping=common_pb2.StoppingParams(max_new_tokens=LONG, ignore_eos=True)
         )

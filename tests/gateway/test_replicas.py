@@ -17,7 +17,8 @@ import trustme
 from websockets.asyncio.client import connect
 
 from gateway import upstream
-from gateway.server import GatewayServer, create_server
+from gateway.routing import Picker
+from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from gateway.upstream import Endpoint, Replicas, host_port, resolve_host
 from services.common import grpc_server
@@ -55,12 +56,12 @@ async def test_pick_goes_round_every_replica() -> None:
 
 
 async def test_pick_takes_the_least_loaded_and_spreads_ties() -> None:
-    replicas = Replicas("engine", ADDRESSES)
     load = {"127.0.0.1:1": 5, "127.0.0.1:2": 0, "127.0.0.1:3": 0}
+    replicas = Replicas("engine", ADDRESSES, picker=Picker("least_load", load.__getitem__))
     try:
-        first = [replicas.pick(load.__getitem__) for _ in range(4)]
+        first = [replicas.pick() for _ in range(4)]
         for _ in range(20):  # each pick adds one request where it went: the loads even out
-            load[replicas.pick(load.__getitem__)] += 1
+            load[replicas.pick()] += 1
     finally:
         await replicas.close()
     assert "127.0.0.1:1" not in first and set(first) == {"127.0.0.1:2", "127.0.0.1:3"}
@@ -68,12 +69,12 @@ async def test_pick_takes_the_least_loaded_and_spreads_ties() -> None:
 
 
 async def test_one_replica_always_gets_the_work() -> None:
-    replicas = Replicas("detokenizer", ADDRESSES[:1])
-    try:
-        assert {replicas.pick() for _ in range(5)} == {ADDRESSES[0]}
-        assert replicas.pick(lambda address: 7) == ADDRESSES[0]
-    finally:
-        await replicas.close()
+    for picker in (Picker(), Picker("least_load", lambda address: 7)):
+        replicas = Replicas("detokenizer", ADDRESSES[:1], picker=picker)
+        try:
+            assert {replicas.pick() for _ in range(5)} == {ADDRESSES[0]}
+        finally:
+            await replicas.close()
 
 
 async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
@@ -85,8 +86,8 @@ async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
     server = await create_server(gateway_settings(first, engine=engines))
     await server.start()
     try:
-        await until(lambda: len(server.pipeline._engines.connected()) == 2)  # else the first up gets all
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        await until(lambda: len(server.core._stages.engines.connected()) == 2)  # else the first up gets all
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             ids = {f"g{i}" for i in range(8)}
             for frame_id in sorted(ids):
                 await send(
@@ -95,7 +96,7 @@ async def test_the_gateway_spreads_requests_over_engine_replicas() -> None:
                 )
             results = await collect(client, ids)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await first.stop()
         await second.stop()
     assert all(r["end"]["type"] == "done" for r in results.values())
@@ -135,16 +136,16 @@ async def wait_for_state(channel: grpc.aio.Channel, wanted: grpc.ChannelConnecti
         state = channel.get_state()
 
 
-def stage_channel(server: GatewayServer, stage: str, address: str) -> grpc.aio.Channel:
+def stage_channel(server: GatewayHandle, stage: str, address: str) -> grpc.aio.Channel:
     """The first channel to the replica at `address`."""
-    name = {"tokenizer": "_tokenizers", "engine": "_engines", "detokenizer": "_detokenizers"}[stage]
-    replicas: Replicas = getattr(server.pipeline, name)
+    name = {"tokenizer": "tokenizers", "engine": "engines", "detokenizer": "detokenizers"}[stage]
+    replicas: Replicas = getattr(server.core._stages, name)
     return next(channel for key, channel in replicas.channels.items() if replicas.replica_of(key) == address)
 
 
 @pytest.mark.parametrize("stage", STAGES)
 async def test_a_request_waits_for_a_stage_that_is_starting(
-    stage: str, make_gateway: Callable[..., Awaitable[GatewayServer]]
+    stage: str, make_gateway: Callable[..., Awaitable[GatewayHandle]]
 ) -> None:
     """The gateway is up before one stage listens: a request sent then succeeds once the stage starts
     (it is started only after the gateway's connection attempt to it has failed)."""
@@ -152,7 +153,7 @@ async def test_a_request_waits_for_a_stage_that_is_starting(
     server = await make_gateway(**{stage: (address,)}, upstream_wait_s=WAIT_S)
     body = {"model": MODEL, "prompt": "x", "max_tokens": 3}
     late: grpc.aio.Server | None = None
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         reply = asyncio.ensure_future(http.post("/v1/completions", json=body))
         try:
             await wait_for_state(
@@ -170,10 +171,10 @@ async def test_a_request_waits_for_a_stage_that_is_starting(
 
 @pytest.mark.parametrize("stage", STAGES)
 async def test_a_stage_that_never_starts_fails_the_request_with_unavailable(
-    stage: str, make_gateway: Callable[..., Awaitable[GatewayServer]]
+    stage: str, make_gateway: Callable[..., Awaitable[GatewayHandle]]
 ) -> None:
     server = await make_gateway(**{stage: (dead_address(),)}, upstream_wait_s=0.2)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S) as http:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3})
     assert response.status_code == 503
     error = response.json()["error"]
@@ -186,7 +187,7 @@ async def test_a_replica_that_is_down_gets_no_work(upstreams: FakeUpstreams) -> 
     server = await create_server(gateway_settings(upstreams, engine=engines))
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             ids = {f"g{i}" for i in range(6)}
             for frame_id in sorted(ids):
                 await send(
@@ -194,7 +195,7 @@ async def test_a_replica_that_is_down_gets_no_work(upstreams: FakeUpstreams) -> 
                 )
             results = await collect(client, ids)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert [r["end"]["type"] for r in results.values()] == ["done"] * 6
     assert len(upstreams.engine.submits) == 6
 
@@ -296,10 +297,10 @@ async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves
     settings = gateway_settings(upstreams, engine=(f"dns:///engines:{port}",), resolve_interval_s=0.05)
     server = await create_server(settings)
     await server.start()
-    engines: Replicas = server.pipeline._engines  # type: ignore[attr-defined]
+    engines: Replicas = server.core._stages.engines  # type: ignore[attr-defined]
     try:
         ids = {f"g{i}" for i in range(8)}
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await until(lambda: len(engines.connected()) == 2)
             for frame_id in sorted(ids):
                 await send(
@@ -320,7 +321,7 @@ async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves
                 )
             second = await collect(client, {f"{i}b" for i in ids})
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await one.stop(0)
         await two.stop(0)
     assert all(r["end"]["type"] == "done" for r in [*first.values(), *second.values()])
@@ -339,22 +340,20 @@ async def test_a_gateway_stream_outlives_the_servers_maximum_connection_age(
     server = await create_server(gateway_settings(fakes))
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await send(
                 client, {"type": "generate", "id": "long", "prompt": "hi", "params": {"max_tokens": 40}}
             )
             long = asyncio.ensure_future(collect(client, {"long"}))
             await until(lambda: len(fakes.engine.submits) == 1)
             await asyncio.sleep(0.3)  # past the connection age while "long" streams
-            async with httpx.AsyncClient(
-                base_url=f"http://127.0.0.1:{server.http_port}", timeout=WAIT_S
-            ) as http:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
                 reply = await http.post(
                     "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}
                 )
             results = await long
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         await fakes.stop()
     assert reply.status_code == 200, reply.text
     assert results["long"]["end"]["type"] == "done" and results["long"]["text"] == expected_text(40)

@@ -11,12 +11,13 @@ from dataclasses import replace
 import pytest
 
 from gateway import routing
-from gateway.pipeline import Delta, Done, Event, Failed, GenerateInput, Generation, Pipeline
-from gateway.routing import Router, prompt_keys
-from gateway.server import GatewayServer, create_server
+from gateway.events import Delta, Done, Event, Failed, GenerateInput, Generation
+from gateway.pipeline import Pipeline
+from gateway.routing import Picker, prompt_keys
+from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
+from services.common.block_keys import chain_hashes
 from services.common.pb import common_pb2, engine_pb2
-from services.engine.block_manager import chain_hashes
 from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text, start_upstreams
 from tests.gateway.test_replicas import start_stage
@@ -37,9 +38,9 @@ def report(
 
 def router(
     policy: str, in_flight: Counter[str] | None = None, margin: int = 4, margin_ratio: float = 0.0
-) -> Router:
+) -> Picker:
     counts = in_flight if in_flight is not None else Counter()
-    return Router(policy, counts.__getitem__, margin, margin_ratio)
+    return Picker(policy, counts.__getitem__, margin, margin_ratio)
 
 
 # ----- policies
@@ -181,12 +182,12 @@ async def two() -> AsyncIterator[tuple[FakeUpstreams, FakeUpstreams]]:
     await second.stop()
 
 
-async def start_gateway(first: FakeUpstreams, second: FakeUpstreams, **overrides: object) -> GatewayServer:
+async def start_gateway(first: FakeUpstreams, second: FakeUpstreams, **overrides: object) -> GatewayHandle:
     engines = (first.addresses["engine"], second.addresses["engine"])
     settings = replace(gateway_settings(first, engine=engines), **overrides)
     server = await create_server(settings)
     await server.start()
-    await until(lambda: len(server.pipeline._engines.connected()) == 2)  # else all go to the first up
+    await until(lambda: len(server.core._stages.engines.connected()) == 2)  # else all go to the first up
     return server
 
 
@@ -216,8 +217,8 @@ async def test_a_prompt_sharing_a_long_prefix_goes_to_the_replica_that_reported_
     first.engine.report = report([])
     server = await start_gateway(first, second)
     try:
-        pipeline = server.pipeline
-        views = [pipeline._router.view(u.addresses["engine"]) for u in two]
+        pipeline = server.core
+        views = [pipeline._stages.engines.picker.view(u.addresses["engine"]) for u in two]
         async with asyncio.timeout(WAIT_S):
             while not all(v.reported for v in views):  # a request opens a report stream to each engine
                 warm = await events(generate(pipeline, "x", 1))  # connected then
@@ -225,7 +226,7 @@ async def test_a_prompt_sharing_a_long_prefix_goes_to_the_replica_that_reported_
         before = len(second.engine.submits)
         results = [await events(generate(pipeline, context + f"question {i}?", 3)) for i in range(4)]
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert all(isinstance(r[-1], Done) for r in results)
     assert len(second.engine.submits) - before == 4
 
@@ -240,13 +241,13 @@ async def test_an_engine_that_breaks_before_the_first_token_has_its_requests_ret
         fakes.engine.step_s = 0.02
     server = await start_gateway(first, second, routing="least_load")
     try:
-        generations = [generate(server.pipeline, f"prompt {i}", 3) for i in range(4)]
+        generations = [generate(server.core, f"prompt {i}", 3) for i in range(4)]
         await until(lambda: len(first.engine.submits) == 2 and len(second.engine.submits) == 2)
         second.engine.paused = False
         first.engine.kill_streams()
         results = [await events(g) for g in generations]
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     for result in results:
         assert result[-1] == Done("length", len(encode("prompt 0")), 3), result
         assert "".join(e.text for e in result if isinstance(e, Delta)) == expected_text(3)
@@ -262,7 +263,7 @@ async def test_an_engine_that_breaks_after_the_first_token_fails_its_requests_un
         fakes.engine.step_s = 0.02
     server = await start_gateway(first, second, routing="round_robin")
     try:
-        generations = [generate(server.pipeline, "hi", 10_000) for _ in range(2)]
+        generations = [generate(server.core, "hi", 10_000) for _ in range(2)]
         firsts = [await asyncio.wait_for(g.next(), WAIT_S) for g in generations]
         assert all(isinstance(e, Delta) for e in firsts)
         assert len(first.engine.submits) == 1 and len(second.engine.submits) == 1
@@ -273,7 +274,7 @@ async def test_an_engine_that_breaks_after_the_first_token_fails_its_requests_un
         other.cancel()
         other_end = (await events(other))[-1]
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert broken_end == Failed("unavailable", "engine unavailable")
     assert isinstance(other_end, Done) and other_end.finish_reason == "cancelled"
     assert len(first.engine.submits) == 1 and len(second.engine.submits) == 1  # no retry after a token
@@ -287,7 +288,7 @@ async def test_a_retry_that_breaks_too_ends_unavailable(two: tuple[FakeUpstreams
         fakes.engine.step_s = 0.02
     server = await start_gateway(first, second, routing="round_robin")
     try:
-        generation = generate(server.pipeline, "hi", 3)
+        generation = generate(server.core, "hi", 3)
         await until(lambda: len(first.engine.submits) + len(second.engine.submits) == 1)
         (first if first.engine.submits else second).engine.kill_streams()
         await until(lambda: len(first.engine.submits) + len(second.engine.submits) == 2)
@@ -295,7 +296,7 @@ async def test_a_retry_that_breaks_too_ends_unavailable(two: tuple[FakeUpstreams
         second.engine.kill_streams()
         result = await events(generation)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert result == [Failed("unavailable", "engine unavailable")]
 
 
@@ -307,9 +308,9 @@ async def test_an_engine_that_stops_serving_before_the_first_token_has_the_reque
     first.engine.error_next_submit = "unavailable: engine loop stopped: boom"
     server = await start_gateway(first, second, routing="round_robin")
     try:
-        results = [await events(generate(server.pipeline, "hi", 3)) for _ in range(2)]
+        results = [await events(generate(server.core, "hi", 3)) for _ in range(2)]
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
     assert [r[-1] for r in results] == [Done("length", len(encode("hi")), 3)] * 2
     on_first = {s.request_id for s in first.engine.submits}
     on_second = {s.request_id for s in second.engine.submits}
@@ -330,24 +331,24 @@ async def test_a_killed_engine_leaves_the_rotation_and_gets_traffic_again_once_r
     server = await start_gateway(first, second, routing="least_load")
     restarted = None
     try:
-        queued = [generate(server.pipeline, f"queued {i}", 3) for i in range(4)]
+        queued = [generate(server.core, f"queued {i}", 3) for i in range(4)]
         await until(lambda: len(first.engine.submits) == 2 and len(second.engine.submits) == 2)
         second.engine.paused = False
         await first.stop("engine")
         ends = [(await events(g))[-1] for g in queued]
         assert all(isinstance(end, Done) for end in ends), ends
-        await until(lambda: address not in server.pipeline._engines.connected())
-        while_down = [await events(generate(server.pipeline, "down", 2)) for _ in range(3)]
+        await until(lambda: address not in server.core._stages.engines.connected())
+        while_down = [await events(generate(server.core, "down", 2)) for _ in range(3)]
         assert all(isinstance(r[-1], Done) for r in while_down)
         assert len(first.engine.submits) == 2
         restarted = await start_stage("engine", address)
-        await until(lambda: address in server.pipeline._engines.connected())
-        after = [generate(server.pipeline, f"after {i}", 2) for i in range(4)]
+        await until(lambda: address in server.core._stages.engines.connected())
+        after = [generate(server.core, f"after {i}", 2) for i in range(4)]
         results = await asyncio.gather(*(events(g) for g in after))
         assert all(isinstance(r[-1], Done) for r in results)
         served_after = len(second.engine.submits) - 2 - 2 - 3
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
         if restarted is not None:
             await restarted.stop(0)
     assert served_after < 4  # the restarted replica took some of them

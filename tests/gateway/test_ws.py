@@ -13,14 +13,14 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from gateway.server import GatewayServer, create_server
+from gateway.server import GatewayHandle, create_server
 from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, recv, send, wait_for
 from tests.gateway.fakes import OUTPUT, FakeUpstreams, encode, expected_text
 
 LONG = 10**6  # max_tokens of a generation that runs until it is cancelled
 DEEP = "[" * 100_000 + "]" * 100_000  # JSON nested past any recursion limit
 
-MakeGateway = Callable[..., Awaitable[GatewayServer]]
+MakeGateway = Callable[..., Awaitable[GatewayHandle]]
 
 
 async def test_two_concurrent_generations_stream_and_finish_with_usage(
@@ -179,7 +179,7 @@ async def test_duplicate_id_is_refused_and_the_first_goes_on(ws: ClientConnectio
 )
 async def test_invalid_frames_get_an_error_with_their_id(
     ws: ClientConnection,
-    gateway: GatewayServer,
+    gateway: GatewayHandle,
     upstreams: FakeUpstreams,
     raw: str,
     carried: str | int | None,
@@ -190,7 +190,7 @@ async def test_invalid_frames_get_an_error_with_their_id(
     assert frame["id"] == carried
     assert frame["message"]
     assert upstreams.engine.submits == []
-    assert gateway.pipeline.in_flight == 0
+    assert gateway.core.in_flight == 0
     # The socket still works.
     await send(ws, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
     assert (await collect(ws, {"ok"}))["ok"]["text"] == expected_text(2)
@@ -218,9 +218,9 @@ async def test_cancel_of_an_unknown_id_is_ignored(ws: ClientConnection) -> None:
 
 
 async def test_closing_the_socket_aborts_its_generations(
-    gateway: GatewayServer, upstreams: FakeUpstreams
+    gateway: GatewayHandle, upstreams: FakeUpstreams
 ) -> None:
-    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as client:
+    async with connect(f"ws://127.0.0.1:{gateway.port}/v1/ws") as client:
         for name in ("x", "y"):
             await send(
                 client, {"type": "generate", "id": name, "prompt": "go", "params": {"max_tokens": LONG}}
@@ -233,7 +233,7 @@ async def test_closing_the_socket_aborts_its_generations(
     while set(upstreams.engine.aborts) != submitted:
         upstreams.engine.aborted.clear()
         await wait_for(upstreams.engine.aborted)
-    assert gateway.pipeline.in_flight == 0
+    assert gateway.core.in_flight == 0
 
 
 async def test_stop_string_finishes_stop_and_aborts_the_engine(
@@ -313,32 +313,32 @@ async def test_unreachable_tokenizer_is_unavailable(upstreams: FakeUpstreams) ->
     server = await create_server(settings)
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await send(client, {"type": "generate", "id": "u", "prompt": "x"})
             end = (await collect(client, {"u"}))["u"]["end"]
             assert end["type"] == "error" and end["code"] == "unavailable"
     finally:
-        await server.shutdown(0.1)
+        await server.stop(0.1)
 
 
 async def test_request_timeout_is_deadline_exceeded(upstreams: FakeUpstreams) -> None:
     server = await create_server(gateway_settings(upstreams, request_timeout_s=0.2))
     await server.start()
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await send(client, {"type": "generate", "id": "t", "prompt": "x", "params": {"max_tokens": LONG}})
             end = (await collect(client, {"t"}))["t"]["end"]
             assert (end["type"], end["code"]) == ("error", "deadline_exceeded")
             assert "longer than" in end["message"]
         await wait_for(upstreams.engine.aborted)
     finally:
-        await server.shutdown(0.1)
+        await server.stop(0.1)
 
 
 async def test_shutdown_lets_short_generations_finish_and_fails_the_rest(
-    gateway: GatewayServer, upstreams: FakeUpstreams
+    gateway: GatewayHandle, upstreams: FakeUpstreams
 ) -> None:
-    async with connect(f"ws://127.0.0.1:{gateway.http_port}/v1/ws") as client:
+    async with connect(f"ws://127.0.0.1:{gateway.port}/v1/ws") as client:
         await send(client, {"type": "generate", "id": "long", "prompt": "x", "params": {"max_tokens": LONG}})
         assert (await recv(client))["type"] == "delta"
         await send(client, {"type": "generate", "id": "short", "prompt": "x", "params": {"max_tokens": 50}})
@@ -346,23 +346,23 @@ async def test_shutdown_lets_short_generations_finish_and_fails_the_rest(
         while not short:
             frame = await recv(client)
             short += frame["text"] if frame["id"] == "short" else ""
-        gateway.pipeline.start_draining()
+        gateway.core.start_draining()
         await send(client, {"type": "generate", "id": "late", "prompt": "x"})
         results = await collect(client, {"short", "late"}, skip=frozenset({"long"}))
         assert results["short"]["end"]["finish_reason"] == "length"
         assert short + results["short"]["text"] == expected_text(50)
         assert results["late"]["end"]["code"] == "unavailable"
-        await gateway.shutdown(0.1)
+        await gateway.stop(0.1)
         results = await collect(client, {"long"})
         assert results["long"]["end"]["code"] == "unavailable"
     await wait_for(upstreams.engine.aborted)
 
 
-def ws_url(server: GatewayServer) -> str:
-    return f"ws://127.0.0.1:{server.http_port}/v1/ws"
+def ws_url(server: GatewayHandle) -> str:
+    return f"ws://127.0.0.1:{server.port}/v1/ws"
 
 
-async def handshake_status(server: GatewayServer, origin: str) -> int:
+async def handshake_status(server: GatewayHandle, origin: str) -> int:
     """The HTTP status of a handshake sending `origin` (101 when the socket opened)."""
     try:
         async with connect(ws_url(server), origin=origin) as client:  # type: ignore[arg-type]
@@ -385,15 +385,15 @@ async def handshake_status(server: GatewayServer, origin: str) -> int:
     ],
 )
 async def test_a_page_of_another_origin_is_refused_before_the_socket_opens(
-    gateway: GatewayServer, upstreams: FakeUpstreams, origin: str
+    gateway: GatewayHandle, upstreams: FakeUpstreams, origin: str
 ) -> None:
     assert await handshake_status(gateway, origin) == 403
-    assert upstreams.tokenizer.requests == [] and gateway.pipeline.in_flight == 0
+    assert upstreams.tokenizer.requests == [] and gateway.core.in_flight == 0
 
 
-async def test_the_gateways_own_page_and_non_browsers_are_accepted(gateway: GatewayServer) -> None:
-    assert await handshake_status(gateway, f"http://127.0.0.1:{gateway.http_port}") == 101
-    assert await handshake_status(gateway, f"HTTP://127.0.0.1:{gateway.http_port}") == 101
+async def test_the_gateways_own_page_and_non_browsers_are_accepted(gateway: GatewayHandle) -> None:
+    assert await handshake_status(gateway, f"http://127.0.0.1:{gateway.port}") == 101
+    assert await handshake_status(gateway, f"HTTP://127.0.0.1:{gateway.port}") == 101
     async with connect(ws_url(gateway)) as client:  # no Origin header: not a browser
         await send(client, {"type": "generate", "id": "n", "prompt": "x", "params": {"max_tokens": 1}})
         assert (await collect(client, {"n"}))["n"]["end"]["type"] == "done"
@@ -404,7 +404,7 @@ async def test_allowed_origins_are_accepted_and_a_star_accepts_any(make_gateway:
     assert await handshake_status(listed, "https://app.example") == 101
     assert await handshake_status(listed, "https://app.example:443") == 101
     assert await handshake_status(listed, "http://tools.example:8080") == 101
-    assert await handshake_status(listed, f"http://127.0.0.1:{listed.http_port}") == 101  # its own page
+    assert await handshake_status(listed, f"http://127.0.0.1:{listed.port}") == 101  # its own page
     assert await handshake_status(listed, "http://app.example") == 403  # another scheme
     assert await handshake_status(listed, "http://tools.example") == 403  # another port
     anyone = await make_gateway(allowed_origins=("*",))
@@ -447,7 +447,7 @@ async def test_one_socket_runs_at_most_ws_max_in_flight_generations(
         end = results["g3"]["end"]
         assert (end["type"], end["code"]) == ("error", "resource_exhausted")
         assert "2" in end["message"]
-        assert server.pipeline.in_flight == 2
+        assert server.core.in_flight == 2
         # The socket goes on: once one generation ends, a new one may start.
         await send(client, {"type": "cancel", "id": "g1"})
         await collect(client, {"g1"}, skip=frozenset({"g2"}))
@@ -534,8 +534,8 @@ async def test_a_client_that_stops_reading_is_timed_out_and_its_generation_cance
     server = await make_gateway(send_timeout_s=0.5)
     # Connections accepted from now on get a small kernel send buffer (no autotuning to MiBs), so the
     # gateway's writes block after tens of KiB rather than after megabytes.
-    server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    client = await RawClient.open(server.http_port)
+    server.server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client = await RawClient.open(server.port)
     try:
         frame = {"type": "generate", "id": "slow-" + "x" * 250, "prompt": "x", "params": {"max_tokens": LONG}}
         await client.send_text(json.dumps(frame))
@@ -543,7 +543,7 @@ async def test_a_client_that_stops_reading_is_timed_out_and_its_generation_cance
         # The client reads nothing: the gateway's send blocks, times out, and the generation ends.
         await wait_for(upstreams.engine.aborted)
         assert upstreams.engine.aborts == [upstreams.engine.submits[0].request_id]
-        assert server.pipeline.in_flight == 0
+        assert server.core.in_flight == 0
         # What the gateway buffered for this client is bounded; once drained, the connection ends (with
         # the close frame when the client read again before the gateway stopped waiting to send it).
         size, code = await client.drain()

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from gateway.server import GatewayServer, create_server
+from gateway.server import GatewayHandle, create_server
 from tests.gateway.conftest import collect, gateway_settings, recv, send
 from tests.gateway.fakes import FakeUpstreams, start_upstreams
 from tests.observability.processes import parse_metrics
@@ -18,26 +18,26 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 @pytest.fixture
-async def gateway() -> AsyncIterator[tuple[GatewayServer, FakeUpstreams]]:
+async def gateway() -> AsyncIterator[tuple[GatewayHandle, FakeUpstreams]]:
     upstreams = await start_upstreams()
     server = await create_server(gateway_settings(upstreams))
     await server.start()
     yield server, upstreams
-    await server.shutdown(0.5)
+    await server.stop(0.5)
     await upstreams.stop()
 
 
-async def _metrics(server: GatewayServer) -> dict[str, float]:
+async def _metrics(server: GatewayHandle) -> dict[str, float]:
     async with httpx.AsyncClient() as client:
-        reply = await client.get(f"http://127.0.0.1:{server.http_port}/metrics")
+        reply = await client.get(f"http://127.0.0.1:{server.port}/metrics")
     assert reply.status_code == 200
     assert reply.headers["content-type"].startswith("text/plain")
     return parse_metrics(reply.text)
 
 
-async def test_metrics_count_websocket_generations(gateway: tuple[GatewayServer, FakeUpstreams]) -> None:
+async def test_metrics_count_websocket_generations(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
     server, _ = gateway
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
         await send(ws, {"type": "generate", "id": "a", "prompt": "Once", "params": {"max_tokens": 5},
                         "traceparent": TRACEPARENT})
         await send(ws, {"type": "generate", "id": "b", "prompt": "Upon", "params": {"max_tokens": 3}})
@@ -54,9 +54,9 @@ async def test_metrics_count_websocket_generations(gateway: tuple[GatewayServer,
         samples["sluice_gateway_time_to_first_token_seconds_sum"]
 
 
-async def test_bad_traceparent_field_is_refused(gateway: tuple[GatewayServer, FakeUpstreams]) -> None:
+async def test_bad_traceparent_field_is_refused(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
     server, upstreams = gateway
-    async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as ws:
+    async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
         await send(ws, {"type": "generate", "id": "x", "prompt": "hi", "traceparent": 7})
         frame = await recv(ws)
     assert frame["type"] == "error" and frame["id"] == "x"
@@ -64,10 +64,10 @@ async def test_bad_traceparent_field_is_refused(gateway: tuple[GatewayServer, Fa
     assert upstreams.tokenizer.requests == []
 
 
-async def test_openai_requests_are_counted_by_api(gateway: tuple[GatewayServer, FakeUpstreams]) -> None:
+async def test_openai_requests_are_counted_by_api(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
     server, _ = gateway
     async with httpx.AsyncClient(timeout=10) as client:
-        reply = await client.post(f"http://127.0.0.1:{server.http_port}/v1/completions",
+        reply = await client.post(f"http://127.0.0.1:{server.port}/v1/completions",
                                   json={"prompt": "Once", "max_tokens": 4},
                                   headers={"traceparent": TRACEPARENT})
     assert reply.status_code == 200, reply.text

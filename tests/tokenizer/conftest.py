@@ -14,11 +14,15 @@ import pytest
 from services.common import grpc_server
 from services.common.pb import tokenizer_pb2_grpc
 from services.tokenizer.server import create_server
-from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+)
 
 
 def write_tokenizer_dir(out: Path) -> Path:
@@ -62,24 +66,21 @@ def variant_dir(model_dir: Path, dst: Path, **config_changes: object) -> Path:
 @dataclass
 class Served:
     stub: tokenizer_pb2_grpc.TokenizerStub
-    servicer: TokenizerServicer
     address: str
 
 
 async def serve(model_dir: Path, **settings: object) -> AsyncIterator[Served]:
-    server, port, health, servicer = await create_server(
+    handle = await create_server(
         TokenizerSettings(model=str(model_dir), port=0, **settings)  # type: ignore[arg-type]
     )
-    await server.start()
-    await health.set_serving(True)
-    address = f"127.0.0.1:{port}"
+    await handle.start()
+    address = f"127.0.0.1:{handle.port}"
     await grpc_server.wait_healthy(address, timeout_s=10)
     try:
         async with grpc.aio.insecure_channel(address, options=grpc_server.CHANNEL_OPTIONS) as channel:
-            yield Served(tokenizer_pb2_grpc.TokenizerStub(channel), servicer, address)
+            yield Served(tokenizer_pb2_grpc.TokenizerStub(channel), address)
     finally:
-        await server.stop(None)
-        servicer.close()
+        await handle.stop(None)
 
 
 @pytest.fixture

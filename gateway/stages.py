@@ -1,0 +1,183 @@
+"""The gateway's links to the stages: the replicas of the tokenizer, engine and detokenizer
+(`gateway.upstream.Replicas`), each with its picker (`gateway.routing.Picker`: round robin for the
+tokenizer and detokenizer, the `routing` policy for engines), and one long-lived multiplexed call
+(`StreamLink`) per engine and detokenizer member. No request state lives here: the pipeline owns the
+requests, and gets every message read on a link (`on_engine_out`, `on_detok_out`) and every broken
+link (`on_broken`).
+
+Every connected engine replica gets a link as soon as a request is routed, so each reports its load
+and prefix cache (`EngineReport`), which the engines' picker mirrors; a broken engine link makes the
+picker forget what that replica reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from gateway.events import GenerateInput
+from gateway.routing import Picker
+from gateway.settings import GatewaySettings
+from gateway.upstream import Replicas, StreamLink
+from services.common.grpc_server import ChannelTls
+from services.common.pb import (
+    common_pb2,
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+
+EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
+DetokLink = StreamLink[
+    detokenizer_pb2.DetokenizeInEntry, detokenizer_pb2.DetokenizeIn, detokenizer_pb2.DetokenizeOut
+]
+OnBroken = Callable[[EngineLink | DetokLink, str], None]
+
+
+class Stages:
+    """Replicas, pickers and links of the three stages. Create it inside the event loop that will use
+    it; `close()` closes every link and channel."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        on_engine_out: Callable[[EngineLink, engine_pb2.EngineOut], None],
+        on_detok_out: Callable[[DetokLink, detokenizer_pb2.DetokenizeOut], None],
+        on_broken: OnBroken,
+    ) -> None:
+        self._settings = settings
+        tls = ChannelTls.from_settings(settings)
+        per_replica, interval = settings.channels_per_replica, settings.resolve_interval_s
+        self.tokenizers = Replicas(
+            "tokenizer",
+            settings.tokenizer,
+            tls,
+            channels_per_replica=per_replica,
+            resolve_interval_s=interval,
+        )
+        engine_picker = Picker(
+            settings.routing, self.engine_load, settings.routing_margin, settings.routing_margin_ratio
+        )
+        self.engines = Replicas(
+            "engine", settings.engine, tls, picker=engine_picker, resolve_interval_s=interval
+        )
+        self.detokenizers = Replicas(
+            "detokenizer",
+            settings.detokenizer,
+            tls,
+            channels_per_replica=per_replica,
+            resolve_interval_s=interval,
+        )
+        self._engine_links: dict[str, EngineLink] = {}
+        self._detok_links: dict[str, DetokLink] = {}
+        self._on_engine_out = on_engine_out
+        self._on_detok_out = on_detok_out
+        self._on_broken = on_broken
+
+    # ----- picking
+
+    async def pick_engine(self, ids: list[int], wait_s: float) -> str:
+        """The engine replica for a prompt of `ids`, by the routing policy among the connected replicas
+        (each gets a link, so it reports), waiting up to `wait_s` for one when none is connected."""
+        address = await self.engines.pick_ready(wait_s, ids)
+        for connected in self.engines.connected():
+            self.engine_link(connected)
+        return address
+
+    def retry_engine(self, failed: str, ids: list[int]) -> str | None:
+        """Another connected engine replica than `failed` for a prompt of `ids`, by the routing policy;
+        None when there is none."""
+        others = [a for a in self.engines.connected() if a != failed]
+        return self.engines.picker.pick(others, ids) if others else None
+
+    def engine_load(self, address: str) -> int:
+        """Requests in flight on an engine replica, as this gateway sent them."""
+        link = self._engine_links.get(address)
+        return len(link.request_ids) if link is not None and link.alive else 0
+
+    # ----- links
+
+    def engine_link(self, address: str) -> EngineLink:
+        """The live link to an engine member, opened if need be."""
+        link = self._engine_links.get(address)
+        if link is None or not link.alive:
+            stub = engine_pb2_grpc.EngineStub(self.engines.channels[address])
+            link = StreamLink(
+                kind="engine",
+                address=address,
+                open_call=stub.Stream,
+                merge=lambda items: items,
+                on_message=self._on_engine_message,
+                on_broken=self._on_link_broken,
+            )
+            self._engine_links[address] = link
+        return link
+
+    def detok_link(self, address: str) -> DetokLink:
+        """The live link to a detokenizer member, opened if need be."""
+        link = self._detok_links.get(address)
+        if link is None or not link.alive:
+            stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[address])
+            link = StreamLink(
+                kind="detokenizer",
+                address=address,
+                open_call=stub.Stream,
+                merge=lambda entries: [detokenizer_pb2.DetokenizeIn(entries=entries)],
+                on_message=self._on_detok_out,
+                on_broken=self._on_link_broken,
+            )
+            self._detok_links[address] = link
+        return link
+
+    def _on_engine_message(self, link: EngineLink, out: engine_pb2.EngineOut) -> None:
+        if out.HasField("report"):
+            self.engines.picker.on_report(link.address, out.report)
+        self._on_engine_out(link, out)
+
+    def _on_link_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
+        if link.kind == "engine" and self._engine_links.get(link.address) is link:
+            self.engines.picker.forget(link.address)
+        self._on_broken(link, reason)
+
+    # ----- unary calls
+
+    async def tokenize(self, request_id: str, inp: GenerateInput, deadline: float) -> list[int]:
+        """The prompt's ids from a tokenizer replica (in turn), within `deadline` (`time.monotonic()`).
+        Raises AioRpcError."""
+        if inp.messages is not None:
+            messages = [common_pb2.ChatMessage(role=role, content=content) for role, content in inp.messages]
+            chat = common_pb2.Conversation(messages=messages)
+            message = tokenizer_pb2.TokenizeRequest(request_id=request_id, chat=chat)
+        else:
+            message = tokenizer_pb2.TokenizeRequest(request_id=request_id, text=inp.prompt)
+        wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
+        address = await self.tokenizers.pick_ready(wait_s)
+        timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
+        stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
+        reply = await stub.Tokenize(message, timeout=timeout)
+        return list(reply.ids)
+
+    async def check_ready(self) -> dict[str, bool]:
+        """Health of every upstream replica: "kind address" → SERVING."""
+        timeout = self._settings.health_timeout_s
+        stages = (self.tokenizers, self.engines, self.detokenizers)
+        results = await asyncio.gather(*(replicas.check_health(timeout) for replicas in stages))
+        return {
+            f"{replicas.kind} {address}": ok
+            for replicas, result in zip(stages, results, strict=True)
+            for address, ok in result.items()
+        }
+
+    async def close(self) -> None:
+        links: list[EngineLink | DetokLink] = [*self._engine_links.values(), *self._detok_links.values()]
+        self._engine_links.clear()
+        self._detok_links.clear()
+        for link in links:
+            await link.close()
+        for replicas in (self.tokenizers, self.engines, self.detokenizers):
+            await replicas.close()
