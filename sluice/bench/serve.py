@@ -19,37 +19,20 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import math
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from sluice.bench.common import add_flags, run_meta
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
-from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_json, write_plots
-
-__all__ = [
-    "BenchRequest",
-    "RequestRecord",
-    "ServeConfig",
-    "ServeResult",
-    "format_summary",
-    "main",
-    "run_serve",
-    "write_json",
-    "write_plots",
-]
+from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_plots, write_result
 
 DEFAULT_URLS = {
     "openai": "http://127.0.0.1:8000/v1",
@@ -268,10 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
     add("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout in seconds")
-    add("--json", type=Path, default=None, metavar="FILE", help="write the summary and every request here")
-    add("--plot", type=Path, default=None, metavar="DIR", help="write latency CDF and throughput PNGs here")
-    add("--seed", type=int, default=0, help="seed of the workload and the arrival times")
-    add("--no-progress", action="store_true", help="hide the progress bar")
+    add_flags(
+        parser,
+        "json",
+        "plot",
+        "seed",
+        "no-progress",
+        json="write the summary and every request here",
+        plot="write latency CDF and throughput PNGs into this folder",
+        seed="seed of the workload and the arrival times",
+    )
     return parser
 
 
@@ -326,45 +315,6 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
     return [lines[i % len(lines)] for i in range(num or len(lines))]
 
 
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
-
-
-def run_meta(bench_argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how a benchmark run was made: its command (`bench_argv` is what followed `sluice bench`,
-    the benchmark's name first), date (UTC), machine, git commit."""
-    return {
-        "command": shlex.join(["sluice", "bench", *bench_argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "cpu_model": _cpu_model(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "git_commit": _git_commit(),
-    }
-
-
 def _config(args: argparse.Namespace) -> ServeConfig:
     slo = args.slo or {}
     return ServeConfig(
@@ -404,7 +354,7 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
     """Prints the table, writes the JSON and the plots; returns the exit status."""
     summary = result.summary()
     if args.json is not None:
-        write_json(args.json, result, run_meta(["serve", *argv]))
+        write_result(args.json, result, run_meta(["serve", *argv]))
         print(f"wrote {args.json}")
     if summary["completed"] == 0:
         first = summary["errors"][0]["message"] if summary["errors"] else "no request completed"
@@ -412,6 +362,5 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
         return 1
     print(format_summary(result))
     if args.plot is not None:
-        for path in write_plots(args.plot, result):
-            print(f"wrote {path}")
+        write_plots(args.plot, result)
     return 0

@@ -125,7 +125,7 @@ def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama",
     if train_seconds > 0:
         report = train(model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed,
                                                                 progress=progress))
-    with _written_whole(out_dir) as tmp:
+    with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
         GenerationConfig(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS),
                          pad_token_id=PAD_ID).save_pretrained(tmp)
@@ -136,7 +136,7 @@ def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama",
 
 
 @contextlib.contextmanager
-def _written_whole(out_dir: Path) -> Iterator[Path]:
+def written_whole(out_dir: Path) -> Iterator[Path]:
     """Yields a temporary directory beside `out_dir`; once the block has filled it, it replaces
     `out_dir` (readable by all), and on any failure it is removed: `out_dir` is complete or untouched."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +224,7 @@ def copy_model_dir(src: Path, out_dir: Path) -> Path:
     which is replaced; anything else raises FileExistsError). It appears complete or not at all."""
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
-    with _written_whole(out_dir) as tmp:
+    with written_whole(out_dir) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
     return out_dir
 
