@@ -1,16 +1,18 @@
 """`sluice bench compare`: sluice's three batching policies, and transformers' own server, under a sweep
 of request rates.
 
-Usage: `sluice bench compare [--model DIR] [--policies static,dynamic,continuous] [--rates 2,8,32,inf]
-[--num-requests 64] [--input-len 64] [--output-len 128] [--seed 0] [--ttft-bound-ms 1000] [--no-peer]
-[--engine-flags FLAGS] [--json FILE] [--plot FILE.png] [--no-progress]`.
-
-A sweep (sweep.py) whose systems are the policies and the peer and whose points are request rates: for
-each policy it starts the whole pipeline once and runs `sluice bench serve`'s load generator (OpenAI
-streaming completions, Poisson arrivals) at each rate on one seeded workload; then, unless `--no-peer`,
-the same against `transformers serve --continuous-batching` on the same model. Exit status 0 when every
-system ran every point, 1 when a system failed to start or a point completed no request, 2 on bad
-arguments.
+Measures output tokens/s and p99 time to first token (TTFT) against request rate for sluice's batching
+policies (static, dynamic, continuous: one pipeline each, started here) and for `transformers serve
+--continuous-batching` on the same model (the peer, unless --no-peer), on one seeded workload of
+random-word prompts sent as streaming OpenAI completions with Poisson arrivals (rate inf: all at once):
+a sweep (sweep.py) whose systems are the policies and the peer and whose points are the rates. Prints a
+table of every point, sluice-continuous ÷ peer at each rate, per policy the highest rate whose p99 TTFT
+stays under --ttft-bound-ms, and continuous's highest rate ÷ static's. Every system runs the same
+requests greedily and stops at EOS (the peer does not accept ignore_eos), so each generates the same
+tokens; tokens/s counts the tokens produced, and "(EOS)" marks points that produced fewer than
+max_tokens. The defaults take about 4 minutes on a 2-core CPU with the embedded model. Exit status 0
+when every system ran every point, 1 when a system failed to start or a point completed no request, 2 on
+bad arguments.
 """
 
 from __future__ import annotations
@@ -58,18 +60,6 @@ DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 NUM_WARMUP = 4  # requests sent and awaited before a system's first point
 REQUEST_TIMEOUT_S = 300.0
 
-DESCRIPTION = """\
-Measures output tokens/s and p99 time to first token (TTFT) against request rate for sluice's
-batching policies (static, dynamic, continuous: one pipeline each, started here) and for
-`transformers serve --continuous-batching` on the same model (the peer), on one seeded workload of
-random-word prompts sent as streaming OpenAI completions with Poisson arrivals (rate inf: all at
-once). Prints a table of every point, sluice-continuous ÷ peer at each rate, and per policy the
-highest rate whose p99 TTFT stays under --ttft-bound-ms and continuous's highest rate ÷ static's.
-Every system runs the same requests greedily and
-stops at EOS (the peer does not accept ignore_eos), so each generates the same tokens; tokens/s counts
-the tokens produced, and "(EOS)" marks points that produced fewer than max_tokens. The defaults take
-about 4 minutes on a 2-core CPU with the embedded model."""
-
 
 @dataclass(frozen=True)
 class Point:
@@ -112,7 +102,7 @@ def _rates(text: str) -> tuple[float, ...]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench compare",
-        description=DESCRIPTION,
+        description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument

@@ -1,8 +1,5 @@
 """`sluice bench detokenizer`: the detokenizer service against in-process `tokenizers`, in one run.
 
-Usage: `sluice bench detokenizer [--model DIR] [--workers N] [--concurrency 1,64,256]
-[--lengths 32,1024] [--json FILE]`.
-
 Starts `sluice serve detokenizer` as a child process on a free port. For every generated length L and
 concurrency C, C requests each turn L ids of real text into text:
 

@@ -1,9 +1,5 @@
 """`sluice bench engine`: the engine against transformers on one fixed workload, in one process.
 
-Usage: `sluice bench engine [--preset NAME | --model DIR] [--device cpu|cuda] [--dtype D]
-[--concurrency 64,256] [--methods a,b] [--decode-batch 64] [--hbm-gbps GB/s] [--json FILE] [--plot FILE]
-[--quick]`.
-
 The model: `--preset tiny` (the default; a random-weight tiny Llama written to a temporary directory),
 `qwen2-0.5b`, `llama-1b` or `llama-8b` (random weights in those models' shapes, cached; see
 sluice/model/presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it

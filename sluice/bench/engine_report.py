@@ -5,6 +5,7 @@ A run is one block per concurrency (every method on that workload) and the decod
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -339,24 +340,15 @@ def to_json(
     methods: dict[str, Any] = {}
     for row in rows:
         r, g = row.result, row.greedy
+        figures = {k: v for k, v in dataclasses.asdict(r).items() if k not in ("name", "outputs")}
         methods[r.name] = {
             "tokens_per_s": r.tokens_per_s,
-            "wall_s": r.wall_s,
-            "output_tokens": r.output_tokens,
             f"ratio_to_{BASELINE}": row.ratio,
             f"greedy_equals_{REFERENCE}": None if g is None else g.equal,
             "mismatching_requests": None if g is None else g.differing,
             "near_tie_requests": None if g is None else g.near_ties,
             "tokens_compared": None if g is None else g.tokens_compared,
-            "forward_share": r.forward_share,
-            "forward_share_max_batch": r.forward_share_max_batch,
-            "max_batch": r.max_batch,
-            "kv_efficiency": r.kv_efficiency,
-            "preemptions": r.preemptions,
-            "cuda_graphs": r.cuda_graphs,
-            "setting": r.setting,
-            "sweep": r.sweep,
-            "runs_tokens_per_s": r.runs_tokens_per_s,
+            **figures,
             "error": None,
         }
     for name, msg in errors.items():
@@ -375,11 +367,7 @@ def to_json(
 def decode_json(figure: DecodeFigure) -> dict[str, Any]:
     s, roof = figure.step, figure.roofline
     return {
-        "cuda_graphs": s.cuda_graphs,
-        "batch": s.batch,
-        "mean_context": s.mean_context,
-        "steps": s.steps,
-        "step_s": s.step_s,
+        **dataclasses.asdict(s),
         "tokens_per_s": s.tokens_per_s,
         "weight_bytes": roof.weight_bytes,
         "kv_bytes": roof.kv_bytes,

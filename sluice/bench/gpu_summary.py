@@ -1,8 +1,5 @@
 """One table summarising scripts/gpu_check.sh: the GPU tests' outcome and each engine benchmark's figures.
 
-Usage: `python -m sluice.bench.gpu_summary [--tests LABEL JUNIT_XML RC SECONDS]
-[--bench LABEL JSON RC SECONDS]...`
-
 Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
 concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
 its decode-only steps (tokens/s, the step time against the memory roofline), and its ratios. The latency

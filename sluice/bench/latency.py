@@ -1,9 +1,5 @@
 """`sluice bench latency`: speculative decoding and quantized weights against the plain engine.
 
-Usage: `sluice bench latency [--model DIR | --preset NAME] [--variants off,ngram,int8,fp8]
-[--num-requests 8] [--concurrency 64] [--output-len 128] [--int8-preset qwen2-0.5b|none]
-[--perplexity-tokens 16384] [--json FILE] [--plot FILE] [--quick] [--no-progress]`.
-
 Each variant (off: the plain engine; ngram: prompt-lookup speculation; int8: int8 weight-only; fp8: float8
 weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads of the model
 (sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive

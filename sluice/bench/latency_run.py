@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import LLMEngine, Progress
 from sluice.bench.latency_workload import LatencyRequest, LatencyWorkload
@@ -150,13 +152,7 @@ class RunFigures:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation between closest ranks; nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, 100 * q)) if len(values) else math.nan
 
 
 def _figures(

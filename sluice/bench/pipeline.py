@@ -1,8 +1,5 @@
 """`sluice bench pipeline`: what the four-service trip costs against the engine alone.
 
-Usage: `sluice bench pipeline [--model DIR] [--num-requests 64] [--prompt-words 12,200] [--output-len 8,256]
-[--api openai|ws|grpc] [--engine-flags "..."] [--repeat N] [--json FILE] [--plot FILE.png]`.
-
 A sweep (sweep.py) of one system, the four services, whose points are rounds: each runs one workload
 (all requests at once, greedy, fixed output lengths) twice on this machine:
 1. **in-process**: the prompts tokenized here exactly as the tokenizer service does, then the engine core

@@ -2,10 +2,6 @@
 prefix_affinity) compared across engine replicas on `sluice bench serve`'s shared-prefix workload (many
 tenants, each with a long shared context).
 
-Usage: `sluice bench routing [--model DIR] [--engines 2] [--policies ...] [--num-requests 96]
-[--num-prefixes 8] [--prefix-len 512] [--suffix-len 32] [--output-len 32] [--rate inf] [--seed 0]
-[--engine-flags "--num-kv-blocks 256"] [--repeat N] [--json FILE] [--no-progress]`.
-
 A sweep (sweep.py) per round whose systems are the policies, one point each: for each policy it starts
 the whole pipeline with `--engines N` (the gateway's `SLUICE_ROUTING` set to the policy), runs the same
 seeded workload through the OpenAI API, and reads each engine's prefix-cache counters from its /metrics.

@@ -1,11 +1,5 @@
 """`sluice bench serve`: a serving load generator against a running gateway, like `vllm bench serve`.
 
-Usage: `sluice bench serve --api openai|ws|grpc --url URL --num-requests 64 --request-rate inf
-[--burstiness 1] [--max-concurrency N] [--num-warmup 2] [--dataset synthetic|shared-prefix|FILE.jsonl]
-[--input-len 128 --output-len 128 --sigma 0.5] [--prefix-len 512 --num-prefixes 4 --suffix-len 32]
-[--no-ignore-eos] [--slo ttft=500,tpot=50] [--json FILE] [--plot DIR] [--seed 0] [--model NAME]
-[--no-progress]`.
-
 Open loop: request i is sent at its arrival time whatever happened to the others (gaps drawn from a
 gamma distribution of shape `burstiness` around 1/rate, seeded; rate inf sends all at once), as its own
 task; `max_concurrency` holds it back until a slot is free (its latencies count from when it is sent).

@@ -1,8 +1,5 @@
 """`sluice bench tokenizer`: the tokenizer service against in-process `tokenizers`, in one run.
 
-Usage: `sluice bench tokenizer [--model DIR] [--workers N] [--concurrency 1,64,256] [--lengths 32,1024]
-[--seconds S] [--json FILE]`.
-
 Starts `sluice serve tokenizer` as a child process on a free port, then for every input length (texts
 that encode to that many tokens) and concurrency C measures tokens/s of C concurrent clients calling
 `Tokenize` in a loop, and tokens/s of the same texts encoded in this process with `tokenizers`
