@@ -30,6 +30,8 @@ from sluice.bench.common import (
     int_list,
     int_range,
     names,
+    positive_float,
+    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
         "other than tiny)",
     )
-    add("--num-requests", type=int, default=None, metavar="N", help="the same as --concurrency N")
+    add("--num-requests", type=positive_int, default=None, metavar="N", help="the same as --concurrency N")
     add(
         "--methods",
         type=names(ALL_METHODS, "method(s)"),
@@ -112,10 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)",
     )
-    add("--decode-steps", type=int, default=None, metavar="N", help="decode steps timed (default 32)")
+    add(
+        "--decode-steps", type=positive_int, default=None, metavar="N", help="decode steps timed (default 32)"
+    )
     add(
         "--hbm-gbps",
-        type=float,
+        type=positive_float,
         default=None,
         metavar="GB/s",
         help="memory bandwidth for the roofline (default: by GPU name; none on CPU)",
@@ -153,8 +157,6 @@ def _resolve(args: argparse.Namespace) -> None:
     """Fills unset options from the quick or full defaults (on CUDA, bfloat16 and 64,256 requests for a
     model other than tiny) and picks the device."""
     if args.num_requests is not None:
-        if args.num_requests < 1:
-            raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
         if args.concurrency not in (None, (args.num_requests,)):
             raise ValueError("--num-requests N is --concurrency N; give one of them")
         args.concurrency = (args.num_requests,)
@@ -168,10 +170,8 @@ def _resolve(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
-    if args.decode_batch < 0 or args.decode_steps < 1:
-        raise ValueError("--decode-batch must be >= 0 and --decode-steps >= 1")
-    if args.hbm_gbps is not None and args.hbm_gbps <= 0:
-        raise ValueError(f"--hbm-gbps must be positive, got {args.hbm_gbps}")
+    if args.decode_batch < 0:
+        raise ValueError("--decode-batch must be >= 0")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
 

@@ -38,6 +38,8 @@ from sluice.bench.common import (
     add_flags,
     error_text,
     names,
+    positive_float,
+    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -126,15 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="repetitive,non-repetitive",
     )
-    add(
-        "--num-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="batch-1 requests per workload (default 8)",
-    )
-    add("--concurrency", type=int, default=None, metavar="N", help="requests added at once (default 64)")
-    add("--output-len", type=int, default=None, metavar="N", help="output tokens per request (default 128)")
     add_flags(
         parser,
         "seed",
@@ -148,8 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*PRESET_NAMES, "none"),
         help="the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)",
     )
-    add("--shape-requests", type=int, default=None, metavar="N", help="requests on that shape (default 2)")
-    add("--shape-output-len", type=int, default=None, metavar="N", help="their output tokens (default 32)")
+    for flag, about in (
+        ("num_requests", "batch-1 requests per workload"),
+        ("concurrency", "requests added at once"),
+        ("output_len", "output tokens per request"),
+        ("shape_requests", "requests on the --int8-preset shape"),
+        ("shape_output_len", "their output tokens"),
+    ):
+        add(
+            f"--{flag.replace('_', '-')}",
+            type=positive_int,
+            metavar="N",
+            help=f"{about} (default {FULL_DEFAULTS[flag]})",
+        )
     add(
         "--perplexity-tokens",
         type=int,
@@ -159,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--kv-budget-gb",
-        type=float,
+        type=positive_float,
         default=KV_BUDGET_GB,
         metavar="GB",
         help="CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8",
@@ -211,11 +215,8 @@ def _resolve(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
-    for name in ("num_requests", "concurrency", "output_len", "shape_requests", "shape_output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.perplexity_tokens < 0 or args.kv_budget_gb <= 0:
-        raise ValueError("--perplexity-tokens must be >= 0 and --kv-budget-gb positive")
+    if args.perplexity_tokens < 0:
+        raise ValueError("--perplexity-tokens must be >= 0")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     if args.quality_model is not None and not (args.quality_model / "tokenizer.json").is_file():

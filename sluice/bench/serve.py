@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from sluice.bench.common import add_flags, run_meta
+from sluice.bench.common import add_flags, positive_float, positive_int, run_meta
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
 from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_plots, write_result
@@ -205,38 +205,58 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="openai model name (default: the first of GET /v1/models)")
     add(
         "--num-requests",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help=f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)",
     )
     add(
         "--request-rate",
-        type=float,
+        type=positive_float,
         default=math.inf,
         metavar="R",
         help="requests/s (default inf: all at once)",
     )
-    add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
-    add("--max-concurrency", type=int, default=None, metavar="N", help="at most N requests in flight")
+    add(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)"
+    )
+    add(
+        "--max-concurrency", type=positive_int, default=None, metavar="N", help="at most N requests in flight"
+    )
     add("--num-warmup", type=int, default=0, metavar="N", help="requests sent and awaited before measuring")
     add("--dataset", default="synthetic", help="synthetic | shared-prefix | FILE.jsonl (default synthetic)")
-    add("--input-len", type=int, default=128, metavar="N", help="synthetic: mean prompt words (~tokens)")
+    add(
+        "--input-len",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="synthetic: mean prompt words (~tokens)",
+    )
     add(
         "--output-len",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)",
     )
     add("--sigma", type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")
     add(
-        "--prefix-len", type=int, default=512, metavar="N", help="shared-prefix: words of each shared context"
+        "--prefix-len",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="shared-prefix: words of each shared context",
     )
-    add("--num-prefixes", type=int, default=4, metavar="N", help="shared-prefix: tenants (shared contexts)")
+    add(
+        "--num-prefixes",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="shared-prefix: tenants (shared contexts)",
+    )
     add(
         "--suffix-len",
-        type=int,
+        type=positive_int,
         default=32,
         metavar="N",
         help="shared-prefix: words of each request's own part",
@@ -244,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
-    add("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout in seconds")
+    add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
     add_flags(
         parser,
         "json",
@@ -260,26 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check(args: argparse.Namespace) -> None:
     """Raises ValueError on option values the parser's types let through."""
-    positive = {
-        "--request-rate": args.request_rate,
-        "--burstiness": args.burstiness,
-        "--timeout": args.timeout,
-    }
-    for flag, value in positive.items():
-        if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
-    at_least_one = {
-        "--num-requests": args.num_requests,
-        "--max-concurrency": args.max_concurrency,
-        "--input-len": args.input_len,
-        "--output-len": args.output_len,
-        "--prefix-len": args.prefix_len,
-        "--num-prefixes": args.num_prefixes,
-        "--suffix-len": args.suffix_len,
-    }
-    for flag, value in at_least_one.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.num_warmup < 0 or args.sigma < 0 or args.temperature < 0:
         raise ValueError("--num-warmup, --sigma and --temperature must not be negative")
 
