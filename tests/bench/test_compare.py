@@ -23,16 +23,28 @@ def _summary(completed: int, tokens_per_s: float, ttft_p99: float, output_tokens
     if not completed:
         stats = dict.fromkeys(stats)
     return {
-        "completed": completed, "failed": 4 - completed, "duration_s": 1.0, "ttft_ms": stats,
-        "tpot_ms": stats, "total_output_tokens": output_tokens, "output_throughput": tokens_per_s,
+        "completed": completed,
+        "failed": 4 - completed,
+        "duration_s": 1.0,
+        "ttft_ms": stats,
+        "tpot_ms": stats,
+        "total_output_tokens": output_tokens,
+        "output_throughput": tokens_per_s,
         "errors": [] if completed else [{"message": "HTTP 500: boom", "count": 4}],
     }
 
 
-def _run(name: str, ttfts: list[tuple[float, float]], tokens_per_s: float = 100.0, output_tokens: int = 40,
-         completed: int = 4) -> SystemRun:
-    points = [Point(name, rate, _summary(completed, tokens_per_s, p99, output_tokens), asked_tokens=40)
-              for rate, p99 in ttfts]
+def _run(
+    name: str,
+    ttfts: list[tuple[float, float]],
+    tokens_per_s: float = 100.0,
+    output_tokens: int = 40,
+    completed: int = 4,
+) -> SystemRun:
+    points = [
+        Point(name, rate, _summary(completed, tokens_per_s, p99, output_tokens), asked_tokens=40)
+        for rate, p99 in ttfts
+    ]
     return SystemRun(name, points)
 
 
@@ -88,8 +100,10 @@ def test_a_peer_that_failed_is_reported_not_skipped(
     args = compare.build_parser().parse_args(
         ["--rates", "2,inf", "--num-requests", "4", "--json", str(tmp_path / "c.json")]
     )
-    runs = {"continuous": _run("continuous", [(2, 50), (INF, 90)]),
-            PEER: SystemRun(PEER, error="transformers serve exited with code 1 during start-up; boom")}
+    runs = {
+        "continuous": _run("continuous", [(2, 50), (INF, 90)]),
+        PEER: SystemRun(PEER, error="transformers serve exited with code 1 during start-up; boom"),
+    }
     assert compare._report(args, runs, {"model": "/m"}) == 1
     printed = capsys.readouterr().out
     assert f"{PEER} FAILED: transformers serve exited with code 1" in printed
@@ -100,8 +114,16 @@ def test_a_peer_that_failed_is_reported_not_skipped(
     assert doc["capacity_ratio"]["value"] == 1.0 and "targets" not in doc
 
 
-@pytest.mark.parametrize("argv", [["--policies", "eager"], ["--rates", "0,2"], ["--rates", "x"],
-                                  ["--num-requests", "0"], ["--ttft-bound-ms", "-1"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--policies", "eager"],
+        ["--rates", "0,2"],
+        ["--rates", "x"],
+        ["--num-requests", "0"],
+        ["--ttft-bound-ms", "-1"],
+    ],
+)
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         compare.main(argv)
@@ -111,9 +133,26 @@ def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:
 @pytest.mark.e2e
 def test_two_policies_at_two_rates(tiny_model_dir: Path, tmp_path: Path) -> None:
     out, png = tmp_path / "compare.json", tmp_path / "compare.png"
-    argv = ["--model", str(tiny_model_dir), "--no-peer", "--policies", "static,continuous",
-            "--rates", "4,inf", "--num-requests", "4", "--input-len", "8", "--output-len", "8",
-            "--json", str(out), "--plot", str(png), "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--no-peer",
+        "--policies",
+        "static,continuous",
+        "--rates",
+        "4,inf",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "8",
+        "--output-len",
+        "8",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+        "--no-progress",
+    ]
     assert compare.main(argv) == 0
     doc = json.loads(out.read_text())
     asked = sum(r.output_len for r in synthetic_requests(4, 0, input_len=8, output_len=8))
@@ -138,9 +177,23 @@ def test_two_policies_at_two_rates(tiny_model_dir: Path, tmp_path: Path) -> None
 @pytest.mark.e2e
 def test_the_peer_runs_the_same_workload(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "peer.json"
-    argv = ["--model", str(tiny_model_dir), "--policies", "continuous", "--rates", "inf",
-            "--num-requests", "3", "--input-len", "8", "--output-len", "6", "--json", str(out),
-            "--no-progress"]
+    argv = [
+        "--model",
+        str(tiny_model_dir),
+        "--policies",
+        "continuous",
+        "--rates",
+        "inf",
+        "--num-requests",
+        "3",
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--json",
+        str(out),
+        "--no-progress",
+    ]
     compare.main(argv)
     doc = json.loads(out.read_text())
     peer = doc["systems"][PEER]
