@@ -2,7 +2,7 @@
 # The engine tests and the engine benchmarks on CUDA, in one command, within 9 minutes (time limits below),
 # ending with ONE table (tests passed/failed; per model and concurrency each method's tok/s, × hf-continuous,
 # forward share, CUDA graphs on/off; decode-only steps against the memory roofline; speculative decoding and
-# quantized weights against the plain engine; the targets).
+# quantized weights against the plain engine; sluice-continuous's ratios).
 #
 #   scripts/gpu_check.sh                 on a CUDA machine: the stages below, then the table
 #   scripts/gpu_check.sh --dry-run       print each stage's command and time limit; run nothing

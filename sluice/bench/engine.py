@@ -1,36 +1,44 @@
 """`sluice bench engine`: the engine against transformers on one fixed workload, in one process.
 
-Usage: `sluice bench engine [--preset NAME | --model DIR] [--device cpu|cuda] [--dtype D]
-[--concurrency 64,256] [--methods a,b] [--decode-batch 64] [--hbm-gbps GB/s] [--json FILE] [--plot FILE]
-[--quick]`.
-
 The model: `--preset tiny` (the default; a random-weight tiny Llama written to a temporary directory),
 `qwen2-0.5b`, `llama-1b` or `llama-8b` (random weights in those models' shapes, cached; see
-engine_presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it
+sluice/model/presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it
 builds the workload (that many requests arriving at once, prompts 16-256 tokens, outputs 8-256 tokens,
 fixed seed), times each method on it, checks every method's greedy outputs against hf-sequential's
 (near-ties of the reference's logits told apart from real differences), and prints one table per
 concurrency. Then it times decode-only steps of the engine at `--decode-batch` rows (CUDA graphs on and
-off on CUDA) against the memory roofline (engine_roofline.py), and prints the targets. Exit status 0
-when every method ran, 1 when one failed, 2 on bad arguments.
+off on CUDA) against the memory roofline (engine_roofline.py), and prints sluice-continuous's tokens/s
+over each transformers method's and CUDA graphs' decode speed-up. Exit status 0 when every method ran, 1
+when one failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
-from transformers.utils import logging as hf_logging
 
 from sluice.bench import engine_report as report
+from sluice.bench.common import (
+    add_flags,
+    error_text,
+    int_list,
+    int_range,
+    names,
+    positive_float,
+    positive_int,
+    progress_bar,
+    quiet_torch,
+    resolve_device,
+    run_meta,
+    write_json,
+)
+from sluice.bench.engine_driver import Progress, on_cuda, release_memory
 from sluice.bench.engine_methods import (
     ALL_METHODS,
     DEFAULT_METHODS,
@@ -38,20 +46,17 @@ from sluice.bench.engine_methods import (
     NOT_ON_CPU,
     BenchContext,
     MethodResult,
-    Progress,
     load_hf_model,
     measure_decode_step,
-    on_cuda,
     reference_logits,
-    release_memory,
     run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
     run_sluice,
 )
-from sluice.bench.engine_presets import PRESET_NAMES, TINY, preset_model_dir
 from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
 from sluice.bench.engine_workload import Workload, make_workload
+from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
 QUICK_DEFAULTS = {
     "concurrency": (4,),
@@ -72,31 +77,6 @@ FULL_DEFAULTS = {
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def _range(text: str) -> tuple[int, int]:
-    values = _int_list(text)
-    if len(values) != 2 or values[0] > values[1]:
-        raise argparse.ArgumentTypeError(f"expected MIN,MAX with MIN <= MAX, got {text!r}")
-    return values[0], values[1]
-
-
-def _methods(text: str) -> tuple[str, ...]:
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [n for n in names if n not in ALL_METHODS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; choose from {', '.join(ALL_METHODS)}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench engine",
@@ -105,48 +85,71 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
-        "--preset", default=TINY, choices=PRESET_NAMES,
+        "--preset",
+        default=TINY,
+        choices=PRESET_NAMES,
         help="the model: the tiny Llama (default) or random weights in a real model's shape (cached)",
     )
-    model.add_argument("--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model")
+    add_flags(model, "model", model="a local Hugging Face model")
     add(
-        "--concurrency", type=_int_list, default=None, metavar="LIST",
+        "--concurrency",
+        type=int_list,
+        default=None,
+        metavar="LIST",
         help="requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
         "other than tiny)",
     )
-    add("--num-requests", type=int, default=None, metavar="N", help="the same as --concurrency N")
-    add("--seed", type=int, default=0, metavar="N", help="seed of the model weights and the workload")
-    methods = ",".join(ALL_METHODS)
+    add("--num-requests", type=positive_int, default=None, metavar="N", help="the same as --concurrency N")
     add(
-        "--methods", type=_methods, default=None, metavar="LIST",
-        help=f"comma list of {methods} (default: all; {EAGER} on CUDA only)",
-    )
-    add("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    add(
-        "--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-        help="every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+        "--methods",
+        type=names(ALL_METHODS, "method(s)"),
+        default=None,
+        metavar="LIST",
+        help=f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)",
     )
     add(
-        "--decode-batch", type=int, default=None, metavar="N",
+        "--decode-batch",
+        type=int,
+        default=None,
+        metavar="N",
         help="time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)",
     )
-    add("--decode-steps", type=int, default=None, metavar="N", help="decode steps timed (default 32)")
     add(
-        "--hbm-gbps", type=float, default=None, metavar="GB/s",
+        "--decode-steps", type=positive_int, default=None, metavar="N", help="decode steps timed (default 32)"
+    )
+    add(
+        "--hbm-gbps",
+        type=positive_float,
+        default=None,
+        metavar="GB/s",
         help="memory bandwidth for the roofline (default: by GPU name; none on CPU)",
     )
-    add("--prompt-len", type=_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
-    add("--output-len", type=_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
     add(
-        "--hf-batch-tokens", type=_int_list, default=None, metavar="LIST",
+        "--prompt-len", type=int_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)"
+    )
+    add("--output-len", type=int_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
+    add(
+        "--hf-batch-tokens",
+        type=int_list,
+        default=None,
+        metavar="LIST",
         help="max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)",
     )
-    add("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON here")
-    add("--plot", type=Path, default=None, metavar="FILE", help="write a PNG bar chart of tokens/s here")
-    add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
-    add("--repeat", type=int, default=1, metavar="N", help="run each method N times, report its fastest")
-    add("--quick", action="store_true", help="a small workload (4 short requests) for smoke tests")
-    add("--no-progress", action="store_true", help="hide the progress bars")
+    add_flags(
+        parser,
+        "seed",
+        "device",
+        "dtype",
+        "json",
+        "plot",
+        "threads",
+        "repeat",
+        "quick",
+        "no-progress",
+        dtype="every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+        repeat="run each method N times, report its fastest",
+        quick="a small workload (4 short requests) for smoke tests",
+    )
     return parser
 
 
@@ -154,36 +157,23 @@ def _resolve(args: argparse.Namespace) -> None:
     """Fills unset options from the quick or full defaults (on CUDA, bfloat16 and 64,256 requests for a
     model other than tiny) and picks the device."""
     if args.num_requests is not None:
-        if args.num_requests < 1:
-            raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
         if args.concurrency not in (None, (args.num_requests,)):
             raise ValueError("--num-requests N is --concurrency N; give one of them")
         args.concurrency = (args.num_requests,)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if on_cuda(args.device) and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
-    real_model_on_gpu = on_cuda(args.device) and (args.model is not None or args.preset != TINY)
+    real_model_on_gpu = resolve_device(args) and (args.model is not None or args.preset != TINY)
     if args.dtype is None:
         args.dtype = "bfloat16" if real_model_on_gpu else "float32"
     if args.concurrency is None and real_model_on_gpu and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
+    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
-    if args.decode_batch < 0 or args.decode_steps < 1:
-        raise ValueError("--decode-batch must be >= 0 and --decode-steps >= 1")
-    if args.hbm_gbps is not None and args.hbm_gbps <= 0:
-        raise ValueError(f"--hbm-gbps must be positive, got {args.hbm_gbps}")
+    if args.decode_batch < 0:
+        raise ValueError("--decode-batch must be >= 0")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {args.repeat}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
 
 
 HF_RUNNERS = {
@@ -223,21 +213,16 @@ def run_methods(
             skipped[name] = NOT_ON_CPU
             continue
         passes = (len(ctx.hf_batch_tokens) if name == "hf-continuous" else 1) * repeat
-        bar = tqdm(
-            total=work.total_output_tokens * passes, desc=f"[{k}/{len(methods)}] {name}", unit="tok",
-            disable=not show_progress, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
-        )
-        progress: Progress = bar.update
+        bar = progress_bar(show_progress, work.total_output_tokens * passes, f"[{k}/{len(methods)}] {name}")
         try:
             runner = _runner(name, ctx, work, lambda: load_hf_model(ctx))
             with bar:
-                runs = [runner(progress) for _ in range(repeat)]
+                runs = [runner(bar.update) for _ in range(repeat)]
             best = max(runs, key=lambda r: r.tokens_per_s)
             best.runs_tokens_per_s = [r.tokens_per_s for r in runs]
             results[name] = best
         except Exception as exc:
-            errors[name] = f"{type(exc).__name__}: {exc}"
-            traceback.print_exc(file=sys.stderr)
+            errors[name] = error_text(exc)
         finally:
             release_memory(ctx.device)
     return results, errors, skipped
@@ -254,17 +239,13 @@ def main(argv: list[str]) -> int:
         _resolve(args)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    quiet_torch(args.threads)
     label = model_label(args)
-    meta: dict[str, Any] = {
-        "command": "sluice bench engine " + " ".join(argv),
+    meta = {
+        **run_meta(["engine", *argv], args.device),
         "model": label,
         "dtype": args.dtype,
         "repeat": args.repeat,
-        "machine": report.machine_info(args.device),
     }
     print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
     print(f"machine: {meta['machine']}")
@@ -283,11 +264,10 @@ def main(argv: list[str]) -> int:
 def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> None:
     """Writes the JSON of the blocks so far (`"partial": true`), so that a run stopped by a time limit
     still leaves its finished figures; the complete JSON replaces it at the end."""
-    if args.json is None:
-        return
-    targets = [t for b in blocks for t in b.targets()]
-    doc = report.to_json_runs(blocks, [], "not measured yet", targets, {**meta, "partial": True})
-    report.write_json(args.json, doc)
+    ratios = [r for b in blocks for r in b.ratios()]
+    write_json(
+        args.json, report.to_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
+    )
 
 
 def run_block(
@@ -325,8 +305,7 @@ def run_decode(
         try:
             step = measure_decode_step(ctx, args.decode_batch, context, args.decode_steps, graphs, args.seed)
         except Exception as exc:
-            traceback.print_exc(file=sys.stderr)
-            return figures, f"{type(exc).__name__}: {exc}"
+            return figures, error_text(exc)
         finally:
             release_memory(ctx.device)
         roof = decode_roofline(config, element, step.batch, step.mean_context, gbps)
@@ -353,11 +332,10 @@ def _report(
     decode: list[report.DecodeFigure],
     decode_error: str | None,
 ) -> int:
-    """Prints each concurrency's table and greedy check, the decode steps and the targets, writes the JSON
+    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON
     and the plot; returns the exit status."""
     label = model_label(args)
-    targets = [t for b in blocks for t in b.targets()]
-    targets += report.decode_targets(decode, label, args.decode_batch)
+    ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
     for block in blocks:
         print()
         print(report.format_block(block))
@@ -365,16 +343,11 @@ def _report(
     print(report.format_decode(decode, decode_error))
     if args.repeat > 1:
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
-    print("targets:")
-    for target in targets:
-        print(target.line())
-    if args.json is not None:
-        report.write_json(args.json, report.to_json_runs(blocks, decode, decode_error, targets, meta))
-        print(f"wrote {args.json}")
+    print("ratios:")
+    print("\n".join(r.line() for r in ratios))
+    write_json(args.json, report.to_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
     rows = [(b, r) for b in blocks for r in b.rows]
     if args.plot is not None and rows:
-        title = f"sluice bench engine: {label}, {args.device}, {args.dtype}"
-        report.write_plot(args.plot, rows, title)
-        print(f"wrote {args.plot}")
+        report.write_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
     failed = any(b.errors for b in blocks) or decode_error is not None
     return 1 if failed else 0

@@ -9,26 +9,20 @@ short warm-up request outside the timed region.
 
 from __future__ import annotations
 
-import gc
 import math
 import random
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
-from sluice.bench.engine_roofline import kv_bytes_per_token
-from sluice.bench.engine_workload import FIRST_PLAIN_ID, PAD_ID, Workload
-
-if TYPE_CHECKING:  # the engine is imported when a sluice method runs, so the baselines run without it
-    from services.engine.engine import LLMEngine
-    from services.engine.scheduler import SchedulerOutput
-    from services.engine.settings import EngineSettings
+from sluice.bench import engine_driver as drv
+from sluice.bench.engine_driver import Progress, on_cuda, timed
+from sluice.bench.engine_workload import Workload
+from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID
 
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
 EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
@@ -36,11 +30,7 @@ SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous", EAGER)
 ALL_METHODS = HF_METHODS + SLUICE_METHODS
 DEFAULT_METHODS = HF_METHODS + SLUICE_METHODS[:3]  # CPU: the eager method is the same engine there
 STATIC_BATCH_SIZE = 16
-KV_CACHE_GB = 0.5  # the least KV pool; more when the workload needs it (see kv_cache_gb)
-KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
 NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
-
-Progress = Callable[[int], None]  # called with the number of output tokens just delivered
 
 
 @dataclass(frozen=True)
@@ -80,28 +70,12 @@ class MethodResult:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def _count(outputs: list[list[int]]) -> int:
     return sum(len(o) for o in outputs)
 
 
 def _warmup_prompt() -> list[int]:
     return list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 16))
-
-
-@contextmanager
-def _timed(device: str) -> Iterator[list[float]]:
-    """Yields a one-element list that holds the elapsed seconds once the block ends."""
-    elapsed = [0.0]
-    _sync(device)
-    start = time.perf_counter()
-    yield elapsed
-    _sync(device)
-    elapsed[0] = time.perf_counter() - start
 
 
 # ---------------------------------------------------------------- transformers baselines
@@ -144,7 +118,7 @@ def run_hf_sequential(
     """One `generate` call per request, in arrival order."""
     _generate(model, [tuple(_warmup_prompt())], 4)
     outputs: list[list[int]] = []
-    with _timed(ctx.device) as elapsed:
+    with timed(ctx.device) as elapsed:
         for prompt, n in zip(work.prompts, work.max_new_tokens, strict=True):
             outputs.append(_generate(model, [prompt], n)[0])
             progress(n)
@@ -157,7 +131,7 @@ def run_hf_static(
     """Left-padded batches of `STATIC_BATCH_SIZE` in arrival order, each run to its longest request."""
     _generate(model, [tuple(_warmup_prompt())] * 2, 4)
     outputs: list[list[int]] = []
-    with _timed(ctx.device) as elapsed:
+    with timed(ctx.device) as elapsed:
         for start in range(0, len(work), STATIC_BATCH_SIZE):
             prompts = list(work.prompts[start : start + STATIC_BATCH_SIZE])
             wanted = work.max_new_tokens[start : start + STATIC_BATCH_SIZE]
@@ -222,7 +196,7 @@ def _hf_cb_once(
         manager.add_request(_warmup_prompt(), request_id="warmup", max_new_tokens=4, eos_token_id=-1)
         _hf_cb_collect(manager, {"warmup"}, lambda _: None)
         ids = [f"r{i}" for i in range(len(work))]
-        with _timed(device) as elapsed:
+        with timed(device) as elapsed:
             for rid, prompt, n in zip(ids, work.prompts, work.max_new_tokens, strict=True):
                 manager.add_request(list(prompt), request_id=rid, max_new_tokens=n, eos_token_id=-1)
             results = _hf_cb_collect(manager, set(ids), progress)
@@ -275,98 +249,33 @@ def run_hf_continuous(
 # ---------------------------------------------------------------- sluice engine
 
 
-def on_cuda(device: str) -> bool:
-    return device.startswith("cuda")
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def kv_cache_gb(ctx: BenchContext, lengths: list[int], block_size: int) -> float:
-    """A KV pool holding requests of these total lengths (prompt + output) all at once, KV_SLACK over, and
-    never under KV_CACHE_GB. Explicit on CUDA too: the engine's automatic size would take most of the free
-    memory and starve the transformers methods that run in the same process after it."""
-    element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(ctx.model_dir), element)
-    tokens = sum(_round_up(n, block_size) + block_size for n in lengths)
-    return max(KV_CACHE_GB, KV_SLACK * tokens * per_token / (1 << 30))
-
-
-def _engine_settings(
-    ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, max_num_seqs: int = 0
-) -> EngineSettings:
-    """The engine for requests of these total lengths: a context length just above the longest (the model's
-    own may not fit the pool) and a pool holding them all. `max_num_seqs` 0 keeps the engine's default."""
-    from services.engine.settings import EngineSettings
-
-    block_size = EngineSettings.block_size
-    return EngineSettings(
-        max_num_seqs=max_num_seqs or EngineSettings.max_num_seqs,
-        model=str(ctx.model_dir),
-        device=ctx.device,
-        dtype=ctx.dtype,
-        batching=batching,
-        static_batch_size=STATIC_BATCH_SIZE,
-        block_size=block_size,
-        kv_cache_gb=kv_cache_gb(ctx, lengths, block_size),
-        max_model_len=_round_up(max(lengths) + 1, block_size),
-        cuda_graphs=cuda_graphs,
-    )
+def _settings(ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, seqs: int = 0) -> Any:
+    """The engine for requests of these total lengths (`seqs` 0: the engine's default max_num_seqs)."""
+    return drv.engine_settings(
+        ctx.model_dir, ctx.device, ctx.dtype, lengths, batching=batching, static_batch_size=STATIC_BATCH_SIZE,
+        max_num_seqs=seqs or drv.MAX_NUM_SEQS, cuda_graphs=cuda_graphs,
+    )  # fmt: skip
 
 
 def _graphs_state(ctx: BenchContext, cuda_graphs: str) -> str:
     return cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU
 
 
-def release_memory(device: str) -> None:
-    """Returns the memory of models and pools no longer referenced to the device, for the next method."""
-    gc.collect()
-    if on_cuda(device):
-        torch.cuda.empty_cache()
-
-
-def drain(engine: LLMEngine, outputs: dict[str, list[int]], progress: Progress) -> None:
-    """Steps the engine until it has nothing left, appending the new tokens of each request in `outputs`
-    and reporting them to `progress`; waits out a forming batch (`idle_s`) instead of spinning. A failed
-    request raises RuntimeError."""
-    while engine.has_unfinished_requests():
-        time.sleep(engine.idle_s())
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            if out.request_id in outputs:
-                outputs[out.request_id].extend(out.new_token_ids)
-                progress(len(out.new_token_ids))
-
-
 def run_sluice(
     ctx: BenchContext, work: Workload, batching: str, progress: Progress, cuda_graphs: str = "on"
 ) -> MethodResult:
     """The engine core with one batching policy: add every request, then `step()` until none is left."""
-    from services.engine.engine import LLMEngine
-    from services.engine.params import SamplingParams, StoppingParams
-
     lengths = [len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
-    engine = LLMEngine(_engine_settings(ctx, batching, lengths, cuda_graphs))
-    greedy = SamplingParams(temperature=0.0)
-    engine.add_request("warmup", _warmup_prompt(), greedy, StoppingParams(max_new_tokens=4, ignore_eos=True))
-    drain(engine, {}, progress)
-    engine.reset_stats()
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(work))}
-    with _timed(ctx.device) as elapsed:
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.max_new_tokens, strict=True)):
-            stopping = StoppingParams(max_new_tokens=n, ignore_eos=True)
-            engine.add_request(f"r{i}", list(prompt), greedy, stopping)
-        drain(engine, outputs, progress)
+    engine = drv.make_engine(_settings(ctx, batching, lengths, cuda_graphs))
+    drv.warm_up(engine, _warmup_prompt())
+    outputs, wall_s = drv.generate(engine, work.prompts, work.max_new_tokens, progress, ctx.device)
     stats = engine.stats()
-    ordered = [outputs[f"r{i}"] for i in range(len(work))]
     eager = cuda_graphs == "off" and batching == "continuous"
     return MethodResult(
         EAGER if eager else f"sluice-{batching}",
-        elapsed[0],
-        _count(ordered),
-        ordered,
+        wall_s,
+        _count(outputs),
+        outputs,
         setting=f"batching={batching}, {stats.steps} steps",
         forward_share=stats.forward_share,
         forward_share_max_batch=stats.forward_share_at_max_batch,
@@ -395,23 +304,6 @@ class DecodeStep:
         return self.batch / self.step_s if self.step_s > 0 else 0.0
 
 
-class _StepShapes:
-    """An engine observer that records, per scheduled step, its batch size and whether every row decodes."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, bool]] = []
-
-    def on_arrival(self, request: object, trace_context: object = None) -> None:
-        pass
-
-    def on_scheduled(self, sched: SchedulerOutput) -> None:
-        decode_only = all(n == 1 and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
-        self.shapes.append((len(sched.scheduled), decode_only))
-
-    def on_step_end(self, *args: object) -> None:
-        pass
-
-
 DECODE_WARM_STEPS = 3  # decode steps run before the timed ones (first decodes, CUDA graph replay warm-up)
 
 
@@ -422,35 +314,29 @@ def measure_decode_step(
     them: `batch` random prompts are prefilled, a few decode steps run untimed, then `steps` are timed
     (device synchronised at both ends). Raises RuntimeError when a timed step was not a decode of the
     whole batch (it would not measure what it says)."""
-    from services.engine.engine import LLMEngine
-    from services.engine.params import SamplingParams, StoppingParams
-    from services.engine.settings import EngineSettings
-
     prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)
     # None ends during the timed steps: a request whose prefill finished in an early step of the burst
     # decodes during the later prefill steps, so it can be ahead by up to one token per prefill step.
-    prefill_steps = -(-batch * prompt_len // EngineSettings.max_num_batched_tokens)
+    prefill_steps = -(-batch * prompt_len // drv.MAX_NUM_BATCHED_TOKENS)
     new_tokens = DECODE_WARM_STEPS + steps + prefill_steps + 4
     lengths = [prompt_len + new_tokens] * batch
     # max_num_seqs = batch: CUDA graphs are captured up to the batch measured, not beyond.
-    engine = LLMEngine(_engine_settings(ctx, "continuous", lengths, cuda_graphs, max_num_seqs=batch))
+    engine = drv.make_engine(_settings(ctx, "continuous", lengths, cuda_graphs, seqs=batch))
     rng = random.Random(seed)
     vocab = engine.runner.vocab_size
-    greedy = SamplingParams(temperature=0.0)
-    stopping = StoppingParams(max_new_tokens=new_tokens, ignore_eos=True)
     produced: dict[str, list[int]] = {}
     for i in range(batch):
         prompt = [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(prompt_len)]
-        engine.add_request(f"d{i}", prompt, greedy, stopping)
+        engine.add_request(f"d{i}", prompt, drv.greedy(), drv.stop_after(new_tokens))
         produced[f"d{i}"] = []
     while min(len(t) for t in produced.values()) < DECODE_WARM_STEPS:
         for out in engine.step():
             if out.error is not None:
                 raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
             produced[out.request_id].extend(out.new_token_ids)
-    shapes = _StepShapes()
+    shapes = drv.StepShapes()
     engine.observer = shapes  # type: ignore[assignment]
-    with _timed(ctx.device) as elapsed:
+    with timed(ctx.device) as elapsed:
         for _ in range(steps):
             engine.step()
     engine.observer = None

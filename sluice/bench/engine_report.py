@@ -1,32 +1,27 @@
-"""Figures of one engine-benchmark run: comparison with the reference, targets, tables, JSON and plot.
+"""Figures of one engine-benchmark run: comparison with the reference, ratios, tables, JSON and plot.
 
 A run is one block per concurrency (every method on that workload) and the decode-step measurement.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import os
-import platform
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
-from sluice.bench.engine_methods import NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
+from sluice.bench.common import figure, fmt, format_table, ratio, save_figure
+from sluice.bench.engine_methods import HF_METHODS, NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
 from sluice.bench.engine_roofline import Roofline
 from sluice.bench.engine_workload import Workload
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
-HEADLINE = "sluice-continuous"
-BLOCK_METHODS = SLUICE_METHODS[:3]  # the policies every block's targets are about (not the eager variant)
-ROOFLINE_TARGET = 3.0  # a decode step within this many times the memory roofline
-GRAPHS_TARGET = 1.5  # decode tokens/s with CUDA graphs over eager
+HEADLINE = "sluice-continuous"  # the method whose tokens/s is set against each transformers method's
 # Logit gap under which two correct greedy paths may pick different tokens by float noise alone, per dtype.
 # Measured on the benchmark model on CPU (logits within ±1.7): the largest logit difference between
 # hf-sequential and hf-static or a teacher-forced forward, up to their first differing token, is 1.7e-6 in
@@ -40,24 +35,14 @@ GREEDY_RULE = (
 
 
 @dataclass(frozen=True)
-class Target:
-    """One goal of the benchmark: value >= threshold (value <= threshold when `at_most`). `met` is None when
-    the run did not measure it."""
+class Measured:
+    """One ratio of the run as printed and written: `value` None when the run could not measure it."""
 
     name: str
     value: float | None
-    threshold: float
-    met: bool | None
-    at_most: bool = False
-
-    @property
-    def verdict(self) -> str:
-        return {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[self.met]
 
     def line(self) -> str:
-        shown = "n/a" if self.value is None else f"{self.value:.3g}"
-        bound = "<=" if self.at_most else ">="
-        return f"  {self.verdict:<12} {self.name}: {shown} (target {bound} {self.threshold:g})"
+        return f"  {self.name}: {fmt(self.value, '.3g') if self.value is not None else 'n/a'}"
 
 
 @dataclass(frozen=True)
@@ -177,51 +162,15 @@ def build_rows(results: dict[str, MethodResult], check: GreedyCheck | None) -> l
     return rows
 
 
-def _at_least(name: str, value: float | None, threshold: float) -> Target:
-    return Target(name, value, threshold, None if value is None else value >= threshold)
-
-
-def _at_most(name: str, value: float | None, threshold: float) -> Target:
-    return Target(name, value, threshold, None if value is None else value <= threshold, at_most=True)
-
-
-def _speed_target(results: dict[str, MethodResult], other: str, threshold: float, prefix: str) -> Target:
-    head, base = results.get(HEADLINE), results.get(other)
-    value = head.tokens_per_s / base.tokens_per_s if head and base and base.tokens_per_s > 0 else None
-    return _at_least(f"{prefix}{HEADLINE} tokens/s ÷ {other}", value, threshold)
-
-
-def evaluate_targets(
-    results: dict[str, MethodResult], rows: list[Row], errors: dict[str, str], label: str = ""
-) -> list[Target]:
-    """The issue's targets on one block (names prefixed with `[label]` when given). Never relaxed: a
-    target the run could not measure is reported as such."""
-    prefix = f"[{label}] " if label else ""
+def headline_ratios(results: dict[str, MethodResult], label: str = "") -> list[Measured]:
+    """HEADLINE's tokens/s over each transformers method's (names prefixed with `[label]` when given)."""
     head = results.get(HEADLINE)
-    sluice_rows = [r for r in rows if r.result.name in BLOCK_METHODS]
-    compared = [r.greedy for r in sluice_rows if r.greedy is not None]
-    all_ran = not any(m in errors for m in BLOCK_METHODS) and len(sluice_rows) == len(BLOCK_METHODS)
-    differing = sum(g.differing for g in compared)
-    equal = None if not compared or not all_ran or REFERENCE not in results else differing == 0
+    prefix = f"[{label}] " if label else ""
     return [
-        _speed_target(results, "hf-continuous", 2.5, prefix),
-        _speed_target(results, "hf-static", 2.0, prefix),
-        _speed_target(results, "hf-sequential", 5.0, prefix),
-        _at_least(
-            f"{prefix}{HEADLINE} share of step time in the model forward, at the largest batch",
-            head and head.forward_share_max_batch,
-            0.90,
-        ),
-        _at_least(f"{prefix}{HEADLINE} peak KV efficiency", head and head.kv_efficiency, 0.95),
-        Target(
-            f"{prefix}requests where a sluice method's greedy output differs from {REFERENCE} (all methods, "
-            "near-ties excepted)",
-            float(differing) if compared else None,
-            0,
-            equal,
-            at_most=True,
-        ),
-    ]
+        Measured(f"{prefix}{HEADLINE} tokens/s ÷ {other}",
+                 ratio(head and head.tokens_per_s, (base := results.get(other)) and base.tokens_per_s))
+        for other in HF_METHODS[::-1]
+    ]  # fmt: skip
 
 
 @dataclass
@@ -245,8 +194,8 @@ class Block:
     def rows(self) -> list[Row]:
         return build_rows(self.results, self.check)
 
-    def targets(self) -> list[Target]:
-        return evaluate_targets(self.results, self.rows, self.errors, self.label)
+    def ratios(self) -> list[Measured]:
+        return headline_ratios(self.results, self.label)
 
 
 @dataclass(frozen=True)
@@ -264,38 +213,30 @@ class DecodeFigure:
         return self.step.step_s / seconds if seconds else None
 
 
-def decode_targets(figures: list[DecodeFigure], model: str, batch: int) -> list[Target]:
-    """The decode step within ROOFLINE_TARGET× the roofline (graphs on, or the CPU's only run), and CUDA
-    graphs' decode tokens/s over eager at least GRAPHS_TARGET (CUDA only)."""
+def graphs_ratio(figures: list[DecodeFigure], model: str, batch: int) -> Measured:
+    """Decode tokens/s with CUDA graphs over eager (CUDA only: None elsewhere)."""
     main = next((f for f in figures if f.step.cuda_graphs in ("on", NOT_ON_CPU)), None)
     eager = next((f for f in figures if f.step.cuda_graphs == "off"), None)
-    graphs = None
-    if main is not None and eager is not None and eager.step.tokens_per_s > 0:
-        graphs = main.step.tokens_per_s / eager.step.tokens_per_s
-    return [
-        _at_most(
-            f"[{model}] decode-only step at batch {batch} ÷ memory roofline",
-            main and main.ratio,
-            ROOFLINE_TARGET,
-        ),
-        _at_least(
-            f"[{model}] decode tokens/s with CUDA graphs ÷ eager (decode-only steps, batch {batch})",
-            graphs,
-            GRAPHS_TARGET,
-        ),
-    ]
+    return Measured(
+        f"[{model}] decode tokens/s with CUDA graphs ÷ eager (decode-only steps, batch {batch})",
+        ratio(main and main.step.tokens_per_s, eager and eager.step.tokens_per_s),
+    )
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def format_table(
+def format_methods(
     rows: list[Row], errors: dict[str, str], num_requests: int, skipped: dict[str, str] | None = None
 ) -> str:
     header = (
-        "method", "out tok/s", "wall s", f"× {BASELINE}", f"= {REFERENCE}",
-        "fwd share", "@max batch", "KV eff", "graphs", "setting",
+        "method",
+        "out tok/s",
+        "wall s",
+        f"× {BASELINE}",
+        f"= {REFERENCE}",
+        "fwd share",
+        "@max batch",
+        "KV eff",
+        "graphs",
+        "setting",
     )
     lines = [header]
     for row in rows:
@@ -305,32 +246,29 @@ def format_table(
                 r.name,
                 f"{r.tokens_per_s:.1f}",
                 f"{r.wall_s:.2f}",
-                _fmt(row.ratio, ".2f"),
+                fmt(row.ratio, ".2f"),
                 _greedy_cell(row.greedy),
-                _fmt(r.forward_share, ".1%"),
-                "-" if r.max_batch is None else f"{_fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})",
-                _fmt(r.kv_efficiency, ".3f"),
+                fmt(r.forward_share, ".1%"),
+                "-" if r.max_batch is None else f"{fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})",
+                fmt(r.kv_efficiency, ".3f"),
                 r.cuda_graphs or "-",
                 r.setting,
             )
         )
     lines.extend((name, "FAILED", "", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
     lines.extend((name, why, "", "", "", "", "", "", why, "") for name, why in (skipped or {}).items())
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip() for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    text.append(
-        f"(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ, 'k near-tie' that k are equal "
-        "up to a near-tie (see the greedy check); fwd share: time in the model forward / step time, overall "
-        "and over the steps with the largest batch (its size); graphs: CUDA graphs for decode-only steps)"
+    return format_table(lines) + (
+        f"\n(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ, 'k near-tie' that k are "
+        "equal up to a near-tie (see the greedy check); fwd share: time in the model forward / step time, "
+        "overall and over the steps with the largest batch (its size); graphs: CUDA graphs for decode-only "
+        "steps)"
     )
-    return "\n".join(text)
 
 
 def format_block(block: Block) -> str:
     """One concurrency's table, its greedy check and hf-continuous's sweep."""
     rows = block.rows
-    parts = [f"-- {block.label} at once", format_table(rows, block.errors, len(block.work), block.skipped)]
+    parts = [f"-- {block.label} at once", format_methods(rows, block.errors, len(block.work), block.skipped)]
     if block.check is not None:
         parts.append(format_greedy_check(block.check, rows))
     hf_cb = block.results.get("hf-continuous")
@@ -391,26 +329,9 @@ def format_greedy_check(check: GreedyCheck, rows: list[Row]) -> str:
     )
 
 
-def machine_info(device: str) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": device,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_count": os.cpu_count(),
-    }
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        info["cuda"] = torch.version.cuda
-    return info
-
-
 def to_json(
     rows: list[Row],
     errors: dict[str, str],
-    targets: list[Target],
     meta: dict[str, Any],
     check: GreedyCheck | None,
     skipped: dict[str, str] | None = None,
@@ -419,24 +340,15 @@ def to_json(
     methods: dict[str, Any] = {}
     for row in rows:
         r, g = row.result, row.greedy
+        figures = {k: v for k, v in dataclasses.asdict(r).items() if k not in ("name", "outputs")}
         methods[r.name] = {
             "tokens_per_s": r.tokens_per_s,
-            "wall_s": r.wall_s,
-            "output_tokens": r.output_tokens,
             f"ratio_to_{BASELINE}": row.ratio,
             f"greedy_equals_{REFERENCE}": None if g is None else g.equal,
             "mismatching_requests": None if g is None else g.differing,
             "near_tie_requests": None if g is None else g.near_ties,
             "tokens_compared": None if g is None else g.tokens_compared,
-            "forward_share": r.forward_share,
-            "forward_share_max_batch": r.forward_share_max_batch,
-            "max_batch": r.max_batch,
-            "kv_efficiency": r.kv_efficiency,
-            "preemptions": r.preemptions,
-            "cuda_graphs": r.cuda_graphs,
-            "setting": r.setting,
-            "sweep": r.sweep,
-            "runs_tokens_per_s": r.runs_tokens_per_s,
+            **figures,
             "error": None,
         }
     for name, msg in errors.items():
@@ -449,18 +361,13 @@ def to_json(
         "baseline": BASELINE,
         "greedy_check": None if check is None else check.to_json(),
         "methods": methods,
-        "targets": [t.__dict__ for t in targets],
     }
 
 
 def decode_json(figure: DecodeFigure) -> dict[str, Any]:
     s, roof = figure.step, figure.roofline
     return {
-        "cuda_graphs": s.cuda_graphs,
-        "batch": s.batch,
-        "mean_context": s.mean_context,
-        "steps": s.steps,
-        "step_s": s.step_s,
+        **dataclasses.asdict(s),
         "tokens_per_s": s.tokens_per_s,
         "weight_bytes": roof.weight_bytes,
         "kv_bytes": roof.kv_bytes,
@@ -475,14 +382,14 @@ def to_json_runs(
     blocks: list[Block],
     decode: list[DecodeFigure],
     decode_error: str | None,
-    targets: list[Target],
+    ratios: list[Measured],
     meta: dict[str, Any],
 ) -> dict[str, Any]:
     """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
-    the top are the first block's (the layout of a one-block run); `targets` are all of them."""
+    the top are the first block's (the layout of a one-block run); `ratios` are all of them."""
     runs = []
     for block in blocks:
-        doc = to_json(block.rows, block.errors, block.targets(), {}, block.check, block.skipped)
+        doc = to_json(block.rows, block.errors, {}, block.check, block.skipped)
         runs.append({"concurrency": block.concurrency, "workload": block.workload, **doc})
     first = runs[0]
     return {
@@ -496,37 +403,24 @@ def to_json_runs(
         "runs": runs,
         "decode_steps": [decode_json(f) for f in decode],
         "decode_error": decode_error,
-        "targets": [t.__dict__ for t in targets],
+        "ratios": [r.__dict__ for r in ratios],
     }
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
 
 
 def write_plot(path: Path, rows: list[tuple[Block, Row]], title: str) -> None:
     """A PNG bar chart of output tokens/s per method and concurrency (transformers grey, sluice blue)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
     several = len({b.concurrency for b, _ in rows}) > 1
     names = [r.result.name + (f" @{b.concurrency}" if several else "") for b, r in rows]
-    speeds = [r.result.tokens_per_s for _, r in rows]
     colors = ["#1f77b4" if r.result.name in SLUICE_METHODS else "#9a9a9a" for _, r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(rows)), 4.5), dpi=120)
-    bars = ax.bar(names, speeds, color=colors)
-    for bar, (_, row) in zip(bars, rows, strict=True):
-        label = f"{bar.get_height():.0f}" + ("" if row.ratio is None else f"\n{row.ratio:.2f}×")
-        ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                    fontsize=8)
+    fig = figure(max(8, 0.8 * len(rows)), 4.5)
+    ax = fig.subplots()
+    bars = ax.bar(names, [r.result.tokens_per_s for _, r in rows], color=colors)
+    labels = [
+        f"{r.result.tokens_per_s:.0f}" + ("" if r.ratio is None else f"\n{r.ratio:.2f}×") for _, r in rows
+    ]
+    ax.bar_label(bars, labels=labels, fontsize=8)
     ax.set_ylabel("output tokens/s")
     ax.set_title(title, fontsize=10)
     ax.margins(y=0.2)
-    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    ax.tick_params(axis="x", labelrotation=20)
+    save_figure(fig, path)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from sluice.bench.engine_presets import meta_model
+from sluice.model.presets import meta_model
 
 # Peak memory bandwidth in GB/s (10^9 bytes/s) by torch.cuda.get_device_name, first match wins.
 HBM_GBPS: tuple[tuple[str, float], ...] = (

@@ -1,22 +1,15 @@
-"""The fixed workload of the engine benchmark: a random-weight tiny Llama and random-token requests.
+"""The fixed workload of the engine benchmark: random-token requests (the model: sluice/model/presets.py).
 
 Everything here is a pure function of the seed, so every method of one run (and every run with the
-same seed) sees the same model weights and the same requests.
+same seed) sees the same requests.
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-PAD_ID = 0
-BOS_ID = 1
-EOS_ID = 2
-FIRST_PLAIN_ID = 3  # prompts use ids in [FIRST_PLAIN_ID, vocab_size): no pad, bos or eos
+from sluice.model.presets import FIRST_PLAIN_ID
 
 
 @dataclass(frozen=True)
@@ -68,30 +61,3 @@ def make_workload(
         prompts.append(tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(length)))
         outputs.append(rng.randint(*output_len))
     return Workload(prompts=tuple(prompts), max_new_tokens=tuple(outputs))
-
-
-def bench_model_config(max_position_embeddings: int = 1024) -> LlamaConfig:
-    """The benchmark's tiny Llama: hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 704, vocab 8192."""
-    return LlamaConfig(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=704,
-        vocab_size=8192,
-        max_position_embeddings=max_position_embeddings,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
-    )
-
-
-def write_bench_model(directory: Path, seed: int) -> Path:
-    """Write the tiny Llama with seeded random fp32 weights to `directory` (save_pretrained); return it."""
-    with torch.random.fork_rng(devices=[]):  # the CPU generator alone; the caller's state is restored
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(bench_model_config()).to(torch.float32).eval()
-    directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    return directory

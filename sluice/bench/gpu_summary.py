@@ -1,11 +1,8 @@
 """One table summarising scripts/gpu_check.sh: the GPU tests' outcome and each engine benchmark's figures.
 
-Usage: `python -m sluice.bench.gpu_summary [--tests LABEL JUNIT_XML RC SECONDS]
-[--bench LABEL JSON RC SECONDS]...`
-
 Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
 concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
-its decode-only steps (tokens/s, the step time against the memory roofline), and its targets. The latency
+its decode-only steps (tokens/s, the step time against the memory roofline), and its ratios. The latency
 benchmark's JSON (`"bench": "latency"`) gives a row per variant, workload and batch (tok/s; × off, TTFT and
 speculation's acceptance in the last column), the larger shape's batch-1 decode, perplexity and KV blocks.
 A stage that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so;
@@ -23,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.bench.common import fmt, format_table
+
 TIMED_OUT = (124, 137)  # timeout's status, and a process killed after its grace
 HEADER = (
     "stage",
@@ -35,7 +34,6 @@ HEADER = (
     "vs roofline",
     "result",
 )
-UNRUN = ("hf-static", "hf-sequential")  # targets about methods gpu_check does not run are left out unmeasured
 
 
 @dataclass(frozen=True)
@@ -101,14 +99,6 @@ def tests_row(stage: Stage) -> tuple[str, ...]:
     return (stage.label, "-", "-", "-", "-", "-", "-", "-", result)
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
-
-
-def _num(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
     rows = []
     for name, fig in run["methods"].items():
@@ -123,9 +113,9 @@ def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
                     label,
                     conc,
                     name,
-                    _num(fig["tokens_per_s"], ",.0f"),
-                    _num(fig["ratio_to_hf-continuous"], ".2f"),
-                    _pct(fig["forward_share_max_batch"]),
+                    fmt(fig["tokens_per_s"], ",.0f"),
+                    fmt(fig["ratio_to_hf-continuous"], ".2f"),
+                    fmt(fig["forward_share_max_batch"], ".1%"),
                     fig["cuda_graphs"] or "-",
                     "-",
                     fig["setting"],
@@ -154,28 +144,13 @@ def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
-def target_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    rows = []
-    for t in doc["targets"]:
-        verdict = {True: "MET", False: "NOT MET", None: "NOT MEASURED"}[t["met"]]
-        if t["met"] is None and any(m in t["name"] for m in UNRUN):
-            continue
-        value = "n/a" if t["value"] is None else f"{t['value']:.3g}"
-        bound = "<=" if t.get("at_most") else ">="
-        rows.append(
-            (
-                label,
-                "-",
-                "target",
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                f"{verdict}: {t['name']}: {value} ({bound} {t['threshold']:g})",
-            )
-        )
-    return rows
+def ratio_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The engine benchmark's ratios that it measured (those it could not are left out)."""
+    return [
+        (label, "-", "ratio", "-", "-", "-", "-", "-", f"{r['name']}: {r['value']:.3g}")
+        for r in doc.get("ratios", [])
+        if r["value"] is not None
+    ]
 
 
 def _ms(seconds: float | None) -> str:
@@ -186,20 +161,20 @@ def _latency_run_row(label: str, name: str, run: dict[str, Any], ratio: float | 
     """One timed run of `sluice bench latency`: batch 1 shows decode tok/s, a concurrent run output tok/s."""
     batch1 = run["concurrency"] == 1
     speed = run["decode_tok_s"] if batch1 else run["output_tok_s"]
-    note = f"{_num(ratio, '.2f')}x off; TTFT p50 {_ms(run['ttft_p50_s'])}"
+    note = f"{fmt(ratio, '.2f')}x off; TTFT p50 {_ms(run['ttft_p50_s'])}"
     if not batch1:
         note += f", p99 {_ms(run['ttft_p99_s'])}"
     spec = run.get("spec") or {}
     if name.startswith("ngram") and "spec_acceptance_rate" in spec:
         accepted = spec.get("spec_mean_accepted_length")
-        note += f"; accepted {spec['spec_acceptance_rate']:.0%}, mean length {_num(accepted, '.2f')}"
+        note += f"; accepted {spec['spec_acceptance_rate']:.0%}, mean length {fmt(accepted, '.2f')}"
     measure = f"{name} ({'decode' if batch1 else 'output'})"
-    return (label, str(run["concurrency"]), measure, _num(speed, ",.0f"), "-", "-", "-", "-", note)
+    return (label, str(run["concurrency"]), measure, fmt(speed, ",.0f"), "-", "-", "-", "-", note)
 
 
 def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     """`sluice bench latency`'s figures: each variant and workload at batch 1 and at once, the larger shape's
-    batch-1 decode, perplexity against unquantized, the fp8 KV blocks (its targets come after)."""
+    batch-1 decode, perplexity against unquantized, the fp8 KV blocks."""
     rows = []
     for cell in doc["cells"]:
         name = f"{cell['variant']} {cell['workload']}"
@@ -221,7 +196,7 @@ def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
         if q["error"]:
             result = f"FAILED: {q['error'][:60]}"
         else:
-            result = f"{q['perplexity']:.3f} ({_num(q['ratio_to_none'], '.4f')}x none, {q['tokens']} tokens)"
+            result = f"{q['perplexity']:.3f} ({fmt(q['ratio_to_none'], '.4f')}x none, {q['tokens']} tokens)"
         rows.append((label, "-", f"perplexity {q['variant']}", "-", "-", "-", "-", "-", result))
     kv = doc.get("kv_blocks")
     if kv:
@@ -240,8 +215,7 @@ def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
         rows = latency_rows(stage.label, doc)
     else:
         rows = [r for run in doc["runs"] for r in method_rows(stage.label, run)]
-        rows += decode_rows(stage.label, doc)
-    rows += target_rows(stage.label, doc)
+        rows += decode_rows(stage.label, doc) + ratio_rows(stage.label, doc)
     verdict = "ok" if stage.rc == 0 else "FAILED"
     if doc.get("partial"):
         verdict += ", figures of the concurrencies finished before it stopped"
@@ -255,10 +229,7 @@ def format_summary(tests: Stage | None, benches: list[Stage]) -> str:
         rows.append(tests_row(tests))
     for stage in benches:
         rows.extend(bench_rows(stage))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER) - 1)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:-1], widths, strict=True)) + "  " + r[-1] for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * len(HEADER[-1]))
-    return "\n".join(line.rstrip() for line in lines)
+    return format_table(rows)
 
 
 def _stage(values: list[str]) -> Stage:

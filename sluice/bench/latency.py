@@ -1,25 +1,21 @@
 """`sluice bench latency`: speculative decoding and quantized weights against the plain engine.
 
-Usage: `sluice bench latency [--model DIR | --preset NAME] [--variants off,ngram,int8,fp8]
-[--num-requests 8] [--concurrency 64] [--output-len 128] [--int8-preset qwen2-0.5b|none]
-[--perplexity-tokens 16384] [--json FILE] [--plot FILE] [--quick] [--no-progress]`.
-
 Each variant (off: the plain engine; ngram: prompt-lookup speculation; int8: int8 weight-only; fp8: float8
 weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads of the model
 (sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive
 one). Per variant and workload: batch-1 decode tokens/s and TTFT p50 over `--num-requests` requests one
 at a time, and output tokens/s and TTFT p50 / p99 with `--concurrency` requests added at once (after a
 warm-up of both shapes); ngram's acceptance rate and mean accepted length. The model is the embedded chat
-model unless `--model` or `--preset` (random weights, sluice/bench/engine_presets.py) says otherwise.
+model unless `--model` or `--preset` (random weights, sluice/model/presets.py) says otherwise.
 
 Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
-a few requests), where the issue's int8 target is measured; perplexity of the embedded chat model (or
+a few requests); perplexity of the embedded chat model (or
 `--quality-model`) on held-out text, unquantized against each quantization, through the engine's model
 runner (sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and
 fp8. `--repeat N` runs the variants N times in turn (one engine at a time, rebuilt each round) and keeps
 each measurement's best, so that a busy spell of the machine weighs on one round of every variant rather
-than on one variant; the larger shape's runs are repeated in place. Prints the tables and the targets
-(MET / NOT MET / NOT MEASURED). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped,
+than on one variant; the larger shape's runs are repeated in place. Prints the tables (each figure with
+its ratio to off, or to unquantized). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped,
 not failed), 1 otherwise, 2 on bad arguments.
 """
 
@@ -27,23 +23,28 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-from tqdm import tqdm
 from transformers import AutoConfig
-from transformers.utils import logging as hf_logging
 
+from sluice.bench import engine_driver as drv
 from sluice.bench import latency_report as rep
 from sluice.bench import perplexity as ppl
-from sluice.bench.engine_presets import PRESET_NAMES, preset_model_dir
-from sluice.bench.engine_report import machine_info
+from sluice.bench.common import (
+    add_flags,
+    error_text,
+    names,
+    positive_float,
+    positive_int,
+    progress_bar,
+    quiet_torch,
+    resolve_device,
+    run_meta,
+)
 from sluice.bench.latency_run import (
     CUDA_ONLY,
     OFF,
@@ -52,7 +53,6 @@ from sluice.bench.latency_run import (
     RunFigures,
     build_engine,
     greedy_continuations,
-    release,
     run_batch1,
     run_concurrent,
     warm_up,
@@ -69,6 +69,7 @@ from sluice.bench.latency_workload import (
     non_repetitive,
     repetitive,
 )
+from sluice.model.presets import PRESET_NAMES, preset_model_dir
 
 QUICK_DEFAULTS = {
     "num_requests": 2,
@@ -99,21 +100,6 @@ SPEC_FLAGS = (
 )
 
 
-def _variants(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(f"unknown variant(s) {unknown}; choose from {', '.join(VARIANTS)}")
-    return names
-
-
-def _workloads(text: str) -> tuple[str, ...]:
-    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    if not names or any(n not in WORKLOADS for n in names):
-        raise argparse.ArgumentTypeError(f"choose workloads from {', '.join(WORKLOADS)}, got {text!r}")
-    return names
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench latency",
@@ -121,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", type=Path, default=None, metavar="DIR", help="a local Hugging Face model")
+    add_flags(model, "model", model="a local Hugging Face model")
     model.add_argument(
         "--preset",
         default=None,
@@ -130,28 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--variants",
-        type=_variants,
+        type=names(tuple(VARIANTS), "variant(s)"),
         default=None,
         metavar="LIST",
         help=f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)",
     )
-    add("--workloads", type=_workloads, default=WORKLOADS, metavar="LIST", help="repetitive,non-repetitive")
     add(
-        "--num-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="batch-1 requests per workload (default 8)",
+        "--workloads",
+        type=names(WORKLOADS, "workload(s)"),
+        default=WORKLOADS,
+        metavar="LIST",
+        help="repetitive,non-repetitive",
     )
-    add("--concurrency", type=int, default=None, metavar="N", help="requests added at once (default 64)")
-    add("--output-len", type=int, default=None, metavar="N", help="output tokens per request (default 128)")
-    add("--seed", type=int, default=0, metavar="N", help="seed of the workloads and of preset weights")
-    add("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
-    add(
-        "--dtype",
-        default=None,
-        choices=("float32", "bfloat16", "float16"),
-        help="the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
+    add_flags(
+        parser,
+        "seed",
+        "device",
+        "dtype",
+        dtype="the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
     )
     add(
         "--int8-preset",
@@ -159,8 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
         choices=(*PRESET_NAMES, "none"),
         help="the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)",
     )
-    add("--shape-requests", type=int, default=None, metavar="N", help="requests on that shape (default 2)")
-    add("--shape-output-len", type=int, default=None, metavar="N", help="their output tokens (default 32)")
+    for flag, about in (
+        ("num_requests", "batch-1 requests per workload"),
+        ("concurrency", "requests added at once"),
+        ("output_len", "output tokens per request"),
+        ("shape_requests", "requests on the --int8-preset shape"),
+        ("shape_output_len", "their output tokens"),
+    ):
+        add(
+            f"--{flag.replace('_', '-')}",
+            type=positive_int,
+            metavar="N",
+            help=f"{about} (default {FULL_DEFAULTS[flag]})",
+        )
     add(
         "--perplexity-tokens",
         type=int,
@@ -170,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--kv-budget-gb",
-        type=float,
+        type=positive_float,
         default=KV_BUDGET_GB,
         metavar="GB",
         help="CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8",
@@ -198,22 +191,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
         "and leave perplexity out instead of training the model first (minutes)",
     )
-    add("--repeat", type=int, default=1, metavar="N", help="N rounds of every measurement, the best kept")
-    add("--threads", type=int, default=None, metavar="N", help="torch CPU threads (default: torch's)")
-    add("--json", type=Path, default=None, metavar="FILE", help="write the figures as JSON here")
-    add("--plot", type=Path, default=None, metavar="FILE", help="write a PNG bar chart here")
-    add("--quick", action="store_true", help="tiny counts (2 / 4 requests, 12 tokens) for smoke tests")
-    add("--no-progress", action="store_true", help="hide the progress bars")
+    add_flags(
+        parser,
+        "repeat",
+        "threads",
+        "json",
+        "plot",
+        "quick",
+        "no-progress",
+        repeat="N rounds of every measurement, the best kept",
+        quick="tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
+    )
     return parser
 
 
 def _resolve(args: argparse.Namespace) -> None:
     """Fills unset options from the quick or full defaults and checks them; ValueError names a bad one."""
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    cuda = resolve_device(args)
     if args.dtype is None:
         args.dtype = "bfloat16" if cuda else "float32"
     for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
@@ -221,34 +215,12 @@ def _resolve(args: argparse.Namespace) -> None:
             setattr(args, name, value)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
-    for name in ("num_requests", "concurrency", "output_len", "shape_requests", "shape_output_len", "repeat"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.perplexity_tokens < 0 or args.kv_budget_gb <= 0:
-        raise ValueError("--perplexity-tokens must be >= 0 and --kv-budget-gb positive")
+    if args.perplexity_tokens < 0:
+        raise ValueError("--perplexity-tokens must be >= 0")
     if args.model is not None and not (args.model / "config.json").is_file():
         raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     if args.quality_model is not None and not (args.quality_model / "tokenizer.json").is_file():
         raise ValueError(f"--quality-model {args.quality_model}: no tokenizer.json there")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be at least 1, got {args.threads}")
-
-
-def _bar(show: bool, total: int, desc: str) -> tqdm:
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="tok",
-        disable=not show,
-        file=sys.stderr,
-        mininterval=0.5,
-        dynamic_ncols=True,
-    )
-
-
-def _error(exc: BaseException) -> str:
-    traceback.print_exc(file=sys.stderr)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _skip_reason(variant: str, device: str) -> str | None:
@@ -314,7 +286,7 @@ class Bench:
         total = sum(
             r.max_new_tokens for w in workloads for r in (*w.requests[: args.num_requests], *w.requests)
         )
-        bar = _bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
+        bar = progress_bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
         try:
             with bar:
                 engine = build_engine(self.spec, variant, lengths, args.concurrency)
@@ -324,10 +296,10 @@ class Bench:
                     many = run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
                     self._keep(variant, w, b1, many)
         except Exception as exc:
-            self.report.errors[variant] = _error(exc)
+            self.report.errors[variant] = error_text(exc)
         finally:
             engine = None
-            release(args.device)
+            drv.release_memory(args.device)
         self.save(partial=True)
 
     def _keep(self, variant: str, work: LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
@@ -372,25 +344,23 @@ class Bench:
                 continue
             total = args.repeat * sum(r.max_new_tokens for r in requests)
             try:
-                with _bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
+                with progress_bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
                     engine = build_engine(spec, variant, lengths, 1)
                     warm_up(engine, work, 1, tokens=2)
                     shape.runs[variant] = best_of(
                         args.repeat, "decode_tok_s", run_batch1, engine, work, args.device, bar.update
                     )
             except Exception as exc:
-                shape.errors[variant] = _error(exc)
+                shape.errors[variant] = error_text(exc)
             finally:
                 engine = None
-                release(args.device)
+                drv.release_memory(args.device)
             self.save(partial=True)
 
     # ---- KV blocks and quality ---------------------------------------------------------------
 
     def run_kv_blocks(self) -> None:
         """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""
-        from services.engine.engine import LLMEngine
-
         args = self.args
         if not args.device.startswith("cuda"):
             return
@@ -398,15 +368,22 @@ class Bench:
         self.report.kv = kv
         for kv_dtype in ("auto", "fp8"):
             try:
-                settings = build_engine_settings_kv(self.spec, args.kv_budget_gb, kv_dtype)
-                engine = LLMEngine(settings)
+                engine = drv.make_engine(
+                    model=str(self.model_dir),
+                    device=args.device,
+                    dtype=args.dtype,
+                    kv_cache_gb=args.kv_budget_gb,
+                    kv_cache_dtype=kv_dtype,
+                    max_num_seqs=8,
+                    cuda_graphs="off",
+                )
                 kv.blocks[kv_dtype] = engine.stats().num_blocks
             except Exception as exc:
-                kv.error = _error(exc)
+                kv.error = error_text(exc)
                 return
             finally:
                 engine = None
-                release(args.device)
+                drv.release_memory(args.device)
         print(rep.format_kv(kv))
 
     def run_quality(self) -> None:
@@ -437,10 +414,12 @@ class Bench:
                     ppl.QualityResult(variant, quant, kv_dtype, result.value, result.tokens)
                 )
             except Exception as exc:
-                self.report.quality.append(ppl.QualityResult(variant, quant, kv_dtype, None, 0, _error(exc)))
+                self.report.quality.append(
+                    ppl.QualityResult(variant, quant, kv_dtype, None, 0, error_text(exc))
+                )
             finally:
                 runner = None
-                release(args.device)
+                drv.release_memory(args.device)
         self.save(partial=True)
 
 
@@ -460,21 +439,6 @@ def faster(kept: RunFigures | None, new: RunFigures, figure: str) -> RunFigures:
     best = new if kept is None or getattr(new, figure) > getattr(kept, figure) else kept
     best.repeats = repeats
     return best
-
-
-def build_engine_settings_kv(spec: EngineSpec, budget_gb: float, kv_cache_dtype: str) -> Any:
-    """Engine settings with a fixed KV budget and `kv_cache_dtype` (for counting blocks)."""
-    from services.engine.settings import EngineSettings
-
-    return EngineSettings(
-        model=str(spec.model_dir),
-        device=spec.device,
-        dtype=spec.dtype,
-        kv_cache_gb=budget_gb,
-        kv_cache_dtype=kv_cache_dtype,
-        max_num_seqs=8,
-        cuda_graphs="off",
-    )
 
 
 def cached_embedded_model() -> Path | None:
@@ -521,15 +485,8 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     _fall_back(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    meta = {
-        "command": "sluice bench latency " + " ".join(argv),
-        "dtype": args.dtype,
-        "machine": machine_info(args.device),
-    }
+    quiet_torch(args.threads)
+    meta = {**run_meta(["latency", *argv], args.device), "dtype": args.dtype}
     label = model_label(args)
     print(f"model: {label}, {args.dtype}, {args.device}; variants {','.join(args.variants)}")
     with tempfile.TemporaryDirectory(prefix="sluice-latency-") as tmp:
@@ -566,9 +523,6 @@ def _finish(args: argparse.Namespace, bench: Bench) -> int:
     print()
     print(rep.format_quality(report))
     print(rep.format_kv(report.kv))
-    print("targets:")
-    for target in rep.targets(report):
-        print(target.line())
     bench.save(partial=False)
     if args.json is not None:
         print(f"wrote {args.json}")
@@ -576,7 +530,6 @@ def _finish(args: argparse.Namespace, bench: Bench) -> int:
         rep.write_plot(
             args.plot, report, f"sluice bench latency: {report.model}, {args.device}, {args.dtype}"
         )
-        print(f"wrote {args.plot}")
     failed = [v for v, why in report.errors.items() if not why.startswith("skipped")]
     if report.shape is not None:
         failed += [v for v, why in report.shape.errors.items() if not why.startswith("skipped")]

@@ -1,23 +1,17 @@
-"""Figures of one `sluice bench latency` run: ratios against speculation off, the issue's targets, the
-tables, the JSON and the plot. Pure functions of the measured figures (tests feed synthetic ones)."""
+"""Figures of one `sluice bench latency` run: ratios against speculation off, the tables, the JSON and the
+plot. Pure functions of the measured figures (tests feed synthetic ones)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.engine_report import Target, write_json
+from sluice.bench.common import figure, fmt, format_table, ratio, save_figure, write_json
 from sluice.bench.latency_run import OFF, RunFigures
-from sluice.bench.latency_workload import NON_REPETITIVE, REPETITIVE
-from sluice.bench.perplexity import PPL_TARGET, QualityResult
-
-NGRAM_BATCH1_TARGET = 1.5  # n-gram: batch-1 output tokens/s on the repetitive workload over off
-NGRAM_LOADED_TARGET = 0.95  # n-gram at the concurrent load: no more than 5% below off, on both workloads
-INT8_TARGET = 1.5  # int8 weight-only: batch-1 decode tokens/s on the 0.5B shape over unquantized
-FP8_TARGET = 1.3  # fp8 weights (GPU): the same
-KV_FP8_TARGET = 2.0  # fp8 KV: blocks at the same budget over the model dtype's
+from sluice.bench.perplexity import QualityResult
 
 
 @dataclass
@@ -53,8 +47,7 @@ class KvBlocks:
 
     @property
     def ratio(self) -> float | None:
-        auto, fp8 = self.blocks.get("auto"), self.blocks.get("fp8")
-        return fp8 / auto if auto and fp8 is not None else None
+        return ratio(self.blocks.get("fp8"), self.blocks.get("auto"))
 
 
 @dataclass
@@ -71,12 +64,6 @@ class Report:
 
     def cell(self, variant: str, workload: str) -> Cell | None:
         return next((c for c in self.cells if c.variant == variant and c.workload == workload), None)
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    if value is None or base is None or base <= 0:
-        return None
-    return value / base
 
 
 def _b1(cell: Cell | None) -> float | None:
@@ -107,56 +94,7 @@ def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | Non
     return None if mine is None else mine.ratio_to(base)
 
 
-def _target(name: str, value: float | None, threshold: float, at_most: bool = False) -> Target:
-    met = None if value is None else (value <= threshold if at_most else value >= threshold)
-    return Target(name, value, threshold, met, at_most)
-
-
-def targets(report: Report) -> list[Target]:
-    """The issue's targets, each MET / NOT MET, or NOT MEASURED when this run lacks a figure for it."""
-    c = report.concurrency
-    shape = report.shape.model if report.shape else "0.5B shape"
-    return [
-        _target(
-            f"ngram batch-1 decode tok/s on {REPETITIVE} / off",
-            batch1_ratio(report, "ngram", REPETITIVE),
-            NGRAM_BATCH1_TARGET,
-        ),
-        _target(
-            f"ngram at {c} concurrent tok/s on {REPETITIVE} / off",
-            concurrent_ratio(report, "ngram", REPETITIVE),
-            NGRAM_LOADED_TARGET,
-        ),
-        _target(
-            f"ngram at {c} concurrent tok/s on {NON_REPETITIVE} / off",
-            concurrent_ratio(report, "ngram", NON_REPETITIVE),
-            NGRAM_LOADED_TARGET,
-        ),
-        _target(
-            f"int8 batch-1 decode tok/s on {shape} / off", shape_ratio(report.shape, "int8"), INT8_TARGET
-        ),
-        _target(
-            f"int8 perplexity / unquantized ({report.quality_model or 'embedded model'})",
-            quality_ratio(report.quality, "int8"),
-            1 + PPL_TARGET,
-            at_most=True,
-        ),
-        _target(
-            f"fp8 batch-1 decode tok/s on {shape} / off (GPU)", shape_ratio(report.shape, "fp8"), FP8_TARGET
-        ),
-        _target(
-            "fp8 KV blocks / model-dtype KV blocks at one budget (GPU)",
-            report.kv.ratio if report.kv else None,
-            KV_FP8_TARGET,
-        ),
-    ]
-
-
 # ---------------------------------------------------------------- tables
-
-
-def _f(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _ms(value: float | None) -> str:
@@ -174,20 +112,7 @@ def _spec_cell(variant: str, run: RunFigures | None) -> str:
     length = run.spec.get("spec_mean_accepted_length")
     if rate is None and length is None:
         return "-"
-    return f"{_f(rate, '.0%')} / {_f(length, '.2f')}"
-
-
-def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(
-            str(c).rjust(w) if i > 1 else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(line.rstrip() for line in lines)
+    return f"{fmt(rate, '.0%')} / {fmt(length, '.2f')}"
 
 
 def format_main(report: Report) -> str:
@@ -217,20 +142,20 @@ def format_main(report: Report) -> str:
             (
                 cell.workload,
                 cell.variant,
-                _f(_b1(cell), ",.1f"),
+                fmt(_b1(cell), ",.1f"),
                 _x(batch1_ratio(report, cell.variant, cell.workload)),
                 _ms(b.ttft(0.5) if b else None),
-                _f(_conc(cell), ",.1f"),
+                fmt(_conc(cell), ",.1f"),
                 _x(concurrent_ratio(report, cell.variant, cell.workload)),
                 _ms(k.ttft(0.5) if k else None),
                 _ms(k.ttft(0.99) if k else None),
                 _spec_cell(cell.variant, b),
                 _spec_cell(cell.variant, k),
-                _f(cell.copy_fraction, ".0%"),
-                _f(cell.lookup_fraction, ".0%"),
+                fmt(cell.copy_fraction, ".0%"),
+                fmt(cell.lookup_fraction, ".0%"),
             )
         )
-    text = _table(header, rows)
+    text = format_table([header, *rows], right_from=2)
     for variant, why in report.errors.items():
         text += f"\n{variant}: no figures ({why})"
     return text
@@ -244,14 +169,16 @@ def format_shape(shape: ShapeRun | None) -> str:
         (
             shape.model,
             v,
-            _f(r.decode_tok_s, ",.2f"),
+            fmt(r.decode_tok_s, ",.2f"),
             _x(shape_ratio(shape, v)),
             _ms(r.ttft(0.5)),
             str(r.output_tokens),
         )
         for v, r in shape.runs.items()
     ]
-    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n" + _table(header, rows)
+    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n" + format_table(
+        [header, *rows], right_from=2
+    )
     for variant, why in shape.errors.items():
         text += f"\n{shape.model} {variant}: no figures ({why})"
     return text
@@ -267,13 +194,15 @@ def format_quality(report: Report) -> str:
             q.variant,
             q.quantization,
             q.kv_cache_dtype,
-            _f(q.perplexity, ".3f"),
-            _f(q.ratio_to(base), ".4f"),
+            fmt(q.perplexity, ".3f"),
+            fmt(q.ratio_to(base), ".4f"),
             str(q.tokens) if q.error is None else f"FAILED: {q.error[:60]}",
         )
         for q in report.quality
     ]
-    return f"perplexity on held-out text ({report.quality_model}):\n" + _table(header, rows)
+    return f"perplexity on held-out text ({report.quality_model}):\n" + format_table(
+        [header, *rows], right_from=2
+    )
 
 
 def format_kv(kv: KvBlocks | None) -> str:
@@ -289,23 +218,12 @@ def format_kv(kv: KvBlocks | None) -> str:
 
 
 def run_json(run: RunFigures | None) -> dict[str, Any] | None:
+    """A run's figures (its TTFTs as p50 and p99, its outputs left out)."""
     if run is None:
         return None
-    return {
-        "concurrency": run.concurrency,
-        "requests": run.requests,
-        "output_tokens": run.output_tokens,
-        "wall_s": run.wall_s,
-        "output_tok_s": run.output_tok_s,
-        "decode_tokens": run.decode_tokens,
-        "decode_s": run.decode_s,
-        "decode_tok_s": run.decode_tok_s,
-        "ttft_p50_s": run.ttft(0.5),
-        "ttft_p99_s": run.ttft(0.99),
-        "steps": run.steps,
-        "spec": run.spec,
-        "repeats": run.repeats,
-    }
+    figures = {k: v for k, v in dataclasses.asdict(run).items() if k not in ("ttft_s", "outputs")}
+    return {**figures, "output_tok_s": run.output_tok_s, "decode_tok_s": run.decode_tok_s,
+            "ttft_p50_s": run.ttft(0.5), "ttft_p99_s": run.ttft(0.99)}  # fmt: skip
 
 
 def to_json(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
@@ -363,10 +281,6 @@ def to_json(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
         "kv_blocks": kv,
         "quality_model": report.quality_model,
         "quality": quality,
-        "targets": [
-            {"name": t.name, "value": t.value, "threshold": t.threshold, "met": t.met, "at_most": t.at_most}
-            for t in targets(report)
-        ],
     }
 
 
@@ -380,14 +294,10 @@ VARIANT_COLORS = {"off": "#9a9a9a", "ngram": "#1f77b4", "int8": "#2ca02c", "fp8"
 def write_plot(path: Path, report: Report, title: str) -> None:
     """One PNG, two panels (batch 1: decode tok/s; N at once: output tok/s), bars per workload and variant,
     each labelled with its ratio to off."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
     workloads = list(dict.fromkeys(c.workload for c in report.cells))
     variants = list(dict.fromkeys(c.variant for c in report.cells))
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), dpi=120)
+    fig = figure(11, 4.5)
+    axes = fig.subplots(1, 2)
     panels = (
         ("batch 1: decode tokens/s", _b1, batch1_ratio),
         (f"{report.concurrency} at once: output tokens/s", _conc, concurrent_ratio),
@@ -398,22 +308,14 @@ def write_plot(path: Path, report: Report, title: str) -> None:
             xs = [i + (k - (len(variants) - 1) / 2) * width for i in range(len(workloads))]
             values = [value_of(report.cell(variant, w)) or 0.0 for w in workloads]
             bars = ax.bar(xs, values, width, label=variant, color=VARIANT_COLORS.get(variant, "#8c564b"))
-            for bar, w in zip(bars, workloads, strict=True):
-                r = ratio_of(report, variant, w)
-                shown = f"{bar.get_height():.0f}" + ("" if r is None or variant == OFF else f"\n{r:.2f}x")
-                ax.annotate(
-                    shown,
-                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                    ha="center",
-                    va="bottom",
-                    fontsize=7,
-                )
+            ratios = [ratio_of(report, variant, w) for w in workloads]
+            shown = [
+                f"{v:.0f}" + ("" if r is None or variant == OFF else f"\n{r:.2f}x")
+                for v, r in zip(values, ratios, strict=True)
+            ]
+            ax.bar_label(bars, labels=shown, fontsize=7)
         ax.set_xticks(range(len(workloads)), workloads)
         ax.set_title(label, fontsize=10)
         ax.margins(y=0.35)
     axes[0].legend(fontsize=8, loc="upper left", ncol=len(variants))
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    plt.close(fig)
+    save_figure(fig, path, title)

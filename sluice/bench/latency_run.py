@@ -17,20 +17,18 @@ decoding's proposed and accepted tokens, acceptance rate, mean accepted length) 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
+import numpy as np
 
+from sluice.bench import engine_driver as drv
+from sluice.bench.engine_driver import LLMEngine, Progress
 from sluice.bench.latency_workload import LatencyRequest, LatencyWorkload
-
-if TYPE_CHECKING:
-    from services.engine.engine import LLMEngine
 
 OFF = "off"
 VARIANTS: dict[str, dict[str, str]] = {
@@ -40,11 +38,6 @@ VARIANTS: dict[str, dict[str, str]] = {
     "fp8": {"quantization": "fp8"},
 }
 CUDA_ONLY = ("fp8",)
-BLOCK_SIZE = 16
-KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin (and the drafts' slots)
-MIN_KV_GB = 0.25
-
-Progress = Callable[[int], None]
 
 
 @dataclass(frozen=True)
@@ -59,69 +52,28 @@ class EngineSpec:
     threads: int = 0
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def kv_budget_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int) -> float:
-    """GiB of a pool holding requests of these total lengths at once (`extra` more tokens each for
-    drafts), KV_SLACK over, at least MIN_KV_GB."""
-    from transformers import AutoConfig
-
-    from sluice.bench.engine_roofline import kv_bytes_per_token
-
-    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
-    tokens = sum(_round_up(n + extra, BLOCK_SIZE) + BLOCK_SIZE for n in lengths)
-    return max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
-
-
 def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> Any:
     """EngineSettings of `variant` for requests of these total lengths (prompt + output) at most
-    `max_num_seqs` at once."""
-    from services.engine.settings import EngineSettings
-
+    `max_num_seqs` at once; the pool also holds each request's drafts."""
     overrides = {**VARIANTS[variant]}
     if variant == "ngram":
         overrides.update({k: v for k, v in spec.spec_overrides.items() if v is not None})
-    drafts = int(overrides.get("num_speculative_tokens", EngineSettings.num_speculative_tokens))
-    return EngineSettings(
-        model=str(spec.model_dir),
-        device=spec.device,
-        dtype=spec.dtype,
+    drafts = int(overrides.get("num_speculative_tokens", drv.NUM_SPECULATIVE_TOKENS))
+    return drv.engine_settings(
+        spec.model_dir,
+        spec.device,
+        spec.dtype,
+        lengths,
+        extra=drafts + 1,
         threads=spec.threads,
         max_num_seqs=max_num_seqs,
-        block_size=BLOCK_SIZE,
-        kv_cache_gb=kv_budget_gb(spec.model_dir, spec.dtype, lengths, drafts + 1),
-        max_model_len=_round_up(max(lengths) + drafts + 2, BLOCK_SIZE),
         enable_prefix_caching=False,
         **overrides,
     )
 
 
 def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
-    from services.engine.engine import LLMEngine
-
-    return LLMEngine(engine_settings(spec, variant, lengths, max_num_seqs))
-
-
-def release(device: str) -> None:
-    """Returns the memory of an engine no longer referenced (its pool and model) before the next loads."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _params(req: LatencyRequest) -> tuple[Any, Any]:
-    from services.engine.params import SamplingParams, StoppingParams
-
-    sampling = SamplingParams(temperature=req.temperature, seed=req.seed)
-    return sampling, StoppingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True)
+    return drv.make_engine(engine_settings(spec, variant, lengths, max_num_seqs))
 
 
 @dataclass
@@ -134,36 +86,25 @@ class _Track:
 
 def _drive(engine: LLMEngine, tracks: dict[str, _Track], progress: Progress) -> None:
     """Steps the engine until it is empty, timing each tracked request's first token and end."""
-    while engine.has_unfinished_requests():
-        idle = engine.idle_s()
-        if idle:
-            time.sleep(idle)
-        outputs = engine.step()
-        now = time.perf_counter()
-        for out in outputs:
-            if out.error is not None:
-                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            track = tracks.get(out.request_id)
-            if track is None:
-                continue
-            if out.new_token_ids and track.first is None:
-                track.first = now
-            track.tokens.extend(out.new_token_ids)
-            progress(len(out.new_token_ids))
-            if out.finished:
-                track.done = now
+
+    def on_output(out: Any, now: float) -> None:
+        track = tracks.get(out.request_id)
+        if track is None:
+            return
+        if out.new_token_ids and track.first is None:
+            track.first = now
+        track.tokens.extend(out.new_token_ids)
+        progress(len(out.new_token_ids))
+        if out.finished:
+            track.done = now
+
+    drv.drain(engine, on_output)
 
 
 def _add(engine: LLMEngine, rid: str, req: LatencyRequest) -> None:
-    sampling, stopping = _params(req)
-    engine.add_request(rid, list(req.prompt), sampling, stopping)
-
-
-def spec_stats(engine: LLMEngine) -> dict[str, float]:
-    """The engine statistics named spec_* (empty when the engine has none)."""
-    stats = engine.stats()
-    names = [f.name for f in dataclasses.fields(stats)] if dataclasses.is_dataclass(stats) else []
-    return {n: float(getattr(stats, n)) for n in names if n.startswith("spec_")}
+    engine.add_request(
+        rid, list(req.prompt), drv.sampling(req.temperature, req.seed), drv.stop_after(req.max_new_tokens)
+    )
 
 
 def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, tokens: int = 8) -> None:
@@ -211,13 +152,7 @@ class RunFigures:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-quantile (0..1) by linear interpolation between closest ranks; nan when empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    pos = q * (len(ordered) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return float(np.percentile(values, 100 * q)) if len(values) else math.nan
 
 
 def _figures(
@@ -233,7 +168,7 @@ def _figures(
         decode_s=decode_s,
         ttft_s=[t.first - t.added for t in tracks],  # type: ignore[operator]
         outputs=[t.tokens for t in tracks],
-        spec=spec_stats(engine),
+        spec=drv.spec_stats(engine),
         steps=engine.stats().steps,
     )
 
@@ -243,7 +178,7 @@ def run_batch1(engine: LLMEngine, workload: LatencyWorkload, device: str, progre
     engine.reset_stats()
     tracks: list[_Track] = []
     for i, req in enumerate(workload.requests):
-        _sync(device)
+        drv.sync(device)
         track = _Track(added=time.perf_counter())
         _add(engine, f"b{i}", req)
         _drive(engine, {f"b{i}": track}, progress)
@@ -258,7 +193,7 @@ def run_concurrent(
 ) -> RunFigures:
     """Every request added at once (see the module docstring)."""
     engine.reset_stats()
-    _sync(device)
+    drv.sync(device)
     start = time.perf_counter()
     tracks = {f"c{i}": _Track(added=start) for i in range(len(workload))}
     for i, req in enumerate(workload.requests):
@@ -274,14 +209,8 @@ def greedy_continuations(
     spec: EngineSpec, prompts: list[list[int]], n: int, max_num_seqs: int
 ) -> list[list[int]]:
     """Each prompt's `n` greedy tokens from a speculation-off engine (built for this and released)."""
-    from services.engine.params import SamplingParams, StoppingParams
-
     engine = build_engine(spec, OFF, [len(p) + n for p in prompts], max_num_seqs)
-    stopping = StoppingParams(max_new_tokens=n, ignore_eos=True)
-    tracks = {f"g{i}": _Track(added=0.0) for i in range(len(prompts))}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"g{i}", prompt, SamplingParams(temperature=0.0), stopping)
-    _drive(engine, tracks, lambda _: None)
+    outputs, _ = drv.generate(engine, prompts, [n] * len(prompts))
     del engine
-    release(spec.device)
-    return [tracks[f"g{i}"].tokens for i in range(len(prompts))]
+    drv.release_memory(spec.device)
+    return outputs

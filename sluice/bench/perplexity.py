@@ -52,7 +52,6 @@ MIN_PARAGRAPH_CHARS = 80  # as the corpus builder's
 DEFAULT_WINDOW = 512
 DEFAULT_CHUNK = 128
 DEFAULT_MAX_TOKENS = 16384
-PPL_TARGET = 0.02  # a quantization's perplexity within 2% of the unquantized model's
 
 
 def _docstrings(path: Path) -> Iterator[str]:

@@ -1,11 +1,5 @@
 """`sluice bench serve`: a serving load generator against a running gateway, like `vllm bench serve`.
 
-Usage: `sluice bench serve --api openai|ws|grpc --url URL --num-requests 64 --request-rate inf
-[--burstiness 1] [--max-concurrency N] [--num-warmup 2] [--dataset synthetic|shared-prefix|FILE.jsonl]
-[--input-len 128 --output-len 128 --sigma 0.5] [--prefix-len 512 --num-prefixes 4 --suffix-len 32]
-[--no-ignore-eos] [--slo ttft=500,tpot=50] [--json FILE] [--plot DIR] [--seed 0] [--model NAME]
-[--no-progress]`.
-
 Open loop: request i is sent at its arrival time whatever happened to the others (gaps drawn from a
 gamma distribution of shape `burstiness` around 1/rate, seeded; rate inf sends all at once), as its own
 task; `max_concurrency` holds it back until a slot is free (its latencies count from when it is sent).
@@ -19,37 +13,20 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import datetime
 import math
-import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
+from sluice.bench.common import add_flags, positive_float, positive_int, run_meta
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
-from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_json, write_plots
-
-__all__ = [
-    "BenchRequest",
-    "RequestRecord",
-    "ServeConfig",
-    "ServeResult",
-    "format_summary",
-    "main",
-    "run_serve",
-    "write_json",
-    "write_plots",
-]
+from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_plots, write_result
 
 DEFAULT_URLS = {
     "openai": "http://127.0.0.1:8000/v1",
@@ -228,38 +205,58 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=None, help="openai model name (default: the first of GET /v1/models)")
     add(
         "--num-requests",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help=f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)",
     )
     add(
         "--request-rate",
-        type=float,
+        type=positive_float,
         default=math.inf,
         metavar="R",
         help="requests/s (default inf: all at once)",
     )
-    add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
-    add("--max-concurrency", type=int, default=None, metavar="N", help="at most N requests in flight")
+    add(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)"
+    )
+    add(
+        "--max-concurrency", type=positive_int, default=None, metavar="N", help="at most N requests in flight"
+    )
     add("--num-warmup", type=int, default=0, metavar="N", help="requests sent and awaited before measuring")
     add("--dataset", default="synthetic", help="synthetic | shared-prefix | FILE.jsonl (default synthetic)")
-    add("--input-len", type=int, default=128, metavar="N", help="synthetic: mean prompt words (~tokens)")
+    add(
+        "--input-len",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="synthetic: mean prompt words (~tokens)",
+    )
     add(
         "--output-len",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)",
     )
     add("--sigma", type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")
     add(
-        "--prefix-len", type=int, default=512, metavar="N", help="shared-prefix: words of each shared context"
+        "--prefix-len",
+        type=positive_int,
+        default=512,
+        metavar="N",
+        help="shared-prefix: words of each shared context",
     )
-    add("--num-prefixes", type=int, default=4, metavar="N", help="shared-prefix: tenants (shared contexts)")
+    add(
+        "--num-prefixes",
+        type=positive_int,
+        default=4,
+        metavar="N",
+        help="shared-prefix: tenants (shared contexts)",
+    )
     add(
         "--suffix-len",
-        type=int,
+        type=positive_int,
         default=32,
         metavar="N",
         help="shared-prefix: words of each request's own part",
@@ -267,36 +264,22 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
-    add("--timeout", type=float, default=600.0, metavar="S", help="per-request timeout in seconds")
-    add("--json", type=Path, default=None, metavar="FILE", help="write the summary and every request here")
-    add("--plot", type=Path, default=None, metavar="DIR", help="write latency CDF and throughput PNGs here")
-    add("--seed", type=int, default=0, help="seed of the workload and the arrival times")
-    add("--no-progress", action="store_true", help="hide the progress bar")
+    add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
+    add_flags(
+        parser,
+        "json",
+        "plot",
+        "seed",
+        "no-progress",
+        json="write the summary and every request here",
+        plot="write latency CDF and throughput PNGs into this folder",
+        seed="seed of the workload and the arrival times",
+    )
     return parser
 
 
 def _check(args: argparse.Namespace) -> None:
     """Raises ValueError on option values the parser's types let through."""
-    positive = {
-        "--request-rate": args.request_rate,
-        "--burstiness": args.burstiness,
-        "--timeout": args.timeout,
-    }
-    for flag, value in positive.items():
-        if not value > 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
-    at_least_one = {
-        "--num-requests": args.num_requests,
-        "--max-concurrency": args.max_concurrency,
-        "--input-len": args.input_len,
-        "--output-len": args.output_len,
-        "--prefix-len": args.prefix_len,
-        "--num-prefixes": args.num_prefixes,
-        "--suffix-len": args.suffix_len,
-    }
-    for flag, value in at_least_one.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.num_warmup < 0 or args.sigma < 0 or args.temperature < 0:
         raise ValueError("--num-warmup, --sigma and --temperature must not be negative")
 
@@ -324,45 +307,6 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
         )
     lines = jsonl_requests(Path(args.dataset))
     return [lines[i % len(lines)] for i in range(num or len(lines))]
-
-
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
-
-
-def run_meta(bench_argv: Sequence[str]) -> dict[str, Any]:
-    """Where and how a benchmark run was made: its command (`bench_argv` is what followed `sluice bench`,
-    the benchmark's name first), date (UTC), machine, git commit."""
-    return {
-        "command": shlex.join(["sluice", "bench", *bench_argv]),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "cpu_count": os.cpu_count(),
-            "cpu_model": _cpu_model(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
-        "git_commit": _git_commit(),
-    }
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
@@ -404,7 +348,7 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
     """Prints the table, writes the JSON and the plots; returns the exit status."""
     summary = result.summary()
     if args.json is not None:
-        write_json(args.json, result, run_meta(["serve", *argv]))
+        write_result(args.json, result, run_meta(["serve", *argv]))
         print(f"wrote {args.json}")
     if summary["completed"] == 0:
         first = summary["errors"][0]["message"] if summary["errors"] else "no request completed"
@@ -412,6 +356,5 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
         return 1
     print(format_summary(result))
     if args.plot is not None:
-        for path in write_plots(args.plot, result):
-            print(f"wrote {path}")
+        write_plots(args.plot, result)
     return 0

@@ -8,7 +8,6 @@ carried text, all requests pooled) and E2E. Percentiles are numpy's (linear inte
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from sluice.bench.common import figure, save_figure, write_json
 
 if TYPE_CHECKING:
     from sluice.bench.serve import ServeConfig
@@ -154,18 +155,7 @@ def format_summary(result: ServeResult) -> str:
     return "\n".join(lines)
 
 
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float written as the string "inf", "-inf" or "nan" (JSON has none)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def write_json(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
+def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
     """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
     doc = {
         "meta": meta,
@@ -174,13 +164,7 @@ def write_json(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
         "started_at": result.started_at,
         "records": [dataclasses.asdict(r) for r in result.records],
     }
-    write_json_doc(path, doc)
-
-
-def write_json_doc(path: Path, doc: dict[str, Any]) -> None:
-    """Writes `doc` as JSON (non-finite floats as strings, see `json_safe`), making the folder if needed."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+    write_json(path, doc)
 
 
 def chunk_times(record: RequestRecord) -> np.ndarray:
@@ -220,9 +204,7 @@ def _latency_series(result: ServeResult) -> dict[str, list[float]]:
 
 
 def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(10, 7), dpi=110)
+    fig = figure(10, 7, dpi=110)
     for ax, (name, values) in zip(fig.subplots(2, 2).flat, _latency_series(result).items(), strict=True):
         ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
         if ms.size:
@@ -230,32 +212,25 @@ def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of gaps" if name == "ITL" else "fraction of requests")
         ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path, title)
 
 
 def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
-    from matplotlib.figure import Figure
-
     starts, rates = tokens_per_second(result.records)
-    fig = Figure(figsize=(8, 4.5), dpi=110)
+    fig = figure(8, 4.5, dpi=110)
     ax = fig.subplots()
     if starts.size:
         ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
     ax.set_xlabel("seconds since the start")
     ax.set_ylabel("output tokens/s (1 s bins)")
-    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
+    save_figure(fig, path, title)
 
 
 def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
     """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
     `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
     `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    directory.mkdir(parents=True, exist_ok=True)
     completed = sum(r.ok for r in result.records)
     title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
     cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"

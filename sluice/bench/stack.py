@@ -82,7 +82,7 @@ def _failure(name: str, what: str, log: Path) -> RuntimeError:
     return RuntimeError(f"{name} {what}{shown}")
 
 
-def _process_cpu_s(pid: int) -> float:
+def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants (0.0 once it is gone)."""
     try:
         root = psutil.Process(pid)
@@ -163,8 +163,18 @@ class Stack:
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
-        flags = ["--model", options.model, "--host", host, "--port", str(http_port),
-                 "--grpc-base-port", str(grpc_base), "--metrics-base-port", str(metrics_base)]
+        flags = [
+            "--model",
+            options.model,
+            "--host",
+            host,
+            "--port",
+            str(http_port),
+            "--grpc-base-port",
+            str(grpc_base),
+            "--metrics-base-port",
+            str(metrics_base),
+        ]
         flags += ["--engines", str(engines)] if engines > 1 else []
         plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
@@ -224,8 +234,11 @@ class Stack:
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                raise _failure("gateway", f"was not ready at {self.http_url}/readyz in time",
-                               supervisor.log_path("gateway"))
+                raise _failure(
+                    "gateway",
+                    f"was not ready at {self.http_url}/readyz in time",
+                    supervisor.log_path("gateway"),
+                )
             time.sleep(POLL_S)
 
     def stop(self) -> None:
@@ -240,7 +253,7 @@ class Stack:
     def cpu_seconds(self) -> dict[str, float]:
         """User + system CPU seconds each service has used so far (with any worker processes it
         started), keyed by service name."""
-        return {name: _process_cpu_s(pid) for name, pid in self.pids.items()}
+        return {name: process_cpu_s(pid) for name, pid in self.pids.items()}
 
 
 def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
@@ -289,8 +302,16 @@ class PeerServer:
         self.startup_timeout_s = startup_timeout_s
         batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
         self.args: tuple[str, ...] = (
-            self.path, batching, "--host", host, "--port", str(self.port), "--log-level", "warning",
-            *_peer_device_args(continuous_batching), *extra_args,
+            self.path,
+            batching,
+            "--host",
+            host,
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *_peer_device_args(continuous_batching),
+            *extra_args,
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
@@ -332,16 +353,20 @@ class PeerServer:
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise _failure("transformers serve", f"exited with code {code} during start-up",
-                               self._log_path())
+                raise _failure(
+                    "transformers serve", f"exited with code {code} during start-up", self._log_path()
+                )
             with contextlib.suppress(OSError, TimeoutError, ValueError):
                 listed = _get_json(f"{self.openai_url}/models")["data"]
                 if listed:
                     self.model = str(listed[0]["id"])
                 return
             if time.monotonic() > deadline:
-                raise _failure("transformers serve", f"did not answer {self.openai_url}/models in "
-                               f"{self.startup_timeout_s:g} s", self._log_path())
+                raise _failure(
+                    "transformers serve",
+                    f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s",
+                    self._log_path(),
+                )
             time.sleep(POLL_S)
 
     def stop(self) -> None:

@@ -68,13 +68,29 @@ DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "test": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 128},
-    "chat": {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 704, "vocab_size": 4096},
+    "test": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+    },
+    "chat": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 704,
+        "vocab_size": 4096,
+    },
 }
-_COMMON: dict[str, Any] = {"vocab_size": DEFAULT_VOCAB_SIZE, "max_position_embeddings": 2048,
-                           "tie_word_embeddings": True, "rms_norm_eps": 1e-5, "initializer_range": 0.02}
+_COMMON: dict[str, Any] = {
+    "vocab_size": DEFAULT_VOCAB_SIZE,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.02,
+}
 ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
@@ -94,17 +110,27 @@ def model_config(preset: str = "test", arch: str = "llama", **overrides: Any) ->
     if sliding_window is not None and arch == "llama":
         raise ValueError("sliding_window needs arch qwen2 or mistral")
     if arch == "qwen2":
-        kwargs.update(use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
-                      max_window_layers=0)
+        kwargs.update(
+            use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0
+        )
     elif arch == "mistral":
         kwargs.update(sliding_window=sliding_window)
     config_cls, _ = ARCHS[arch]
-    return config_cls(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID,
-                      **kwargs)
+    return config_cls(
+        bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID, **kwargs
+    )
 
 
-def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama", train_seconds: float = 0.0,
-                    seed: int = 0, progress: bool = True, **overrides: Any) -> Path:
+def make_tiny_model(
+    out_dir: Path,
+    *,
+    preset: str = "test",
+    arch: str = "llama",
+    train_seconds: float = 0.0,
+    seed: int = 0,
+    progress: bool = True,
+    **overrides: Any,
+) -> Path:
     """Write a model directory at `out_dir` and return it.
 
     Weights are seeded random (`train_seconds == 0`) or trained for about `train_seconds` seconds on two
@@ -123,20 +149,29 @@ def make_tiny_model(out_dir: Path, *, preset: str = "test", arch: str = "llama",
         model = model_cls(config).float().eval()
     report = None
     if train_seconds > 0:
-        report = train(model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed,
-                                                                progress=progress))
-    with _written_whole(out_dir) as tmp:
+        report = train(
+            model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
+        )
+    with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
-        GenerationConfig(bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS),
-                         pad_token_id=PAD_ID).save_pretrained(tmp)
+        GenerationConfig(
+            bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID
+        ).save_pretrained(tmp)
         save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
-        _write_marker(tmp, preset=preset, arch=arch, seed=seed, train_seconds=train_seconds,
-                      overrides=overrides, report=report)
+        _write_marker(
+            tmp,
+            preset=preset,
+            arch=arch,
+            seed=seed,
+            train_seconds=train_seconds,
+            overrides=overrides,
+            report=report,
+        )
     return out_dir
 
 
 @contextlib.contextmanager
-def _written_whole(out_dir: Path) -> Iterator[Path]:
+def written_whole(out_dir: Path) -> Iterator[Path]:
     """Yields a temporary directory beside `out_dir`; once the block has filled it, it replaces
     `out_dir` (readable by all), and on any failure it is removed: `out_dir` is complete or untouched."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -151,8 +186,9 @@ def _written_whole(out_dir: Path) -> Iterator[Path]:
 
 
 def _check_replaceable(out_dir: Path) -> None:
-    if out_dir.exists() and not (out_dir.is_dir() and (not any(out_dir.iterdir())
-                                                       or (out_dir / "config.json").exists())):
+    if out_dir.exists() and not (
+        out_dir.is_dir() and (not any(out_dir.iterdir()) or (out_dir / "config.json").exists())
+    ):
         raise FileExistsError(f"{out_dir} exists and is neither empty nor a model directory")
 
 
@@ -174,12 +210,26 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_marker(path: Path, *, preset: str, arch: str, seed: int, train_seconds: float,
-                  overrides: dict[str, Any], report: TrainReport | None) -> None:
-    info = {"recipe_version": RECIPE_VERSION, "preset": preset, "arch": arch, "seed": seed,
-            "train_seconds": train_seconds, "overrides": overrides,
-            "train_report": asdict(report) if report else None,
-            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+def _write_marker(
+    path: Path,
+    *,
+    preset: str,
+    arch: str,
+    seed: int,
+    train_seconds: float,
+    overrides: dict[str, Any],
+    report: TrainReport | None,
+) -> None:
+    info = {
+        "recipe_version": RECIPE_VERSION,
+        "preset": preset,
+        "arch": arch,
+        "seed": seed,
+        "train_seconds": train_seconds,
+        "overrides": overrides,
+        "train_report": asdict(report) if report else None,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
     (path / MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -189,8 +239,9 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "sluice"
 
 
-def default_model_dir(*, preset: str = "chat", arch: str = "llama",
-                      train_seconds: float = DEFAULT_TRAIN_SECONDS, seed: int = 0) -> Path:
+def default_model_dir(
+    *, preset: str = "chat", arch: str = "llama", train_seconds: float = DEFAULT_TRAIN_SECONDS, seed: int = 0
+) -> Path:
     """The cached trained model directory, built on first use (with a progress bar) and reused after.
 
     The folder name carries the recipe version and the parameters, so a change of either builds a new
@@ -203,8 +254,10 @@ def default_model_dir(*, preset: str = "chat", arch: str = "llama",
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{path.name}.lock"):
         if not (path / MARKER).exists():
-            print(f"sluice: building the embedded model in {path} (once, about {train_seconds:g} s)",
-                  file=sys.stderr)
+            print(
+                f"sluice: building the embedded model in {path} (once, about {train_seconds:g} s)",
+                file=sys.stderr,
+            )
             make_tiny_model(path, preset=preset, arch=arch, train_seconds=train_seconds, seed=seed)
     return path
 
@@ -224,7 +277,7 @@ def copy_model_dir(src: Path, out_dir: Path) -> Path:
     which is replaced; anything else raises FileExistsError). It appears complete or not at all."""
     out_dir = Path(out_dir)
     _check_replaceable(out_dir)
-    with _written_whole(out_dir) as tmp:
+    with written_whole(out_dir) as tmp:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
     return out_dir
 
@@ -236,20 +289,34 @@ def _parser() -> argparse.ArgumentParser:
         "embedded chat model that `sluice up` serves (trained once, about "
         f"{DEFAULT_TRAIN_SECONDS:g} s, then copied from the cache); with --preset, a model built to order.",
     )
-    p.add_argument("dir", nargs="?", type=Path,
-                   help="output directory (may be left out with --trained: prints the cached model's path)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="build this preset instead of the embedded model (test: small, for tests; "
-                   "untrained unless --train-seconds)")
+    p.add_argument(
+        "dir",
+        nargs="?",
+        type=Path,
+        help="output directory (may be left out with --trained: prints the cached model's path)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="build this preset instead of the embedded model (test: small, for tests; "
+        "untrained unless --train-seconds)",
+    )
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    p.add_argument("--train-seconds", type=float, default=0.0,
-                   help=f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; "
-                   "--preset: 0, untrained)")
-    p.add_argument("--trained", action="store_true",
-                   help="the embedded model (the default; DIR may then be left out)")
+    p.add_argument(
+        "--train-seconds",
+        type=float,
+        default=0.0,
+        help=f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; "
+        "--preset: 0, untrained)",
+    )
+    p.add_argument(
+        "--trained", action="store_true", help="the embedded model (the default; DIR may then be left out)"
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sliding-window", type=int, default=None,
-                   help="sliding-window size (qwen2, mistral; with --preset)")
+    p.add_argument(
+        "--sliding-window", type=int, default=None, help="sliding-window size (qwen2, mistral; with --preset)"
+    )
     return p
 
 
@@ -271,8 +338,14 @@ def main(argv: list[str]) -> int:
             out = cached if args.dir is None else copy_model_dir(cached, args.dir)
         else:
             overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
-            out = make_tiny_model(args.dir, preset=args.preset, arch=args.arch,
-                                  train_seconds=args.train_seconds, seed=args.seed, **overrides)
+            out = make_tiny_model(
+                args.dir,
+                preset=args.preset,
+                arch=args.arch,
+                train_seconds=args.train_seconds,
+                seed=args.seed,
+                **overrides,
+            )
     except (ValueError, FileExistsError) as e:
         print(f"sluice model tiny: error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Figures, greedy check, targets, decode steps and JSON of the engine benchmark, from hand-made results and
+"""Figures, greedy check, ratios, decode steps and JSON of the engine benchmark, from hand-made results and
 logits (no model)."""
 
 from __future__ import annotations
@@ -12,15 +12,14 @@ from sluice.bench.engine_report import (
     Block,
     DecodeFigure,
     GreedyCheck,
-    Target,
     build_rows,
     check_greedy,
     compare_request,
-    decode_targets,
-    evaluate_targets,
     format_decode,
     format_greedy_check,
-    format_table,
+    format_methods,
+    graphs_ratio,
+    headline_ratios,
     to_json,
     to_json_runs,
 )
@@ -94,35 +93,33 @@ def test_the_check_counts_requests_and_the_tokens_it_compared() -> None:
     assert f"smallest {check.min_margin:.3g}" in line and "sluice-continuous 4/5" in line
 
 
-def test_targets_met_when_every_figure_clears_its_bar() -> None:
-    results = _all(1000.0)
-    targets = evaluate_targets(results, build_rows(results, _check(results)), {})
-    assert [t.value for t in targets[:3]] == pytest.approx([2.5, 1000 / 300, 10.0])
-    assert [t.met for t in targets] == [True, True, True, True, True, True]
+def test_headline_ratios_are_over_each_transformers_method() -> None:
+    ratios = headline_ratios(_all(1000.0), "tiny, 2 requests")
+    assert [r.value for r in ratios] == pytest.approx([2.5, 1000 / 300, 10.0])
+    assert ratios[0].name == "[tiny, 2 requests] sluice-continuous tokens/s ÷ hf-continuous"
+    assert ratios[0].line() == "  [tiny, 2 requests] sluice-continuous tokens/s ÷ hf-continuous: 2.5"
 
 
-def test_a_near_tie_is_reported_and_does_not_fail_the_equality_target() -> None:
+def test_a_near_tie_is_reported_and_is_not_a_difference() -> None:
     results = _all(1000.0, [[5, TIED, 0], [8, 9]])
     check = _check(results)
     rows = build_rows(results, check)
-    targets = evaluate_targets(results, rows, {})
-    assert targets[5].value == 0 and targets[5].met is True
-    assert "yes (1 near-tie)" in format_table(rows, {}, 2)
-    doc = to_json(rows, {}, targets, {}, check)
+    assert sum(g.differing for g in check.methods.values()) == 0
+    assert "yes (1 near-tie)" in format_methods(rows, {}, 2)
+    doc = to_json(rows, {}, {}, check)
     head = doc["methods"]["sluice-continuous"]
     assert head["greedy_equals_hf-sequential"] is True
     assert (head["mismatching_requests"], head["near_tie_requests"], head["tokens_compared"]) == (0, 1, 4)
     assert doc["greedy_check"]["near_tie_threshold"] == THRESHOLD
 
 
-def test_targets_not_met_are_reported_with_their_values() -> None:
+def test_a_slower_headline_and_a_differing_request_are_reported_with_their_values() -> None:
     results = _all(700.0, [[5, 6, 7], [8, 1]])
-    rows = build_rows(results, _check(results))
-    targets = evaluate_targets(results, rows, {})
-    assert [t.met for t in targets] == [False, True, True, True, True, False]
-    assert targets[0].value == pytest.approx(1.75)
-    assert targets[5].value == 1
-    table = format_table(rows, {}, 2)
+    check = _check(results)
+    rows = build_rows(results, check)
+    assert headline_ratios(results)[0].value == pytest.approx(1.75)
+    assert check.methods["sluice-continuous"].differing == 1
+    table = format_methods(rows, {}, 2)
     assert "no (1)" in table and "1.75" in table
 
 
@@ -130,30 +127,16 @@ def test_without_the_reference_nothing_is_compared() -> None:
     results = _all(1000.0)
     del results[REFERENCE]
     rows = build_rows(results, None)
-    targets = evaluate_targets(results, rows, {})
-    assert targets[5].met is None and targets[5].value is None
-    assert to_json(rows, {}, targets, {}, None)["methods"]["hf-static"]["mismatching_requests"] is None
+    assert headline_ratios(results)[2].value is None
+    assert to_json(rows, {}, {}, None)["methods"]["hf-static"]["mismatching_requests"] is None
 
 
-def test_a_failed_sluice_method_leaves_equality_unmeasured() -> None:
+def test_a_failed_sluice_method_is_shown_as_failed() -> None:
     results = _all(1000.0)
     del results["sluice-static"]
     errors = {"sluice-static": "RuntimeError: boom"}
     rows = build_rows(results, _check(results))
-    targets = evaluate_targets(results, rows, errors)
-    assert targets[5].met is None
-    assert "FAILED" in format_table(rows, errors, 2)
-
-
-def test_a_target_with_an_upper_bound_is_met_at_or_under_it() -> None:
-    under, over = _at_most_target(2.9), _at_most_target(3.1)
-    assert (under.met, over.met) == (True, False)
-    assert "MET          x: 2.9 (target <= 3)" in under.line()
-    assert "NOT MET" in over.line() and _at_most_target(None).line().strip().startswith("NOT MEASURED")
-
-
-def _at_most_target(value: float | None) -> Target:
-    return Target("x", value, 3.0, None if value is None else value <= 3.0, at_most=True)
+    assert "FAILED" in format_methods(rows, errors, 2)
 
 
 def _decode(graphs: str, step_s: float, gbps: float | None = 1000.0) -> DecodeFigure:
@@ -162,24 +145,24 @@ def _decode(graphs: str, step_s: float, gbps: float | None = 1000.0) -> DecodeFi
     return DecodeFigure(step, roofline, "NVIDIA H200")
 
 
-def test_decode_targets_roofline_ratio_and_graphs_speedup() -> None:
+def test_decode_roofline_ratio_and_graphs_speedup() -> None:
     on, off = _decode("on", 0.002), _decode("off", 0.004)  # roofline: 1e9 bytes at 1000 GB/s = 1 ms
     assert on.roofline.seconds == pytest.approx(1e-3) and on.ratio == pytest.approx(2.0)
-    roofline, graphs = decode_targets([on, off], "qwen2-0.5b", 64)
-    assert (roofline.value, roofline.met, roofline.at_most) == (pytest.approx(2.0), True, True)
-    assert (graphs.value, graphs.met) == (pytest.approx(2.0), True)
-    assert "[qwen2-0.5b] decode-only step at batch 64" in roofline.name
-    slow = decode_targets([_decode("on", 0.0035), _decode("off", 0.004)], "m", 64)
-    assert [t.met for t in slow] == [False, False]  # 3.5× the roofline; graphs only 1.14× eager
+    graphs = graphs_ratio([on, off], "qwen2-0.5b", 64)
+    assert (
+        graphs.value == pytest.approx(2.0) and "[qwen2-0.5b] decode tokens/s with CUDA graphs" in graphs.name
+    )
+    slow = graphs_ratio([_decode("on", 0.0035), _decode("off", 0.004)], "m", 64)
+    assert _decode("on", 0.0035).ratio == pytest.approx(3.5) and slow.value == pytest.approx(0.004 / 0.0035)
     text = format_decode([on, off], None)
     assert "2.00 ms a step" in text and "2.00× the roofline" in text and "CUDA graphs off" in text
 
 
-def test_decode_targets_unmeasured_on_cpu_or_without_a_run() -> None:
+def test_decode_ratios_unmeasured_on_cpu_or_without_a_run() -> None:
     cpu = _decode(NOT_ON_CPU, 0.01, gbps=None)
     assert cpu.ratio is None
-    assert [t.met for t in decode_targets([cpu], "tiny", 64)] == [None, None]
-    assert [t.value for t in decode_targets([], "tiny", 64)] == [None, None]
+    assert graphs_ratio([cpu], "tiny", 64).value is None
+    assert graphs_ratio([], "tiny", 64).value is None
     assert "roofline n/a" in format_decode([cpu], None)
     assert "FAILED: RuntimeError: x" in format_decode([], "RuntimeError: x")
 
@@ -189,7 +172,7 @@ def test_table_shows_cuda_graphs_and_methods_skipped_on_cpu() -> None:
     results["sluice-continuous"].cuda_graphs = "on"
     results["sluice-dynamic"].cuda_graphs = NOT_ON_CPU
     rows = build_rows(results, None)
-    table = format_table(rows, {}, 2, {"sluice-continuous-eager": NOT_ON_CPU})
+    table = format_methods(rows, {}, 2, {"sluice-continuous-eager": NOT_ON_CPU})
     column = table.splitlines()[0].index("graphs")
     line = {ln.split()[0]: ln for ln in table.splitlines()[2:]}
     assert line["sluice-continuous"][column:].split()[0] == "on"
@@ -203,13 +186,13 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
         Block("tiny", c, work, {"num_requests": c}, _all(speed), {}, {"sluice-continuous-eager": NOT_ON_CPU})
         for c, speed in ((64, 1000.0), (256, 700.0))
     ]
-    targets = [t for b in blocks for t in b.targets()] + decode_targets([], "tiny", 64)
-    doc = to_json_runs(blocks, [_decode("on", 0.002)], None, targets, {"model": "tiny"})
+    ratios = [r for b in blocks for r in b.ratios()] + [graphs_ratio([], "tiny", 64)]
+    doc = to_json_runs(blocks, [_decode("on", 0.002)], None, ratios, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
     assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)
     assert doc["runs"][0]["methods"]["sluice-continuous-eager"] == {"skipped": NOT_ON_CPU, "error": None}
-    firsts = [t["name"].split("]")[0] for t in doc["targets"][0:12:6]]
+    firsts = [r["name"].split("]")[0] for r in doc["ratios"][0:6:3]]
     assert firsts == ["[tiny, 64 requests", "[tiny, 256 requests"]
     assert doc["decode_steps"][0]["ratio_to_roofline"] == pytest.approx(2.0)
-    assert len(doc["targets"]) == 14
+    assert len(doc["ratios"]) == 7

@@ -1,4 +1,4 @@
-"""`sluice bench latency`'s figures on synthetic numbers: ratios against off, the targets' verdicts, the
+"""`sluice bench latency`'s figures on synthetic numbers: ratios against off and unquantized, the
 tables and JSON; the copy / lookup fractions and the percentile it reports."""
 
 from __future__ import annotations
@@ -51,20 +51,7 @@ def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
     assert rep.batch1_ratio(report, "int8", REPETITIVE) is None  # not run
 
 
-def test_targets_met_not_met_and_not_measured() -> None:
-    met = {t.name: t.met for t in rep.targets(_report(ngram_b1=160.0, ngram_rep=960.0, ngram_non=1800.0))}
-    assert met["ngram batch-1 decode tok/s on repetitive / off"] is True  # 1.6 >= 1.5
-    assert met["ngram at 64 concurrent tok/s on repetitive / off"] is True  # 0.96 >= 0.95
-    assert met["ngram at 64 concurrent tok/s on non-repetitive / off"] is False  # 0.90 < 0.95
-    not_run = [name for name, m in met.items() if m is None]
-    assert len(not_run) == 4 and all(("int8" in n or "fp8" in n) for n in not_run)
-    below = {t.name: t.met for t in rep.targets(_report(ngram_b1=149.0, ngram_rep=940.0, ngram_non=1900.0))}
-    assert below["ngram batch-1 decode tok/s on repetitive / off"] is False
-    assert below["ngram at 64 concurrent tok/s on repetitive / off"] is False
-    assert below["ngram at 64 concurrent tok/s on non-repetitive / off"] is True  # exactly 0.95
-
-
-def test_shape_quality_and_kv_targets() -> None:
+def test_shape_quality_and_kv_ratios() -> None:
     report = _report(100.0, 1000.0, 2000.0)
     report.shape = rep.ShapeRun("qwen2-0.5b", "float32", {"off": _run(1, 4.0), "int8": _run(1, 6.4)})
     report.quality = [
@@ -72,15 +59,15 @@ def test_shape_quality_and_kv_targets() -> None:
         QualityResult("int8", "int8", "auto", 102.5, 1000),
     ]
     report.kv = rep.KvBlocks(1.0, {"auto": 1000, "fp8": 2000})
-    met = {t.name.split(" (")[0]: (t.value, t.met) for t in rep.targets(report)}
-    assert met["int8 batch-1 decode tok/s on qwen2-0.5b / off"] == (pytest.approx(1.6), True)
-    assert met["int8 perplexity / unquantized"] == (pytest.approx(1.025), False)  # more than 2% worse
-    assert met["fp8 batch-1 decode tok/s on qwen2-0.5b / off"] == (None, None)
-    assert met["fp8 KV blocks / model-dtype KV blocks at one budget"] == (2.0, True)
-    report.quality[1] = QualityResult("int8", "int8", "auto", 101.9, 1000)
-    assert {t.name.split(" (")[0]: t.met for t in rep.targets(report)}[
-        "int8 perplexity / unquantized"
-    ] is True
+    assert rep.shape_ratio(report.shape, "int8") == pytest.approx(1.6)
+    assert rep.shape_ratio(report.shape, "fp8") is None  # not run
+    assert rep.quality_ratio(report.quality, "int8") == pytest.approx(1.025)
+    assert report.kv.ratio == 2.0
+    assert "1.60x" in rep.format_shape(report.shape) and "1.0250" in rep.format_quality(report)
+    assert "(2.00x)" in rep.format_kv(report.kv)
+    doc = rep.to_json(report, {})
+    assert doc["shape"]["ratios_to_off"]["int8"] == pytest.approx(1.6) and doc["kv_blocks"]["ratio"] == 2.0
+    assert "targets" not in doc
 
 
 def test_tables_and_json_carry_the_figures() -> None:
@@ -97,7 +84,7 @@ def test_tables_and_json_carry_the_figures() -> None:
     assert ngram["concurrent"]["ttft_p99_s"] == pytest.approx(
         percentile([0.01 * (i + 1) for i in range(64)], 0.99)
     )
-    assert [t["met"] for t in doc["targets"]][:3] == [True, True, True]
+    assert [c["concurrent_ratio_to_off"] for c in doc["cells"]][2:] == pytest.approx([1.0, 1.0])
 
 
 def test_copy_and_lookup_fractions() -> None:

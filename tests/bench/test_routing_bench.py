@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from sluice.bench.routing import format_medians, format_table, median_ratios, parse_args, round_order
+from sluice.bench.routing import format_medians, format_rows, median_ratios, parse_args, round_order
 
 
 def row(policy: str, tok_s: float, ttft: float) -> dict[str, Any]:
@@ -37,8 +37,8 @@ def test_medians_are_of_ratios_within_each_round() -> None:
 
 
 def test_table_gives_ratios_to_round_robin() -> None:
-    lines = format_table([row("round_robin", 100, 1000), row("prefix_affinity", 160, 640)]).splitlines()
-    assert lines[2].split()[:6] == ["prefix_affinity", "160.0", "640", "0.50", "1.60", "0.64"]
+    lines = format_rows([row("round_robin", 100, 1000), row("prefix_affinity", 160, 640)]).splitlines()
+    assert lines[3].split()[:6] == ["prefix_affinity", "160.0", "640", "0.50", "1.60", "0.64"]
 
 
 def test_repeat_must_be_positive() -> None:

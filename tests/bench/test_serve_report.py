@@ -15,8 +15,8 @@ from sluice.bench.serve_report import (
     ServeResult,
     format_summary,
     tokens_per_second,
-    write_json,
     write_plots,
+    write_result,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -87,7 +87,7 @@ def test_table_shows_the_figures() -> None:
 
 def test_json_carries_meta_config_summary_and_records(tmp_path: Path) -> None:
     path = tmp_path / "out" / "serve.json"
-    write_json(path, _result(), {"command": "sluice bench serve"})
+    write_result(path, _result(), {"command": "sluice bench serve"})
     doc = json.loads(path.read_text())
     assert doc["meta"] == {"command": "sluice bench serve"}
     assert doc["config"]["request_rate"] == "inf"  # JSON has no infinity

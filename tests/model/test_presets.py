@@ -1,4 +1,4 @@
-"""The engine benchmark's models and roofline: preset shapes, the directories presets write, arithmetic."""
+"""The benchmarks' model presets and the roofline: preset shapes, the directories they write, arithmetic."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import pytest
 import torch
 
 from services.engine.model_runner import ModelRunner
-from sluice.bench import engine_presets as presets
-from sluice.bench.engine_presets import PRESETS, count_parameters, preset_config, write_random_model
 from sluice.bench.engine_roofline import (
     decode_roofline,
     device_bandwidth,
@@ -18,10 +16,13 @@ from sluice.bench.engine_roofline import (
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
+from sluice.model import presets
+from sluice.model.presets import PRESETS, count_parameters, preset_config, write_random_model
 
 
 @pytest.mark.parametrize(
-    ("name", "published"), [("qwen2-0.5b", 494e6), ("llama-1b", 1.24e9), ("llama-8b", 8.03e9)]
+    ("name", "published"),
+    [("tiny", 7.15e6), ("qwen2-0.5b", 494e6), ("llama-1b", 1.24e9), ("llama-8b", 8.03e9)],
 )
 def test_preset_shapes_count_the_real_models_parameters(name: str, published: float) -> None:
     assert count_parameters(preset_config(name)) == pytest.approx(published, rel=0.01)

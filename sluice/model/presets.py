@@ -1,15 +1,16 @@
-"""Models of the engine benchmark: the tiny Llama, or random weights in real architectures' shapes.
+"""Model presets: the benchmarks' tiny Llama, or random weights in real architectures' shapes.
 
-`--preset tiny` is the benchmark's own tiny Llama (engine_workload.write_bench_model). The other presets
-have the shapes of Qwen2-0.5B, Llama-3.2-1B and Llama-3.1-8B with seeded random weights: nothing is
-downloaded. Their directories are real Hugging Face directories (config.json, safetensors in the run's
-dtype) that the engine loads through its normal path; they are cached under
-`~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` (or `$SLUICE_BENCH_CACHE`), so a second run does not
-rewrite gigabytes.
+`tiny` is the benchmarks' own small Llama (hidden 256, 4 layers, vocabulary 8192, untied). The other
+presets have the shapes of Qwen2-0.5B, Llama-3.2-1B and Llama-3.1-8B. Every preset gets seeded random
+weights: nothing is downloaded. Their directories are real Hugging Face directories (config.json,
+safetensors in the run's dtype) that the engine loads through its normal path; the real shapes are cached
+under `~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` (or `$SLUICE_BENCH_CACHE`), so a second run does
+not rewrite gigabytes, and `tiny` is written to the caller's scratch directory.
 
 Weights: RMSNorm scales 1, biases 0, every other matrix normal with std `INNER_STD`, except the output
 projection (the embedding when tied), whose std makes the logits' std about `LOGIT_STD`: spread logits keep
-exact near-ties between the top two tokens rare in float32.
+exact near-ties between the top two tokens rare in float32. Special ids: pad 0, bos 1, eos 2; workloads
+draw prompt ids from `FIRST_PLAIN_ID` up.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,12 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from sluice.bench.engine_workload import BOS_ID, EOS_ID, PAD_ID, bench_model_config, write_bench_model
+from sluice.model.tiny import ARCHS, written_whole
 
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+FIRST_PLAIN_ID = 3  # prompts use ids in [FIRST_PLAIN_ID, vocab_size): no pad, bos or eos
 TINY = "tiny"
 INNER_STD = 0.02
 LOGIT_STD = 4.0
@@ -45,7 +48,7 @@ _LLAMA3_ROPE = {
 
 @dataclass(frozen=True)
 class Preset:
-    """A model shape: the transformers model type and its config fields (special ids are the workload's)."""
+    """A model shape: the transformers model type and its config fields (special ids are the module's)."""
 
     name: str
     model_type: str  # "llama" | "qwen2"
@@ -54,6 +57,21 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {
+    TINY: Preset(
+        TINY,
+        "llama",
+        dict(
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=704,
+            vocab_size=8192,
+            tie_word_embeddings=False,
+            max_position_embeddings=1024,
+        ),
+        7_145_728,
+    ),
     "qwen2-0.5b": Preset(
         "qwen2-0.5b",
         "qwen2",
@@ -106,23 +124,15 @@ PRESETS: dict[str, Preset] = {
         8_030_000_000,
     ),
 }
-PRESET_NAMES = (TINY, *PRESETS)
-
-_CONFIG_CLASSES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}
+PRESET_NAMES = tuple(PRESETS)
 
 
 def preset_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
     """The config of preset `name` (`overrides` replace fields, e.g. fewer layers for a quick test)."""
-    if name == TINY:
-        config = bench_model_config()
-        for key, value in overrides.items():
-            setattr(config, key, value)
-        return config
     preset = PRESETS[name]
+    config_cls, _ = ARCHS[preset.model_type]
     fields = {**preset.fields, **overrides}
-    return _CONFIG_CLASSES[preset.model_type](
-        **fields, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID
-    )
+    return config_cls(**fields, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
 
 
 def meta_model(config: transformers.PretrainedConfig) -> torch.nn.Module:
@@ -175,11 +185,11 @@ def write_random_model(config: transformers.PretrainedConfig, directory: Path, d
     index when more than one), config.json and generation_config.json; returns `directory`. Peak memory is
     about one shard, whatever the model's size."""
     torch_dtype = getattr(torch, dtype)
-    model = meta_model(config)
-    named = [(n, p.shape) for n, p in model.named_parameters()]  # a tied output projection appears once
+    element = torch.tensor([], dtype=torch_dtype).element_size()
+    named = [(n, p.shape) for n, p in meta_model(config).named_parameters()]  # a tied projection once
     output_std = LOGIT_STD / math.sqrt(config.hidden_size)
     gen = torch.Generator().manual_seed(seed)
-    shards = _shards(named, torch.tensor([], dtype=torch_dtype).element_size())
+    shards = _shards(named, element)
     directory.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     for k, shard in enumerate(shards, 1):
@@ -191,8 +201,8 @@ def write_random_model(config: transformers.PretrainedConfig, directory: Path, d
         weight_map.update(dict.fromkeys(tensors, filename))
         del tensors
     if len(shards) > 1:
-        total = sum(math.prod(s) for _, s in named) * torch.tensor([], dtype=torch_dtype).element_size()
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(math.prod(s) for _, s in named) * element},
+                 "weight_map": weight_map}  # fmt: skip
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config.dtype = torch_dtype
     config.save_pretrained(directory)
@@ -202,20 +212,10 @@ def write_random_model(config: transformers.PretrainedConfig, directory: Path, d
 
 
 def preset_model_dir(name: str, dtype: str, seed: int, scratch: Path, root: Path | None = None) -> Path:
-    """The directory of preset `name`: the tiny Llama written to `scratch` (fp32, as before presets
-    existed), or a cached random-weight model, written once (to a temporary sibling renamed into place,
-    so an interrupted write never leaves a directory that looks complete)."""
-    if name == TINY:
-        return write_bench_model(scratch / "tiny-llama", seed)
-    target = model_dir_for(name, dtype, seed, root)
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        write_random_model(preset_config(name), tmp, dtype, seed)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """The directory of preset `name`, written once (complete or not at all): `tiny` in `scratch`, the
+    real shapes in the cache (`root`, else `cache_root()`)."""
+    target = model_dir_for(name, dtype, seed, scratch if name == TINY else root)
+    if not (target / "config.json").exists():
+        with written_whole(target) as tmp:
+            write_random_model(preset_config(name), tmp, dtype, seed)
     return target

@@ -1,0 +1,253 @@
+"""What every benchmark shares: its common flags, the run's metadata, JSON, tables, plots and ratios.
+
+Flags (`add_flags`): `--model`, `--json`, `--plot`, `--quick`, `--threads`, `--no-progress`, `--device`,
+`--dtype`, `--seed`, `--repeat`, with the same meaning, type and default in every benchmark that has them
+(a benchmark may reword the help). Comma-list and range types (`int_list`, `int_range`, `names`) raise
+argparse errors, so a bad value exits with status 2 and a usage line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """`1,64,256` → (1, 64, 256); every value at least 1."""
+    try:
+        values = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """`MIN,MAX` with 1 <= MIN <= MAX."""
+    values = int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
+    return values[0], values[1]
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def names(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]:
+    """An argparse type for a comma list of `choices` (duplicates dropped, order kept)."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        picked = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+        unknown = [n for n in picked if n not in choices]
+        if unknown or not picked:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown}; choose from {', '.join(choices)}")
+        return picked
+
+    return parse
+
+
+_FLAGS: dict[str, dict[str, Any]] = {
+    "model": dict(
+        type=Path, default=None, metavar="DIR", help="model directory (default: the embedded model)"
+    ),
+    "json": dict(type=Path, default=None, metavar="FILE", help="write the figures as JSON here"),
+    "plot": dict(type=Path, default=None, metavar="FILE.png", help="write a PNG chart of the figures here"),
+    "quick": dict(action="store_true", help="tiny counts for smoke tests"),
+    "threads": dict(
+        type=positive_int, default=None, metavar="N", help="torch CPU threads (default: torch's)"
+    ),
+    "no-progress": dict(action="store_true", help="hide the progress bars"),
+    "device": dict(default=None, help="cpu | cuda | cuda:N (default: cuda if available)"),
+    "dtype": dict(default=None, choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
+    "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
+    "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
+}
+
+
+def add_flags(parser: argparse.ArgumentParser | Any, *flags: str, **helps: str) -> None:
+    """Adds the shared `flags` (names without dashes) to `parser` (or an argument group); `helps` rewords
+    one, keyed by its dest (`no_progress=...`)."""
+    for flag in flags:
+        dest = flag.replace("-", "_")
+        parser.add_argument(
+            f"--{flag}", **{**_FLAGS[flag], **({"help": helps[dest]} if dest in helps else {})}
+        )
+
+
+def resolve_device(args: argparse.Namespace) -> bool:
+    """Sets `args.device` (cuda when torch sees one) and returns whether it is CUDA; ValueError when
+    CUDA is asked for and absent."""
+    import torch
+
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+    return cuda
+
+
+def quiet_torch(threads: int | None) -> None:
+    """torch's CPU threads (None keeps torch's), and transformers without warnings or progress bars."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def progress_bar(show: bool, total: int, desc: str, unit: str = "tok") -> tqdm:
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr, mininterval=0.5,
+                dynamic_ncols=True)  # fmt: skip
+
+
+def error_text(exc: BaseException) -> str:
+    """Prints the traceback to stderr and returns `Type: message` for the report."""
+    traceback.print_exc(file=sys.stderr)
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---- the run's metadata ----------------------------------------------------------------------------
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                              text=True, timeout=5, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | None = None) -> dict[str, Any]:
+    """The machine; with a torch `device`, also torch's and transformers' versions, threads and GPU."""
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
+                            "python": platform.python_version(), "platform": platform.platform()}  # fmt: skip
+    if device is not None:
+        import torch
+        import transformers
+
+        info.update(device=device, torch=torch.__version__, transformers=transformers.__version__,
+                    torch_threads=torch.get_num_threads())  # fmt: skip
+        if device.startswith("cuda"):
+            info.update(gpu=torch.cuda.get_device_name(torch.device(device)), cuda=torch.version.cuda)
+    return info
+
+
+def run_meta(bench_argv: Sequence[str], device: str | None = None) -> dict[str, Any]:
+    """Where and how a run was made: its command (`bench_argv` is what followed `sluice bench`, the
+    benchmark's name first), date (UTC), machine (see `machine_info`), git commit."""
+    return {
+        "command": shlex.join(["sluice", "bench", *bench_argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine_info(device),
+        "git_commit": _git_commit(),
+    }
+
+
+# ---- figures out --------------------------------------------------------------------------------------
+
+
+def ratio(value: float | None, base: float | None) -> float | None:
+    """value ÷ base; None when either is missing or base is not positive."""
+    return None if value is None or base is None or not base > 0 else value / base
+
+
+def fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None) -> str:
+    """Rows (the first is the header) in columns two spaces apart, a rule under the header; columns from
+    `right_from` on aligned right."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+
+    def line(row: list[str]) -> str:
+        right = right_from is not None
+        return "  ".join(c.rjust(w) if right and i >= right_from else c.ljust(w)  # type: ignore[operator]
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()  # fmt: skip
+
+    lines = [line(row) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float written as the string "inf", "-inf" or "nan" (JSON has none)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path | None, doc: dict[str, Any], announce: bool = False) -> None:
+    """Writes `doc` to `path` (nothing when None) as JSON, non-finite floats as strings (see
+    `json_safe`), making the folder if needed; `announce` prints where."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False, default=str) + "\n", "utf-8")
+    if announce:
+        print(f"wrote {path}")
+
+
+def figure(width: float, height: float, dpi: int = 120) -> Figure:
+    """A matplotlib figure on the Agg canvas (no pyplot state)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=dpi)
+
+
+def save_figure(fig: Figure, path: Path, title: str = "") -> None:
+    """Titles, lays out and writes `fig` as a PNG to `path` (making the folder), then prints where."""
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    print(f"wrote {path}")

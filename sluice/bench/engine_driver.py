@@ -1,0 +1,197 @@
+"""The engine core driven in-process by the benchmarks: settings, KV sizing, requests, stepping, memory.
+
+Every benchmark that runs `LLMEngine` in its own process (`engine`, `latency`, `pipeline`, and `compare`
+for the policy names) goes through this module, and this module alone imports the engine's modules.
+
+A benchmark's engine holds its whole workload at once: `engine_settings` sizes the KV pool for requests of
+the given total lengths (prompt + output, plus `extra` tokens each, e.g. speculative drafts) with
+`KV_SLACK` to spare, so no request is preempted, and sets a context length just above the longest (the
+model's own may not fit the pool). The size is explicit on CUDA too: the engine's automatic size would
+take most of the free memory and starve whatever runs in the same process after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig
+
+from services.common.settings import load_settings
+from services.engine.engine import LLMEngine
+from services.engine.params import SamplingParams, StoppingParams
+from services.engine.scheduler import SchedulerOutput
+from services.engine.settings import BATCHING_POLICIES, EngineSettings
+from sluice.bench.engine_roofline import kv_bytes_per_token
+
+__all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
+
+KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
+MIN_KV_GB = 0.5  # the least KV pool
+BLOCK_SIZE = EngineSettings.block_size
+MAX_NUM_SEQS = EngineSettings.max_num_seqs
+MAX_NUM_BATCHED_TOKENS = EngineSettings.max_num_batched_tokens
+NUM_SPECULATIVE_TOKENS = EngineSettings.num_speculative_tokens
+
+Progress = Callable[[int], None]  # called with the number of output tokens just delivered
+OnOutput = Callable[[Any, float], None]  # called with each request's output of a step and the time after it
+
+
+def on_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def sync(device: str) -> None:
+    if on_cuda(device):
+        torch.cuda.synchronize()
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def release_memory(device: str) -> None:
+    """Returns the memory of engines, models and pools no longer referenced, before the next one loads."""
+    gc.collect()
+    if on_cuda(device):
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def timed(device: str) -> Iterator[list[float]]:
+    """Yields a one-element list that holds the elapsed seconds once the block ends (device synced)."""
+    elapsed = [0.0]
+    sync(device)
+    start = time.perf_counter()
+    yield elapsed
+    sync(device)
+    elapsed[0] = time.perf_counter() - start
+
+
+def kv_cache_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int = 0) -> float:
+    """GiB of a pool holding requests of these total lengths at once (`extra` more tokens each), KV_SLACK
+    over, at least MIN_KV_GB."""
+    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
+    tokens = sum(round_up(n + extra, BLOCK_SIZE) + BLOCK_SIZE for n in lengths)
+    return max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
+
+
+def engine_settings(
+    model_dir: Path, device: str, dtype: str, lengths: Sequence[int], extra: int = 0, **fields: Any
+) -> EngineSettings:
+    """Settings of an engine for requests of these total lengths (see the module docstring); `fields` are
+    any other EngineSettings fields."""
+    return EngineSettings(
+        model=str(model_dir),
+        device=device,
+        dtype=dtype,
+        block_size=BLOCK_SIZE,
+        kv_cache_gb=kv_cache_gb(model_dir, dtype, lengths, extra),
+        max_model_len=round_up(max(lengths) + extra + 1, BLOCK_SIZE),
+        **fields,
+    )
+
+
+def make_engine(settings: EngineSettings | None = None, **fields: Any) -> LLMEngine:
+    """An engine of `settings`, or of EngineSettings(**fields)."""
+    return LLMEngine(settings or EngineSettings(**fields))
+
+
+def engine_from_flags(flags: Sequence[str]) -> LLMEngine:
+    """An engine of command-line flags, as `sluice serve engine` parses them."""
+    return LLMEngine(load_settings(EngineSettings, list(flags), prog="engine flags"))
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0)
+
+
+def sampling(temperature: float, seed: int | None) -> SamplingParams:
+    return SamplingParams(temperature=temperature, seed=seed)
+
+
+def stop_after(n: int) -> StoppingParams:
+    """Exactly `n` new tokens: EOS ignored."""
+    return StoppingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def drain(engine: LLMEngine, on_output: OnOutput | None = None) -> None:
+    """Steps the engine until it has nothing left, handing each request's output of a step to `on_output`
+    with the time the step ended; waits out a forming batch (`idle_s`) instead of spinning. A failed
+    request raises RuntimeError."""
+    while engine.has_unfinished_requests():
+        time.sleep(engine.idle_s())
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.error is not None:
+                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
+            if on_output is not None:
+                on_output(out, now)
+
+
+def collect(outputs: dict[str, list[int]], progress: Progress | None = None) -> OnOutput:
+    """An `on_output` that appends the new tokens of each request in `outputs` and reports them."""
+
+    def on_output(out: Any, now: float) -> None:
+        if out.request_id in outputs:
+            outputs[out.request_id].extend(out.new_token_ids)
+            if progress is not None:
+                progress(len(out.new_token_ids))
+
+    return on_output
+
+
+def warm_up(engine: LLMEngine, prompt: Sequence[int], tokens: int = 4) -> None:
+    """One greedy request outside any timed region, then the engine's statistics reset."""
+    engine.add_request("warmup", list(prompt), greedy(), stop_after(tokens))
+    drain(engine)
+    engine.reset_stats()
+
+
+def generate(
+    engine: LLMEngine,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: Sequence[int],
+    progress: Progress | None = None,
+    device: str = "cpu",
+) -> tuple[list[list[int]], float]:
+    """Adds every prompt at once (greedy, exactly its `max_new_tokens`), steps until all are done; returns
+    each prompt's tokens in order and the seconds it took (device synced)."""
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    with timed(device) as elapsed:
+        for i, (prompt, n) in enumerate(zip(prompts, max_new_tokens, strict=True)):
+            engine.add_request(f"r{i}", list(prompt), greedy(), stop_after(n))
+        drain(engine, collect(outputs, progress))
+    return [outputs[f"r{i}"] for i in range(len(prompts))], elapsed[0]
+
+
+def spec_stats(engine: LLMEngine) -> dict[str, float]:
+    """The engine statistics named spec_* (speculative decoding's; empty when the engine has none)."""
+    stats = engine.stats()
+    fields = [f.name for f in dataclasses.fields(stats)] if dataclasses.is_dataclass(stats) else []
+    return {n: float(getattr(stats, n)) for n in fields if n.startswith("spec_")}
+
+
+class StepShapes:
+    """An engine observer that records, per scheduled step, its batch size and whether every row decodes."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, bool]] = []
+
+    def on_arrival(self, request: object, trace_context: object = None) -> None:
+        pass
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        decode_only = all(n == 1 and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
+        self.shapes.append((len(sched.scheduled), decode_only))
+
+    def on_step_end(self, *args: object) -> None:
+        pass

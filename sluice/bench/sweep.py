@@ -1,0 +1,153 @@
+"""The shape `compare`, `pipeline` and `routing` share: systems started one at a time, a load swept over
+each, a report.
+
+A system is something an `Opener` starts for the life of a context and hands back as an `Endpoint`: the
+whole sluice pipeline (`stack_endpoint`, a `Stack` of child processes with any engine flags, replicas or
+environment) or `transformers serve` (`peer_endpoint`). `sweep` starts each system once, measures every
+point of the load on it (request rates for `compare`, rounds for `pipeline`, one point per round for
+`routing`) and records a system that failed to start instead of raising. Loads go through `sluice bench
+serve`'s generator (`serve_load`); what the services spent comes from the OS (CPU seconds) and from their
+own /metrics (`scrape_metrics`, `counter`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import uvloop
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from sluice.bench.common import add_flags, positive_int, run_meta
+from sluice.bench.serve import ServeConfig, run_serve
+from sluice.bench.serve_data import BenchRequest
+from sluice.bench.serve_report import ServeResult
+from sluice.bench.stack import PeerServer, Stack, StackOptions
+from sluice.launcher import resolve_model
+
+P = TypeVar("P")  # a point of the load
+R = TypeVar("R")  # what measuring one point gives
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, sorted labels) → value
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A started system as a load drives it."""
+
+    urls: Mapping[str, str]  # API ("openai", "ws", "grpc") → its URL
+    model: str | None  # the OpenAI "model" field; None = the first of GET /models
+    cpu_seconds: Callable[[], dict[str, float]]  # CPU seconds per process so far ({} when unknown)
+    metrics_urls: Mapping[str, str] = field(default_factory=dict)  # process → its /metrics URL
+
+
+Opener = Callable[[], AbstractContextManager[Endpoint]]
+
+
+@dataclass
+class SystemRun(Generic[R]):
+    """A system's measured points in order, or why it could not be started."""
+
+    name: str
+    points: list[R] = field(default_factory=list)
+    error: str | None = None
+
+
+@contextmanager
+def stack_endpoint(model: str, engine_flags: Sequence[str] = (), **options: Any) -> Iterator[Endpoint]:
+    """The whole sluice pipeline on `model` (`options`: other StackOptions fields), for the context's life."""
+    with Stack(StackOptions(model, engine_flags=tuple(engine_flags), **options)) as stack:
+        urls = {"openai": stack.openai_url, "ws": stack.ws_url, "grpc": stack.grpc_address}
+        yield Endpoint(urls, None, stack.cpu_seconds, stack.metrics_urls)
+
+
+@contextmanager
+def peer_endpoint(model: str) -> Iterator[Endpoint]:
+    """`transformers serve --continuous-batching` on `model`, for the life of the context."""
+    with PeerServer(model) as peer:
+        yield Endpoint({"openai": peer.openai_url}, peer.model, dict)
+
+
+def sweep(
+    systems: Mapping[str, Opener],
+    points: Sequence[P],
+    measure: Callable[[str, Endpoint, P, int], R],
+    bar: tqdm | None = None,
+) -> dict[str, SystemRun[R]]:
+    """Starts each system in turn and calls `measure(system, endpoint, point, index)` for every point on it
+    (index 0 first: the place to warm up). A start-up failure (RuntimeError, OSError) is recorded in the
+    system's run; `bar` advances by one per point, skipped ones included."""
+    runs: dict[str, SystemRun[R]] = {}
+    for name, opener in systems.items():
+        run = runs[name] = SystemRun(name)
+        try:
+            with opener() as endpoint:
+                for k, point in enumerate(points):
+                    if bar is not None:
+                        bar.set_postfix_str(f"{name} @ {point}")
+                    run.points.append(measure(name, endpoint, point, k))
+                    if bar is not None:
+                        bar.update()
+        except (RuntimeError, OSError) as exc:
+            run.error = str(exc)
+            if bar is not None:
+                bar.update(len(points) - len(run.points))
+    return runs
+
+
+def serve_load(
+    endpoint: Endpoint, requests: Sequence[BenchRequest], api: str = "openai", **config: Any
+) -> ServeResult:
+    """One run of the load generator against `endpoint` (`config`: other ServeConfig fields)."""
+    settings = ServeConfig(api=api, url=endpoint.urls[api], model=endpoint.model, **config)
+    return uvloop.run(run_serve(settings, requests))
+
+
+def cpu_used(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """CPU seconds each process spent between two readings of `Endpoint.cpu_seconds`."""
+    return {name: after[name] - before.get(name, 0.0) for name in after}
+
+
+def scrape_metrics(url: str, timeout_s: float = 5.0) -> Samples:
+    """Every sample a Prometheus endpoint serves now: (sample name, sorted labels) → value."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        text = resp.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def counter(samples: Samples, name: str) -> float:
+    """The sum of a counter's samples over all label sets (0 when absent)."""
+    return sum(v for (sample, _), v in samples.items() if sample in (name, f"{name}_total"))
+
+
+def add_sweep_flags(parser: argparse.ArgumentParser, requests: int, *flags: str, **helps: str) -> None:
+    """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --json,
+    --no-progress), then the shared `flags` asked for ("plot", "repeat", "engine-flags")."""
+    add_flags(parser, "model", "seed")
+    about = helps.pop("num_requests", f"requests per point (default {requests})")
+    parser.add_argument("--num-requests", type=positive_int, default=requests, metavar="N", help=about)
+    if "engine-flags" in flags:
+        parser.add_argument("--engine-flags", default="", metavar="FLAGS",
+                            help="extra engine flags, e.g. \"--num-kv-blocks 256\"")  # fmt: skip
+    add_flags(parser, "json", "no-progress", *(f for f in flags if f != "engine-flags"), **helps)
+
+
+def model_and_flags(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """The model directory every system serves (the embedded model when none is given) and the engine
+    flags as a list."""
+    return resolve_model(str(args.model or "")), shlex.split(getattr(args, "engine_flags", ""))
+
+
+def sweep_meta(name: str, argv: Sequence[str], model: str, **more: Any) -> dict[str, Any]:
+    """The run's metadata (common.run_meta), the model and `more`."""
+    return {**run_meta([name, *argv]), "model": model, **more}
