@@ -24,25 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/common.proto\x12\tsluice.v1\"\xd1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\rB\x07\n\x05_seed\"\x9e\x01\n\x0eStoppingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\n\n\x08_content\"8\n\x0c\x43onversation\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/common.proto\x12\tsluice.v1\"\xa4\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\r\x12/\n\nstructured\x18\n \x01(\x0b\x32\x1b.sluice.v1.StructuredOutput\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.sluice.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x0c \x01(\rH\x01\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\">\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\"\x9e\x01\n\x0eStoppingParams\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0emin_new_tokens\x18\x02 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x06 \x01(\x08\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x14\n\x07\x63ontent\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x17\n\x0ftool_calls_json\x18\x05 \x01(\tB\n\n\x08_content\"8\n\x0c\x43onversation\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.sluice.v1.ChatMessage*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=730
-  _globals['_FINISHREASON']._serialized_end=879
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1028
+  _globals['_FINISHREASON']._serialized_end=1177
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=247
-  _globals['_STOPPINGPARAMS']._serialized_start=250
-  _globals['_STOPPINGPARAMS']._serialized_end=408
-  _globals['_USAGE']._serialized_start=410
-  _globals['_USAGE']._serialized_end=467
-  _globals['_TOKENLOGPROB']._serialized_start=469
-  _globals['_TOKENLOGPROB']._serialized_end=545
-  _globals['_CHATMESSAGE']._serialized_start=547
-  _globals['_CHATMESSAGE']._serialized_end=669
-  _globals['_CONVERSATION']._serialized_start=671
-  _globals['_CONVERSATION']._serialized_end=727
+  _globals['_SAMPLINGPARAMS']._serialized_end=458
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=381
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=429
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=460
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=522
+  _globals['_STOPPINGPARAMS']._serialized_start=525
+  _globals['_STOPPINGPARAMS']._serialized_end=683
+  _globals['_USAGE']._serialized_start=685
+  _globals['_USAGE']._serialized_end=765
+  _globals['_TOKENLOGPROB']._serialized_start=767
+  _globals['_TOKENLOGPROB']._serialized_end=843
+  _globals['_CHATMESSAGE']._serialized_start=845
+  _globals['_CHATMESSAGE']._serialized_end=967
+  _globals['_CONVERSATION']._serialized_start=969
+  _globals['_CONVERSATION']._serialized_end=1025
 # @@protoc_insertion_point(module_scope)
