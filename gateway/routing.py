@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from gateway.settings import ROUTING_POLICIES as POLICIES
 from services.common.pb import engine_pb2
-from services.engine.block_manager import BlockHash, chain_hashes
+from services.engine.core.block_manager import BlockHash, chain_hashes
 
 PENDING_S = 5.0  # how long keys of a routed prompt count as held before the engine reports them
 TOKENS_PER_LOAD = 4096  # queued prompt tokens that weigh as much as one request in flight

@@ -26,8 +26,8 @@ from sluice.bench.engine_roofline import kv_bytes_per_token
 from sluice.bench.engine_workload import FIRST_PLAIN_ID, PAD_ID, Workload
 
 if TYPE_CHECKING:  # the engine is imported when a sluice method runs, so the baselines run without it
-    from services.engine.engine import LLMEngine
-    from services.engine.scheduler import SchedulerOutput
+    from services.engine.core.engine import LLMEngine
+    from services.engine.core.scheduler import SchedulerOutput
     from services.engine.settings import EngineSettings
 
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
@@ -344,8 +344,8 @@ def run_sluice(
     ctx: BenchContext, work: Workload, batching: str, progress: Progress, cuda_graphs: str = "on"
 ) -> MethodResult:
     """The engine core with one batching policy: add every request, then `step()` until none is left."""
-    from services.engine.engine import LLMEngine
-    from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.core.engine import LLMEngine
+    from services.engine.core.params import SamplingParams, StoppingParams
 
     lengths = [len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
     engine = LLMEngine(_engine_settings(ctx, batching, lengths, cuda_graphs))
@@ -422,8 +422,8 @@ def measure_decode_step(
     them: `batch` random prompts are prefilled, a few decode steps run untimed, then `steps` are timed
     (device synchronised at both ends). Raises RuntimeError when a timed step was not a decode of the
     whole batch (it would not measure what it says)."""
-    from services.engine.engine import LLMEngine
-    from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.core.engine import LLMEngine
+    from services.engine.core.params import SamplingParams, StoppingParams
     from services.engine.settings import EngineSettings
 
     prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)

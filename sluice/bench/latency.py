@@ -389,7 +389,7 @@ class Bench:
 
     def run_kv_blocks(self) -> None:
         """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""
-        from services.engine.engine import LLMEngine
+        from services.engine.core.engine import LLMEngine
 
         args = self.args
         if not args.device.startswith("cuda"):

@@ -30,7 +30,7 @@ import torch
 from sluice.bench.latency_workload import LatencyRequest, LatencyWorkload
 
 if TYPE_CHECKING:
-    from services.engine.engine import LLMEngine
+    from services.engine.core.engine import LLMEngine
 
 OFF = "off"
 VARIANTS: dict[str, dict[str, str]] = {
@@ -100,7 +100,7 @@ def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_
 
 
 def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
-    from services.engine.engine import LLMEngine
+    from services.engine.core.engine import LLMEngine
 
     return LLMEngine(engine_settings(spec, variant, lengths, max_num_seqs))
 
@@ -118,7 +118,7 @@ def _sync(device: str) -> None:
 
 
 def _params(req: LatencyRequest) -> tuple[Any, Any]:
-    from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.core.params import SamplingParams, StoppingParams
 
     sampling = SamplingParams(temperature=req.temperature, seed=req.seed)
     return sampling, StoppingParams(max_new_tokens=req.max_new_tokens, ignore_eos=True)
@@ -274,7 +274,7 @@ def greedy_continuations(
     spec: EngineSpec, prompts: list[list[int]], n: int, max_num_seqs: int
 ) -> list[list[int]]:
     """Each prompt's `n` greedy tokens from a speculation-off engine (built for this and released)."""
-    from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.core.params import SamplingParams, StoppingParams
 
     engine = build_engine(spec, OFF, [len(p) + n for p in prompts], max_num_seqs)
     stopping = StoppingParams(max_new_tokens=n, ignore_eos=True)

@@ -100,8 +100,8 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     core until every request is done. The engine gets the flags `sluice up` gives the service (its
     thread count included), then `engine_flags`."""
     from services.common.settings import load_settings
-    from services.engine.engine import LLMEngine
-    from services.engine.params import SamplingParams, StoppingParams
+    from services.engine.core.engine import LLMEngine
+    from services.engine.core.params import SamplingParams, StoppingParams
     from services.engine.settings import EngineSettings
     from services.tokenizer.core import TokenizerCore
     from sluice.bench.engine_methods import drain

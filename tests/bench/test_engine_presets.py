@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model_runner import ModelRunner
+from services.engine.executor.model_runner import ModelRunner
 from sluice.bench import engine_presets as presets
 from sluice.bench.engine_presets import PRESETS, count_parameters, preset_config, write_random_model
 from sluice.bench.engine_roofline import (

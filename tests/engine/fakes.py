@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.engine import LLMEngine
-from services.engine.request import PLACEHOLDER, Request
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.request import PLACEHOLDER, Request
 from services.engine.settings import EngineSettings
 
 FAKE_VOCAB = 64

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.engine.async_engine import AsyncEngine
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.scheduler import SchedulerOutput
 from services.engine.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_class
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
 
 

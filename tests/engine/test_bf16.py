@@ -20,9 +20,9 @@ import pytest
 import torch
 import transformers
 
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import PLACEHOLDER, Request
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.executor.model_runner import ModelRunner
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
 
 BLOCK_SIZE = 16
@@ -55,7 +55,7 @@ def _triton_available() -> bool:
     """The kernel runs on TEST_DEVICE (on CPU only through Triton's interpreter: tests/conftest.py sets
     TRITON_INTERPRET=1 before triton is imported)."""
     try:
-        from services.engine.kernels.paged_attention import triton_usable
+        from services.engine.executor.kernels.paged_attention import triton_usable
     except ImportError:
         return False
     return triton_usable(torch.device(TEST_DEVICE))

@@ -1,4 +1,4 @@
-"""Decode-only steps through the padded static buffers (services/engine/cuda_graphs.py): the captured sizes,
+"""Decode-only steps through the padded static buffers (executor/cuda_graphs.py): the captured sizes,
 padding rows that touch nothing but the scratch block, logits equal to the eager triton step, and on CUDA
 a replayed graph equal to the eager step."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.cuda_graphs import capture_sizes, padded_size
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.cuda_graphs import capture_sizes, padded_size
+from services.engine.executor.model_runner import ModelRunner
 from tests.engine.conftest import TEST_DEVICE
 
 if TEST_DEVICE == "cpu":  # the kernel runs under Triton's interpreter on CPU (tests/conftest.py sets it too)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import services.engine.kernels.paged_attention as paged
-from services.engine.cuda_graphs import StaticDecode
-from services.engine.kernels import self_check
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+import services.engine.executor.kernels.paged_attention as paged
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.cuda_graphs import StaticDecode
+from services.engine.executor.kernels import self_check
+from services.engine.executor.model_runner import ModelRunner
 from tests.engine.conftest import TEST_DEVICE
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -51,7 +51,7 @@ def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     r = runner(llama_dir)
-    import services.engine.kernels as kernels
+    import services.engine.executor.kernels as kernels
 
     monkeypatch.setattr(kernels, "self_check", lambda *a: "RuntimeError: no kernel image")
     with caplog.at_level(logging.WARNING):

@@ -18,12 +18,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import services.engine.attention as attention
-from services.engine.kernels import paged_decode_attention_reference
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
+import services.engine.executor.attention as attention
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.kernels import paged_decode_attention_reference
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.executor.sampler import Sampler
 from tests.engine.conftest import TEST_DEVICE
 
 aten = torch.ops.aten

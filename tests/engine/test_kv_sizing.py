@@ -1,4 +1,4 @@
-"""The KV pool's automatic size (services/engine/kv_sizing.py): the arithmetic with given numbers, and the
+"""The KV pool's automatic size (executor/kv_sizing.py): the arithmetic with given numbers, and the
 warm-up, measurement and pool replacement run on CPU with the device's free memory injected."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from services.common.settings import load_settings
-from services.engine import kv_sizing
-from services.engine.engine import LLMEngine
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor import kv_sizing
+from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.fakes import FakeRunner
 

@@ -1,6 +1,6 @@
 """ModelRunner's attention backend and step inputs: backend resolution and its start-up errors, the staged
 (pinned on CUDA) step inputs, the triton backend end to end, and decode-only steps through the padded
-static buffers of services/engine/cuda_graphs.py (eagerly on CPU) against transformers' generate while
+static buffers of executor/cuda_graphs.py (eagerly on CPU) against transformers' generate while
 requests join and leave across the padded sizes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.cuda_graphs import Staging, StaticDecode
-from services.engine.engine import LLMEngine
-from services.engine.model_runner import ModelRunner, resolve_backend
+from services.engine.core.engine import LLMEngine
+from services.engine.executor.cuda_graphs import Staging, StaticDecode
+from services.engine.executor.model_runner import ModelRunner, resolve_backend
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model import Workload, reference, run_engine, workload

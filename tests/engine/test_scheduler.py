@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from services.engine.block_manager import BlockManager, chain_hashes
-from services.engine.engine import LLMEngine
+from services.engine.core.block_manager import BlockManager, chain_hashes
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.errors import INTERNAL, error_class
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.fakes import FakeRunner, expected_output, fake_engine
 
 GREEDY = SamplingParams()
@@ -101,7 +101,7 @@ def test_chain_hashes_are_stable_across_processes() -> None:
     """The prefix cache key is a digest of the token ids, never Python's salted `hash()`."""
     tokens = [*range(3, 35), 70_000, 2**32 - 1]
     code = (
-        "from services.engine.block_manager import chain_hashes; "
+        "from services.engine.core.block_manager import chain_hashes; "
         f"print(repr(chain_hashes({tokens!r}, 16, 0, None)))"
     )
     printed = []

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 
 from services.common.metrics import EngineMetrics
-from services.engine.async_engine import AsyncEngine
-from services.engine.block_manager import BlockManager, chain_hashes
-from services.engine.engine import SPEC_COOLDOWN, SPEC_GATE_WINDOW, LLMEngine
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.block_manager import BlockManager, chain_hashes
+from services.engine.core.engine import SPEC_COOLDOWN, SPEC_GATE_WINDOW, LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.core.scheduler import Scheduler
 from services.engine.observability import EngineObserver
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.scheduler import Scheduler
 from tests.engine.conftest import VOCAB, make_model_dir
 from tests.engine.fakes import FAKE_VOCAB, FakeRunner, expected_output, fake_engine, next_token
 from tests.engine.test_model import reference, run_engine, small_engine, workload

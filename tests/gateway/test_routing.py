@@ -16,7 +16,7 @@ from gateway.routing import Router, prompt_keys
 from gateway.server import GatewayServer, create_server
 from gateway.settings import GatewaySettings
 from services.common.pb import common_pb2, engine_pb2
-from services.engine.block_manager import chain_hashes
+from services.engine.core.block_manager import chain_hashes
 from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text, start_upstreams
 from tests.gateway.test_replicas import start_stage

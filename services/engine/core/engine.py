@@ -3,7 +3,7 @@
     outputs = engine.step()   # schedule → execute the model → sample → postprocess
 
 One thread drives it: `add_request`, `abort_request` and `step` are not thread-safe
-(services/engine/async_engine.py runs it on its own thread for asyncio callers).
+(services/engine/core/async_engine.py runs it on its own thread for asyncio callers).
 A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
 the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
@@ -23,7 +23,7 @@ device (`Request.prev_row`). Outputs are the same as without it:
 
 Speculative decoding (`EngineSettings.speculative` ngram; synchronous steps only): before scheduling, each
 running request about to decode proposes up to `num_speculative_tokens` drafts from its own tokens
-(services/engine/speculative.py) into `Request.spec_ids`; the scheduler computes them with its last token
+(services/engine/core/speculative.py) into `Request.spec_ids`; the scheduler computes them with its last token
 in one chunk when the step has budget and blocks to spare. `Sampler.verify` accepts the longest run the
 model agrees with plus one more token (rejection sampling for temperature > 0: the output distribution is
 the model's); the request appends them one by one under the stop rules, counts the accepted drafts as
@@ -44,14 +44,14 @@ from typing import Protocol
 import torch
 
 from services.common.models import resolve_model_dir
-from services.engine.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.core.scheduler import Scheduler, SchedulerOutput
+from services.engine.core.speculative import TokenMirror
 from services.engine.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.request import PLACEHOLDER, Request
-from services.engine.sampler import SampleHandle, Sampler
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.executor.sampler import SampleHandle, Sampler
 from services.engine.settings import EngineSettings
-from services.engine.speculative import TokenMirror
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ SPEC_MAX_COOLDOWN = 256
 
 
 class Proposer(Protocol):
-    """Speculative drafts for a request (services/engine/speculative.py's NgramProposer, or a test's)."""
+    """Speculative drafts for a request (services/engine/core/speculative.py's NgramProposer, or a test's)."""
 
     def propose(
         self, token_ids: Sequence[int], max_tokens: int, mirror: TokenMirror | None = None
@@ -75,7 +75,7 @@ class Proposer(Protocol):
 
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (services/engine/model_runner.py, or a fake in tests)."""
+    """What the engine needs from a model runner (executor/model_runner.py, or a fake in tests)."""
 
     device: torch.device
     num_blocks: int
@@ -178,8 +178,8 @@ class LLMEngine:
         if settings.threads:
             torch.set_num_threads(settings.threads)
         if runner is None:
-            from services.engine import kv_sizing
-            from services.engine.model_runner import ModelRunner
+            from services.engine.executor import kv_sizing
+            from services.engine.executor.model_runner import ModelRunner
 
             model_dir = str(resolve_model_dir(settings.model))
             runner = ModelRunner(
@@ -244,7 +244,7 @@ class LLMEngine:
     def _make_proposer(settings: EngineSettings) -> Proposer | None:
         if settings.speculative == "off":
             return None
-        from services.engine.speculative import NgramProposer
+        from services.engine.core.speculative import NgramProposer
 
         log.info(
             "speculative decoding: %s, up to %d tokens per step, n-grams of %d..%d tokens; no proposals in "

@@ -16,8 +16,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.engine.block_manager import BlockHash
-from services.engine.params import SamplingParams, StoppingParams
+from services.engine.core.block_manager import BlockHash
+from services.engine.core.params import SamplingParams, StoppingParams
 
 # The value of a token the device sampled and the host has not read yet (async scheduling): never a
 # vocabulary id, so that hashing or feeding it by mistake fails loudly.

@@ -35,8 +35,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from services.engine.block_manager import BlockHash, BlockManager, chain_hashes
-from services.engine.request import Request, Status
+from services.engine.core.block_manager import BlockHash, BlockManager, chain_hashes
+from services.engine.core.request import Request, Status
 
 
 @dataclass

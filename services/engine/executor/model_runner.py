@@ -1,7 +1,7 @@
 """Loads a Hugging Face causal LM, owns the paged KV pool, and runs one packed forward per step.
 
 The model is transformers' own code with the attention implementation "sluice_paged"
-(services/engine/attention.py). Each step feeds a single `(1, T)` batch with explicit per-sequence
+(services/engine/executor/attention.py). Each step feeds a single `(1, T)` batch with explicit per-sequence
 `position_ids`, `use_cache=False`, and `logits_to_keep` listing the rows whose next token is sampled.
 """
 
@@ -21,7 +21,8 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.engine.attention import (
+from services.engine.core.request import Request
+from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
     DecodeGroup,
@@ -29,10 +30,9 @@ from services.engine.attention import (
     StepMeta,
     paged_attention,
 )
-from services.engine.cuda_graphs import Staging, StaticDecode
-from services.engine.kv_sizing import pool_block_bytes
-from services.engine.quantization import check_quantization, quantize_model
-from services.engine.request import Request
+from services.engine.executor.cuda_graphs import Staging, StaticDecode
+from services.engine.executor.kv_sizing import pool_block_bytes
+from services.engine.executor.quantization import check_quantization, quantize_model
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def read_eos_ids(model_dir: Path, config: transformers.PretrainedConfig) -> froz
 def triton_status(device: torch.device) -> tuple[bool, str]:
     """Whether the paged Triton kernel can run on `device`, and if not, why."""
     try:
-        from services.engine.kernels.paged_attention import triton_usable
+        from services.engine.executor.kernels.paged_attention import triton_usable
     except ImportError as exc:
         return False, f"the paged attention kernel cannot be imported ({exc})"
     if triton_usable(device):
@@ -118,7 +118,7 @@ class ModelRunner:
     `attention_backend`: auto | torch | triton (see `resolve_backend`). `cuda_graphs`: on | off, acts on
     CUDA with the triton backend. `static_decode`: run decode-only steps through the padded static
     buffers of `StaticDecode` even without graphs (eagerly; tests use it on CPU), triton backend only.
-    `quantization`: none | int8 | fp8, applied to the weights after loading (services/engine/quantization.py).
+    `quantization`: none | int8 | fp8, applied to the weights after loading (executor/quantization.py).
     `kv_cache_dtype`: auto (the model's dtype) | fp8 (float8 e4m3 pool, `kv_dtype`; attention reads it back
     in the compute dtype), which halves a block's bytes against bf16.
     """
@@ -205,7 +205,7 @@ class ModelRunner:
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
-        from services.engine.kernels import self_check
+        from services.engine.executor.kernels import self_check
 
         why = self_check(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
