@@ -182,10 +182,11 @@ def make_runner(
 ) -> ModelRunner:
     """A ModelRunner as the engine loads it (eager, no CUDA graphs), with a pool of one window."""
     from services.engine.executor.model_runner import ModelRunner
+    from services.engine.settings import EngineSettings
 
     block_size = 16
-    return ModelRunner(
-        model_dir,
+    settings = EngineSettings(
+        model=str(model_dir),
         device=device,
         dtype=dtype,
         block_size=block_size,
@@ -194,6 +195,7 @@ def make_runner(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
     )
+    return ModelRunner(settings)
 
 
 @dataclass(frozen=True)

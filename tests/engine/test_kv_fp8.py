@@ -39,7 +39,8 @@ REL_BOUND = 0.1  # see the module docstring
 
 
 def runner(model_dir: Path, **kw: object) -> ModelRunner:
-    return ModelRunner(model_dir, device=TEST_DEVICE, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    settings = EngineSettings(model=str(model_dir), device=TEST_DEVICE, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    return ModelRunner(settings)
 
 
 def test_the_pool_is_float8_of_one_byte_per_element(llama_dir: Path) -> None:

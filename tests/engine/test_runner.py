@@ -61,9 +61,10 @@ def test_engine_refuses_triton_at_start_up_where_it_cannot_run(
 
 def test_static_decode_needs_the_triton_backend(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="static_decode needs the triton"):
-        ModelRunner(
-            llama_dir, device=TEST_DEVICE, num_kv_blocks=8, attention_backend="torch", static_decode=True
+        settings = EngineSettings(
+            model=str(llama_dir), device=TEST_DEVICE, num_kv_blocks=8, attention_backend="torch"
         )
+        ModelRunner(settings, static_decode=True)
 
 
 def test_staging_packs_parts_and_grows() -> None:
@@ -76,7 +77,13 @@ def test_staging_packs_parts_and_grows() -> None:
 
 def engine_with(model_dir: Path, async_scheduling: str = "auto", **runner_kw: object) -> LLMEngine:
     """A small engine (as test_model's) whose runner is built with `runner_kw`."""
-    runner = ModelRunner(model_dir, device=TEST_DEVICE, dtype="float32", num_kv_blocks=32, **runner_kw)
+    static_decode = bool(runner_kw.pop("static_decode", False))
+    runner = ModelRunner(
+        EngineSettings(
+            model=str(model_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=32, **runner_kw
+        ),  # type: ignore[arg-type]
+        static_decode=static_decode,
+    )
     settings = EngineSettings(
         model=str(model_dir),
         device=TEST_DEVICE,

@@ -43,7 +43,6 @@ from typing import Protocol
 
 import torch
 
-from services.common.models import resolve_model_dir
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.core.request import PLACEHOLDER, Request
@@ -175,27 +174,10 @@ class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
         settings.validate()
         self.settings = settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
         if runner is None:
-            from services.engine.executor import kv_sizing
-            from services.engine.executor.model_runner import ModelRunner
+            from services.engine.executor.model_runner import load_runner
 
-            model_dir = str(resolve_model_dir(settings.model))
-            runner = ModelRunner(
-                model_dir,
-                device=settings.device,
-                dtype=settings.dtype,
-                block_size=settings.block_size,
-                kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings),
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                num_kv_blocks=settings.num_kv_blocks,
-                attention_backend=settings.attention_backend,
-                cuda_graphs=settings.cuda_graphs,
-                quantization=settings.quantization,
-                kv_cache_dtype=settings.kv_cache_dtype,
-            )
-            kv_sizing.fit_kv_pool(runner, settings)  # CUDA, automatic size: from free memory after a warm-up
+            runner = load_runner(settings)
         self.runner = runner
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
