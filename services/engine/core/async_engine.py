@@ -43,8 +43,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from services.engine.core.engine import EngineStats, LLMEngine
+from services.engine.core.engine import LLMEngine
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.stats import EngineStats
 from services.engine.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
 
 log = logging.getLogger(__name__)

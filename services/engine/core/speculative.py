@@ -18,14 +18,38 @@ rejected one is compute thrown away.
 When it pays: at small batches, where a decode step is bound by reading the weights and extra positions
 are almost free, on outputs that copy their context (acceptance is high). It does not pay when the
 batch already fills the device (extra positions cost as much as real ones) or on free-form text (most
-proposals are rejected); the engine gates it on both (batch size, per-request acceptance rate).
+proposals are rejected); the `Speculator` gates it on both (batch size, per-request acceptance rate).
+
+The engine holds one `Speculator` when `EngineSettings.speculative` is not "off" (None when it is: that
+setting is the only off switch). Per step, after the scheduler built the step and before the drafts are
+fitted into it (`Scheduler.schedule_drafts`), `Speculator.propose` gives drafts to the requests that pass
+the gate (`Speculator._gate`, the one place both rules are checked); after verification,
+`Speculator.verified` counts the step's figures and moves the request's acceptance window. A request's
+speculation state is one `SpecState` at `Request.spec`. Host-side only: no torch here.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from services.engine.core.request import Request
+    from services.engine.core.scheduler import SchedulerOutput
+    from services.engine.settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+# The acceptance rule of the gate: a request's acceptance is judged over windows of this many verified
+# drafts; one below `speculative_min_acceptance` pauses its proposals for SPEC_COOLDOWN output tokens,
+# twice as long after each failed window in a row, up to SPEC_MAX_COOLDOWN.
+SPEC_GATE_WINDOW = 8
+SPEC_COOLDOWN = 16
+SPEC_MAX_COOLDOWN = 256
 
 
 class TokenMirror:
@@ -120,3 +144,121 @@ def _continuation(arr: np.ndarray, end: int, k: int) -> list[int]:
     while len(out) < k:
         out.append(out[len(out) - period])
     return out
+
+
+class Proposer(Protocol):
+    """Speculative drafts for a request (`NgramProposer`, or a test's)."""
+
+    def propose(
+        self, token_ids: Sequence[int], max_tokens: int, mirror: TokenMirror | None = None
+    ) -> list[int]:
+        """Up to `max_tokens` tokens likely to follow `token_ids` (prompt + output); [] for none. `mirror`:
+        the request's own copy of its tokens as an array, kept up to date across calls."""
+        ...
+
+
+@dataclass(eq=False)
+class SpecState:
+    """One request's speculation, made when it first may propose. `drafts`: those scheduled for the next
+    step (set by `Speculator.propose`, trimmed by the scheduler, empty outside a step that verifies them).
+    `mirror`: its tokens as an array for the proposer (token_ids only grows while speculating: async
+    scheduling is off). The acceptance window: drafts verified and accepted in the current window, the
+    output length before which the request does not propose, and the length of its next cool-down."""
+
+    drafts: list[int] = field(default_factory=list)
+    mirror: TokenMirror = field(default_factory=TokenMirror)
+    window_proposed: int = 0
+    window_accepted: int = 0
+    resume_at: int = 0
+    cooldown: int = 0
+
+
+class Speculator:
+    """Speculative decoding's host side: which requests propose in a step, their drafts, and what the
+    verification tells the acceptance rule. Owns no blocks: the scheduler fits the drafts into the step
+    and frees what rejected drafts held (`Scheduler.schedule_drafts`, `Scheduler.accept_drafts`)."""
+
+    def __init__(self, proposer: Proposer, settings: EngineSettings, max_model_len: int) -> None:
+        self.proposer = proposer
+        self.num_tokens = settings.num_speculative_tokens
+        self.disable_batch_size = settings.speculative_disable_batch_size
+        self.min_acceptance = settings.speculative_min_acceptance
+        self.max_model_len = max_model_len
+
+    @classmethod
+    def create(cls, settings: EngineSettings, max_model_len: int) -> Speculator | None:
+        """The engine's speculator: None when `settings.speculative` is "off"."""
+        if settings.speculative == "off":
+            return None
+        log.info(
+            "speculative decoding: %s, up to %d tokens per step, n-grams of %d..%d tokens; no proposals in "
+            "steps with more than %d running requests, paused for requests below %.0f%% acceptance",
+            settings.speculative,
+            settings.num_speculative_tokens,
+            settings.ngram_min,
+            settings.ngram_max,
+            settings.speculative_disable_batch_size,
+            100 * settings.speculative_min_acceptance,
+        )
+        proposer = NgramProposer(settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max)
+        return cls(proposer, settings, max_model_len)
+
+    def propose(self, sched: SchedulerOutput, num_running: int) -> bool:
+        """Drafts for each request of `sched` that passes the gate, never more than could be emitted before
+        max_new_tokens or the context length (a step emits at most drafts + 1 tokens). True when any
+        request got drafts: the scheduler then fits them into the step."""
+        drafted = False
+        for req in self._gate(sched, num_running):
+            room = min(
+                self.num_tokens,
+                req.stopping.max_new_tokens - req.num_output_tokens - 1,
+                self.max_model_len - req.num_tokens - 1,
+            )
+            if room <= 0:
+                continue
+            if req.spec is None:
+                req.spec = SpecState()
+            req.spec.drafts = list(self.proposer.propose(req.token_ids, room, req.spec.mirror))[:room]
+            drafted = drafted or bool(req.spec.drafts)
+        return drafted
+
+    def _gate(self, sched: SchedulerOutput, num_running: int) -> list[Request]:
+        """The gate, whole: the requests of `sched` that may propose. None in a step that preempts (blocks
+        are short: those freed go back to the preempted request first) or that runs more than
+        `speculative_disable_batch_size` requests (a full batch has no compute to spare). Of the others,
+        those that were running before the step and decode one token with nothing pending on the device
+        (async scheduling), sample without penalties, are past min_new_tokens, and are not paused by the
+        acceptance rule (`verified`)."""
+        if sched.preempted or num_running > self.disable_batch_size:
+            return []
+        return [
+            req
+            for req, n in sched.scheduled[: sched.num_running]
+            if n == 1
+            and req.num_tokens - req.num_computed_tokens == 1
+            and req.prev_row < 0
+            and not req.sampling.has_penalties
+            and req.num_output_tokens >= req.stopping.min_new_tokens
+            and (req.spec is None or req.num_output_tokens >= req.spec.resume_at)
+        ]
+
+    def verified(self, sched: SchedulerOutput, req: Request, drafts: int, accepted: int) -> None:
+        """After `req`'s `drafts` were verified and `accepted` of them appended with one more token: the
+        step's figure (`sched.spec_accepted_lengths`) and the acceptance rule. Over tumbling windows of at
+        least SPEC_GATE_WINDOW verified drafts, a request accepting less than `speculative_min_acceptance`
+        of them stops proposing for a cool-down of output tokens (SPEC_COOLDOWN, doubled after each failed
+        window in a row up to SPEC_MAX_COOLDOWN), then tries again; a window that passes resets it."""
+        state = req.spec
+        assert state is not None and drafts > 0, "only a request that proposed has drafts verified"
+        sched.spec_accepted_lengths.append(accepted + 1)
+        state.window_proposed += drafts
+        state.window_accepted += accepted
+        if state.window_proposed < SPEC_GATE_WINDOW:
+            return
+        rate = state.window_accepted / state.window_proposed
+        state.window_proposed = state.window_accepted = 0
+        if rate >= self.min_acceptance:
+            state.cooldown = 0
+            return
+        state.cooldown = min(2 * state.cooldown if state.cooldown else SPEC_COOLDOWN, SPEC_MAX_COOLDOWN)
+        state.resume_at = req.num_output_tokens + state.cooldown

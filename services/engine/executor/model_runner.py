@@ -310,8 +310,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Request]]:
         """Runs the model on the step's tokens and returns the logits (N, V) of the requests that sample
         (a request samples when its chunk reaches its last token) and those requests, in row order.
-        A request with drafts (`spec_ids`, speculative decoding) computes its last token and the drafts
-        as one chunk and gets 1 + len(spec_ids) consecutive rows, its name repeated once per row.
+        A request with drafts (`draft_ids`, speculative decoding) computes its last token and the drafts
+        as one chunk and gets 1 + len(draft_ids) consecutive rows, its name repeated once per row.
 
         Decode rows (one new token, longest context first) go first in the packed batch, then the
         prefill chunks. A decode row with `prev_row >= 0` reads its input token from
@@ -451,10 +451,10 @@ class ModelRunner:
         for r, n in prefills:
             p0 = r.num_computed_tokens
             ids.extend(r.token_ids[p0 : p0 + n])
-            drafts = len(r.spec_ids)
+            drafts = len(r.draft_ids)
             if drafts:  # speculative: the chunk is the last token and the drafts after it
                 assert p0 + n == r.num_tokens + drafts and r.prev_row < 0, "drafts come with the last token"
-                ids.extend(r.spec_ids)
+                ids.extend(r.draft_ids)
             rng = range(p0, p0 + n)
             pos.extend(rng)
             blocks = r.block_ids
