@@ -70,7 +70,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from services.engine.model_runner import read_eos_ids
+from services.engine.executor.model_runner import read_eos_ids
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")

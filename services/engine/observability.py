@@ -39,9 +39,9 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from services.common import telemetry
 from services.common.metrics import EngineMetrics, observe_many
-from services.engine.params import RequestOutput
-from services.engine.request import Request
-from services.engine.scheduler import SchedulerOutput
+from services.engine.core.params import RequestOutput
+from services.engine.core.request import Request
+from services.engine.core.scheduler import SchedulerOutput
 
 MAX_STEP_LINKS = 128
 

@@ -12,8 +12,8 @@ from services.common import decoding, grpc_server, metrics, telemetry
 from services.common.grpc_server import ServerHandle, ServiceHealth
 from services.common.pb import engine_pb2
 from services.common.settings import load_settings
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import LLMEngine
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.engine import LLMEngine
 from services.engine.observability import EngineObserver
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings

@@ -11,8 +11,8 @@ import grpc
 
 from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.async_engine import AsyncEngine, Caller, Report, ReportFeed
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.async_engine import AsyncEngine, Caller, Report, ReportFeed
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 
 log = logging.getLogger(__name__)
 

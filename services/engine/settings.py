@@ -69,7 +69,8 @@ class EngineSettings(StageTlsSettings):
     speculative: str = field(
         default="off",
         metadata={"help": "off | ngram: propose tokens by matching the request's last n-gram against its own "
-                  "prompt and output, and verify them in one forward"},
+                  "prompt and output, and verify them in one forward; off (the only off switch) ignores "
+                  "the other speculative settings"},
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "speculative: most tokens proposed per request and step"}
@@ -81,7 +82,7 @@ class EngineSettings(StageTlsSettings):
     speculative_disable_batch_size: int = field(
         default=4,
         metadata={"help": "speculative: no proposals in a step with more running requests than this (a full "
-                  "batch has no compute to spare)"},
+                  "batch has no compute to spare); >= 1: speculative=off turns speculation off"},
     )
     speculative_min_acceptance: float = field(
         default=0.3,
@@ -148,6 +149,9 @@ class EngineSettings(StageTlsSettings):
             raise ValueError("trace_step_sample_rate must be between 0 and 1")
 
     def _validate_speculative(self) -> None:
+        """Checked whether speculation is on or not, so that a setting is never wrong in one mode only.
+        `speculative` "off" is the only way to turn it off: a `speculative_disable_batch_size` of 0 is
+        refused rather than read as a second off switch."""
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:

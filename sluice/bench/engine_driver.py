@@ -24,9 +24,9 @@ import torch
 from transformers import AutoConfig
 
 from services.common.settings import load_settings
-from services.engine.engine import LLMEngine
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.scheduler import SchedulerOutput
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.scheduler import SchedulerOutput
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
 from sluice.bench.engine_roofline import kv_bytes_per_token
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from sluice.model.corpus import build_corpus, prose_paragraphs
 
 if TYPE_CHECKING:
-    from services.engine.model_runner import ModelRunner
+    from services.engine.executor.model_runner import ModelRunner
 
 HELD_OUT_PACKAGES = (
     "asyncio",
@@ -154,7 +154,7 @@ def runner_logits(runner: ModelRunner, ids: Sequence[int], chunk: int) -> torch.
 
 
 def _meta_kwarg() -> str:
-    from services.engine.attention import META_KWARG
+    from services.engine.executor.attention import META_KWARG
 
     return META_KWARG
 
@@ -180,11 +180,12 @@ def make_runner(
     model_dir: Path, device: str, dtype: str, quantization: str, kv_cache_dtype: str, window: int
 ) -> ModelRunner:
     """A ModelRunner as the engine loads it (eager, no CUDA graphs), with a pool of one window."""
-    from services.engine.model_runner import ModelRunner
+    from services.engine.executor.model_runner import ModelRunner
+    from services.engine.settings import EngineSettings
 
     block_size = 16
-    return ModelRunner(
-        model_dir,
+    settings = EngineSettings(
+        model=str(model_dir),
         device=device,
         dtype=dtype,
         block_size=block_size,
@@ -193,6 +194,7 @@ def make_runner(
         quantization=quantization,
         kv_cache_dtype=kv_cache_dtype,
     )
+    return ModelRunner(settings)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.block_manager import BlockManager
-from services.engine.engine import LLMEngine
-from services.engine.request import PLACEHOLDER, Request
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.request import PLACEHOLDER, Request
 from services.engine.settings import EngineSettings
 
 FAKE_VOCAB = 64
@@ -51,12 +51,12 @@ class FakeRunner:
         bm = self.block_manager
         assert bm is not None
         self.steps.append([(r.request_id, n) for r, n in scheduled])
-        self.drafts.append([(r.request_id, list(r.spec_ids)) for r, _ in scheduled if r.spec_ids])
+        self.drafts.append([(r.request_id, list(r.draft_ids)) for r, _ in scheduled if r.draft_ids])
         rows: list[list[torch.Tensor]] = []
         sampling: list[list[Request]] = []
         for req, n in scheduled:
             end = req.num_computed_tokens + n
-            drafts = len(req.spec_ids)
+            drafts = len(req.draft_ids)
             assert len(req.block_ids) * bm.block_size >= end, "blocks allocated for every scheduled token"
             first, last = req.num_computed_tokens // bm.block_size, (end - 1) // bm.block_size
             for b in req.block_ids[first : last + 1]:
@@ -69,7 +69,7 @@ class FakeRunner:
             assert PLACEHOLDER not in tokens, "the model never reads a placeholder"
             if drafts:  # speculative: the last token and the drafts, one row each
                 assert end == req.num_tokens + drafts and n == drafts + 1, "drafts come with the last token"
-                tokens = [*tokens, *req.spec_ids]
+                tokens = [*tokens, *req.draft_ids]
             if end == req.num_tokens + drafts:
                 own = []
                 for j in range(drafts + 1):

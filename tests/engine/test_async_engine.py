@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_class
-from services.engine.async_engine import AsyncEngine
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.scheduler import SchedulerOutput
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, error_class
-from services.engine.async_engine import AsyncEngine
-from services.engine.engine import LLMEngine
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.conftest import VOCAB
 from tests.engine.fakes import FAKE_VOCAB, FakeRunner, expected_output, fake_engine
 from tests.engine.test_model import reference, run_engine, small_engine, workload

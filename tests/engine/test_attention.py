@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
+from services.engine.executor.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)

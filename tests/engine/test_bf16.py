@@ -20,9 +20,10 @@ import pytest
 import torch
 import transformers
 
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import PLACEHOLDER, Request
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
 
 BLOCK_SIZE = 16
@@ -55,7 +56,7 @@ def _triton_available() -> bool:
     """The kernel runs on TEST_DEVICE (on CPU only through Triton's interpreter: tests/conftest.py sets
     TRITON_INTERPRET=1 before triton is imported)."""
     try:
-        from services.engine.kernels.paged_attention import triton_usable
+        from services.engine.executor.kernels.paged_attention import triton_usable
     except ImportError:
         return False
     return triton_usable(torch.device(TEST_DEVICE))
@@ -191,15 +192,15 @@ def mismatches(observed: Observed, reference: dict[str, torch.Tensor], tol: Tole
 def make_runner(model_dir: Path, dtype: str, backend: str) -> ModelRunner:
     """With the triton backend, decode-only steps run through the padded static buffers (on CUDA their
     graphs, cuda_graphs being on by default)."""
-    runner = ModelRunner(
-        model_dir,
+    settings = EngineSettings(
+        model=str(model_dir),
         device=TEST_DEVICE,
         dtype=dtype,
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_BLOCKS,
         attention_backend=backend,
-        static_decode=backend == "triton",
     )
+    runner = ModelRunner(settings, static_decode=backend == "triton")
     runner.prepare(NUM_BLOCKS * BLOCK_SIZE, 8)
     return runner
 

@@ -1,4 +1,4 @@
-"""Decode-only steps through the padded static buffers (services/engine/cuda_graphs.py): the captured sizes,
+"""Decode-only steps through the padded static buffers (executor/cuda_graphs.py): the captured sizes,
 padding rows that touch nothing but the scratch block, logits equal to the eager triton step, and on CUDA
 a replayed graph equal to the eager step."""
 
@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.cuda_graphs import capture_sizes, padded_size
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.cuda_graphs import capture_sizes, padded_size
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
 
 if TEST_DEVICE == "cpu":  # the kernel runs under Triton's interpreter on CPU (tests/conftest.py sets it too)
@@ -49,15 +50,17 @@ def decode_requests(lengths: list[int], prev_row: bool = False) -> list[tuple[Re
 
 
 def static_runner(model_dir: Path, **kw: object) -> ModelRunner:
-    runner = ModelRunner(
-        model_dir,
+    static_decode = bool(kw.pop("static_decode", False))
+    settings = EngineSettings(
+        model=str(model_dir),
         device=TEST_DEVICE,
         dtype="float32",
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_BLOCKS,
         attention_backend="triton",
-        **kw,
+        **kw,  # type: ignore[arg-type]
     )
+    runner = ModelRunner(settings, static_decode=static_decode)
     runner.prepare(max_model_len=128, max_num_seqs=8)
     gen = torch.Generator().manual_seed(0)
     for k, v in runner.kv:  # a filled pool: every cached context has real keys and values

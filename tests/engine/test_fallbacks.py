@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import services.engine.kernels.paged_attention as paged
-from services.engine.cuda_graphs import StaticDecode
-from services.engine.kernels import self_check
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+import services.engine.executor.kernels.paged_attention as paged
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.cuda_graphs import StaticDecode
+from services.engine.executor.kernels import self_check
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -42,16 +43,17 @@ def test_a_kernel_that_cannot_compile_fails_its_check(monkeypatch: pytest.Monkey
 
 
 def runner(model_dir: Path) -> ModelRunner:
-    return ModelRunner(
-        model_dir, device=TEST_DEVICE, dtype="float32", num_kv_blocks=8, attention_backend="triton"
+    settings = EngineSettings(
+        model=str(model_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=8, attention_backend="triton"
     )
+    return ModelRunner(settings)
 
 
 def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     r = runner(llama_dir)
-    import services.engine.kernels as kernels
+    import services.engine.executor.kernels as kernels
 
     monkeypatch.setattr(kernels, "self_check", lambda *a: "RuntimeError: no kernel image")
     with caplog.at_level(logging.WARNING):

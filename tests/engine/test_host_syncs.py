@@ -18,12 +18,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import services.engine.attention as attention
-from services.engine.kernels import paged_decode_attention_reference
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
+import services.engine.executor.attention as attention
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.kernels import paged_decode_attention_reference
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.executor.sampler import Sampler
+from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
 
 aten = torch.ops.aten
@@ -59,16 +60,16 @@ class HostReads(TorchDispatchMode):
 @pytest.fixture
 def runner(llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> ModelRunner:
     monkeypatch.setattr(attention, "paged_decode_attention", paged_decode_attention_reference)
-    r = ModelRunner(
-        llama_dir,
+    settings = EngineSettings(
+        model=str(llama_dir),
         device=TEST_DEVICE,
         dtype="float32",
         block_size=BLOCK_SIZE,
         num_kv_blocks=NUM_BLOCKS,
         attention_backend="triton",
         cuda_graphs="off",
-        static_decode=True,
     )
+    r = ModelRunner(settings, static_decode=True)
     r.prepare(max_model_len=128, max_num_seqs=8)
     return r
 

@@ -18,12 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.engine import kv_sizing
-from services.engine.attention import DecodeGroup, StepMeta, paged_attention, write_kv
-from services.engine.engine import LLMEngine
-from services.engine.kernels import paged_decode_attention, paged_decode_attention_reference, triton_usable
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.executor import kv_sizing
+from services.engine.executor.attention import DecodeGroup, StepMeta, paged_attention, write_kv
+from services.engine.executor.kernels import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    triton_usable,
+)
+from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB
 from tests.engine.test_paged_kernel import Case, make_case
@@ -35,7 +39,8 @@ REL_BOUND = 0.1  # see the module docstring
 
 
 def runner(model_dir: Path, **kw: object) -> ModelRunner:
-    return ModelRunner(model_dir, device=TEST_DEVICE, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    settings = EngineSettings(model=str(model_dir), device=TEST_DEVICE, attention_backend="torch", **kw)  # type: ignore[arg-type]
+    return ModelRunner(settings)
 
 
 def test_the_pool_is_float8_of_one_byte_per_element(llama_dir: Path) -> None:

@@ -1,20 +1,19 @@
-"""The KV pool's automatic size (services/engine/kv_sizing.py): the arithmetic with given numbers, and the
+"""The KV pool's automatic size (executor/kv_sizing.py): the arithmetic with given numbers, and the
 warm-up, measurement and pool replacement run on CPU with the device's free memory injected."""
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import torch
 
 from services.common.settings import load_settings
-from services.engine import kv_sizing
-from services.engine.engine import LLMEngine
-from services.engine.model_runner import ModelRunner
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor import kv_sizing
+from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.fakes import FakeRunner
 
@@ -61,7 +60,7 @@ def test_sizes_are_automatic_only_when_none_is_given() -> None:
 @pytest.fixture(scope="module")
 def runner_factory(llama_dir: Path):
     def make(**kwargs: object) -> ModelRunner:
-        return ModelRunner(llama_dir, device="cpu", **kwargs)  # type: ignore[arg-type]
+        return ModelRunner(EngineSettings(model=str(llama_dir), device="cpu", **kwargs))  # type: ignore[arg-type]
 
     return make
 
@@ -201,5 +200,3 @@ def test_a_context_length_that_fits_starts(
 def test_gpu_memory_utilization_defaults_to_0_9() -> None:
     assert EngineSettings().gpu_memory_utilization == 0.9
     assert load_settings(EngineSettings, [], environ={}).gpu_memory_utilization == 0.9
-    default = inspect.signature(ModelRunner).parameters["gpu_memory_utilization"].default
-    assert default == 0.9

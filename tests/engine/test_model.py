@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from services.engine.engine import LLMEngine
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
 

@@ -22,10 +22,10 @@ import torch
 import transformers
 from torch import nn
 
-from services.engine import quantization
-from services.engine.engine import LLMEngine
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.quantization import (
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.executor import quantization
+from services.engine.executor.quantization import (
     FEW_ROWS,
     KERNELS,
     ONEDNN_MIN_OUT,

@@ -11,10 +11,10 @@ from prometheus_client import generate_latest
 
 from services.common.block_keys import chain_hashes
 from services.common.metrics import EngineMetrics
-from services.engine.async_engine import AsyncEngine, Report, ReportFeed
-from services.engine.block_manager import BlockManager
+from services.engine.core.async_engine import AsyncEngine, Report, ReportFeed
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.observability import EngineObserver
-from services.engine.params import SamplingParams, StoppingParams
 from tests.engine.fakes import fake_engine
 
 WAIT_S = 10.0

@@ -1,6 +1,6 @@
 """ModelRunner's attention backend and step inputs: backend resolution and its start-up errors, the staged
 (pinned on CUDA) step inputs, the triton backend end to end, and decode-only steps through the padded
-static buffers of services/engine/cuda_graphs.py (eagerly on CPU) against transformers' generate while
+static buffers of executor/cuda_graphs.py (eagerly on CPU) against transformers' generate while
 requests join and leave across the padded sizes."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.cuda_graphs import Staging, StaticDecode
-from services.engine.engine import LLMEngine
-from services.engine.model_runner import ModelRunner, resolve_backend
+from services.engine.core.engine import LLMEngine
+from services.engine.executor.cuda_graphs import Staging, StaticDecode
+from services.engine.executor.model_runner import ModelRunner, resolve_backend
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model import Workload, reference, run_engine, workload
@@ -61,9 +61,10 @@ def test_engine_refuses_triton_at_start_up_where_it_cannot_run(
 
 def test_static_decode_needs_the_triton_backend(llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="static_decode needs the triton"):
-        ModelRunner(
-            llama_dir, device=TEST_DEVICE, num_kv_blocks=8, attention_backend="torch", static_decode=True
+        settings = EngineSettings(
+            model=str(llama_dir), device=TEST_DEVICE, num_kv_blocks=8, attention_backend="torch"
         )
+        ModelRunner(settings, static_decode=True)
 
 
 def test_staging_packs_parts_and_grows() -> None:
@@ -76,7 +77,13 @@ def test_staging_packs_parts_and_grows() -> None:
 
 def engine_with(model_dir: Path, async_scheduling: str = "auto", **runner_kw: object) -> LLMEngine:
     """A small engine (as test_model's) whose runner is built with `runner_kw`."""
-    runner = ModelRunner(model_dir, device=TEST_DEVICE, dtype="float32", num_kv_blocks=32, **runner_kw)
+    static_decode = bool(runner_kw.pop("static_decode", False))
+    runner = ModelRunner(
+        EngineSettings(
+            model=str(model_dir), device=TEST_DEVICE, dtype="float32", num_kv_blocks=32, **runner_kw
+        ),  # type: ignore[arg-type]
+        static_decode=static_decode,
+    )
     settings = EngineSettings(
         model=str(model_dir),
         device=TEST_DEVICE,

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.executor.sampler import Sampler
 
 V = 32
 

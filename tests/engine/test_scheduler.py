@@ -15,9 +15,9 @@ import pytest
 
 from services.common.block_keys import chain_hashes
 from services.common.errors import INTERNAL, error_class
-from services.engine.block_manager import BlockManager
-from services.engine.engine import LLMEngine
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.fakes import FakeRunner, expected_output, fake_engine
 
 GREEDY = SamplingParams()

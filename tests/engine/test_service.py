@@ -14,8 +14,8 @@ from services.common.block_keys import chain_hashes
 from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.engine import LLMEngine
-from services.engine.params import SamplingParams, StoppingParams
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.server import create_server
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE

@@ -17,13 +17,15 @@ import pytest
 
 from services.common.block_keys import chain_hashes
 from services.common.metrics import EngineMetrics
-from services.engine.async_engine import AsyncEngine
-from services.engine.block_manager import BlockManager
-from services.engine.engine import SPEC_COOLDOWN, SPEC_GATE_WINDOW, LLMEngine
+from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.core.scheduler import Scheduler, SchedulerOutput
+from services.engine.core.speculative import SPEC_COOLDOWN, SPEC_GATE_WINDOW, SpecState, Speculator
 from services.engine.observability import EngineObserver
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.scheduler import Scheduler
+from services.engine.settings import EngineSettings
 from tests.engine.conftest import VOCAB, make_model_dir
 from tests.engine.fakes import FAKE_VOCAB, FakeRunner, expected_output, fake_engine, next_token
 from tests.engine.test_model import reference, run_engine, small_engine, workload
@@ -65,7 +67,8 @@ def spec_engine(
     proposer: OracleProposer, num_blocks: int = 64, **settings: object
 ) -> tuple[LLMEngine, FakeRunner]:
     engine, runner = fake_engine(num_blocks, **{**SPEC, **settings})
-    engine.proposer = proposer
+    assert engine.speculator is not None
+    engine.speculator.proposer = proposer
     return engine, runner
 
 
@@ -76,7 +79,7 @@ def check_invariants(engine: LLMEngine) -> None:
     bs = bm.block_size
     held: Counter[int] = Counter()
     for req in engine.scheduler.running:
-        assert not req.spec_ids
+        assert not req.draft_ids
         assert req.num_computed_tokens < req.num_tokens
         assert -(-req.num_computed_tokens // bs) <= len(req.block_ids) <= -(-req.num_tokens // bs)
         n = req.num_registered_blocks
@@ -213,24 +216,42 @@ def test_no_drafts_with_more_running_requests_than_the_disable_batch_size() -> N
     assert any(runner.drafts), "drafts once c has finished"
 
 
-def test_scheduler_drops_drafts_above_the_disable_batch_size() -> None:
-    """The scheduler's own gate, whatever the requests hold: drafts only while running <= the size."""
+class FixedProposer:
+    """Proposes [1, 2, 3] (cut to the room given) for any request."""
+
+    def propose(self, token_ids: Sequence[int], max_tokens: int, mirror: object = None) -> list[int]:
+        return [1, 2, 3][:max_tokens]
+
+
+def gated_speculator(disable_batch_size: int, max_model_len: int) -> Speculator:
+    settings = EngineSettings(**{**SPEC, "speculative_disable_batch_size": disable_batch_size})  # type: ignore[arg-type]
+    return Speculator(FixedProposer(), settings, max_model_len)
+
+
+def schedule_with_drafts(sched: Scheduler, speculator: Speculator) -> SchedulerOutput:
+    """A step as the engine schedules one: the scheduler's, then the drafts of the requests that pass
+    the gate, fitted in."""
+    out = sched.schedule()
+    if speculator.propose(out, len(sched.running)):
+        sched.schedule_drafts(out)
+    return out
+
+
+def test_no_drafts_above_the_disable_batch_size() -> None:
+    """The Speculator's batch gate, whatever the proposer offers: drafts only while running <= the size."""
     for running, drafted in ((3, False), (2, True)):
         bm = BlockManager(32, 4)
-        sched = Scheduler(
-            bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, spec_disable_batch_size=2
-        )
+        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
         reqs = [Request(str(i), [5, 6, 7], GREEDY, StoppingParams(10)) for i in range(running)]
         for r in reqs:
             sched.add(r)
         sched.advance(sched.schedule())
         for r in reqs:
             r.token_ids.append(9)
-            r.spec_ids = [1, 2, 3]
-        out = sched.schedule()
+        out = schedule_with_drafts(sched, gated_speculator(2, 128))
         assert [n for _, n in out.scheduled] == [4 if drafted else 1] * running
         assert out.num_draft_tokens == (3 * running if drafted else 0)
-        assert all(bool(r.spec_ids) == drafted for r in reqs)
+        assert all(bool(r.draft_ids) == drafted for r in reqs)
         for r in reqs:
             sched.finish(r, "cancelled")
         assert bm.num_free_blocks == 32
@@ -238,19 +259,16 @@ def test_scheduler_drops_drafts_above_the_disable_batch_size() -> None:
 
 def test_no_drafts_in_a_step_that_preempts() -> None:
     bm = BlockManager(3, 4)
-    sched = Scheduler(
-        bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=12, spec_disable_batch_size=4
-    )
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=12)
     a, b = (Request(r, [5, 6, 7, 8], GREEDY, StoppingParams(6)) for r in "ab")
     sched.add(a)
     sched.add(b)
     sched.advance(sched.schedule())
     for r in (a, b):
         r.token_ids.append(9)
-        r.spec_ids = [1, 2, 3]
-    out = sched.schedule()  # a takes the last free block, b needs one: b is preempted
+    out = schedule_with_drafts(sched, gated_speculator(4, 12))  # a takes the last free block: b is preempted
     assert out.preempted == [b]
-    assert out.scheduled == [(a, 1)] and not a.spec_ids and not b.spec_ids
+    assert out.scheduled == [(a, 1)] and not a.draft_ids and not b.draft_ids
     sched.finish(a, "cancelled")
     sched.finish(b, "cancelled")
     assert bm.num_free_blocks == 3
@@ -476,3 +494,69 @@ def test_logprobs_line_up_with_the_accepted_runs(llama_dir: Path) -> None:
     for tok, s, b in zip(ids(spec), spec_lps, base_lps, strict=True):
         assert s.top_ids[0] == tok and s.top_ids == b.top_ids
         assert s.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
+def decoding_step(
+    reqs: Sequence[Request], *, admit: Sequence[Request] = (), blocks: int = 32
+) -> tuple[Scheduler, SchedulerOutput]:
+    """A scheduler whose `reqs` have computed their prompts and hold one new token each (decoding), with
+    `admit` waiting; and its next step (before drafts)."""
+    sched = Scheduler(BlockManager(blocks, 4), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    for r in reqs:
+        sched.add(r)
+    sched.advance(sched.schedule())
+    for r in reqs:
+        r.token_ids.append(9)
+    for r in admit:
+        sched.add(r)
+    return sched, sched.schedule()
+
+
+def test_the_gate_passes_only_decoding_requests_free_to_speculate() -> None:
+    plain = Request("plain", [5, 6, 7], GREEDY, StoppingParams(10))
+    penalised = Request("penalised", [5, 6, 7], SamplingParams(repetition_penalty=1.2), StoppingParams(10))
+    young = Request("young", [5, 6, 7], GREEDY, StoppingParams(10, min_new_tokens=2))
+    paused = Request("paused", [5, 6, 7], GREEDY, StoppingParams(10))
+    pending = Request("pending", [5, 6, 7], GREEDY, StoppingParams(10))
+    admitted = Request("admitted", [5], GREEDY, StoppingParams(10))  # one token to compute, but new
+    sched, out = decoding_step([plain, penalised, young, paused, pending], admit=[admitted])
+    assert (admitted, 1) in out.scheduled
+    speculator = gated_speculator(6, 128)
+    paused.spec = SpecState(resume_at=2)
+    pending.prev_row = 0
+    assert speculator.propose(out, len(sched.running))
+    assert {r.request_id for r, _ in out.scheduled if r.draft_ids} == {"plain"}
+    assert list(plain.draft_ids) == [1, 2, 3]
+    assert not gated_speculator(5, 128).propose(out, len(sched.running)), "six running: above the size"
+
+
+def test_drafts_never_run_past_max_new_tokens_or_the_context_length() -> None:
+    short = Request("a", [5, 6, 7], GREEDY, StoppingParams(3))  # one output so far: room for 3 - 1 - 1
+    long = Request("b", [5, 6, 7], GREEDY, StoppingParams(50))  # 4 tokens: room for 7 - 4 - 1 under 7
+    sched, out = decoding_step([short, long])
+    assert gated_speculator(4, 7).propose(out, len(sched.running))
+    assert (list(short.draft_ids), list(long.draft_ids)) == ([1], [1, 2])
+    short.spec = long.spec = None
+    assert not gated_speculator(4, 5).propose(out, len(sched.running)), "no room left under 5 tokens"
+    assert not short.draft_ids and not long.draft_ids
+
+
+def test_the_acceptance_rule_pauses_doubles_and_resets() -> None:
+    req = Request("a", [5, 6, 7], GREEDY, StoppingParams(500))
+    settings = EngineSettings(**{**SPEC, "speculative_min_acceptance": 0.5})  # type: ignore[arg-type]
+    speculator = Speculator(FixedProposer(), settings, 1000)
+    req.spec = SpecState()
+    out = SchedulerOutput()
+
+    def window(accepted_per_4: int, outputs: int) -> None:
+        for _ in range(SPEC_GATE_WINDOW // 4):
+            req.token_ids.extend([9] * outputs)
+            speculator.verified(out, req, 4, accepted_per_4)
+
+    window(1, 1)  # 25% < 50%: paused for SPEC_COOLDOWN output tokens
+    assert (req.spec.cooldown, req.spec.resume_at) == (SPEC_COOLDOWN, req.num_output_tokens + SPEC_COOLDOWN)
+    window(1, 1)
+    assert req.spec.cooldown == 2 * SPEC_COOLDOWN, "twice as long after a second failed window"
+    window(2, 3)  # 50%: passes
+    assert req.spec.cooldown == 0 and req.spec.window_proposed == 0
+    assert out.spec_accepted_lengths == [2, 2, 2, 2, 3, 3]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
-from services.engine.sampler import Sampler
-from services.engine.speculative import NgramProposer, TokenMirror
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
+from services.engine.core.speculative import NgramProposer, TokenMirror
+from services.engine.executor.sampler import Sampler
 
 V = 32
 CPU = torch.device("cpu")

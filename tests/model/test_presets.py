@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model_runner import ModelRunner
+from services.engine.executor.model_runner import ModelRunner
+from services.engine.settings import EngineSettings
 from sluice.bench.engine_roofline import (
     decode_roofline,
     device_bandwidth,
@@ -45,7 +46,9 @@ def _small(name: str) -> object:
 def test_a_written_preset_loads_through_the_engines_runner(name: str, tmp_path: Path) -> None:
     config = _small(name)
     model_dir = write_random_model(config, tmp_path / name, "bfloat16", seed=3)
-    runner = ModelRunner(model_dir, device="cpu", dtype="bfloat16", kv_cache_gb=0.01)
+    runner = ModelRunner(
+        EngineSettings(model=str(model_dir), device="cpu", dtype="bfloat16", kv_cache_gb=0.01)
+    )
     assert runner.config.model_type == PRESETS[name].model_type
     assert runner.vocab_size == 512 and runner.num_layers == 1
     weights = dict(runner.model.named_parameters())
@@ -74,7 +77,9 @@ def test_a_large_model_is_written_in_shards_with_an_index(
     index = json.loads((model_dir / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((model_dir / s).is_file() for s in shards)
-    runner = ModelRunner(model_dir, device="cpu", dtype="float32", kv_cache_gb=0.01)
+    runner = ModelRunner(
+        EngineSettings(model=str(model_dir), device="cpu", dtype="float32", kv_cache_gb=0.01)
+    )
     assert runner.num_layers == 1
 
 

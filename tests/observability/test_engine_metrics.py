@@ -4,9 +4,9 @@ counts equal to requests made, tokens equal to usage, gauges back to idle."""
 from __future__ import annotations
 
 from services.common.metrics import EngineMetrics
-from services.engine.engine import LLMEngine
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.observability import EngineObserver
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
 from tests.engine.fakes import FakeRunner, fake_engine
 
 GREEDY = SamplingParams()

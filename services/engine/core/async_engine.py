@@ -24,7 +24,7 @@ of every cached block hash, taken on the loop thread between steps, and then get
 cache changes (`BlockManager.take_events`) and the new load, merged until the consumer takes them: a
 consumer that applies the snapshot and then every report in order knows the cache exactly.
 
-With async scheduling (services/engine/engine.py) a step's outputs are those of the step launched before
+With async scheduling (services/engine/core/engine.py) a step's outputs are those of the step launched before
 it; the loop keeps stepping while a launched step is unread (`LLMEngine.has_unfinished_requests`), and
 aborts applied between steps take effect at the next one.
 
@@ -44,8 +44,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
-from services.engine.engine import EngineStats, LLMEngine
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.engine import LLMEngine
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

@@ -18,26 +18,25 @@ Batching policies share this code and differ only in admission:
   once it is full or its oldest request has waited `batch_wait_ms`; it runs to completion;
 - static: the same with a fixed batch size `static_batch_size`.
 
-Speculative decoding: a decoding request (one token left to compute) may hold drafts (`Request.spec_ids`,
-set by the engine before `schedule`). They are scheduled after every real token of the step, running and
-waiting, in the budget that is left: such a request computes 1 + len(spec_ids) tokens, its drafts
-trimmed to the budget and to the blocks free (drafts never preempt anyone), and dropped altogether in a
-step with more than `spec_disable_batch_size` running requests or with a preemption. After the step,
-`advance` counts the request's own token only; `accept_drafts` counts the accepted ones once the engine
-has appended them, and frees the blocks that held only rejected drafts. Block hashes come from
-`token_ids`, never from drafts.
+Speculative decoding: after `schedule`, the engine's `Speculator` may give drafts (`Request.draft_ids`)
+to decoding requests of the step (one token left to compute); `schedule_drafts` then fits them after
+every real token of the step, running and waiting, in the budget that is left: such a request computes
+1 + len(draft_ids) tokens, its drafts trimmed to the budget and to the blocks free (drafts never preempt
+anyone). Which requests may propose at all (batch size, preemption, acceptance) is the Speculator's gate,
+not the scheduler's. After the step, `advance` counts the request's own token only; `accept_drafts`
+counts the accepted ones once the engine has appended them, and frees the blocks that held only rejected
+drafts. Block hashes come from `token_ids`, never from drafts.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
-from services.engine.block_manager import BlockManager
-from services.engine.request import Request, Status
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.request import Request, Status
 
 
 @dataclass
@@ -48,6 +47,7 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     wait_s: float = 0.0  # batch forming: how long until the next batch may start
+    num_running: int = 0  # scheduled[:num_running] were running before the step; the rest were admitted
     num_draft_tokens: int = 0  # speculative drafts scheduled (counted in num_tokens)
     # Filled by the engine once the drafts are verified: per request that had drafts, the tokens its
     # verification emitted (accepted drafts + 1).
@@ -73,10 +73,7 @@ class Scheduler:
         policy: str = "continuous",
         batch_size: int = 0,
         batch_wait_s: float = 0.0,
-        spec_disable_batch_size: int = 0,
     ) -> None:
-        """`spec_disable_batch_size`: no drafts in a step with more running requests than this; 0 = drafts
-        are never scheduled (speculation off)."""
         assert policy in ("continuous", "dynamic", "static")
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -90,7 +87,6 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.batch: set[Request] = set()  # dynamic/static: members of the batch in progress
         self.num_preemptions = 0
-        self.spec_disable_batch_size = spec_disable_batch_size
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -112,19 +108,15 @@ class Scheduler:
         request.error = error
         self.batch.discard(request)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     # ---- one step ------------------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
+        out.num_running = len(out.scheduled)
         if not out.preempted:
-            budget = self._schedule_waiting(out, budget, time.monotonic() if now is None else now)
-        if self.spec_disable_batch_size:
-            self._schedule_drafts(out, budget)
+            self._schedule_waiting(out, budget, time.monotonic() if now is None else now)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -150,16 +142,16 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
-        """Admits waiting requests; returns the budget left."""
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        """Admits waiting requests within `budget` tokens."""
         if self.policy != "continuous" and not self._batch_open(out, now):
-            return budget
+            return
         pending = self._pending_hashes() if self.waiting else None  # nothing to defer: skip the scan
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[i]
             if self.policy != "continuous" and req not in self.batch:
-                return budget
+                return
             hit = self._prefix_hit(req)
             if pending and self._computed_elsewhere(req, len(hit), pending):
                 i += 1
@@ -168,7 +160,7 @@ class Scheduler:
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hit)
             if not self.bm.can_allocate(need, hit):
-                return budget
+                return
             self.bm.acquire(hit)
             req.block_ids = [*hit, *self.bm.allocate(need)]
             req.num_computed_tokens = computed
@@ -181,32 +173,26 @@ class Scheduler:
             budget -= n
             if pending is not None:
                 pending.update(req.block_hashes[len(hit) : self._max_hit_blocks(req)])
-        return budget
 
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Extends each scheduled decoding request that holds drafts by as many of them as the budget left
-        and the free blocks allow (`spec_ids` trimmed to those); every other running request's drafts are
-        dropped, all of them in a step with more than `spec_disable_batch_size` running requests or with a
-        preemption (blocks are short: those freed go back to the preempted request first)."""
-        allowed = not out.preempted and len(self.running) <= self.spec_disable_batch_size
-        drafted: set[int] = set()
+    def schedule_drafts(self, out: SchedulerOutput) -> None:
+        """After `schedule` and the Speculator's proposals: extends each request of `out` that holds drafts
+        by as many of them as the budget left and the free blocks allow (its drafts trimmed to those, all
+        dropped when none fit: drafts never preempt, and real tokens had the budget first)."""
+        budget = self.max_num_batched_tokens - out.num_tokens
         for i, (req, n) in enumerate(out.scheduled):
-            if not req.spec_ids or not allowed or n != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            if req.spec is None or not req.spec.drafts:
                 continue
-            d = min(len(req.spec_ids), budget, self._draft_room(req))
-            if d <= 0:
+            assert n == 1 and req.num_tokens - req.num_computed_tokens == 1, "drafts follow a decode's token"
+            d = max(0, min(len(req.spec.drafts), budget, self._draft_room(req)))
+            del req.spec.drafts[d:]
+            if d == 0:
                 continue
-            del req.spec_ids[d:]
             need = self._blocks_needed(req, 1 + d)
             if need > 0:
                 req.block_ids.extend(self.bm.allocate(need))
             out.scheduled[i] = (req, 1 + d)
             out.num_draft_tokens += d
             budget -= d
-            drafted.add(id(req))
-        for req in self.running:
-            if req.spec_ids and id(req) not in drafted:
-                req.spec_ids = []
 
     def _draft_room(self, req: Request) -> int:
         """How many drafts after its own token `req` can hold in its blocks and the free ones."""
@@ -248,7 +234,7 @@ class Scheduler:
         """Counts the computed tokens of a step and registers blocks that became full. A request's drafts
         are not counted here (see `accept_drafts`)."""
         for req, n in out.scheduled:
-            req.num_computed_tokens += n - len(req.spec_ids)
+            req.num_computed_tokens += n - len(req.draft_ids)
             self._register_full_blocks(req)
 
     def accept_drafts(self, req: Request, num_accepted: int) -> None:
@@ -257,16 +243,14 @@ class Scheduler:
         of verified tokens, drops the drafts and frees the blocks past those the next step needs (they
         held only rejected drafts, whose stale KV is never read: a later step overwrites those slots)."""
         assert req.num_computed_tokens + num_accepted == req.num_tokens - 1, "accepted run out of step"
-        req.spec_ids = []
+        if req.spec is not None:
+            req.spec.drafts = []
         req.num_computed_tokens += num_accepted
         self._register_full_blocks(req)
         keep = -(-req.num_tokens // self.block_size)
         if len(req.block_ids) > keep:
             self.bm.free_blocks(req.block_ids[keep:])
             del req.block_ids[keep:]
-
-    def running_requests(self) -> Iterable[Request]:
-        return self.running
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -334,6 +318,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.bm.free_blocks(req.block_ids)
         req.block_ids = []
-        req.spec_ids = []
+        if req.spec is not None:
+            req.spec.drafts = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engine.params import TokenLogprob
-from services.engine.request import PLACEHOLDER, Request
+from services.engine.core.params import TokenLogprob
+from services.engine.core.request import PLACEHOLDER, Request
 
 
 @dataclass

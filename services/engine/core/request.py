@@ -5,19 +5,23 @@ A request has no phases: `num_computed_tokens` (tokens whose KV is in the pool) 
 Prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are all the same
 arithmetic on these counters.
 
-Speculative decoding adds `spec_ids`: tokens proposed for the positions after `token_ids`, computed in
-the next step together with the request's own last token and verified by the sampler. They are never
-part of `token_ids` (nor of a block hash); accepted ones are appended to it after the step.
+Speculative decoding keeps its per-request state in `spec` (a `SpecState`, made by the engine's
+`Speculator` when the request first may propose; None before and without speculation). Its `drafts` are
+tokens proposed for the positions after `token_ids`, computed in the next step together with the
+request's own last token and verified by the sampler. They are never part of `token_ids` (nor of a block
+hash); accepted ones are appended to it after the step.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.block_keys import BlockHash
-from services.engine.params import SamplingParams, StoppingParams
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.speculative import SpecState
 
 # The value of a token the device sampled and the host has not read yet (async scheduling): never a
 # vocabulary id, so that hashing or feeding it by mistake fails loudly.
@@ -55,20 +59,7 @@ class Request:
     # step sampled on the device and the host has not read yet; its row in that step's sampled ids.
     prev_row: int = -1
     plain_greedy: bool = field(init=False, default=False)
-    # Speculative decoding: the drafts scheduled for the next step (set by the engine, trimmed by the
-    # scheduler; empty outside a step that verifies them).
-    spec_ids: list[int] = field(default_factory=list)
-    # Its tokens as an array for the proposer (speculative.TokenMirror), made by the engine: token_ids only
-    # grows while speculating (async scheduling is off), so it is brought up to date, never rebuilt.
-    token_mirror: Any = None
-    spec_proposed: int = 0  # drafts verified over the request's life
-    spec_accepted: int = 0  # of those, accepted
-    # The acceptance gate (LLMEngine._gate): drafts verified and accepted in the current window, the
-    # output length before which the request does not propose, and the length of its next cool-down.
-    spec_window_proposed: int = 0
-    spec_window_accepted: int = 0
-    spec_resume_at: int = 0
-    spec_cooldown: int = 0
+    spec: SpecState | None = None  # speculative decoding (see the module docstring)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -91,6 +82,11 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def draft_ids(self) -> Sequence[int]:
+        """The drafts scheduled with the last token in this step; empty outside a step that verifies them."""
+        return self.spec.drafts if self.spec is not None else ()
 
     @property
     def finished(self) -> bool:

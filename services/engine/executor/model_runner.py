@@ -1,7 +1,7 @@
 """Loads a Hugging Face causal LM, owns the paged KV pool, and runs one packed forward per step.
 
 The model is transformers' own code with the attention implementation "sluice_paged"
-(services/engine/attention.py). Each step feeds a single `(1, T)` batch with explicit per-sequence
+(services/engine/executor/attention.py). Each step feeds a single `(1, T)` batch with explicit per-sequence
 `position_ids`, `use_cache=False`, and `logits_to_keep` listing the rows whose next token is sampled.
 """
 
@@ -21,7 +21,10 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.engine.attention import (
+from services.common.models import resolve_model_dir
+from services.engine.core.request import Request
+from services.engine.executor import kv_sizing
+from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
     DecodeGroup,
@@ -29,10 +32,10 @@ from services.engine.attention import (
     StepMeta,
     paged_attention,
 )
-from services.engine.cuda_graphs import Staging, StaticDecode
-from services.engine.kv_sizing import pool_block_bytes
-from services.engine.quantization import check_quantization, quantize_model
-from services.engine.request import Request
+from services.engine.executor.cuda_graphs import Staging, StaticDecode
+from services.engine.executor.kv_sizing import initial_kv_cache_gb, pool_block_bytes
+from services.engine.executor.quantization import check_quantization, quantize_model
+from services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 GiB = 1 << 30
 
 transformers.AttentionInterface.register(ATTN_NAME, paged_attention)
+
+
+def load_runner(settings: EngineSettings) -> ModelRunner:
+    """The engine's runner as `settings` ask: torch's CPU threads, the model and its pool, resized on CUDA
+    with an automatic size from the memory free after a warm-up forward (kv_sizing.fit_kv_pool)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    runner = ModelRunner(settings)
+    kv_sizing.fit_kv_pool(runner, settings)
+    return runner
 
 
 def resolve_device(name: str) -> torch.device:
@@ -70,7 +83,7 @@ def read_eos_ids(model_dir: Path, config: transformers.PretrainedConfig) -> froz
 def triton_status(device: torch.device) -> tuple[bool, str]:
     """Whether the paged Triton kernel can run on `device`, and if not, why."""
     try:
-        from services.engine.kernels.paged_attention import triton_usable
+        from services.engine.executor.kernels.paged_attention import triton_usable
     except ImportError as exc:
         return False, f"the paged attention kernel cannot be imported ({exc})"
     if triton_usable(device):
@@ -115,31 +128,19 @@ class ModelRunner:
     `b * block_size + i` holds token i of block b. Block `num_blocks` is scratch, never handed out: the
     padding rows of a padded decode batch write their K/V there.
 
-    `attention_backend`: auto | torch | triton (see `resolve_backend`). `cuda_graphs`: on | off, acts on
-    CUDA with the triton backend. `static_decode`: run decode-only steps through the padded static
-    buffers of `StaticDecode` even without graphs (eagerly; tests use it on CPU), triton backend only.
-    `quantization`: none | int8 | fp8, applied to the weights after loading (services/engine/quantization.py).
-    `kv_cache_dtype`: auto (the model's dtype) | fp8 (float8 e4m3 pool, `kv_dtype`; attention reads it back
-    in the compute dtype), which halves a block's bytes against bf16.
+    Built from the engine's settings; of them it reads `model` (the directory; '' = the embedded model),
+    `device`, `dtype`, `block_size`, the pool's size (`num_kv_blocks`, else `kv_cache_gb` or its
+    provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | triton, see
+    `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `quantization`
+    (none | int8 | fp8, applied to the weights after loading: executor/quantization.py) and
+    `kv_cache_dtype` (auto: the model's dtype | fp8: a float8 e4m3 pool, `kv_dtype`, which attention reads
+    back in the compute dtype and which halves a block's bytes against bf16). `static_decode`: run
+    decode-only steps through the padded static buffers of `StaticDecode` even without graphs (eagerly;
+    tests use it on CPU), triton backend only.
     """
 
-    def __init__(
-        self,
-        model_dir: str | Path,
-        *,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        kv_cache_gb: float = 0.5,
-        gpu_memory_utilization: float = 0.9,
-        num_kv_blocks: int = 0,
-        attention_backend: str = "auto",
-        cuda_graphs: str = "on",
-        static_decode: bool = False,
-        quantization: str = "none",
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        self.model_dir = Path(model_dir)
+    def __init__(self, settings: EngineSettings, *, static_decode: bool = False) -> None:
+        self.model_dir = resolve_model_dir(settings.model)
         if not (self.model_dir / "config.json").exists():
             raise ValueError(f"{self.model_dir} is not a Hugging Face model directory (no config.json)")
         config = transformers.AutoConfig.from_pretrained(self.model_dir)
@@ -149,17 +150,18 @@ class ModelRunner:
                 f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         self.config = config
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
-        self.quantization = quantization
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, self.dtype)
+        quantization = self.quantization = settings.quantization
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
         self.num_heads = int(config.num_attention_heads)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.backend = resolve_backend(attention_backend, self.device)
+        self.backend = resolve_backend(settings.attention_backend, self.device)
         if self.backend == "triton" and self.device.type == "cuda":
-            self.backend = self._checked_kernel(attention_backend)
+            self.backend = self._checked_kernel(settings.attention_backend)
+        cuda_graphs = settings.cuda_graphs
         if cuda_graphs not in ("on", "off"):
             raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
         if static_decode and self.backend != "triton":
@@ -173,10 +175,10 @@ class ModelRunner:
         quantize_model(self.model, quantization, self.device)
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
-        self.block_size = block_size
+        block_size = self.block_size = settings.block_size
         self.num_layers = int(config.num_hidden_layers)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.allocate_pool(num_kv_blocks or self._blocks_from_budget(kv_cache_gb, gpu_memory_utilization))
+        self.allocate_pool(settings.num_kv_blocks or self._blocks_from_budget(initial_kv_cache_gb(settings)))
         self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.max_model_len = 0  # set by prepare()
         self.max_num_seqs = 0
@@ -205,7 +207,7 @@ class ModelRunner:
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
-        from services.engine.kernels import self_check
+        from services.engine.executor.kernels import self_check
 
         why = self_check(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
@@ -232,14 +234,9 @@ class ModelRunner:
         ]
         self.num_blocks = num_blocks
 
-    def _blocks_from_budget(self, kv_cache_gb: float, utilization: float) -> int:
+    def _blocks_from_budget(self, kv_cache_gb: float) -> int:
         per_block = pool_block_bytes(self)
-        if self.device.type == "cuda" and kv_cache_gb <= 0:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * utilization)
-        else:
-            budget = int(kv_cache_gb * GiB)
-        blocks = budget // per_block
+        blocks = int(kv_cache_gb * GiB) // per_block
         if blocks < 1:
             raise ValueError(f"KV cache budget too small for one block of {per_block} bytes")
         return blocks
@@ -313,8 +310,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Request]]:
         """Runs the model on the step's tokens and returns the logits (N, V) of the requests that sample
         (a request samples when its chunk reaches its last token) and those requests, in row order.
-        A request with drafts (`spec_ids`, speculative decoding) computes its last token and the drafts
-        as one chunk and gets 1 + len(spec_ids) consecutive rows, its name repeated once per row.
+        A request with drafts (`draft_ids`, speculative decoding) computes its last token and the drafts
+        as one chunk and gets 1 + len(draft_ids) consecutive rows, its name repeated once per row.
 
         Decode rows (one new token, longest context first) go first in the packed batch, then the
         prefill chunks. A decode row with `prev_row >= 0` reads its input token from
@@ -454,10 +451,10 @@ class ModelRunner:
         for r, n in prefills:
             p0 = r.num_computed_tokens
             ids.extend(r.token_ids[p0 : p0 + n])
-            drafts = len(r.spec_ids)
+            drafts = len(r.draft_ids)
             if drafts:  # speculative: the chunk is the last token and the drafts after it
                 assert p0 + n == r.num_tokens + drafts and r.prev_row < 0, "drafts come with the last token"
-                ids.extend(r.spec_ids)
+                ids.extend(r.draft_ids)
             rng = range(p0, p0 + n)
             pos.extend(rng)
             blocks = r.block_ids

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from services.engine.attention import StepMeta
+from services.engine.executor.attention import StepMeta
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine.params import SamplingParams, StoppingParams
-from services.engine.request import Request
+from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.request import Request
 
 log = logging.getLogger(__name__)
 

@@ -1,35 +1,38 @@
-"""LLMEngine: the synchronous engine core (no gRPC, no asyncio).
+"""LLMEngine: the synchronous engine core (no gRPC, no asyncio, no device code).
 
     outputs = engine.step()   # schedule → execute the model → sample → postprocess
 
 One thread drives it: `add_request`, `abort_request` and `step` are not thread-safe
-(services/engine/async_engine.py runs it on its own thread for asyncio callers).
+(services/engine/core/async_engine.py runs it on its own thread for asyncio callers).
 A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
 the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
 (services/common/errors.py).
 
-Async scheduling (`EngineSettings.async_scheduling`; auto = on for CUDA): a step launches step N+1 on
-the device (execute and sample, results left there) before it reads step N's sampled ids, then
-postprocesses step N and returns its outputs, so that the host's work overlaps the device's. A request
-sampled in step N holds `PLACEHOLDER` as its last token until step N is read; step N+1 feeds it from the
-device (`Request.prev_row`). Outputs are the same as without it:
-- a request that stops at step N and was scheduled again in N+1 has that step's token discarded; one
-  whose pending token is its last by count (max_new_tokens, context length) is not scheduled again;
-- aborts, deadlines and failures end a request at once, dropping its pending token; its blocks are
-  freed at once (a later step's writes to them follow the in-flight step's in stream order);
-- a step that needs the host's values of pending tokens (penalties over the output) reads step N first;
-  a request preempted while its token is pending is not scheduled again before step N is read.
+A step runs in one of three modes:
+- synchronous (`_run_scheduled`): execute, sample, read the sampled ids, postprocess;
+- async scheduling (`EngineSettings.async_scheduling`; auto = on for CUDA; also `_run_scheduled`): a step
+  launches step N+1 on the device (execute and sample, results left there) before it reads step N's
+  sampled ids, then postprocesses step N and returns its outputs, so that the host's work overlaps the
+  device's. A request sampled in step N holds `PLACEHOLDER` as its last token until step N is read; step
+  N+1 feeds it from the device (`Request.prev_row`). Outputs are the same as without it:
+  - a request that stops at step N and was scheduled again in N+1 has that step's token discarded; one
+    whose pending token is its last by count (max_new_tokens, context length) is not scheduled again;
+  - aborts, deadlines and failures end a request at once, dropping its pending token; its blocks are
+    freed at once (a later step's writes to them follow the in-flight step's in stream order);
+  - a step that needs the host's values of pending tokens (penalties over the output) reads step N first;
+    a request preempted while its token is pending is not scheduled again before step N is read.
+- speculative (`EngineSettings.speculative` ngram; synchronous steps only; `_run_speculative`): after
+  scheduling, the `Speculator` (services/engine/core/speculative.py) gives drafts to the decoding requests
+  that pass its gate, and the scheduler fits them into the step when it has budget and blocks to spare.
+  `Sampler.verify` accepts the longest run the model agrees with plus one more token (rejection sampling
+  for temperature > 0: the output distribution is the model's); the request appends them one by one under
+  the stop rules, counts the accepted drafts as computed and frees blocks that held only rejected ones
+  (`Scheduler.accept_drafts`).
 
-Speculative decoding (`EngineSettings.speculative` ngram; synchronous steps only): before scheduling, each
-running request about to decode proposes up to `num_speculative_tokens` drafts from its own tokens
-(services/engine/speculative.py) into `Request.spec_ids`; the scheduler computes them with its last token
-in one chunk when the step has budget and blocks to spare. `Sampler.verify` accepts the longest run the
-model agrees with plus one more token (rejection sampling for temperature > 0: the output distribution is
-the model's); the request appends them one by one under the stop rules, counts the accepted drafts as
-computed and frees blocks that held only rejected ones (`Scheduler.accept_drafts`). A request never
-proposes while it has penalties, is under `min_new_tokens`, or is paused by the acceptance gate (`_gate`),
-nor more drafts than could be emitted before max_new_tokens or the context length.
+The figures (`stats()`) are kept by a `StatsRecorder` (services/engine/core/stats.py), one call per step.
+Torch appears here only as types (the runner's device and logits, the sampler's handle), imported for type
+checking; the executor (runner, sampler) is imported when an engine is built.
 """
 
 from __future__ import annotations
@@ -39,43 +42,27 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
-from services.common.models import resolve_model_dir
-from services.engine.block_manager import BlockManager
-from services.engine.params import RequestOutput, SamplingParams, StoppingParams
-from services.engine.request import PLACEHOLDER, Request
-from services.engine.sampler import SampleHandle, Sampler
-from services.engine.scheduler import Scheduler, SchedulerOutput
+from services.engine.core.block_manager import BlockManager
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.core.scheduler import Scheduler, SchedulerOutput
+from services.engine.core.speculative import Speculator
+from services.engine.core.stats import EngineStats, StatsRecorder
 from services.engine.settings import EngineSettings
-from services.engine.speculative import TokenMirror
+
+if TYPE_CHECKING:
+    import torch
+
+    from services.engine.executor.sampler import SampleHandle
 
 log = logging.getLogger(__name__)
 
-# The acceptance gate of speculative decoding (see LLMEngine._gate): a request's acceptance is judged over
-# windows of this many verified drafts; one below `speculative_min_acceptance` pauses its proposals for
-# SPEC_COOLDOWN output tokens, twice as long after each failed window in a row, up to SPEC_MAX_COOLDOWN.
-SPEC_GATE_WINDOW = 8
-SPEC_COOLDOWN = 16
-SPEC_MAX_COOLDOWN = 256
-
-
-class Proposer(Protocol):
-    """Speculative drafts for a request (services/engine/speculative.py's NgramProposer, or a test's)."""
-
-    def propose(
-        self, token_ids: Sequence[int], max_tokens: int, mirror: TokenMirror | None = None
-    ) -> list[int]:
-        """Up to `max_tokens` tokens likely to follow `token_ids` (prompt + output); [] for none. `mirror`:
-        the request's own copy of its tokens as an array, kept up to date across calls."""
-        ...
-
 
 class Runner(Protocol):
-    """What the engine needs from a model runner (services/engine/model_runner.py, or a fake in tests)."""
+    """What the engine needs from a model runner (executor/model_runner.py, or a fake in tests)."""
 
     device: torch.device
     num_blocks: int
@@ -97,9 +84,9 @@ class Runner(Protocol):
         takes its last input token from `prev_tokens[prev_row]` (the previous step's sampled ids, still on
         the device) instead of `token_ids[-1]`.
 
-        Speculative decoding: a request with drafts (`spec_ids`) is scheduled for its last token plus
-        them (positions num_tokens - 1 ...); its input is `token_ids + spec_ids` from
-        `num_computed_tokens`, and it has 1 + len(spec_ids) consecutive rows in position order (row j:
+        Speculative decoding: a request with drafts (`draft_ids`) is scheduled for its last token plus
+        them (positions num_tokens - 1 ...); its input is `token_ids + draft_ids` from
+        `num_computed_tokens`, and it has 1 + len(draft_ids) consecutive rows in position order (row j:
         the distribution after its first j drafts), the request repeated once per row. Requests may come
         in any order, each one's rows together."""
         ...
@@ -128,34 +115,6 @@ class _Launched:
     handle: SampleHandle
 
 
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    num_blocks: int
-    free_blocks: int
-    block_size: int
-    steps: int
-    max_model_len: int
-    model: str
-    forward_time_s: float  # cumulative time inside the model forward
-    step_time_s: float  # cumulative time of whole steps that ran the model
-    forward_share: float  # forward_time_s / step_time_s
-    max_batch: int  # the largest number of requests in one step
-    forward_share_at_max_batch: float  # the same share over the steps with max_batch requests
-    peak_kv_efficiency: float  # tokens stored / token slots allocated, at the step with most blocks in use
-    peak_blocks_used: int
-    num_preemptions: int
-    prefix_hit_rate: float  # cached blocks reused / full prompt blocks, once per request at admission
-    generated_tokens: int
-    # Speculative decoding: drafts verified, drafts accepted, accepted / proposed, and the tokens emitted
-    # per verification of a request with drafts (accepted + 1, averaged).
-    spec_proposed_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
-
-
 def context_length(settings: EngineSettings, runner: Runner, block_size: int) -> int:
     """The context length: `max_model_len`, else the model's own. A request alone must always fit in the
     pool, so a context length the pool cannot hold is refused with the numbers (never cut silently)."""
@@ -171,31 +130,24 @@ def context_length(settings: EngineSettings, runner: Runner, block_size: int) ->
     return model_len
 
 
+def uses_async_scheduling(settings: EngineSettings, runner: Runner) -> bool:
+    """`async_scheduling` resolved: auto is on for CUDA, except with speculation (it proposes from the
+    host's tokens; validate() refuses "on" with it)."""
+    mode = settings.async_scheduling
+    return mode == "on" or (mode == "auto" and runner.device.type == "cuda" and settings.speculative == "off")
+
+
 class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
         settings.validate()
         self.settings = settings
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
-        if runner is None:
-            from services.engine import kv_sizing
-            from services.engine.model_runner import ModelRunner
+        # The executor (torch) is imported when an engine is built: importing the core needs none of it.
+        from services.engine.executor.sampler import Sampler
 
-            model_dir = str(resolve_model_dir(settings.model))
-            runner = ModelRunner(
-                model_dir,
-                device=settings.device,
-                dtype=settings.dtype,
-                block_size=settings.block_size,
-                kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings),
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                num_kv_blocks=settings.num_kv_blocks,
-                attention_backend=settings.attention_backend,
-                cuda_graphs=settings.cuda_graphs,
-                quantization=settings.quantization,
-                kv_cache_dtype=settings.kv_cache_dtype,
-            )
-            kv_sizing.fit_kv_pool(runner, settings)  # CUDA, automatic size: from free memory after a warm-up
+        if runner is None:
+            from services.engine.executor.model_runner import load_runner
+
+            runner = load_runner(settings)
         self.runner = runner
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
@@ -210,53 +162,23 @@ class LLMEngine:
             policy=settings.batching,
             batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
-            spec_disable_batch_size=(
-                settings.speculative_disable_batch_size if settings.speculative != "off" else 0
-            ),
         )
         self.sampler = Sampler(runner.device, settings.seed)
-        mode = settings.async_scheduling
-        # Speculation proposes from the host's tokens, so auto leaves async scheduling off with it.
-        self.async_scheduling = mode == "on" or (
-            mode == "auto" and runner.device.type == "cuda" and settings.speculative == "off"
+        self.async_scheduling = uses_async_scheduling(settings, runner)
+        self.speculator = Speculator.create(settings, self.max_model_len)  # None: speculation off
+        assert self.speculator is None or not self.async_scheduling, "speculation needs synchronous steps"
+        self.recorder = StatsRecorder(
+            self.scheduler,
+            self.block_manager,
+            runner,
+            model=self.model_name,
+            max_model_len=self.max_model_len,
         )
-        self.proposer: Proposer | None = self._make_proposer(settings)
-        assert self.proposer is None or not self.async_scheduling, "speculation needs synchronous steps"
         self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
         self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
-        self._steps = 0
-        self._forward_s = 0.0
-        self._step_s = 0.0
-        self._max_batch = 0
-        self._max_batch_forward_s = 0.0
-        self._max_batch_step_s = 0.0
-        self._peak_blocks = 0
-        self._peak_efficiency = 0.0
-        self._generated = 0
-        self._spec_proposed = 0
-        self._spec_accepted = 0
-        self._spec_verified = 0  # verifications of a request with drafts
-
-    @staticmethod
-    def _make_proposer(settings: EngineSettings) -> Proposer | None:
-        if settings.speculative == "off":
-            return None
-        from services.engine.speculative import NgramProposer
-
-        log.info(
-            "speculative decoding: %s, up to %d tokens per step, n-grams of %d..%d tokens; no proposals in "
-            "steps with more than %d running requests, paused for requests below %.0f%% acceptance",
-            settings.speculative,
-            settings.num_speculative_tokens,
-            settings.ngram_min,
-            settings.ngram_max,
-            settings.speculative_disable_batch_size,
-            100 * settings.speculative_min_acceptance,
-        )
-        return NgramProposer(settings.num_speculative_tokens, settings.ngram_min, settings.ngram_max)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -357,37 +279,54 @@ class LLMEngine:
         outputs.extend(self._expire(time.monotonic()))
         if self._in_flight is not None and self._needs_host_tokens():
             outputs.extend(self._drain())
-        if self.proposer is not None:
-            self._propose(self.proposer)
-        sched = self.scheduler.schedule()
-        self._forming_until = time.monotonic() + sched.wait_s
+        sched = self._schedule()
         if sched.empty:
-            if self._in_flight is not None:
-                outputs.extend(self._drain())
-                self._account_drain(time.perf_counter() - start)
-            elif sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
-                # Unreachable while the context length fits the pool; never spin on a stuck request.
-                stuck = self.scheduler.waiting[0]
-                detail = "request cannot be scheduled: the KV cache is too small"
-                outputs.append(self._fail(stuck, INTERNAL, detail))
-            if outputs and self.observer is not None:
-                self._observe(self.observer.on_step_end, None, outputs, time.perf_counter() - start)
+            drained = self._run_nothing(sched, outputs)
+            self._end_step(None, outputs, start, timed=drained)
             return outputs
         if self.observer is not None:
             self._observe(self.observer.on_scheduled, sched)
-        ok = self._run_scheduled(sched, outputs)
-        if ok:
-            self._account(sched, time.perf_counter() - start)
-        if self.observer is not None:
-            self._observe(self.observer.on_step_end, sched, outputs, time.perf_counter() - start)
+        run = self._run_speculative if sched.num_draft_tokens else self._run_scheduled
+        ok = run(sched, outputs)
+        self._end_step(sched, outputs, start, timed=ok)
         return outputs
+
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's step, with the Speculator's drafts fitted into it."""
+        sched = self.scheduler.schedule()
+        if self.speculator is not None and self.speculator.propose(sched, len(self.scheduler.running)):
+            self.scheduler.schedule_drafts(sched)
+        self._forming_until = time.monotonic() + sched.wait_s
+        return sched
+
+    def _run_nothing(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
+        """A step with nothing scheduled: reads the launched step, if any (True: the step's time counts),
+        else fails a request that can never be scheduled."""
+        if self._in_flight is not None:
+            outputs.extend(self._drain())
+            return True
+        if sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
+            # Unreachable while the context length fits the pool; never spin on a stuck request.
+            stuck = self.scheduler.waiting[0]
+            detail = "request cannot be scheduled: the KV cache is too small"
+            outputs.append(self._fail(stuck, INTERNAL, detail))
+        return False
+
+    def _end_step(
+        self, sched: SchedulerOutput | None, outputs: list[RequestOutput], start: float, timed: bool
+    ) -> None:
+        """The step's figures and the observer's end of step (for a step with nothing scheduled, only when
+        it emitted something). `timed`: the step ran `sched` without failing, or read the step before."""
+        step_s = time.perf_counter() - start
+        ran = sched if sched is not None and timed else None
+        self.recorder.record(outputs, step_s, ran=ran, timed=timed)
+        if self.observer is not None and (sched is not None or outputs):
+            self._observe(self.observer.on_step_end, sched, outputs, step_s)
 
     def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
         """Launches `sched`, reads the step launched before it (async), settles `sched` and, without async
         scheduling, reads it too; appends the outputs. False when the step failed: a failing step fails
         its requests, never the loop (a request of the step before gets that step's token first)."""
-        if sched.num_draft_tokens:
-            return self._run_speculative(sched, outputs)
         prev, self._in_flight = self._in_flight, None
         try:
             launched = self._launch(sched, prev)
@@ -444,36 +383,6 @@ class LLMEngine:
 
     # ---- speculative decoding --------------------------------------------------------------------
 
-    def _propose(self, proposer: Proposer) -> None:
-        """Drafts for each running request about to decode that may speculate (see the module docstring),
-        unless the batch is already past `speculative_disable_batch_size`."""
-        running = self.scheduler.running
-        if len(running) > self.settings.speculative_disable_batch_size:
-            return
-        k = self.settings.num_speculative_tokens
-        for req in running:
-            if req.num_tokens - req.num_computed_tokens != 1 or not self._may_speculate(req):
-                continue
-            # A step emits at most drafts + 1 tokens: never past max_new_tokens or the context length.
-            room = min(
-                k,
-                req.stopping.max_new_tokens - req.num_output_tokens - 1,
-                self.max_model_len - req.num_tokens - 1,
-            )
-            if room > 0:
-                if req.token_mirror is None:
-                    req.token_mirror = TokenMirror()
-                req.spec_ids = list(proposer.propose(req.token_ids, room, req.token_mirror))[:room]
-
-    @staticmethod
-    def _may_speculate(req: Request) -> bool:
-        return (
-            req.prev_row < 0
-            and not req.sampling.has_penalties
-            and req.num_output_tokens >= req.stopping.min_new_tokens
-            and req.num_output_tokens >= req.spec_resume_at
-        )
-
     def _run_speculative(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
         """A step with drafts, synchronously: execute, verify, and each sampling request takes its
         accepted drafts and one more token. False when the step failed (its requests failed)."""
@@ -481,7 +390,7 @@ class LLMEngine:
         try:
             logits, rows = self.runner.execute(sched.scheduled)
             reqs = _row_owners(rows)
-            result = self.sampler.verify(logits, reqs, [r.spec_ids for r in reqs])
+            result = self.sampler.verify(logits, reqs, [list(r.draft_ids) for r in reqs])
             self.scheduler.advance(sched)  # each request's own token; the accepted drafts follow
             for req, tokens, logprobs in zip(reqs, result.token_ids, result.logprobs, strict=True):
                 out = self._accept(sched, req, tokens, logprobs)
@@ -497,53 +406,25 @@ class LLMEngine:
         self, sched: SchedulerOutput, req: Request, tokens: list[int], logprobs: list
     ) -> RequestOutput | None:
         """Appends a verified run (accepted drafts, then one more token) token by token under the stop
-        rules, counts the speculation figures and the gate, and settles the request's counters."""
+        rules, tells the Speculator, and settles the request's counters."""
         if req.finished:
             return None
-        drafts = len(req.spec_ids)
+        drafts = len(req.draft_ids)
         accepted = len(tokens) - 1
         assert 0 <= accepted <= drafts, "verify returns the accepted drafts and one token"
-        if drafts:
-            self._spec_proposed += drafts
-            self._spec_accepted += accepted
-            self._spec_verified += 1
-            req.spec_proposed += drafts
-            req.spec_accepted += accepted
-            sched.spec_accepted_lengths.append(accepted + 1)
         emitted: list[int] = []
         for tok in tokens:
             req.token_ids.append(tok)
             emitted.append(tok)
-            self._generated += 1
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
+            if self._stopped(req, tok):
                 break
+        if drafts:
+            assert self.speculator is not None, "drafts come from the speculator"
+            self.speculator.verified(sched, req, drafts, accepted)
         if not req.finished:
-            if drafts:
-                self._gate(req, drafts, accepted)
             self.scheduler.accept_drafts(req, accepted)
         lps = logprobs[: len(emitted)] if logprobs and logprobs[0] is not None else None
         return self._output(req, emitted, lps)
-
-    def _gate(self, req: Request, drafts: int, accepted: int) -> None:
-        """The acceptance gate: over tumbling windows of at least SPEC_GATE_WINDOW verified drafts, a
-        request accepting less than `speculative_min_acceptance` of them stops proposing for a cool-down
-        of output tokens (SPEC_COOLDOWN, doubled after each failed window in a row up to
-        SPEC_MAX_COOLDOWN), then tries again; a window that passes resets the cool-down."""
-        req.spec_window_proposed += drafts
-        req.spec_window_accepted += accepted
-        if req.spec_window_proposed < SPEC_GATE_WINDOW:
-            return
-        rate = req.spec_window_accepted / req.spec_window_proposed
-        req.spec_window_proposed = req.spec_window_accepted = 0
-        if rate >= self.settings.speculative_min_acceptance:
-            req.spec_cooldown = 0
-            return
-        cooldown = 2 * req.spec_cooldown if req.spec_cooldown else SPEC_COOLDOWN
-        req.spec_cooldown = min(cooldown, SPEC_MAX_COOLDOWN)
-        req.spec_resume_at = req.num_output_tokens + req.spec_cooldown
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         detail = f"internal error in engine step: {exc}"
@@ -585,13 +466,17 @@ class LLMEngine:
             assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
             req.token_ids[-1] = tok
             req.prev_row = -1
-            self._generated += 1
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self.requests.pop(req.request_id, None)
+            self._stopped(req, tok)
             outputs.append(self._output(req, [tok], [lp] if lp is not None else None))
         return outputs
+
+    def _stopped(self, req: Request, tok: int) -> bool:
+        """Ends `req` when `tok`, its latest token, stops it; whether it did."""
+        reason = self._stop_reason(req, tok)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+            self.requests.pop(req.request_id, None)
+        return reason is not None
 
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         st = req.stopping
@@ -632,82 +517,22 @@ class LLMEngine:
 
     # ---- figures -------------------------------------------------------------------------------
 
-    def _account(self, sched: SchedulerOutput, step_s: float) -> None:
-        self._steps += 1
-        fwd = self.runner.last_forward_s
-        self._forward_s += fwd
-        self._step_s += step_s
-        batch = len(sched.scheduled)
-        if batch > self._max_batch:
-            self._max_batch, self._max_batch_forward_s, self._max_batch_step_s = batch, 0.0, 0.0
-        if batch == self._max_batch:
-            self._max_batch_forward_s += fwd
-            self._max_batch_step_s += step_s
-        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
-        if used > self._peak_blocks:
-            running = self.scheduler.running
-            stored = sum(r.num_computed_tokens for r in running)
-            allocated = sum(len(r.block_ids) for r in running) * self.block_manager.block_size
-            self._peak_blocks = used
-            self._peak_efficiency = stored / allocated if allocated else 0.0
-
-    def _account_drain(self, step_s: float) -> None:
-        """A step that only read the launched step: its time counts in the totals (no step, no batch), and
-        so do the forwards the runner saw finish meanwhile (it reports each once)."""
-        self._forward_s += self.runner.last_forward_s
-        self._step_s += step_s
-
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            num_blocks=bm.num_blocks,
-            free_blocks=bm.num_free_blocks,
-            block_size=bm.block_size,
-            steps=self._steps,
-            max_model_len=self.max_model_len,
-            model=self.model_name,
-            forward_time_s=self._forward_s,
-            step_time_s=self._step_s,
-            forward_share=self._forward_s / self._step_s if self._step_s else 0.0,
-            max_batch=self._max_batch,
-            forward_share_at_max_batch=(
-                self._max_batch_forward_s / self._max_batch_step_s if self._max_batch_step_s else 0.0
-            ),
-            peak_kv_efficiency=self._peak_efficiency,
-            peak_blocks_used=self._peak_blocks,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_hit_rate=bm.prefix_hit_blocks / bm.prefix_query_blocks if bm.prefix_query_blocks else 0.0,
-            generated_tokens=self._generated,
-            spec_proposed_tokens=self._spec_proposed,
-            spec_accepted_tokens=self._spec_accepted,
-            spec_acceptance_rate=self._spec_accepted / self._spec_proposed if self._spec_proposed else 0.0,
-            spec_mean_accepted_length=(
-                1.0 + self._spec_accepted / self._spec_verified if self._spec_verified else 0.0
-            ),
-        )
+        return self.recorder.snapshot()
 
     def reset_stats(self) -> None:
         """Zeroes the timing and peak figures (e.g. after a warm-up run)."""
-        self._steps = 0
-        self._forward_s = self._step_s = 0.0
-        self._max_batch = 0
-        self._max_batch_forward_s = self._max_batch_step_s = 0.0
-        self._peak_blocks = 0
-        self._peak_efficiency = 0.0
-        self._generated = 0
-        self._spec_proposed = self._spec_accepted = self._spec_verified = 0
+        self.recorder.reset()
 
 
 def _row_owners(rows: Sequence[Request]) -> list[Request]:
-    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(spec_ids)
+    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(draft_ids)
     consecutive rows (see `Runner.execute`)."""
     owners: list[Request] = []
     i = 0
     while i < len(rows):
         req = rows[i]
-        span = 1 + len(req.spec_ids)
+        span = 1 + len(req.draft_ids)
         if i + span > len(rows) or any(r is not req for r in rows[i : i + span]):
             raise RuntimeError(f"request {req.request_id}: its {span} rows are not together in the step")
         owners.append(req)

@@ -6,7 +6,7 @@ the chunk of each prefilling request. The model computes Q/K/V and RoPE as usual
 `paged_attention` per layer with the step's `StepMeta` in kwargs. It writes the step's K/V into the
 pool slots of each token, then attends per sequence, never across sequences:
 - decode rows, backend "triton" (CUDA): the first `num_decodes` rows in one call of the paged decode
-  kernel (services/engine/kernels/paged_attention.py), which reads K/V in place through each row's
+  kernel (services/engine/executor/kernels/paged_attention.py), which reads K/V in place through each row's
   block table; padding rows (sequence length 0) come out as zeros;
 - decode rows, backend "torch" (CPU): in groups of similar context length, each row's K/V gathered from
   its blocks, padded to the group's longest context and masked by length, the grouped query heads
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from services.engine.kernels import paged_decode_attention
+from services.engine.executor.kernels import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
 META_KWARG = "sluice_step"

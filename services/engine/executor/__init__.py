@@ -1,0 +1,1 @@
+"""The executor: the model on its device, the KV pool, attention, sampling."""
