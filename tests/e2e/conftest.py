@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,9 +109,9 @@ def _pump(pipeline: Pipeline) -> None:
     pipeline.ready.set()
 
 
-def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
-    """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
-    a start-up failure."""
+def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
+    """Starts `sluice up` (with `env` added to the environment) and returns at once; `ready` is set
+    when it prints its ready line or exits."""
     http, base = free_ports(stage_port_count(extra))
     cmd = [
         sys.executable,
@@ -126,10 +126,18 @@ def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
         str(base),
         *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ)
     pipeline = Pipeline(proc, http, base)
     threading.Thread(target=_pump, args=(pipeline,), daemon=True).start()
+    return pipeline
+
+
+def start_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
+    """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
+    a start-up failure."""
+    pipeline = launch_pipeline(model_dir, *extra, env=env)
+    proc = pipeline.proc
     if not pipeline.ready.wait(STARTUP_DEADLINE_S) or proc.poll() is not None:
         pipeline.stop(signal.SIGTERM)
         pytest.fail(f"sluice up did not become ready:\n{pipeline.output()}")
