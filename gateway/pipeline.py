@@ -660,8 +660,12 @@ class Pipeline:
             request.slot.push(text, ids, logprobs)
 
     def _on_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
+        # A broken link leaves its map, so a retired replica's link and report mirror do not stay behind.
         if link.kind == "engine" and self._engine_links.get(link.address) is link:
+            del self._engine_links[link.address]
             self._router.forget(link.address)
+        if link.kind == "detokenizer" and self._detok_links.get(link.address) is link:
+            del self._detok_links[link.address]
         request_ids = list(link.request_ids)
         link.request_ids.clear()
         for request_id in request_ids:
