@@ -379,7 +379,8 @@ def busy_port(host: str, ports: list[int]) -> int | None:
 def _parent_death_signal() -> Callable[[], None] | None:
     """A function for Popen's `preexec_fn` that has the child receive SIGTERM when the launcher dies
     (Linux prctl PR_SET_PDEATHSIG), or None elsewhere. libc is looked up here, in the launcher, so that
-    the forked child only makes the one call."""
+    the forked child only makes the one call. Linux sends the signal when the *thread* that started
+    the child ends: `sluice up` starts every child from its main thread, which lives as long as it."""
     if not sys.platform.startswith("linux"):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -435,7 +436,8 @@ class Supervisor:
 
     async def wait_all_healthy(self, host: str, timeout_s: float, tls: ChannelTls | None = None) -> None:
         """Returns when every child is SERVING (the stages asked over `tls` when given, the gateway's
-        public port in plaintext); raises RuntimeError naming a child that died first."""
+        public port in plaintext); raises RuntimeError naming a child that died first. The benchmark
+        stacks start this way (sluice/bench/stack.py); `sluice up` watches with a `Watcher` instead."""
         checks = [
             asyncio.ensure_future(
                 wait_healthy(
