@@ -32,7 +32,9 @@ Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
 gateway's generations in flight can finish on stages that are still there. Planned ports must all be
 distinct (`--port`, the gRPC ports and the metrics ports): a clash is refused before anything starts,
-naming both uses.
+naming both uses; ports in the kernel's range for outgoing connections' local ports (Linux:
+32768-60999 by default, the default gRPC ports included) get a warning, since a connection can take a
+stopped child's port and keep its restart from binding.
 
 The engine shares this host's cores with the other three services and the clients, so it gets
 `--threads` = one less than the cores (at least one; `--engine-threads` overrides), and every child
@@ -376,6 +378,33 @@ def busy_port(host: str, ports: list[int]) -> int | None:
     return None
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports(path: Path = EPHEMERAL_RANGE_FILE) -> range | None:
+    """The local ports the kernel gives outgoing connections (Linux), or None when it cannot be read."""
+    try:
+        low, high = (int(part) for part in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
+
+
+def ephemeral_warning(ports: list[tuple[int, str]], ephemeral: range | None) -> str | None:
+    """A warning when planned ports lie in the range of outgoing connections' local ports: while a child
+    is down, any connection on the host may take its port, and the restart then cannot bind it (seen:
+    a tokenizer restarted over a minute in vain, its port held by a client's keep-alive connection)."""
+    inside = sorted(port for port, _ in ports if ephemeral is not None and port in ephemeral)
+    if not inside or ephemeral is None:
+        return None
+    return (
+        f"sluice up: warning: ports {', '.join(map(str, inside))} are in the range the kernel gives outgoing "
+        f"connections ({ephemeral.start}-{ephemeral.stop - 1}); a child restarted while a connection holds "
+        f"its port cannot bind it. Ports below {ephemeral.start} avoid that (--port, --grpc-base-port, "
+        "--metrics-base-port)."
+    )
+
+
 def _parent_death_signal() -> Callable[[], None] | None:
     """A function for Popen's `preexec_fn` that has the child receive SIGTERM when the launcher dies
     (Linux prctl PR_SET_PDEATHSIG), or None elsewhere. libc is looked up here, in the launcher, so that
@@ -702,6 +731,9 @@ async def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    warning = ephemeral_warning(planned_ports(args), ephemeral_ports())
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     supervisor = Supervisor(children, child_env(args, os.environ.copy()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

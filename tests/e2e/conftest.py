@@ -37,10 +37,11 @@ def _port_free(port: int) -> bool:
 
 def free_ports(stage_ports: int = 3) -> tuple[int, int]:
     """An HTTP port and a gRPC base port whose next `stage_ports` ports (one per stage replica: see
-    `sluice up --help`) are free too."""
+    `sluice up --help`) are free too; all below Linux's default range for outgoing connections' local
+    ports (32768-60999), where a client connection could take a restarted child's port."""
     rng = random.Random()
     while True:
-        http, base = rng.randrange(20000, 40000), rng.randrange(40000, 60000)
+        http, base = rng.randrange(10000, 20000), rng.randrange(20000, 32000)
         if all(_port_free(p) for p in (http, *range(base, base + stage_ports + 1))):
             return http, base
 

@@ -16,6 +16,7 @@ import json
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -237,6 +238,20 @@ def test_planned_ports_that_clash_are_refused_naming_both(capsys: pytest.Capture
     planned = {port for port, _ in launcher.planned_ports(args)}
     children = launcher.plan_children(args, "/m")
     assert {c.grpc_port for c in children} | {args.port} | set(range(9300, 9304)) == planned
+
+
+def test_ports_among_outgoing_connections_local_ports_get_a_warning(tmp_path: Path) -> None:
+    """A restart cannot bind a port that a client's connection took as its local port meanwhile."""
+    proc_file = tmp_path / "ip_local_port_range"
+    proc_file.write_text("32768\t60999\n")
+    ephemeral = launcher.ephemeral_ports(proc_file)
+    assert ephemeral == range(32768, 61000)
+    args = launcher.parse_args(["--port", "8000", "--grpc-base-port", "50050"])
+    warning = launcher.ephemeral_warning(launcher.planned_ports(args), ephemeral)
+    assert warning is not None and "50050, 50051, 50052, 50053" in warning and "8000" not in warning
+    low = launcher.parse_args(["--port", "8000", "--grpc-base-port", "20050"])
+    assert launcher.ephemeral_warning(launcher.planned_ports(low), ephemeral) is None
+    assert launcher.ephemeral_ports(tmp_path / "absent") is None
 
 
 def test_exit_codes_name_the_signal() -> None:
