@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test lint browser protos model soak clean
+.PHONY: install up test lint browser protos model soak chaos clean
 
 # Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken.
 $(STAMP): pyproject.toml constraints.txt
@@ -35,6 +35,17 @@ test: install lint browser
 SOAK_S ?= 600
 soak: install
 	SLUICE_SOAK_S=$(SOAK_S) $(PY) -m pytest -q -s -m soak tests/reliability $(PYTEST_ARGS)
+
+# The fault schedule for CHAOS_S seconds (the suite runs it for 60): stage replicas of a loaded
+# `sluice up` killed, stopped and failed at random moments (seed CHAOS_SEED); the JSON summary goes to
+# CHAOS_SUMMARY.
+CHAOS_S ?= 180
+CHAOS_SEED ?= 21
+CHAOS_SUMMARY ?= bench-results/chaos-summary.json
+chaos: install
+	mkdir -p $(dir $(CHAOS_SUMMARY))
+	SLUICE_CHAOS_S=$(CHAOS_S) SLUICE_CHAOS_SEED=$(CHAOS_SEED) SLUICE_CHAOS_SUMMARY=$(abspath $(CHAOS_SUMMARY)) \
+	  $(PY) -m pytest -q -s -m chaos tests/reliability $(PYTEST_ARGS)
 
 protos: install
 	$(PY) scripts/gen_protos.py

@@ -140,8 +140,12 @@ class Stages:
         self._on_engine_out(link, out)
 
     def _on_link_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
+        # A broken link leaves its map, so a retired replica's link and report mirror do not stay behind.
         if link.kind == "engine" and self._engine_links.get(link.address) is link:
+            del self._engine_links[link.address]
             self.engines.picker.forget(link.address)
+        if link.kind == "detokenizer" and self._detok_links.get(link.address) is link:
+            del self._detok_links[link.address]
         self._on_broken(link, reason)
 
     # ----- unary calls

@@ -75,9 +75,13 @@ class Endpoint:
 
 
 async def resolve_host(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (IPv4 and IPv6), in the resolver's order, without repeats."""
+    """The addresses `host` resolves to, in the resolver's order, without repeats, of one address family:
+    that of the resolver's first (preferred) answer. A dual-stack name gives each process an IPv4 and an
+    IPv6 address (`localhost`: 127.0.0.1 and ::1; a dual-stack headless Service: an A and an AAAA record
+    per pod), and each process must be one replica, not two."""
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+    family = infos[0][0] if infos else None
+    return list(dict.fromkeys(str(info[4][0]) for info in infos if info[0] == family))
 
 
 def host_port(ip: str, port: int) -> str:
@@ -210,9 +214,9 @@ class Replicas:
                             endpoint.target, exc)
                 continue
             if ips:
-                targets = tuple(host_port(ip, endpoint.port) for ip in ips)
-                self._target_host.update(dict.fromkeys(targets, endpoint.host))
-                self._resolved[endpoint] = targets
+                self._resolved[endpoint] = tuple(host_port(ip, endpoint.port) for ip in ips)
+        # Only the replicas resolved now: those retired leave no entry behind.
+        self._target_host = {t: e.host for e, targets in self._resolved.items() for t in targets}
         self._set_members()
         self._sweep()
 

@@ -13,12 +13,28 @@ each: B+1, B+2, B+3; with `--engines 2`: tokenizer B+1, engines B+2 and B+3, det
 planned port must be free, or the launcher exits 1 naming the first busy one. The ready line is printed
 once every replica is healthy.
 
-A child that dies once the pipeline is up is restarted, as compose's `restart:` or Kubernetes would:
-the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each restart in the
-window, at most 8 s), and starts it again; the other children keep running untouched. A child that
-dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds (default 60)
-makes the launcher give up: it stops every child and exits 1 naming it. A child that dies during
-start-up is not restarted (a bad flag or model would only fail again): the launcher exits 1.
+A child that dies is restarted, as compose's `restart:` or Kubernetes would, whether it had served or
+was still starting: the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each
+restart in the window, at most 8 s), and starts it again; the other children keep running untouched. A
+child that dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds
+(default 60) makes the launcher give up: it stops every child and exits 1 naming it. The ready line
+waits until every child has answered SERVING once; if that takes longer than `--startup-timeout`, the
+launcher exits 1 naming the children that never did.
+
+Liveness: every child's grpc.health.v1 status is asked about once a second (the gateway's on its gRPC
+port), each check given `--health-timeout-s`. A child that has served and then answers anything but
+SERVING, or nothing at all (a hung or SIGSTOPped process), for longer than `--unhealthy-restart-s`
+(default 10) is restarted: SIGTERM (and SIGCONT, so a stopped process can act on it), SIGKILL after
+KILL_GRACE_S, then the restart policy as for a death. An engine whose step loop failed stays alive and
+NOT_SERVING (services/engine/server.py), so this is what replaces it.
+
+Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
+service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
+gateway's generations in flight can finish on stages that are still there. Planned ports must all be
+distinct (`--port`, the gRPC ports and the metrics ports): a clash is refused before anything starts,
+naming both uses; ports in the kernel's range for outgoing connections' local ports (Linux:
+32768-60999 by default, the default gRPC ports included) get a warning, since a connection can take a
+stopped child's port and keep its restart from binding.
 
 The engine shares this host's cores with the other three services and the clients, so it gets
 `--threads` = one less than the cores (at least one; `--engine-threads` overrides), and every child
@@ -39,6 +55,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
+import math
 import os
 import signal
 import socket
@@ -46,14 +64,22 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.grpc_server import ChannelTls, wait_healthy
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_server import ChannelTls, client_channel, wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
+UNHEALTHY_RESTART_S = 10.0  # a served child not SERVING this long is restarted
+HEALTH_TIMEOUT_S = 2.0  # one health check's deadline
+HEALTH_INTERVAL_S = 1.0  # how often a serving child is asked
+KILL_GRACE_S = 3.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 WATCH_INTERVAL_S = 0.2
 
@@ -119,9 +145,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice up", description=__doc__.strip().split("\n")[0])
     add = parser.add_argument
     add("--model", default="", help="local Hugging Face model directory (default: the embedded model)")
-    add("--served-model-name", default=None, metavar="NAME",
+    add(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
         help=f"model name the APIs answer to (default: {EMBEDDED_MODEL_NAME!r} for the embedded model, "
-        "else the directory's name)")
+        "else the directory's name)",
+    )
     add("--host", default="127.0.0.1", help="address every service binds (default: 127.0.0.1)")
     add("--port", type=int, default=8000, help="gateway HTTP port: chat page, WebSocket, /healthz")
     parser.add_argument(
@@ -132,30 +162,106 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "in that order (one of each: B+1, B+2, B+3; default: 50050)",
     )
     for stage in STAGES:
-        add(f"--{stage}s", type=int, default=1, metavar="N",
-            help=f"{stage} replicas, each a process on its own port (default: 1)")
+        add(
+            f"--{stage}s",
+            type=int,
+            default=1,
+            metavar="N",
+            help=f"{stage} replicas, each a process on its own port (default: 1)",
+        )
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
-    add("--engine-threads", type=int, default=0, metavar="N",
-        help="engine torch threads (default: one less than the cores, at least 1)")
+    add(
+        "--engine-threads",
+        type=int,
+        default=0,
+        metavar="N",
+        help="engine torch threads (default: one less than the cores, at least 1)",
+    )
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
     )
-    add("--otlp-endpoint", default="", help="export every service's spans over OTLP to this URL "
-        "(e.g. http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP)")
+    add(
+        "--otlp-endpoint",
+        default="",
+        help="export every service's spans over OTLP to this URL "
+        "(e.g. http://127.0.0.1:4317; OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf for OTLP/HTTP)",
+    )
     add("--trace-console", action="store_true", help="print every finished span on the console")
-    add("--metrics-base-port", type=int, default=0,
+    add(
+        "--metrics-base-port",
+        type=int,
+        default=0,
         help="the stages serve /metrics on consecutive ports from this one, in the order of their gRPC "
-        "ports (one of each: tokenizer, engine, detokenizer on M, M+1, M+2; 0 = none)")
-    add("--max-restarts", type=int, default=RestartPolicy.max_restarts, metavar="N",
-        help="restarts of one dead child allowed within --restart-window-s before giving up (default: 5)")
-    add("--restart-window-s", type=float, default=RestartPolicy.window_s, metavar="S",
-        help="the window of --max-restarts, in seconds (default: 60)")
+        "ports (one of each: tokenizer, engine, detokenizer on M, M+1, M+2; 0 = none)",
+    )
+    add(
+        "--max-restarts",
+        type=int,
+        default=RestartPolicy.max_restarts,
+        metavar="N",
+        help="restarts of one dead child allowed within --restart-window-s before giving up (default: 5)",
+    )
+    add(
+        "--restart-window-s",
+        type=float,
+        default=RestartPolicy.window_s,
+        metavar="S",
+        help="the window of --max-restarts, in seconds (default: 60)",
+    )
+    add(
+        "--unhealthy-restart-s",
+        type=float,
+        default=UNHEALTHY_RESTART_S,
+        metavar="S",
+        help="restart a child that served and then has not answered SERVING for this long (default: 10)",
+    )
+    add(
+        "--health-timeout-s",
+        type=float,
+        default=HEALTH_TIMEOUT_S,
+        metavar="S",
+        help="deadline of each health check of a child; no answer counts as not serving (default: 2)",
+    )
     args = parser.parse_args(argv)
     for stage in STAGES:
         if getattr(args, f"{stage}s") < 1:
             parser.error(f"--{stage}s must be at least 1")
+    if args.unhealthy_restart_s <= 0 or args.health_timeout_s <= 0:
+        parser.error("--unhealthy-restart-s and --health-timeout-s must be positive")
+    clash = port_clash(planned_ports(args))
+    if clash is not None:
+        parser.error(clash)
     return args
+
+
+def planned_ports(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """Every port `sluice up` will listen on, with its use: the gateway's HTTP and gRPC ports, each
+    stage replica's gRPC port and, with --metrics-base-port, its metrics port (see `plan_children`)."""
+    ports = [
+        (args.port, "the gateway's HTTP port (--port)"),
+        (args.grpc_base_port, "the gateway's gRPC port (--grpc-base-port)"),
+    ]
+    offset = 0
+    for stage in STAGES:
+        for name in replica_names(stage, getattr(args, f"{stage}s")):
+            ports.append((args.grpc_base_port + 1 + offset, f"{name}'s gRPC port"))
+            if args.metrics_base_port > 0:
+                ports.append(
+                    (args.metrics_base_port + offset, f"{name}'s metrics port (--metrics-base-port)")
+                )
+            offset += 1
+    return ports
+
+
+def port_clash(ports: list[tuple[int, str]]) -> str | None:
+    """A message naming the first port planned for two uses, or None when all are distinct."""
+    seen: dict[int, str] = {}
+    for port, use in ports:
+        if port in seen:
+            return f"port {port} would be both {seen[port]} and {use}; choose other ports"
+        seen[port] = use
+    return None
 
 
 def served_name_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -249,8 +355,10 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
             offset += 1
     gateway_flags = (
         *common,
-        "--port", str(args.port),
-        "--grpc-port", str(args.grpc_base_port),
+        "--port",
+        str(args.port),
+        "--grpc-port",
+        str(args.grpc_base_port),
         *(flag for stage in STAGES for flag in (f"--{stage}", ",".join(addresses[stage]))),
         *served_name_flags(args),
     )
@@ -270,6 +378,51 @@ def busy_port(host: str, ports: list[int]) -> int | None:
     return None
 
 
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports(path: Path = EPHEMERAL_RANGE_FILE) -> range | None:
+    """The local ports the kernel gives outgoing connections (Linux), or None when it cannot be read."""
+    try:
+        low, high = (int(part) for part in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
+
+
+def ephemeral_warning(ports: list[tuple[int, str]], ephemeral: range | None) -> str | None:
+    """A warning when planned ports lie in the range of outgoing connections' local ports: while a child
+    is down, any connection on the host may take its port, and the restart then cannot bind it (seen:
+    a tokenizer restarted over a minute in vain, its port held by a client's keep-alive connection)."""
+    inside = sorted(port for port, _ in ports if ephemeral is not None and port in ephemeral)
+    if not inside or ephemeral is None:
+        return None
+    return (
+        f"sluice up: warning: ports {', '.join(map(str, inside))} are in the range the kernel gives outgoing "
+        f"connections ({ephemeral.start}-{ephemeral.stop - 1}); a child restarted while a connection holds "
+        f"its port cannot bind it. Ports below {ephemeral.start} avoid that (--port, --grpc-base-port, "
+        "--metrics-base-port)."
+    )
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A function for Popen's `preexec_fn` that has the child receive SIGTERM when the launcher dies
+    (Linux prctl PR_SET_PDEATHSIG), or None elsewhere. libc is looked up here, in the launcher, so that
+    the forked child only makes the one call. Linux sends the signal when the *thread* that started
+    the child ends: `sluice up` starts every child from its main thread, which lives as long as it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def set_signal() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the call: nobody would signal us
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_signal
+
+
 class Supervisor:
     """Owns the child processes: starts them, waits for health, stops them all exactly once."""
 
@@ -277,14 +430,16 @@ class Supervisor:
         self.children = children
         self.env = os.environ.copy() if env is None else env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._preexec = _parent_death_signal()
 
     def start(self) -> None:
         for child in self.children:
             self.start_child(child)
 
     def start_child(self, child: Child) -> None:
-        """Starts (or starts again) one child and prints its pid."""
-        proc = subprocess.Popen(self.command(child), env=self.env)
+        """Starts (or starts again) one child and prints its pid. The child gets SIGTERM if the
+        launcher dies (see `_parent_death_signal`)."""
+        proc = subprocess.Popen(self.command(child), env=self.env, preexec_fn=self._preexec)
         self.procs[child.name] = proc
         print(f"sluice up: {child.name} started (pid {proc.pid})", flush=True)
 
@@ -301,9 +456,17 @@ class Supervisor:
         """(name, exit code) of every child that has exited (a code -N: killed by signal N)."""
         return [(name, code) for name, proc in self.procs.items() if (code := proc.poll()) is not None]
 
+    def terminate(self, name: str) -> None:
+        """SIGTERM to a running child, then SIGCONT so that a stopped one acts on it."""
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGCONT)
+
     async def wait_all_healthy(self, host: str, timeout_s: float, tls: ChannelTls | None = None) -> None:
         """Returns when every child is SERVING (the stages asked over `tls` when given, the gateway's
-        public port in plaintext); raises RuntimeError naming a child that died first."""
+        public port in plaintext); raises RuntimeError naming a child that died first. The benchmark
+        stacks start this way (sluice/bench/stack.py); `sluice up` watches with a `Watcher` instead."""
         checks = [
             asyncio.ensure_future(
                 wait_healthy(
@@ -327,77 +490,250 @@ class Supervisor:
                 task.cancel()
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                print(f"sluice up: {name} did not stop in {STOP_GRACE_S:.0f}s; killing it", file=sys.stderr)
-                proc.kill()
-                proc.wait()
+        """Stops the gateway first, then the stages (its generations in flight finish on them): each
+        group gets SIGTERM, then SIGKILL once STOP_GRACE_S has passed."""
+        gateway = [name for name in self.procs if name == "gateway"]
+        stages = [name for name in self.procs if name != "gateway"]
+        for group in (gateway, stages):
+            for name in group:
+                self.terminate(name)
+            for name in group:
+                self._reap(name)
+
+    def _reap(self, name: str) -> None:
+        proc = self.procs[name]
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            print(f"sluice up: {name} did not stop in {STOP_GRACE_S:.0f}s; killing it", file=sys.stderr)
+            proc.kill()
+            proc.wait()
 
 
 def describe_exit(code: int) -> str:
-    """"code 1", or "code -9 (SIGKILL)" for a child killed by a signal."""
+    """ "code 1", or "code -9 (SIGKILL)" for a child killed by a signal."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"code {code} ({signal.Signals(-code).name})"
     return f"code {code}"
 
 
-class Watcher:
-    """Restarts children that die once the pipeline is up, under one `RestartPolicy` per child."""
+@dataclass
+class _Run:
+    """One run of a child process: its pid, when it started, whether and when it last answered
+    SERVING, and when it gets SIGKILL after an unhealthy restart's SIGTERM."""
 
-    def __init__(self, supervisor: Supervisor, policy: RestartPolicy) -> None:
+    pid: int
+    started: float
+    served: bool = False
+    last_serving: float = 0.0
+    kill_at: float | None = None
+
+
+class Watcher:
+    """Restarts children that die or stay unhealthy, under one `RestartPolicy` per child (pure: the
+    caller passes the time and the health checks' answers).
+
+    A child whose latest run has answered SERVING (`on_health`) and then not for `unhealthy_restart_s`
+    gets SIGTERM, and SIGKILL after KILL_GRACE_S; every death, whether the run had served or was still
+    starting, goes through the restart policy."""
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        policy: RestartPolicy,
+        *,
+        unhealthy_restart_s: float = UNHEALTHY_RESTART_S,
+        now: float | None = None,
+    ) -> None:
         self.supervisor = supervisor
         self.policy = policy
+        self.unhealthy_restart_s = unhealthy_restart_s
         self.trackers = {child.name: RestartTracker(policy) for child in supervisor.children}
         self.due: dict[str, float] = {}  # child name → monotonic time of its next start
+        started = time.monotonic() if now is None else now
+        self.runs = {name: _Run(proc.pid, started) for name, proc in supervisor.procs.items()}
+
+    def on_health(self, name: str, pid: int, serving: bool, asked_at: float) -> None:
+        """The answer of a health check of `name` (run `pid`) sent at `asked_at`."""
+        run = self.runs[name]
+        if serving and run.pid == pid:
+            run.served = True
+            run.last_serving = max(run.last_serving, asked_at)
+
+    def all_served(self) -> bool:
+        """True once every child's current run has answered SERVING."""
+        return all(run.served for run in self.runs.values())
 
     def check(self, now: float) -> str | None:
-        """Notes new deaths and starts children whose backoff has passed; returns the name of a child
-        to give up on, if any."""
+        """Notes new deaths, stops unhealthy children and starts those whose backoff has passed;
+        returns the name of a child to give up on, if any."""
         for name, code in self.supervisor.dead_children():
-            if name in self.due:
-                continue
-            delay = self.trackers[name].on_exit(now)
-            if delay is None:
-                print(f"sluice up: {name} exited with {describe_exit(code)} after {self.policy.max_restarts} "
-                      f"restarts within {self.policy.window_s:g}s; giving up and stopping the others",
-                      file=sys.stderr, flush=True)
+            if name not in self.due and not self._schedule_restart(name, code, now):
                 return name
-            print(f"sluice up: {name} exited with {describe_exit(code)}; restarting it in {delay:g}s "
-                  f"(restart {self.trackers[name].recent} of {self.policy.max_restarts} allowed within "
-                  f"{self.policy.window_s:g}s)", file=sys.stderr, flush=True)
-            self.due[name] = now + delay
+        for child in self.supervisor.children:
+            if child.name not in self.due:
+                self._check_alive(child.name, now)
         for child in self.supervisor.children:
             if child.name in self.due and self.due[child.name] <= now:
                 del self.due[child.name]
                 self.supervisor.start_child(child)
+                self.runs[child.name] = _Run(self.supervisor.procs[child.name].pid, now)
         return None
 
+    def _schedule_restart(self, name: str, code: int, now: float) -> bool:
+        """False when the policy gives up on `name`."""
+        when = "" if self.runs[name].served else " during start-up"
+        delay = self.trackers[name].on_exit(now)
+        if delay is None:
+            print(
+                f"sluice up: {name} exited with {describe_exit(code)}{when} after {self.policy.max_restarts} "
+                f"restarts within {self.policy.window_s:g}s; giving up and stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        print(
+            f"sluice up: {name} exited with {describe_exit(code)}{when}; restarting it in {delay:g}s "
+            f"(restart {self.trackers[name].recent} of {self.policy.max_restarts} allowed within "
+            f"{self.policy.window_s:g}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.due[name] = now + delay
+        return True
 
-async def _watch(supervisor: Supervisor, stop: asyncio.Event, policy: RestartPolicy) -> int:
-    """Restarts dead children until a stop signal (returns 0) or a child that keeps dying (returns 1)."""
-    watcher = Watcher(supervisor, policy)
-    while not stop.is_set():
-        if watcher.check(time.monotonic()) is not None:
-            return 1
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), timeout=WATCH_INTERVAL_S)
-    return 0
+    def _check_alive(self, name: str, now: float) -> None:
+        """SIGTERM to a served child silent or not SERVING for too long; SIGKILL once its grace is out."""
+        run = self.runs[name]
+        if run.kill_at is not None:
+            if now >= run.kill_at:
+                print(
+                    f"sluice up: {name} did not stop {KILL_GRACE_S:g}s after SIGTERM; killing it",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self.supervisor.procs[name].kill()
+                run.kill_at = math.inf
+            return
+        if run.served and now - run.last_serving > self.unhealthy_restart_s:
+            print(
+                f"sluice up: {name} has not answered SERVING for {now - run.last_serving:.1f}s; "
+                "stopping it to restart it",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.supervisor.terminate(name)
+            run.kill_at = now + KILL_GRACE_S
+
+
+Probe = Callable[[Child], Awaitable[bool]]
+"""`probe(child)`: whether the child answers its grpc.health.v1 check with SERVING now."""
+
+
+def health_probe(host: str, tls: ChannelTls | None, timeout_s: float) -> Probe:
+    """Asks a child's grpc.health.v1 Check on `host` (the stages over `tls` when given, the gateway's
+    public gRPC port in plaintext), on a fresh channel, within `timeout_s`: no answer is not SERVING."""
+
+    async def probe(child: Child) -> bool:
+        channel_tls = None if child.kind == "gateway" else tls
+        async with client_channel(f"{host}:{child.grpc_port}", tls=channel_tls) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=timeout_s
+                )
+            except grpc.aio.AioRpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    return probe
+
+
+class HealthChecks:
+    """At most one health check in flight per child, in the background: a starting child is asked
+    every WATCH_INTERVAL_S, a serving one every HEALTH_INTERVAL_S; answers go to the `Watcher`."""
+
+    def __init__(self, supervisor: Supervisor, watcher: Watcher, probe: Probe) -> None:
+        self.supervisor = supervisor
+        self.watcher = watcher
+        self.probe = probe
+        self.pending: dict[str, tuple[asyncio.Task[bool], int, float]] = {}  # name → (check, pid, sent)
+        self.sent: dict[str, float] = {}
+
+    def poll(self, now: float) -> None:
+        """Hands finished checks' answers to the watcher and sends the checks that are due."""
+        for name, (task, pid, asked_at) in list(self.pending.items()):
+            if task.done():
+                del self.pending[name]
+                serving = not task.cancelled() and task.exception() is None and task.result()
+                self.watcher.on_health(name, pid, serving, asked_at)
+        for child in self.supervisor.children:
+            proc = self.supervisor.procs[child.name]
+            run = self.watcher.runs[child.name]
+            interval = HEALTH_INTERVAL_S if run.served else WATCH_INTERVAL_S
+            if child.name in self.pending or proc.poll() is not None:
+                continue
+            if now - self.sent.get(child.name, -math.inf) >= interval:
+                self.sent[child.name] = now
+                task = asyncio.ensure_future(self.probe(child))
+                self.pending[child.name] = (task, proc.pid, now)
+
+    def cancel(self) -> None:
+        for task, _, _ in self.pending.values():
+            task.cancel()
+
+
+async def _watch(
+    watcher: Watcher,
+    checks: HealthChecks,
+    stop: asyncio.Event,
+    startup_timeout_s: float,
+    on_ready: Callable[[], None],
+) -> int:
+    """Watches the children until a stop signal (returns 0), a child that keeps dying, or a start-up
+    that outlasts `startup_timeout_s` (returns 1). Calls `on_ready` once every child has served."""
+    deadline = time.monotonic() + startup_timeout_s
+    ready = False
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            checks.poll(now)
+            if watcher.check(now) is not None:
+                return 1
+            if not ready and watcher.all_served():
+                ready = True
+                on_ready()
+            if not ready and now > deadline:
+                late = ", ".join(name for name, run in watcher.runs.items() if not run.served)
+                print(f"sluice up: not healthy after {startup_timeout_s:.0f}s: {late}", file=sys.stderr)
+                return 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=WATCH_INTERVAL_S)
+        return 0
+    finally:
+        checks.cancel()
+
+
+def _print_ready(args: argparse.Namespace, model: str) -> None:
+    print(f"sluice is up: chat at http://{args.host}:{args.port}/  (model: {model})", flush=True)
+    print(f"  gateway gRPC {args.host}:{args.grpc_base_port}; Ctrl-C stops everything", flush=True)
+    print(f"  {access_line(os.environ)}", flush=True)
 
 
 async def _run(args: argparse.Namespace) -> int:
     model = resolve_model(args.model)
     children = plan_children(args, model)
-    busy = busy_port(args.host, [args.port, *(child.grpc_port for child in children)])
+    busy = busy_port(args.host, [port for port, _ in planned_ports(args)])
     if busy is not None:
-        print(f"sluice up: port {busy} on {args.host} is in use (see --port and --grpc-base-port)",
-              file=sys.stderr)
+        print(
+            f"sluice up: port {busy} on {args.host} is in use (see --port, --grpc-base-port and "
+            "--metrics-base-port)",
+            file=sys.stderr,
+        )
         return 1
+    warning = ephemeral_warning(planned_ports(args), ephemeral_ports())
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     supervisor = Supervisor(children, child_env(args, os.environ.copy()))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -405,25 +741,11 @@ async def _run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     supervisor.start()
     try:
-        startup = asyncio.ensure_future(
-            supervisor.wait_all_healthy(args.host, args.startup_timeout, stage_tls(os.environ))
-        )
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([startup, stopped], return_when=asyncio.FIRST_COMPLETED)
-        if not startup.done():
-            startup.cancel()
-            return 0
-        stopped.cancel()
-        try:
-            startup.result()
-        except (RuntimeError, TimeoutError) as exc:
-            print(f"sluice up: {exc}", file=sys.stderr)
-            return 1
-        print(f"sluice is up: chat at http://{args.host}:{args.port}/  (model: {model})", flush=True)
-        print(f"  gateway gRPC {args.host}:{args.grpc_base_port}; Ctrl-C stops everything", flush=True)
-        print(f"  {access_line(os.environ)}", flush=True)
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
-        return await _watch(supervisor, stop, policy)
+        watcher = Watcher(supervisor, policy, unhealthy_restart_s=args.unhealthy_restart_s)
+        probe = health_probe(args.host, stage_tls(os.environ), args.health_timeout_s)
+        checks = HealthChecks(supervisor, watcher, probe)
+        return await _watch(watcher, checks, stop, args.startup_timeout, lambda: _print_ready(args, model))
     finally:
         supervisor.stop()
 

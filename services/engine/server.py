@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 
 import grpc
 
@@ -59,6 +61,13 @@ def _report_fatal(engine: AsyncEngine, health: ServiceHealth) -> None:
     engine.on_fatal(on_fatal)
 
 
+def _install_fault_hook(engine: AsyncEngine) -> None:
+    """With SLUICE_FAULT_INJECTION=1 in the environment, SIGUSR1 makes the engine's loop fail as after an
+    unrecoverable failure: the process stays up, NOT_SERVING (docs/reliability.md, the chaos test)."""
+    if os.environ.get("SLUICE_FAULT_INJECTION") == "1":
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.inject_fault)
+
+
 def _observed_engine(settings: EngineSettings, engine_metrics: metrics.EngineMetrics) -> LLMEngine:
     core = LLMEngine(settings)
     core.observer = EngineObserver(
@@ -76,6 +85,7 @@ async def serve(settings: EngineSettings) -> None:
     when `metrics_port` is set."""
     telemetry.init_tracing("engine")
     handle = await create_server(settings)
+    _install_fault_hook(handle.core)
     endpoint = metrics.maybe_serve_metrics(handle.metrics.registry, settings.host, settings.metrics_port)
 
     async def drain() -> None:

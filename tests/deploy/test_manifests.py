@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.common.grpc_server import ServiceHealth
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
 from sluice import cli
@@ -489,6 +490,25 @@ def test_k8s_engine_starts_slowly_drains_and_has_shared_memory(overlay: str) -> 
         assert settings.device == "cpu" and settings.kv_cache_gb > 0
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
         assert "tolerations" not in pod_spec(engine)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_k8s_restarts_a_stage_that_stops_serving(overlay: str) -> None:
+    """Each stage's liveness probe is a gRPC probe of its overall health (the name "" that
+    `ServiceHealth.set_failed` turns NOT_SERVING, as an engine whose loop failed does), so a pod NOT_SERVING
+    or silent is restarted within half a minute; each check may take a few seconds on a busy CPU, and
+    loading is the startupProbe's business, not liveness's."""
+    assert "" in ServiceHealth([]).names
+    docs = rendered(overlay)
+    for name in STAGES:
+        container, settings, _ = deployment_settings(docs, name)
+        liveness, startup = container["livenessProbe"], container["startupProbe"]
+        assert liveness["grpc"] == {"port": settings.port} == startup["grpc"], name  # no `service`: ""
+        window = liveness["periodSeconds"] * liveness.get("failureThreshold", 3)
+        assert 10 <= window <= 30, (name, liveness)
+        assert liveness.get("timeoutSeconds", 1) >= 2, (name, liveness)
+        assert "initialDelaySeconds" not in liveness, (name, liveness)
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 120, (name, startup)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

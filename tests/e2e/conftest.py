@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,10 +37,11 @@ def _port_free(port: int) -> bool:
 
 def free_ports(stage_ports: int = 3) -> tuple[int, int]:
     """An HTTP port and a gRPC base port whose next `stage_ports` ports (one per stage replica: see
-    `sluice up --help`) are free too."""
+    `sluice up --help`) are free too; all below Linux's default range for outgoing connections' local
+    ports (32768-60999), where a client connection could take a restarted child's port."""
     rng = random.Random()
     while True:
-        http, base = rng.randrange(20000, 40000), rng.randrange(40000, 60000)
+        http, base = rng.randrange(10000, 20000), rng.randrange(20000, 32000)
         if all(_port_free(p) for p in (http, *range(base, base + stage_ports + 1))):
             return http, base
 
@@ -109,9 +110,9 @@ def _pump(pipeline: Pipeline) -> None:
     pipeline.ready.set()
 
 
-def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
-    """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
-    a start-up failure."""
+def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
+    """Starts `sluice up` (with `env` added to the environment) and returns at once; `ready` is set
+    when it prints its ready line or exits."""
     http, base = free_ports(stage_port_count(extra))
     cmd = [
         sys.executable,
@@ -126,10 +127,18 @@ def start_pipeline(model_dir: Path, *extra: str) -> Pipeline:
         str(base),
         *extra,
     ]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ)
     pipeline = Pipeline(proc, http, base)
     threading.Thread(target=_pump, args=(pipeline,), daemon=True).start()
+    return pipeline
+
+
+def start_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
+    """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
+    a start-up failure."""
+    pipeline = launch_pipeline(model_dir, *extra, env=env)
+    proc = pipeline.proc
     if not pipeline.ready.wait(STARTUP_DEADLINE_S) or proc.poll() is not None:
         pipeline.stop(signal.SIGTERM)
         pytest.fail(f"sluice up did not become ready:\n{pipeline.output()}")

@@ -15,7 +15,8 @@ import asyncio
 import json
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,6 +24,7 @@ import psutil
 import pytest
 import websockets
 
+from sluice import launcher
 from sluice.launcher import Child, RestartPolicy, RestartTracker, Supervisor, Watcher, describe_exit
 from tests.e2e.conftest import Pipeline
 
@@ -60,13 +62,21 @@ def test_restarts_older_than_the_window_are_forgotten() -> None:
 
 @dataclass
 class _Exited:
-    """A stand-in for a Popen: `poll()` gives `code` (None while running)."""
+    """A stand-in for a Popen: `poll()` gives `code` (None while running); `signals` lists what it
+    was sent."""
 
     pid: int
     code: int | None = None
+    signals: list[int] = field(default_factory=list)
 
     def poll(self) -> int | None:
         return self.code
+
+    def send_signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def kill(self) -> None:
+        self.signals.append(signal.SIGKILL)
 
 
 class _FakeSupervisor(Supervisor):
@@ -115,6 +125,133 @@ def test_the_watcher_gives_up_on_a_child_that_keeps_dying() -> None:
     supervisor.kill("tokenizer")
     assert watcher.check(now) == "tokenizer"
     assert supervisor.starts.count("engine") == 1
+
+
+def test_a_child_that_dies_after_serving_while_others_still_start_is_restarted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The engine has served, the tokenizer has not yet: the engine's death is a restart like any
+    other, not a failed start-up (once, `sluice up` stopped everything here)."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, POLICY, now=0.0)
+    watcher.on_health("engine", supervisor.procs["engine"].pid, True, 1.0)
+    assert not watcher.all_served()
+    supervisor.kill("engine")
+    assert watcher.check(1.5) is None
+    assert watcher.check(2.0) is None
+    assert supervisor.starts == ["tokenizer", "engine", "engine"]
+    assert "engine exited with code -9 (SIGKILL); restarting it in 0.5s" in capsys.readouterr().err
+    watcher.on_health("tokenizer", supervisor.procs["tokenizer"].pid, True, 2.1)
+    watcher.on_health("engine", 2, True, 2.1)  # the engine's first run answering late: not this run
+    assert not watcher.all_served()
+    watcher.on_health("engine", supervisor.procs["engine"].pid, True, 2.2)
+    assert watcher.all_served()
+
+
+def test_a_child_that_never_came_up_is_restarted_within_the_policy_then_given_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, RestartPolicy(max_restarts=2, window_s=60.0), now=0.0)
+    now = 0.0
+    for _ in range(2):
+        supervisor.kill("engine")
+        assert watcher.check(now) is None
+        now += 5.0
+        assert watcher.check(now) is None
+    assert supervisor.starts.count("engine") == 3
+    supervisor.kill("engine")
+    assert watcher.check(now) == "engine"
+    err = capsys.readouterr().err
+    assert "engine exited with code -9 (SIGKILL) during start-up; restarting it in 0.5s" in err
+    assert (
+        "engine exited with code -9 (SIGKILL) during start-up after 2 restarts within 60s; giving up" in err
+    )
+
+
+def test_a_served_child_that_stops_answering_is_terminated_then_killed_and_restarted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """NOT_SERVING or silent (hung, SIGSTOPped) for longer than unhealthy_restart_s: SIGTERM and
+    SIGCONT, SIGKILL after KILL_GRACE_S, and the death goes through the restart policy."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, POLICY, unhealthy_restart_s=10.0, now=0.0)
+    engine = supervisor.procs["engine"]
+    for name in ("tokenizer", "engine"):
+        watcher.on_health(name, supervisor.procs[name].pid, True, 1.0)
+    watcher.on_health("tokenizer", supervisor.procs["tokenizer"].pid, True, 11.0)
+    watcher.on_health("engine", engine.pid, False, 11.0)  # NOT_SERVING: no newer SERVING answer
+    assert watcher.check(11.0) is None and engine.signals == []
+    assert watcher.check(11.1) is None
+    assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
+    assert supervisor.procs["tokenizer"].signals == []  # answered within the window
+    assert watcher.check(11.1 + launcher.KILL_GRACE_S - 0.1) is None
+    assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
+    assert watcher.check(11.1 + launcher.KILL_GRACE_S) is None
+    assert engine.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    assert "engine has not answered SERVING for 10.1s" in capsys.readouterr().err
+    supervisor.kill("engine")
+    assert watcher.check(20.0) is None
+    assert watcher.check(20.5) is None
+    assert supervisor.starts.count("engine") == 2
+    assert watcher.check(40.0) is None  # a new run that has not served yet is left to start
+    assert supervisor.procs["engine"].signals == []
+
+
+class _Recorded(_Exited):
+    """A stand-in that exits on SIGTERM and logs `(name, signal)` in a shared list."""
+
+    def __init__(self, name: str, log: list[tuple[str, int]]) -> None:
+        super().__init__(pid=0)
+        self.name, self.log = name, log
+
+    def send_signal(self, sig: int) -> None:
+        self.log.append((self.name, sig))
+        if sig == signal.SIGTERM:
+            self.code = -sig
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self.log.append((self.name, 0))
+        return self.code
+
+
+def test_stop_stops_the_gateway_before_the_stages() -> None:
+    log: list[tuple[str, int]] = []
+    supervisor = Supervisor([Child(n, 0, ()) for n in ("tokenizer", "engine", "gateway")], env={})
+    supervisor.procs = {n: _Recorded(n, log) for n in ("tokenizer", "engine", "gateway")}  # type: ignore[misc]
+    supervisor.stop()
+    gateway_done = log.index(("gateway", 0))
+    stage_terms = [i for i, (name, sig) in enumerate(log) if name != "gateway" and sig == signal.SIGTERM]
+    assert len(stage_terms) == 2 and min(stage_terms) > gateway_done, log
+
+
+def test_planned_ports_that_clash_are_refused_naming_both(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--port", "50051"])
+    err = capsys.readouterr().err
+    assert "port 50051" in err and "--port" in err and "tokenizer's gRPC port" in err
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--metrics-base-port", "50052", "--engines", "2"])
+    err = capsys.readouterr().err
+    assert "engine-1's gRPC port" in err and "tokenizer's metrics port" in err
+    args = launcher.parse_args(["--engines", "2", "--metrics-base-port", "9300"])
+    planned = {port for port, _ in launcher.planned_ports(args)}
+    children = launcher.plan_children(args, "/m")
+    assert {c.grpc_port for c in children} | {args.port} | set(range(9300, 9304)) == planned
+
+
+def test_ports_among_outgoing_connections_local_ports_get_a_warning(tmp_path: Path) -> None:
+    """A restart cannot bind a port that a client's connection took as its local port meanwhile."""
+    proc_file = tmp_path / "ip_local_port_range"
+    proc_file.write_text("32768\t60999\n")
+    ephemeral = launcher.ephemeral_ports(proc_file)
+    assert ephemeral == range(32768, 61000)
+    args = launcher.parse_args(["--port", "8000", "--grpc-base-port", "50050"])
+    warning = launcher.ephemeral_warning(launcher.planned_ports(args), ephemeral)
+    assert warning is not None and "50050, 50051, 50052, 50053" in warning and "8000" not in warning
+    low = launcher.parse_args(["--port", "8000", "--grpc-base-port", "20050"])
+    assert launcher.ephemeral_warning(launcher.planned_ports(low), ephemeral) is None
+    assert launcher.ephemeral_ports(tmp_path / "absent") is None
 
 
 def test_exit_codes_name_the_signal() -> None:

@@ -301,6 +301,7 @@ class AsyncEngine:
         self._stats = engine.stats()
         self._failure: str | None = None  # why the loop stopped, after an unrecoverable failure
         self._fatal_callbacks: list[Callable[[str], None]] = []
+        self._fault_injected = False
 
     def start(self) -> None:
         """Starts the loop on a new thread."""
@@ -367,6 +368,13 @@ class AsyncEngine:
                 return
         callback(self._failure)
 
+    def inject_fault(self) -> None:
+        """Makes the loop fail at its next pass as after an unrecoverable failure (callers get
+        `unavailable`, `on_fatal` runs). For fault-injection tests only (docs/reliability.md)."""
+        with self._cond:
+            self._fault_injected = True
+            self._cond.notify()
+
     def _post(self, command: _Submit | _Abort | _Subscribe, caller: Caller | None, request_id: str) -> None:
         with self._cond:
             if self._failure is None:
@@ -391,6 +399,8 @@ class AsyncEngine:
                 self._wait_for_work()
                 if self._stopping:
                     return
+                if self._fault_injected:
+                    raise RuntimeError("injected fault")
                 for command, caller, request_id in self._commands:
                     self._apply(command, caller, request_id)
                 self._commands.clear()
@@ -405,7 +415,7 @@ class AsyncEngine:
 
     def _wait_for_work(self) -> None:
         """Waits, holding `_cond`, until a command or a stop arrives, or the engine has a step to run."""
-        while not self._commands and not self._stopping:
+        while not self._commands and not self._stopping and not self._fault_injected:
             if not self.engine.has_unfinished_requests():
                 self._cond.wait()
             elif (idle_s := self.engine.idle_s()) > 0:
