@@ -56,17 +56,17 @@ async def test_a_broken_replica_link_is_dropped(upstreams: FakeUpstreams) -> Non
     keeps no link to it: with replicas coming and going, dead links piled up."""
     server = await create_server(gateway_settings(upstreams))
     await server.start()
-    pipeline: Any = server.pipeline  # type: ignore[attr-defined]
+    stages: Any = server.core._stages
     try:
-        async with connect(f"ws://127.0.0.1:{server.http_port}/v1/ws") as client:
+        async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as client:
             await send(client, {"type": "generate", "id": "a", "prompt": "hi", "params": {"max_tokens": 2}})
             await collect(client, {"a"})
         engine, detokenizer = upstreams.addresses["engine"], upstreams.addresses["detokenizer"]
-        assert engine in pipeline._engine_links and detokenizer in pipeline._detok_links
+        assert engine in stages._engine_links and detokenizer in stages._detok_links
         await upstreams.stop("engine")
         await upstreams.stop("detokenizer")
         async with asyncio.timeout(WAIT_S):
-            while engine in pipeline._engine_links or detokenizer in pipeline._detok_links:
+            while engine in stages._engine_links or detokenizer in stages._detok_links:
                 await asyncio.sleep(0.01)
     finally:
-        await server.shutdown(0.5)
+        await server.stop(0.5)
