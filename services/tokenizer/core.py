@@ -85,15 +85,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _token_text(value: Any) -> str | None:
-    """A special token in tokenizer_config.json is a string or an AddedToken dict with `content`."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
 def _as_id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
