@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.settings import ValidatedSettings
+
 ROUTING_POLICIES = ("round_robin", "least_load", "prefix_affinity")
 
 
 @dataclass(frozen=True)
-class GatewaySettings:
+class GatewaySettings(ValidatedSettings):
     """sluice gateway: WebSocket, HTTP and gRPC front door of the pipeline."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind (HTTP and gRPC)"})

@@ -69,8 +69,8 @@ def load_settings(
     prog: str | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> T:
-    """Builds `cls` from its defaults, then `SLUICE_*` variables, then flags in `argv`, then runs its
-    `validate()` if it has one (which raises ValueError naming the bad value).
+    """Builds `cls` from its defaults, then `SLUICE_*` variables, then flags in `argv`; building it runs its
+    `validate()` (`ValidatedSettings`), whose ValueError names the bad value.
 
     Raises SystemExit with a clear message (argparse's) on an unknown flag or a bad value.
     """
@@ -93,18 +93,26 @@ def load_settings(
             values[field.name] = _convert(hints[field.name], raw)
         except ValueError as exc:
             parser.error(f"{source}: {exc}")
-    settings = cls(**values)
-    validate = getattr(settings, "validate", None)
-    if validate is not None:
-        try:
-            validate()
-        except ValueError as exc:
-            parser.error(str(exc))
-    return settings
+    try:
+        return cls(**values)
+    except ValueError as exc:  # the class's validate(), run once, when it is built
+        parser.error(str(exc))
 
 
 @dataclasses.dataclass(frozen=True)
-class StageTlsSettings:
+class ValidatedSettings:
+    """Base of every service's settings: `validate()` runs once, when an instance is built (by
+    `load_settings`, a test or a benchmark alike), so no holder of settings validates them again."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the bad value; a service's settings override it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTlsSettings(ValidatedSettings):
     """The TLS fields every stage's settings share (the stage's settings class derives from this one):
     a certificate and key turn on TLS; a client CA on top of them turns on mutual TLS (every client must
     present a certificate that CA signed). All empty: plaintext, as before."""

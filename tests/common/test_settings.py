@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.common.settings import env_name, flag_name, load_settings
+from services.common.settings import ValidatedSettings, env_name, flag_name, load_settings
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,8 @@ def test_unknown_flag_is_refused() -> None:
 
 
 @dataclass(frozen=True)
-class Checked:
-    """Settings with their own check."""
+class Checked(ValidatedSettings):
+    """Settings with their own check, run once when built."""
 
     workers: int = 1
 
@@ -60,11 +60,19 @@ class Checked:
             raise ValueError(f"workers must be at least 1, got {self.workers}")
 
 
-def test_validate_runs_after_loading(capsys: pytest.CaptureFixture[str]) -> None:
+def test_validate_runs_once_when_built(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert load_settings(Checked, ["--workers", "3"], environ={}) == Checked(workers=3)
     with pytest.raises(SystemExit):
         load_settings(Checked, ["--workers", "0"], environ={})
     assert "workers must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        Checked(workers=0)
+    calls: list[int] = []
+    monkeypatch.setattr(Checked, "validate", lambda self: calls.append(self.workers))
+    load_settings(Checked, ["--workers", "2"], environ={})
+    assert calls == [2]
 
 
 @pytest.mark.parametrize(

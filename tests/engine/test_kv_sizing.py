@@ -52,9 +52,9 @@ def test_sizes_are_automatic_only_when_none_is_given() -> None:
     assert not kv_sizing.sized_automatically(explicit)
     assert kv_sizing.initial_kv_cache_gb(explicit) == 2.0
     assert not kv_sizing.sized_automatically(EngineSettings(num_kv_blocks=64))
-    for bad in (EngineSettings(kv_cache_gb=-1.0), EngineSettings(gpu_memory_utilization=0.0)):
+    for bad in ({"kv_cache_gb": -1.0}, {"gpu_memory_utilization": 0.0}):
         with pytest.raises(ValueError):
-            bad.validate()
+            EngineSettings(**bad)
 
 
 @pytest.fixture(scope="module")

@@ -139,7 +139,6 @@ def uses_async_scheduling(settings: EngineSettings, runner: Runner) -> bool:
 
 class LLMEngine:
     def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
-        settings.validate()
         self.settings = settings
         # The executor (torch) is imported when an engine is built: importing the core needs none of it.
         from services.engine.executor.sampler import Sampler
