@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -42,6 +41,7 @@ from services.common.metrics import EngineMetrics, observe_many
 from services.engine.core.params import RequestOutput
 from services.engine.core.request import Request
 from services.engine.core.scheduler import SchedulerOutput
+from services.engine.core.stats import StatsRecorder
 
 MAX_STEP_LINKS = 128
 
@@ -85,21 +85,19 @@ class _Timeline:
 
 
 class EngineObserver:
-    """Owns nothing of the engine: it reads the scheduler and block manager it is given for the
+    """Owns nothing of the engine: it reads the engine's figures from its `StatsRecorder` (`stats`) for the
     gauges and counters, and records metrics into `metrics` (and spans when tracing is on)."""
 
     def __init__(
         self,
         metrics: EngineMetrics,
         *,
-        scheduler: Any,
-        block_manager: Any,
+        stats: StatsRecorder,
         model_name: str,
         step_sample_rate: float = 0.0,
     ) -> None:
         self.metrics = metrics
-        self.scheduler = scheduler
-        self.block_manager = block_manager
+        self.stats = stats
         self.model_name = model_name
         self.step_sample_rate = step_sample_rate
         self.tracer = telemetry.get_tracer(__name__)
@@ -110,9 +108,8 @@ class EngineObserver:
         self._preemptions = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
-        self.router_gauges = RouterGauges(
-            metrics.registry, model_name, block_manager.block_size, block_manager.num_blocks
-        )
+        first = stats.snapshot()
+        self.router_gauges = RouterGauges(metrics.registry, model_name, first.block_size, first.num_blocks)
         self._update_gauges()
 
     def _wall_ns(self, monotonic_s: float) -> int:
@@ -278,19 +275,17 @@ class EngineObserver:
         observe_many(m.spec_accepted_length, lengths)
 
     def _update_gauges(self) -> None:
-        m, scheduler, bm = self.metrics, self.scheduler, self.block_manager
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
-        kv_usage = 1.0 - bm.num_free_blocks / bm.num_blocks if bm.num_blocks else 0.0
-        m.running.set(running)
-        m.waiting.set(waiting)
+        m, s = self.metrics, self.stats.snapshot()
+        kv_usage = 1.0 - s.free_blocks / s.num_blocks if s.num_blocks else 0.0
+        m.running.set(s.running)
+        m.waiting.set(s.waiting)
         m.kv_usage.set(kv_usage)
-        self.router_gauges.update(waiting, running, kv_usage)
-        preemptions = scheduler.num_preemptions
-        if preemptions != self._preemptions:
-            m.preemptions.inc(preemptions - self._preemptions)
-            self._preemptions = preemptions
-        queries, hits = bm.prefix_query_blocks, bm.prefix_hit_blocks
+        self.router_gauges.update(s.waiting, s.running, kv_usage)
+        if s.num_preemptions != self._preemptions:
+            m.preemptions.inc(s.num_preemptions - self._preemptions)
+            self._preemptions = s.num_preemptions
+        queries, hits = s.prefix_query_blocks, s.prefix_hit_blocks
         if queries != self._prefix_queries:
-            m.prefix_queries.inc((queries - self._prefix_queries) * bm.block_size)
-            m.prefix_hits.inc((hits - self._prefix_hits) * bm.block_size)
+            m.prefix_queries.inc((queries - self._prefix_queries) * s.block_size)
+            m.prefix_hits.inc((hits - self._prefix_hits) * s.block_size)
             self._prefix_queries, self._prefix_hits = queries, hits

@@ -72,8 +72,7 @@ def _observed_engine(settings: EngineSettings, engine_metrics: metrics.EngineMet
     core = LLMEngine(settings)
     core.observer = EngineObserver(
         engine_metrics,
-        scheduler=core.scheduler,
-        block_manager=core.block_manager,
+        stats=core.recorder,
         model_name=core.model_name,
         step_sample_rate=settings.trace_step_sample_rate,
     )

@@ -341,7 +341,7 @@ def test_stats_and_metrics_count_what_the_proposer_produced() -> None:
     engine, _ = spec_engine(proposer)
     metrics = EngineMetrics()
     engine.observer = EngineObserver(
-        metrics, scheduler=engine.scheduler, block_manager=engine.block_manager, model_name="fake"
+        metrics, stats=engine.recorder, model_name="fake"
     )
     items = fake_workload(seed=8, n=6)
     outs = run(engine, items)

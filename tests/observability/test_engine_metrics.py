@@ -15,7 +15,7 @@ GREEDY = SamplingParams()
 def observed(num_blocks: int = 64, **settings: object) -> tuple[LLMEngine, EngineMetrics, FakeRunner]:
     engine, runner = fake_engine(num_blocks, **settings)
     metrics = EngineMetrics()
-    engine.observer = EngineObserver(metrics, scheduler=engine.scheduler, block_manager=engine.block_manager,
+    engine.observer = EngineObserver(metrics, stats=engine.recorder,
                                      model_name="fake", step_sample_rate=1.0)
     return engine, metrics, runner
 

@@ -40,6 +40,8 @@ class EngineStats:
     peak_blocks_used: int
     num_preemptions: int
     prefix_hit_rate: float  # cached blocks reused / full prompt blocks, once per request at admission
+    prefix_query_blocks: int  # full prompt blocks looked up in the prefix cache (the rate's denominator)
+    prefix_hit_blocks: int  # of those, found cached
     generated_tokens: int
     # Speculative decoding: drafts verified, drafts accepted, accepted / proposed, and the tokens emitted
     # per verification of a request with drafts (accepted + 1, averaged).
@@ -149,6 +151,8 @@ class StatsRecorder:
             peak_blocks_used=self.peak_blocks,
             num_preemptions=scheduler.num_preemptions,
             prefix_hit_rate=_ratio(bm.prefix_hit_blocks, bm.prefix_query_blocks),
+            prefix_query_blocks=bm.prefix_query_blocks,
+            prefix_hit_blocks=bm.prefix_hit_blocks,
             generated_tokens=self.generated,
             spec_proposed_tokens=self.spec_proposed,
             spec_accepted_tokens=self.spec_accepted,
