@@ -34,7 +34,9 @@ from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.structured import STRUCTURED_KEYS, structured_output
 from services.common import errors
+from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +120,7 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     if has_prompt == has_messages:
         raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
     prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[common_pb2.ChatMessage, ...] | None = None
     if has_prompt:
         prompt = frame["prompt"]
         if not isinstance(prompt, str):
@@ -128,8 +130,11 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     given = frame.get("params", {})
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
-    params.only_keys(given, params.GENERATION_KEYS, "params")
+    params.only_keys(given, params.GENERATION_KEYS | set(STRUCTURED_KEYS), "params")
     sampling, stopping = params.generation_params(given, settings, where="params.")
+    constraint = structured_output(given, where="params.")
+    if constraint is not None:
+        sampling.structured.CopyFrom(constraint[1])
     return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
                          trace_context=trace_context_from(frame.get))
 
