@@ -7,6 +7,8 @@ refused."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,6 +20,7 @@ from gateway.server import GatewayHandle
 from tests.gateway.conftest import WAIT_S
 from tests.gateway.fakes import MODEL
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MESSAGES = [{"role": "user", "content": "x"}]
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
@@ -135,3 +138,30 @@ async def test_each_field_is_honoured_or_refused_by_name(
     assert response.status_code == 400, f"{field} was accepted: {response.text[:200]}"
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"]
+
+
+def readme_table() -> dict[str, tuple[str, str]]:
+    """The README's "Request fields" table: OpenAI field → (chat cell, completions cell)."""
+    text = README.read_text(encoding="utf-8")
+    rows = {}
+    for line in text[text.index("**Request fields.**") :].splitlines()[1:]:
+        if rows and not line.startswith("|"):
+            break
+        match = re.match(r"\| `(\w+)` \| (\S+) \| (\S+) \|", line)
+        if match:
+            rows[match[1]] = (match[2], match[3])
+    return rows
+
+
+def test_the_readme_table_says_what_is_honoured_and_refused() -> None:
+    def cell(path: str, field: str) -> str:
+        if path == COMPLETIONS and field == "response_format":
+            return "yes"  # not OpenAI's on completions, but vLLM's (tests/gateway/test_structured.py)
+        if field not in FIELDS[path]:
+            return "—"
+        return "yes" if field in HONOURED[path] else "refused"
+
+    table = readme_table()
+    assert set(table) == set(FIELDS[CHAT]) | set(FIELDS[COMPLETIONS])
+    for field, cells in table.items():
+        assert cells == (cell(CHAT, field), cell(COMPLETIONS, field)), field
