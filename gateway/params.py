@@ -207,19 +207,18 @@ def _chat_message(message: Any, where: str) -> common_pb2.ChatMessage:
     content = message.get("content")
     if isinstance(content, list):
         content = _text_parts(content, where)
+    if content is not None and not isinstance(content, str):
+        raise ParamError(where, _NEEDS_CONTENT.format(where=where))
     raw_calls = message.get("tool_calls")
     calls = None if raw_calls is None else history_tool_calls(raw_calls, where)
-    return check_chat_message(
-        common_pb2.ChatMessage(
-            role=role,
-            content=content if isinstance(content, str) else None,
-            name=_optional_string(message, "name", where),
-            tool_call_id=_optional_string(message, "tool_call_id", where),
-            tool_calls_json=calls or "",
-        ),
-        where,
-        content_given=content is None or isinstance(content, str),
+    proto = common_pb2.ChatMessage(
+        role=role,
+        content=content,
+        name=_optional_string(message, "name", where),
+        tool_call_id=_optional_string(message, "tool_call_id", where),
+        tool_calls_json=calls or "",
     )
+    return check_chat_message(proto, where)
 
 
 def _optional_string(message: dict[str, Any], key: str, where: str) -> str:
@@ -229,21 +228,22 @@ def _optional_string(message: dict[str, Any], key: str, where: str) -> str:
     return value or ""
 
 
-def check_chat_message(
-    message: common_pb2.ChatMessage, where: str, *, content_given: bool = True
-) -> common_pb2.ChatMessage:
-    """`message` when it is a valid turn: a role among `CHAT_ROLES`; content set (a string) unless
-    it is an assistant turn with tool calls; tool calls only on an assistant turn (their JSON text
-    checked by `history_tool_calls`); a tool turn answers a call (`tool_call_id`). Raises
-    ParamError naming the field (`content_given` False: the content was neither a string nor null)."""
+_NEEDS_CONTENT = "{where} needs a string 'content' (null only with tool_calls)"
+
+
+def check_chat_message(message: common_pb2.ChatMessage, where: str) -> common_pb2.ChatMessage:
+    """`message` when it is a valid turn: a role among `CHAT_ROLES`; content set unless it is an
+    assistant turn with tool calls; tool calls only on an assistant turn (their JSON text checked by
+    `history_tool_calls`); a tool turn answers a call (`tool_call_id`). Raises ParamError naming the
+    field."""
     chat_role(message.role, where)
     calls = message.tool_calls_json
     if calls and message.role != "assistant":
         raise ParamError(f"{where}.tool_calls", f"{where}: only an assistant message has tool_calls")
     if calls:
         history_tool_calls(parse_json_field(calls, f"{where}.tool_calls"), where)
-    if not content_given or not (message.HasField("content") or calls):
-        raise ParamError(where, f"{where} needs a string 'content' (null only with tool_calls)")
+    if not (message.HasField("content") or calls):
+        raise ParamError(where, _NEEDS_CONTENT.format(where=where))
     if message.role == "tool" and not message.tool_call_id:
         raise ParamError(f"{where}.tool_call_id", f"{where}: a tool message needs a 'tool_call_id'")
     return message

@@ -1,13 +1,15 @@
 """WebSocket `/v1/ws`: JSON text frames, several generations per socket.
 
 Client → server: `{"type": "generate", "id": ..., "prompt": ... | "messages": [...], "params": {...}}`
-and `{"type": "cancel", "id": ...}`. Server → client: `delta` frames, then exactly one `done` or
-`error` per generate. With API keys on, the first frame may be `{"type": "auth", "token": ...}`
-(see `SocketSession`). A frame that is not a valid message gets an `error` with the id it carried (or
-null). A generate reusing an id still in flight is refused with `invalid_argument` and that id; the
-first generation goes on. A generate beyond `ws_max_in_flight` generations of the socket is refused
-with `resource_exhausted` and its id; the others go on. A cancel for an id not in flight (already
-ended, or never started) is ignored: its generate has had, or will have, its own terminal frame.
+and `{"type": "cancel", "id": ...}`. `params` takes the sampling and stopping fields
+(`params.GENERATION_KEYS`) and at most one output constraint (`structured.STRUCTURED_KEYS`). Server →
+client: `delta` frames, then exactly one `done` or `error` per generate. With API keys on, the first
+frame may be `{"type": "auth", "token": ...}` (see `SocketSession`). A frame that is not a valid message
+gets an `error` with the id it carried (or null). A generate reusing an id still in flight is refused
+with `invalid_argument` and that id; the first generation goes on. A generate beyond `ws_max_in_flight`
+generations of the socket is refused with `resource_exhausted` and its id; the others go on. A cancel
+for an id not in flight (already ended, or never started) is ignored: its generate has had, or will
+have, its own terminal frame.
 Closing the socket cancels every generation of that socket.
 
 A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused

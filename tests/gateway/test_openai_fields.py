@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
+from gateway import pipeline
 from gateway.server import GatewayHandle
 from tests.gateway.conftest import WAIT_S
 from tests.gateway.fakes import MODEL
@@ -165,3 +167,21 @@ def test_the_readme_table_says_what_is_honoured_and_refused() -> None:
     assert set(table) == set(FIELDS[CHAT]) | set(FIELDS[COMPLETIONS])
     for field, cells in table.items():
         assert cells == (cell(CHAT, field), cell(COMPLETIONS, field)), field
+
+
+async def test_user_is_recorded_on_the_request_span(
+    gateway: GatewayHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Mapping[str, object]] = []
+    real = pipeline.RequestTrace
+
+    def recording(*args: Any) -> pipeline.RequestTrace:
+        seen.append(args[-1])  # the span's attributes
+        return real(*args)
+
+    monkeypatch.setattr(pipeline, "RequestTrace", recording)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as http:
+        for user in ("u1", None):
+            response = await http.post(CHAT, content=json.dumps({**body_for(CHAT, "model"), "user": user}))
+            assert response.status_code == 200, response.text
+    assert [attributes.get("user.id") for attributes in seen] == ["u1", None]
