@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gateway.reasoning import ReasoningStream
-from gateway.tool_calls import ParsedDelta, ToolCallDelta, ToolCallStream, finish_reason, tool_call_stream
+from gateway.tool_calls import (
+    ParsedDelta,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallStream,
+    finish_reason,
+    merge,
+    tool_call_stream,
+)
 
 REASONING_PARSERS = ("think",)
 
@@ -56,6 +64,14 @@ class ChatOutput:
             return self._content("", "", final=True)
         split = self._reasoning.finish()
         return self._content(split.content, split.reasoning, final=True)
+
+    def parse(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """One-shot: (reasoning, content, calls) of a whole text (on a fresh instance)."""
+        first, last = self.feed(text), self.finish()
+        content, calls = merge(
+            [ParsedDelta(first.content, first.tool_calls), ParsedDelta(last.content, last.tool_calls)]
+        )
+        return first.reasoning + last.reasoning, content, calls
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish reason: `tool_calls` for an output that ended by itself with calls."""

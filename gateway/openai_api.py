@@ -35,7 +35,7 @@ from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.structured import structured_output
-from gateway.tool_calls import ParsedDelta, ToolRequest, merge, tool_request
+from gateway.tool_calls import ToolRequest, tool_request
 from services.common import errors
 from services.common.pb import common_pb2
 
@@ -334,13 +334,10 @@ class _Renderer:
         are tool calls; reasoning_content with the reasoning parser on; tool_calls when there are
         calls; finish_reason `tool_calls` for an output that ended with calls."""
         assert self.output is not None
-        first, last = self.output.feed(text), self.output.finish()
-        content, calls = merge(
-            [ParsedDelta(first.content, first.tool_calls), ParsedDelta(last.content, last.tool_calls)]
-        )
+        reasoning, content, calls = self.output.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if self.output.splits_reasoning:
-            message["reasoning_content"] = (first.reasoning + last.reasoning) or None
+            message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
         reason = self.output.finish_reason(finish_reason)
