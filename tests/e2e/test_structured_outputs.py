@@ -12,7 +12,7 @@ import asyncio
 import itertools
 import json
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import grpc
 import jsonschema
@@ -40,7 +40,7 @@ class Pet(BaseModel):
 
 class Order(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    items: list[str] = Field(max_length=3)
+    items: list[Annotated[str, Field(max_length=8)]] = Field(max_length=3)
     paid: bool
     total: int = Field(ge=0, le=1000)
 
@@ -59,7 +59,6 @@ class Forecast(BaseModel):
 
 
 MODELS: list[type[BaseModel]] = [Pet, Order, Point, Forecast]
-# pydantic writes maxLength for a list as maxItems: the same bound, so jsonschema checks it too
 SCHEMAS = {model.__name__: model.model_json_schema() for model in MODELS}
 WEATHER_TOOL = {
     "type": "function",
