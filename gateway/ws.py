@@ -9,8 +9,7 @@ gets an `error` with the id it carried (or null). A generate reusing an id still
 with `invalid_argument` and that id; the first generation goes on. A generate beyond `ws_max_in_flight`
 generations of the socket is refused with `resource_exhausted` and its id; the others go on. A cancel
 for an id not in flight (already ended, or never started) is ignored: its generate has had, or will
-have, its own terminal frame.
-Closing the socket cancels every generation of that socket.
+have, its own terminal frame. Closing the socket cancels every generation of that socket.
 
 A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused
 before the socket opens (HTTP 403). A client that stops reading is closed once one write has waited
