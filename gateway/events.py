@@ -21,20 +21,24 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """One generation as the edges hand it over. Exactly one of `prompt` and `messages` is set
-    (messages are (role, content) pairs). `stopping.max_new_tokens` 0 means the gateway's default.
+    """One generation as the edges hand it over. Exactly one of `prompt` and `messages` is set;
+    `tools_json` (the OpenAI `tools` array as JSON text, "" = none) goes with messages to the chat
+    template. `user` is the caller's end-user id (OpenAI `user`), recorded on the request's span.
+    `stopping.max_new_tokens` 0 means the gateway's default.
     `timeout_s` is the caller's own deadline; the gateway's `request_timeout_s` caps it.
     `api` names the edge (metrics label); `trace_context` is the caller's W3C context (traceparent,
     tracestate), empty for none."""
 
     prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[common_pb2.ChatMessage, ...] | None = None
+    tools_json: str = ""
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     stopping: common_pb2.StoppingParams = field(default_factory=common_pb2.StoppingParams)
     skip_special_tokens: bool = True
     return_token_ids: bool = False
     timeout_s: float | None = None
     api: str = ""
+    user: str = ""
     trace_context: Mapping[str, str] = field(default_factory=dict)
 
 

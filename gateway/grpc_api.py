@@ -19,6 +19,7 @@ from gateway.events import Delta, Done, GenerateInput
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.structured import check_structured
 from services.common import errors
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: GatewaySettings) -> GenerateInput:
     """The pipeline's input for a request, its sampling and stopping values checked by
     `params.generation_params` as the other APIs' are (a protobuf 0 is the field's off or default,
-    not a value; temperature 0 is greedy). Raises ParamError on the first problem."""
+    not a value; temperature 0 is greedy), its messages by `params.check_chat_message` and its
+    output constraint by `structured.check_structured`. Raises ParamError on the first problem."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise ParamError(None, "set 'prompt' or 'chat'")
@@ -36,9 +38,11 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
     if kind == "chat":
         if not request.chat.messages:
             raise ParamError("chat.messages", "'chat' needs at least one message")
-        roles = [params.chat_role(m.role, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)]
-        messages = tuple(zip(roles, (m.content for m in request.chat.messages), strict=True))
+        messages = tuple(
+            params.check_chat_message(m, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)
+        )
     sampling, stopping = params.generation_params(_generation_values(request), settings)
+    sampling.structured.CopyFrom(check_structured(request.sampling.structured, "sampling.structured"))
     sampling.logprobs = params.logprobs(request.sampling.logprobs, "sampling.logprobs")
     stopping.include_stop_str_in_output = request.stopping.include_stop_str_in_output
     return GenerateInput(

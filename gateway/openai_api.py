@@ -28,11 +28,14 @@ from starlette.background import BackgroundTask
 from starlette.types import Receive, Scope, Send
 
 from gateway import params
+from gateway.chat_output import ChatDelta, ChatOutput
 from gateway.events import Delta, Done, Event, Failed, GenerateInput, Generation, TokenPiece
 from gateway.observability import trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.structured import structured_output
+from gateway.tool_calls import ToolRequest, tool_request
 from services.common import errors
 from services.common.pb import common_pb2
 
@@ -91,6 +94,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: int | None  # None = no logprobs; else how many top alternatives per token
+    tools: ToolRequest | None = None  # chat: the request's tools, None = none
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
@@ -120,7 +124,13 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
-_UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
+_UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
+# OpenAI chat fields the gateway does not implement: refused when given (not null), never ignored.
+_UNSUPPORTED_CHAT = (
+    "audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key", "prompt_cache_options",
+    "prompt_cache_retention", "reasoning_effort", "safety_identifier", "service_tier", "store", "verbosity",
+    "web_search_options",
+)  # fmt: skip
 
 
 def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool) -> ParsedRequest:
@@ -128,6 +138,7 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     for name in _UNSUPPORTED:
         if body.get(name):
             raise ParamError(name, f"'{name}' is not supported")
+    _refuse_unsupported(body, chat)
     if body.get("echo"):
         raise ParamError("echo", "'echo' is not supported")
     n = params.integer(body, "n", 1, params.MAX_INT32)
@@ -136,9 +147,6 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     best_of = params.integer(body, "best_of", 1, params.MAX_INT32)
     if best_of not in (None, 1):
         raise ParamError("best_of", "only best_of = 1 is supported")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise ParamError("response_format", "only the text response format is supported")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ParamError("model", "'model' must be a string")
@@ -154,13 +162,40 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     sampling, stopping = _sampling_and_stopping(body, settings, chat)
     if logprobs is not None:
         sampling.logprobs = max(1, logprobs)  # the sampled token's own logprob needs one
-    inp = GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping)
-    return ParsedRequest(chat, inp, model, stream, include_usage, logprobs)
+    tools = _constraints(body, sampling, chat)
+    inp = GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping,
+                        tools_json=tools.tools_json() if tools else "", user=user or "")  # fmt: skip
+    return ParsedRequest(chat, inp, model, stream, include_usage, logprobs, tools)
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Fields the gateway does not implement, refused when given: OpenAI chat's (`_UNSUPPORTED_CHAT`),
+    and tools on completions."""
+    for name in _UNSUPPORTED_CHAT if chat else ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:
+            raise ParamError(name, f"'{name}' is not supported")
+
+
+def _constraints(body: dict[str, Any], sampling: common_pb2.SamplingParams, chat: bool) -> ToolRequest | None:
+    """The output constraint (`structured.structured_output`, or the grammar of a chat request whose
+    tool_choice requires a call) set on `sampling`; returns the chat request's tools. Raises
+    ParamError, naming both fields when a required tool call and a response format both constrain."""
+    constraint = structured_output(body)
+    tools = tool_request(body) if chat else None
+    grammar = tools.grammar() if tools is not None else None
+    if grammar is not None and constraint is not None:
+        raise ParamError(constraint[0], f"tool_choice (a required call) and {constraint[0]} both constrain "
+                         "the output: give at most one")  # fmt: skip
+    if grammar is not None:
+        sampling.structured.kind, sampling.structured.text = grammar
+    elif constraint is not None:
+        sampling.structured.CopyFrom(constraint[1])
+    return tools
 
 
 def _parse_input(
     body: dict[str, Any], chat: bool
-) -> tuple[str | None, tuple[tuple[str, str], ...] | None, int | None]:
+) -> tuple[str | None, tuple[common_pb2.ChatMessage, ...] | None, int | None]:
     if chat:
         if "messages" not in body:
             raise ParamError("messages", "'messages' is required")
@@ -197,6 +232,7 @@ class _Renderer:
     pipeline: Pipeline
     request_id: str
     model: str
+    output: ChatOutput | None = None  # chat: splits reasoning and tool calls out of the text
     created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0
 
@@ -258,13 +294,54 @@ class _Renderer:
         }
 
     def choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-        if not self.parsed.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if self.parsed.stream:
-            delta = {"content": text} if text else {}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": text}
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+        """A completions choice."""
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chat_chunk(
+        self, out: ChatDelta, logprobs: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        """A streamed chat choice: the delta's reasoning_content, content and tool_calls, those not empty."""
+        delta: dict[str, Any] = {}
+        if out.reasoning:
+            delta["reasoning_content"] = out.reasoning
+        if out.content:
+            delta["content"] = out.content
+        if out.tool_calls:
+            delta["tool_calls"] = [call.to_openai() for call in out.tool_calls]
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    async def chunk(self, event: Delta) -> dict[str, Any] | None:
+        """The streamed chunk of a delta, or None when it has nothing to show yet (text held back)."""
+        logprobs = await self.logprobs(event)
+        if self.output is None:
+            choice = self.choice(event.text, logprobs, None) if event.text or logprobs else None
+        else:
+            out = self.output.feed(event.text)
+            choice = self.chat_chunk(out, logprobs, None) if out or logprobs else None
+        return None if choice is None else self.envelope([choice])
+
+    def last_chunks(self, finish_reason: str) -> list[dict[str, Any]]:
+        """The chunks that end a stream: what the chat output held back, if any, then the finish reason."""
+        if self.output is None:
+            return [self.envelope([self.choice("", None, finish_reason)])]
+        held = self.output.finish()
+        reason = self.output.finish_reason(finish_reason)
+        chunks = [self.chat_chunk(held, None, None)] if held else []
+        return [self.envelope([c]) for c in [*chunks, self.chat_chunk(ChatDelta(), None, reason)]]
+
+    def chat_choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str) -> dict[str, Any]:
+        """The whole chat choice for the generated `text`: content null when it is empty and there
+        are tool calls; reasoning_content with the reasoning parser on; tool_calls when there are
+        calls; finish_reason `tool_calls` for an output that ended with calls."""
+        assert self.output is not None
+        reasoning, content, calls = self.output.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.output.splits_reasoning:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        reason = self.output.finish_reason(finish_reason)
+        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def _usage(done: Done) -> dict[str, int]:
@@ -311,10 +388,21 @@ class OpenAIHandlers:
                                   trace_context=trace_context_from(request.headers.get))
         generation = self._pipeline.generate(inp)
         prefix = "chatcmpl-" if chat else "cmpl-"
-        renderer = _Renderer(parsed, self._pipeline, prefix + generation.id, model)
+        renderer = _Renderer(parsed, self._pipeline, prefix + generation.id, model, self._chat_output(parsed))
         if parsed.stream:
             return await self._stream(request, generation, renderer)
         return await self._complete(request, generation, renderer)
+
+    def _chat_output(self, parsed: ParsedRequest) -> ChatOutput | None:
+        """The splitter of a chat request's output (None for completions): reasoning with
+        `reasoning_parser` on, tool calls when the request has tools and tool_choice is not none."""
+        if not parsed.chat:
+            return None
+        reads_calls = parsed.tools is not None and parsed.tools.parses_calls
+        return ChatOutput(
+            reasoning=self._settings.reasoning_parser == "think",
+            tool_parser=self._settings.tool_call_parser if reads_calls else None,
+        )
 
     async def model_name(self, asked: str | None) -> str:
         """The served model's name: `served_model_name`, else the tokenizer's (the model directory's
@@ -351,7 +439,11 @@ class OpenAIHandlers:
                 assert isinstance(event, Done)
                 wanted = renderer.parsed.logprobs is not None
                 logprobs = _merge_logprobs(logprob_parts, renderer.parsed.chat) if wanted else None
-                body = renderer.envelope([renderer.choice("".join(texts), logprobs, event.finish_reason)])
+                if renderer.parsed.chat:
+                    choice = renderer.chat_choice("".join(texts), logprobs, event.finish_reason)
+                else:
+                    choice = renderer.choice("".join(texts), logprobs, event.finish_reason)
+                body = renderer.envelope([choice])
                 body["usage"] = _usage(event)
                 return JSONResponse(body)
             raise AssertionError("a generation always ends with a terminal event")
@@ -399,12 +491,13 @@ class OpenAIHandlers:
                     yield _sse_data(failure_error(failure, self._settings).body())
                     break
                 if isinstance(event, Delta):
-                    logprobs = await renderer.logprobs(event)
-                    if event.text or logprobs:
-                        yield _sse_data(renderer.envelope([renderer.choice(event.text, logprobs, None)]))
+                    chunk = await renderer.chunk(event)
+                    if chunk is not None:
+                        yield _sse_data(chunk)
                 else:
                     assert isinstance(event, Done)
-                    yield _sse_data(renderer.envelope([renderer.choice("", None, event.finish_reason)]))
+                    for chunk in renderer.last_chunks(event.finish_reason):
+                        yield _sse_data(chunk)
                     if renderer.parsed.include_usage:
                         usage_chunk = renderer.envelope([])
                         usage_chunk["usage"] = _usage(event)

@@ -182,24 +182,105 @@ def chat_role(role: Any, where: str) -> str:
     return role
 
 
-def chat_messages(raw: Any, label: str) -> tuple[tuple[str, str], ...]:
-    """A non-empty list of {"role", "content"} objects as (role, content) pairs. The role is one of
-    `CHAT_ROLES`; content is a string, or (OpenAI style) a list of {"type": "text", "text": ...}
-    parts, joined. Other keys of a message (such as "name") are ignored."""
+def chat_messages(raw: Any, label: str) -> tuple[common_pb2.ChatMessage, ...]:
+    """A non-empty list of OpenAI chat messages as `ChatMessage`s. A message is an object with a
+    `role` (one of `CHAT_ROLES`) and a `content`: a string, or (OpenAI style) a list of
+    {"type": "text", "text": ...} parts, joined; null only on an assistant turn with `tool_calls`.
+    Also read: `name` (any role), `tool_calls` (assistant: see `history_tool_calls`) and
+    `tool_call_id` (required on a tool message). Any other key with a value other than null is
+    refused, naming it."""
     if not isinstance(raw, list) or not raw:
         raise ParamError(label, f"'{label}' must be a non-empty list")
-    messages = []
-    for i, message in enumerate(raw):
-        where = f"{label}[{i}]"
-        if not isinstance(message, dict):
-            raise ParamError(where, f"{where} must be an object")
-        role, content = message.get("role"), message.get("content")
-        if isinstance(content, list):
-            content = _text_parts(content, where)
-        if not isinstance(content, str):
-            raise ParamError(where, f"{where} needs a string 'content'")
-        messages.append((chat_role(role, where), content))
-    return tuple(messages)
+    return tuple(_chat_message(message, f"{label}[{i}]") for i, message in enumerate(raw))
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
+
+def _chat_message(message: Any, where: str) -> common_pb2.ChatMessage:
+    if not isinstance(message, dict):
+        raise ParamError(where, f"{where} must be an object")
+    for key in sorted(set(message) - _MESSAGE_KEYS):
+        if message[key] is not None:
+            raise ParamError(f"{where}.{key}", f"{where}.{key} is not supported")
+    role = chat_role(message.get("role"), where)
+    content = message.get("content")
+    if isinstance(content, list):
+        content = _text_parts(content, where)
+    if content is not None and not isinstance(content, str):
+        raise ParamError(where, _NEEDS_CONTENT.format(where=where))
+    raw_calls = message.get("tool_calls")
+    calls = None if raw_calls is None else history_tool_calls(raw_calls, where)
+    proto = common_pb2.ChatMessage(
+        role=role,
+        content=content,
+        name=_optional_string(message, "name", where),
+        tool_call_id=_optional_string(message, "tool_call_id", where),
+        tool_calls_json=calls or "",
+    )
+    return check_chat_message(proto, where)
+
+
+def _optional_string(message: dict[str, Any], key: str, where: str) -> str:
+    value = message.get(key)
+    if value is not None and not isinstance(value, str):
+        raise ParamError(f"{where}.{key}", f"{where}.{key} must be a string")
+    return value or ""
+
+
+_NEEDS_CONTENT = "{where} needs a string 'content' (null only with tool_calls)"
+
+
+def check_chat_message(message: common_pb2.ChatMessage, where: str) -> common_pb2.ChatMessage:
+    """`message` when it is a valid turn: a role among `CHAT_ROLES`; content set unless it is an
+    assistant turn with tool calls; tool calls only on an assistant turn (their JSON text checked by
+    `history_tool_calls`); a tool turn answers a call (`tool_call_id`). Raises ParamError naming the
+    field."""
+    chat_role(message.role, where)
+    calls = message.tool_calls_json
+    if calls and message.role != "assistant":
+        raise ParamError(f"{where}.tool_calls", f"{where}: only an assistant message has tool_calls")
+    if calls:
+        history_tool_calls(parse_json_field(calls, f"{where}.tool_calls"), where)
+    if not (message.HasField("content") or calls):
+        raise ParamError(where, _NEEDS_CONTENT.format(where=where))
+    if message.role == "tool" and not message.tool_call_id:
+        raise ParamError(f"{where}.tool_call_id", f"{where}: a tool message needs a 'tool_call_id'")
+    return message
+
+
+def parse_json_field(text: str, label: str) -> Any:
+    """The JSON document in the string field `label`. Raises ParamError naming it."""
+    try:
+        return parse_json(text)
+    except ParamError as exc:
+        raise ParamError(label, f"{label}: {exc.message}") from None
+
+
+def history_tool_calls(raw: Any, where: str) -> str:
+    """An assistant message's OpenAI `tool_calls` (a non-empty array of `{"id", "type": "function",
+    "function": {"name", "arguments"}}`, arguments a JSON text) as the JSON text the tokenizer takes
+    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field."""
+    if not isinstance(raw, list) or not raw:
+        raise ParamError(f"{where}.tool_calls", f"{where}.tool_calls must be a non-empty array")
+    for i, call in enumerate(raw):
+        path = f"{where}.tool_calls[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(call.get("id"), str):
+            raise ParamError(path, f"{path} must be an object with an id and a function")
+        if not isinstance(function.get("name"), str):
+            raise ParamError(f"{path}.function.name", f"{path}.function.name must be a string")
+        arguments = function.get("arguments")
+        if not isinstance(arguments, str):
+            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a JSON string")
+        if arguments.strip():
+            try:
+                json.loads(arguments)
+            except ValueError:
+                raise ParamError(
+                    f"{path}.function.arguments", f"{path}.function.arguments is not valid JSON"
+                ) from None
+    return json.dumps(raw, ensure_ascii=False)
 
 
 def _text_parts(parts: list[Any], where: str) -> str:

@@ -174,6 +174,8 @@ class Pipeline:
         }
         if self._lookups.info is not None:
             attributes["gen_ai.request.model"] = self._lookups.info.model
+        if inp.user:
+            attributes["user.id"] = inp.user
         return RequestTrace(self.metrics, request.id, inp.api, inp.trace_context, attributes)
 
     def _refusal(self) -> Failed | None:

@@ -126,6 +126,20 @@ class GatewaySettings(ValidatedSettings):
             "request is cancelled and the connection closed"
         },
     )
+    tool_call_parser: str = field(
+        default="hermes",
+        metadata={
+            "help": "how chat completions read tool calls in the generated text: hermes (<tool_call> blocks, "
+            "Qwen2.5, Hermes and the tiny model) | llama3_json (Llama 3.1 and later)"
+        },
+    )
+    reasoning_parser: str = field(
+        default="",
+        metadata={
+            "help": "think = chat completions give <think>...</think> text as reasoning_content "
+            "(DeepSeek-R1, Qwen3); empty = off"
+        },
+    )
     tls_ca_file: str = field(
         default="", metadata={"help": "PEM CA that signs the stages' certificates (set = TLS to the stages)"}
     )
@@ -139,6 +153,7 @@ class GatewaySettings(ValidatedSettings):
         self._validate_endpoints()
         self._validate_limits()
         self._validate_routing_and_tls()
+        self._validate_parsers()
 
     def _validate_endpoints(self) -> None:
         from gateway.upstream import Endpoint
@@ -195,3 +210,13 @@ class GatewaySettings(ValidatedSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ValueError("tls_cert_file needs tls_ca_file")
+
+    def _validate_parsers(self) -> None:
+        from gateway.chat_output import REASONING_PARSERS
+        from gateway.tool_calls import PARSERS
+
+        if self.tool_call_parser not in PARSERS:
+            choices = ", ".join(PARSERS)
+            raise ValueError(f"tool_call_parser must be one of {choices}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser not in ("", *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or empty")

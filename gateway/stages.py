@@ -154,9 +154,10 @@ class Stages:
         """The prompt's ids from a tokenizer replica (in turn), within `deadline` (`time.monotonic()`).
         Raises AioRpcError."""
         if inp.messages is not None:
-            messages = [common_pb2.ChatMessage(role=role, content=content) for role, content in inp.messages]
-            chat = common_pb2.Conversation(messages=messages)
-            message = tokenizer_pb2.TokenizeRequest(request_id=request_id, chat=chat)
+            chat = common_pb2.Conversation(messages=inp.messages)
+            message = tokenizer_pb2.TokenizeRequest(
+                request_id=request_id, chat=chat, tools_json=inp.tools_json
+            )
         else:
             message = tokenizer_pb2.TokenizeRequest(request_id=request_id, text=inp.prompt)
         wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())

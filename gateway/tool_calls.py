@@ -739,10 +739,10 @@ def _check_parameters(schema: Any, where: str) -> None:
         raise ParamError(where, f"{where} must be a JSON Schema object")
     if schema.get("type", "object") != "object":
         raise ParamError(f"{where}.type", f'{where}.type must be "object": the arguments are a JSON object')
-    _check_schema(schema, where, 0)
+    check_schema(schema, where)
 
 
-def _check_schema(schema: Any, where: str, depth: int) -> None:
+def check_schema(schema: Any, where: str, depth: int = 0) -> None:
     """The shape of a JSON Schema's keywords that hold schemas, types, required names and enums
     (the engine's compiler checks the rest). Raises ParamError naming the path of the fault."""
     if isinstance(schema, bool):
@@ -755,17 +755,17 @@ def _check_schema(schema: Any, where: str, depth: int) -> None:
     for key, value in schema.items():
         path = f"{where}.{key}"
         if key in _SCHEMA_KEYWORDS and not (key == "items" and isinstance(value, list)):
-            _check_schema(value, path, depth + 1)
+            check_schema(value, path, depth + 1)
         elif key in _SCHEMA_LISTS or key == "items":
             if not isinstance(value, list) or not value:
                 raise ParamError(path, f"{path} must be a non-empty array of schemas")
             for i, item in enumerate(value):
-                _check_schema(item, f"{path}[{i}]", depth + 1)
+                check_schema(item, f"{path}[{i}]", depth + 1)
         elif key in _SCHEMA_MAPS:
             if not isinstance(value, dict):
                 raise ParamError(path, f"{path} must be an object of schemas")
             for name, item in value.items():
-                _check_schema(item, f"{path}.{name}", depth + 1)
+                check_schema(item, f"{path}.{name}", depth + 1)
 
 
 def _check_keywords(schema: dict[str, Any], where: str) -> None:
@@ -787,29 +787,3 @@ def _check_keywords(schema: dict[str, Any], where: str) -> None:
     ref = schema.get("$ref")
     if ref is not None and not isinstance(ref, str):
         raise ParamError(f"{where}.$ref", f"{where}.$ref must be a string")
-
-
-def history_tool_calls(raw: Any, where: str) -> str:
-    """An assistant message's OpenAI `tool_calls` (a non-empty array of `{"id", "type": "function",
-    "function": {"name", "arguments"}}`, arguments a JSON text) as the JSON text the tokenizer takes
-    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field."""
-    if not isinstance(raw, list) or not raw:
-        raise ParamError(f"{where}.tool_calls", f"{where}.tool_calls must be a non-empty array")
-    for i, call in enumerate(raw):
-        path = f"{where}.tool_calls[{i}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(call.get("id"), str):
-            raise ParamError(path, f"{path} must be an object with an id and a function")
-        if not isinstance(function.get("name"), str):
-            raise ParamError(f"{path}.function.name", f"{path}.function.name must be a string")
-        arguments = function.get("arguments")
-        if not isinstance(arguments, str):
-            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a JSON string")
-        if arguments.strip():
-            try:
-                json.loads(arguments)
-            except ValueError:
-                raise ParamError(
-                    f"{path}.function.arguments", f"{path}.function.arguments is not valid JSON"
-                ) from None
-    return json.dumps(raw, ensure_ascii=False)

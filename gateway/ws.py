@@ -1,14 +1,15 @@
 """WebSocket `/v1/ws`: JSON text frames, several generations per socket.
 
 Client → server: `{"type": "generate", "id": ..., "prompt": ... | "messages": [...], "params": {...}}`
-and `{"type": "cancel", "id": ...}`. Server → client: `delta` frames, then exactly one `done` or
-`error` per generate. With API keys on, the first frame may be `{"type": "auth", "token": ...}`
-(see `SocketSession`). A frame that is not a valid message gets an `error` with the id it carried (or
-null). A generate reusing an id still in flight is refused with `invalid_argument` and that id; the
-first generation goes on. A generate beyond `ws_max_in_flight` generations of the socket is refused
-with `resource_exhausted` and its id; the others go on. A cancel for an id not in flight (already
-ended, or never started) is ignored: its generate has had, or will have, its own terminal frame.
-Closing the socket cancels every generation of that socket.
+and `{"type": "cancel", "id": ...}`. `params` takes the sampling and stopping fields
+(`params.GENERATION_KEYS`) and at most one output constraint (`structured.STRUCTURED_KEYS`). Server →
+client: `delta` frames, then exactly one `done` or `error` per generate. With API keys on, the first
+frame may be `{"type": "auth", "token": ...}` (see `SocketSession`). A frame that is not a valid message
+gets an `error` with the id it carried (or null). A generate reusing an id still in flight is refused
+with `invalid_argument` and that id; the first generation goes on. A generate beyond `ws_max_in_flight`
+generations of the socket is refused with `resource_exhausted` and its id; the others go on. A cancel
+for an id not in flight (already ended, or never started) is ignored: its generate has had, or will
+have, its own terminal frame. Closing the socket cancels every generation of that socket.
 
 A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused
 before the socket opens (HTTP 403). A client that stops reading is closed once one write has waited
@@ -34,7 +35,9 @@ from gateway.observability import TRACE_KEYS, trace_context_from
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.structured import STRUCTURED_KEYS, structured_output
 from services.common import errors
+from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +121,7 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     if has_prompt == has_messages:
         raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
     prompt: str | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[common_pb2.ChatMessage, ...] | None = None
     if has_prompt:
         prompt = frame["prompt"]
         if not isinstance(prompt, str):
@@ -128,8 +131,11 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     given = frame.get("params", {})
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
-    params.only_keys(given, params.GENERATION_KEYS, "params")
+    params.only_keys(given, params.GENERATION_KEYS | set(STRUCTURED_KEYS), "params")
     sampling, stopping = params.generation_params(given, settings, where="params.")
+    constraint = structured_output(given, where="params.")
+    if constraint is not None:
+        sampling.structured.CopyFrom(constraint[1])
     return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
                          trace_context=trace_context_from(frame.get))
 

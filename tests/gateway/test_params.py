@@ -17,6 +17,7 @@ from websockets.asyncio.client import connect
 from gateway import params
 from gateway.server import GatewayHandle
 from gateway.settings import GatewaySettings
+from gateway.structured import STRUCTURED_KEYS
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, send
 from tests.gateway.fakes import FakeUpstreams
@@ -170,21 +171,22 @@ async def test_every_extension_reaches_the_engine_on_every_api(
 
 
 def documented_extensions() -> list[str]:
-    """The field names of the README's "OpenAI extensions" table."""
+    """The field names of the README's "Request fields" table marked (vLLM)."""
     text = README.read_text(encoding="utf-8")
-    start = text.index("**OpenAI extensions**")
+    start = text.index("**Request fields.**")
     rows = []
     for line in text[start:].splitlines()[1:]:
         if rows and not line.startswith("|"):
             break
-        match = re.match(r"\| `(\w+)` \|", line)
+        match = re.match(r"\| `(\w+)` \(vLLM\) \|", line)
         if match:
             rows.append(match.group(1))
     return rows
 
 
 def test_the_readme_documents_exactly_the_accepted_extensions() -> None:
-    assert documented_extensions() == sorted(params.OPENAI_EXTENSIONS)
+    vllm_constraints = [key for key in STRUCTURED_KEYS if key != "response_format"]
+    assert documented_extensions() == sorted([*params.OPENAI_EXTENSIONS, *vllm_constraints])
     assert set(params.OPENAI_EXTENSIONS) <= params.GENERATION_KEYS
 
 

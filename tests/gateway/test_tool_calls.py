@@ -19,14 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from gateway.params import ParamError
+from gateway.params import ParamError, history_tool_calls
 from gateway.tool_calls import (
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
     ToolCallStream,
     finish_reason,
-    history_tool_calls,
     infer_parser,
     merge,
     new_call_id,

@@ -1,0 +1,192 @@
+"""Structured outputs: the one place where a request's constraint on its output is read and checked,
+for every API. The engine compiles and enforces it (`SamplingParams.structured`, see common.proto).
+
+Where a constraint comes from (at most one per request; two are refused, naming both):
+
+- OpenAI `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}`, or
+  `{"type": "json_schema", "json_schema": {"name", "schema"?, "strict"?, "description"?}}` (no
+  schema = any JSON object);
+- vLLM `structured_outputs`: an object with one of `json` (a schema, as an object or its JSON text),
+  `json_object` (true), `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF text);
+- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, the same values.
+
+The OpenAI body and the WebSocket `params` take these keys (`STRUCTURED_KEYS`); the public gRPC API
+takes the protobuf itself, checked by `check_structured`. Checks here are of shape (a known kind,
+a schema whose keywords are well formed, a non-empty list of strings); the engine's compiler checks
+the rest (a regex's syntax, a grammar's) and refuses with INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gateway.params import ParamError, parse_json_field
+from gateway.tool_calls import TOOL_NAME, check_schema
+from services.common.pb import common_pb2
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema's JSON text, a regex, a grammar
+STRUCTURED_KEYS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+# structured_outputs key → kind
+_VLLM_KINDS = {
+    "json": "json_schema",
+    "json_object": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_output(
+    body: dict[str, Any], *, where: str = ""
+) -> tuple[str, common_pb2.StructuredOutput] | None:
+    """The constraint of an OpenAI body or WebSocket `params` (`STRUCTURED_KEYS`; null = absent) as
+    (the field that gave it, the protobuf), or None when there is none. `where` prefixes the names in
+    errors ("params."). Raises ParamError naming the field, or both fields when two constrain."""
+    found: list[tuple[str, common_pb2.StructuredOutput]] = []
+    for key in STRUCTURED_KEYS:
+        value = body.get(key)
+        if value is None:
+            continue
+        label = where + key
+        if key == "response_format":
+            spec = _response_format(value, label)
+            if spec is not None:
+                found.append((label, spec))
+        elif key == "structured_outputs":
+            found.extend(_structured_outputs(value, label))
+        else:
+            found.append((label, _vllm_value(_GUIDED[key], value, label)))
+    if len(found) > 1:
+        (first, _), (second, _) = found[:2]
+        raise ParamError(second, f"{first} and {second} both constrain the output: give at most one")
+    return found[0] if found else None
+
+
+def check_structured(spec: common_pb2.StructuredOutput, label: str) -> common_pb2.StructuredOutput:
+    """`spec` when it is well formed: kind "" (none) with no text, or one of `KINDS` with the text that
+    kind takes (json_schema: a JSON Schema object's text; json_object: none; choice: a JSON list of
+    strings; regex, grammar: non-empty), at most `MAX_CONSTRAINT_CHARS` characters. Raises ParamError
+    naming `label` or a path under it."""
+    if spec.kind not in ("", *KINDS):
+        raise ParamError(f"{label}.kind", f"{label}.kind must be one of {', '.join(KINDS)}")
+    if len(spec.text) > MAX_CONSTRAINT_CHARS:
+        raise ParamError(f"{label}.text", f"{label}.text may have at most {MAX_CONSTRAINT_CHARS} characters")
+    if spec.kind in ("", "json_object"):
+        if spec.text:
+            raise ParamError(f"{label}.text", f"{label}.text must be empty for kind {spec.kind or 'none'!r}")
+    elif spec.kind == "json_schema":
+        schema = parse_json_field(spec.text, f"{label}.text")
+        if not isinstance(schema, dict):
+            raise ParamError(f"{label}.text", f"{label}.text must be a JSON Schema object")
+        check_schema(schema, f"{label}.text")
+    elif spec.kind == "choice":
+        _choices(parse_json_field(spec.text, f"{label}.text"), f"{label}.text")
+    elif not spec.text:
+        raise ParamError(f"{label}.text", f"{label}.text must not be empty for kind {spec.kind!r}")
+    return spec
+
+
+def _response_format(value: Any, label: str) -> common_pb2.StructuredOutput | None:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ParamError(label, f'{label} must be an object with "type" text, json_object or json_schema')
+    _only(value, {"type", "json_schema"} if kind == "json_schema" else {"type"}, label)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return common_pb2.StructuredOutput(kind="json_object")
+    return _json_schema(value.get("json_schema"), f"{label}.json_schema")
+
+
+def _json_schema(value: Any, label: str) -> common_pb2.StructuredOutput:
+    if not isinstance(value, dict):
+        raise ParamError(label, f"{label} must be an object with a name and a schema")
+    _only(value, {"name", "schema", "strict", "description"}, label)
+    name = value.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise ParamError(
+            f"{label}.name", f"{label}.name must be 1 to 64 letters, digits, underscores or dashes"
+        )
+    description = value.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ParamError(f"{label}.description", f"{label}.description must be a string")
+    strict = value.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise ParamError(f"{label}.strict", f"{label}.strict must be true or false")
+    schema = value.get("schema")
+    if schema is None:
+        return common_pb2.StructuredOutput(kind="json_object")
+    spec = _schema_spec(schema, f"{label}.schema")
+    spec.strict = strict is True
+    return spec
+
+
+def _structured_outputs(value: Any, label: str) -> list[tuple[str, common_pb2.StructuredOutput]]:
+    if not isinstance(value, dict):
+        raise ParamError(label, f"{label} must be an object")
+    _only(value, set(_VLLM_KINDS), label)
+    found = []
+    for key in _VLLM_KINDS:
+        given = value.get(key)
+        if given is None or (key == "json_object" and given is False):
+            continue
+        found.append((f"{label}.{key}", _vllm_value(key, given, f"{label}.{key}")))
+    return found
+
+
+def _vllm_value(key: str, value: Any, label: str) -> common_pb2.StructuredOutput:
+    """A vLLM constraint value (`structured_outputs.KEY` or `guided_KEY`) as the protobuf."""
+    if key == "json":
+        schema = parse_json_field(value, label) if isinstance(value, str) else value
+        return _schema_spec(schema, label)
+    if key == "json_object":
+        if value is not True:
+            raise ParamError(label, f"{label} must be true")
+        return common_pb2.StructuredOutput(kind="json_object")
+    if key == "choice":
+        text = json.dumps(_choices(value, label), ensure_ascii=False)
+        return _checked(common_pb2.StructuredOutput(kind="choice", text=text), label)
+    if not isinstance(value, str) or not value:
+        raise ParamError(label, f"{label} must be a non-empty string")
+    return _checked(common_pb2.StructuredOutput(kind=_VLLM_KINDS[key], text=value), label)
+
+
+def _schema_spec(schema: Any, label: str) -> common_pb2.StructuredOutput:
+    if not isinstance(schema, dict):
+        raise ParamError(label, f"{label} must be a JSON Schema object")
+    check_schema(schema, label)
+    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    return _checked(common_pb2.StructuredOutput(kind="json_schema", text=text), label)
+
+
+def _checked(spec: common_pb2.StructuredOutput, label: str) -> common_pb2.StructuredOutput:
+    if len(spec.text) > MAX_CONSTRAINT_CHARS:
+        raise ParamError(label, f"{label} may have at most {MAX_CONSTRAINT_CHARS} characters")
+    return spec
+
+
+def _choices(value: Any, label: str) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise ParamError(label, f"{label} must be a non-empty list of non-empty strings")
+    return value
+
+
+def _only(obj: dict[str, Any], allowed: set[str], label: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ParamError(f"{label}.{unknown[0]}", f"{label}: unknown field(s) {', '.join(unknown)}")
