@@ -16,6 +16,7 @@ import transformers
 from services.common.pb import common_pb2, engine_pb2
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
+from services.engine.core.request import Request
 from services.engine.servicer import chunk_to_proto, final_to_proto, params_from_proto
 from tests.engine.conftest import TEST_DEVICE, VOCAB
 from tests.engine.test_model import small_engine
@@ -98,6 +99,26 @@ def test_prompt_logprobs_equal_the_forward_of_transformers(
     assert_matches(sent_once(outs["top0"]), short, reference(model, short), 0)
     assert sent_once(outs["one"]) == []  # a one-token prompt: nothing before its first token to predict
     assert all(o.prompt_logprobs is None for o in outs["plain"])
+
+
+def test_prompt_logprobs_survive_preemption_in_the_middle_of_a_chunked_prefill(
+    llama_dir: Path, model: transformers.PreTrainedModel
+) -> None:
+    engine = small_engine(llama_dir, num_kv_blocks=16, max_num_batched_tokens=64, max_model_len=200)
+    partial: list[str] = []  # requests preempted with some, not all, of their prompt logprobs
+    preempt = engine.scheduler._preempt
+
+    def spy(req: Request) -> None:
+        if 0 < len(req.prompt_logprobs) < req.num_prompt_tokens - 1:
+            partial.append(req.request_id)
+        preempt(req)
+
+    engine.scheduler._preempt = spy  # type: ignore[method-assign]
+    prompts = {f"p{i}": prompt_of(10 + i, 100 + 20 * i) for i in range(4)}
+    outs = run(engine, {rid: (prompt, SamplingParams(prompt_logprobs=2)) for rid, prompt in prompts.items()})
+    assert partial, "the pool holds 256 tokens: a request is preempted in the middle of its prefill"
+    for rid, prompt in prompts.items():
+        assert_matches(sent_once(outs[rid]), prompt, reference(model, prompt), 2)
 
 
 def test_a_prompt_logprobs_request_takes_no_prefix_hit_and_cached_tokens_report_the_hit(
