@@ -6,13 +6,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 
 from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.core.async_engine import AsyncEngine, Caller, Report, ReportFeed
-from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.grammar import GrammarSpec
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +23,12 @@ def params_from_proto(
     request: engine_pb2.GenerateRequest, default_max_new_tokens: int
 ) -> tuple[SamplingParams, StoppingParams]:
     """Maps protobuf parameters to the core's, zero values meaning the documented defaults. Their ranges
-    are checked once, by the engine when the request is submitted (`LLMEngine.validate_request`)."""
+    are checked once, by the engine when the request is submitted (`LLMEngine.validate_request`); a
+    structured output whose kind is unknown or whose text is malformed JSON raises GrammarError (a
+    ValueError) here."""
     s = request.sampling
+    structured = s.structured
+    grammar = GrammarSpec(structured.kind, structured.text, structured.strict) if structured.kind else None  # type: ignore[arg-type]
     sampling = SamplingParams(
         temperature=s.temperature,
         top_p=s.top_p or 1.0,
@@ -33,6 +39,9 @@ def params_from_proto(
         frequency_penalty=s.frequency_penalty,
         seed=s.seed if s.HasField("seed") else None,
         logprobs=s.logprobs,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        grammar=grammar,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
     )
     st = request.stopping
     stopping = StoppingParams(
@@ -46,9 +55,14 @@ def params_from_proto(
 
 def chunk_to_proto(out: RequestOutput) -> engine_pb2.TokenChunk:
     chunk = engine_pb2.TokenChunk(request_id=out.request_id, token_ids=out.new_token_ids)
-    for lp in out.logprobs or ():
-        chunk.logprobs.add(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    _add_logprobs(chunk.logprobs, out.logprobs or ())
+    _add_logprobs(chunk.prompt_logprobs, out.prompt_logprobs or ())
     return chunk
+
+
+def _add_logprobs(field: Any, entries: Iterable[TokenLogprob]) -> None:
+    for lp in entries:
+        field.add(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
 
 
 def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
@@ -56,7 +70,11 @@ def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
     return engine_pb2.RequestFinal(
         request_id=out.request_id,
         finish_reason=reason,
-        usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens),
+        usage=common_pb2.Usage(
+            prompt_tokens=out.prompt_tokens,
+            completion_tokens=out.completion_tokens,
+            cached_tokens=out.cached_tokens,
+        ),
         error=out.error or "",
     )
 

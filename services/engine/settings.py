@@ -69,8 +69,9 @@ class EngineSettings(StageTlsSettings):
     speculative: str = field(
         default="off",
         metadata={"help": "off | ngram: propose tokens by matching the request's last n-gram against its own "
-                  "prompt and output, and verify them in one forward; off (the only off switch) ignores "
-                  "the other speculative settings"},
+                  "prompt and output, and verify them in one forward; requests with a grammar (structured "
+                  "outputs) never get drafts; off (the only off switch) ignores the other speculative "
+                  "settings"},
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "speculative: most tokens proposed per request and step"}

@@ -38,6 +38,7 @@ class FakeRunner:
         self.fail_next = False
         self.fed_from_device = 0  # decode rows whose input token came from the previous step's ids
         self.drafts: list[list[tuple[str, list[int]]]] = []  # per step: (request, its drafts) computed
+        self.prompt_logits: list = []  # prompt logprobs: not computed by this runner
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         pass

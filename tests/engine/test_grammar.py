@@ -15,17 +15,12 @@ from typing import Any
 import jsonschema
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 
-from services.engine.grammar import (
-    GrammarBatch,
-    GrammarCompiler,
-    GrammarError,
-    GrammarSpec,
-    GrammarState,
-    apply_bitmask_,
-    bitmask_words,
-)
+from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
+from services.engine.executor.grammar_mask import GrammarBatch, apply_bitmask_, bitmask_words
+from services.engine.executor.model_runner import read_eos_ids
 
 SAMPLES = 100
 MAX_TOKENS = 2000
@@ -101,9 +96,16 @@ GBNF = 'root ::= "(" num ("," num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'
 GBNF_TEXT = re.compile(r"\(([0-9]|[1-9][0-9])(,([0-9]|[1-9][0-9]))*\)")
 
 
+def make_compiler(model_dir: Path, **kwargs: Any) -> GrammarCompiler:
+    """The compiler as the engine builds it: the model's vocab_size and EOS ids as its runner reads them."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    eos_ids = read_eos_ids(model_dir, config)
+    return GrammarCompiler.from_model_dir(model_dir, vocab_size=config.vocab_size, eos_ids=eos_ids, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def compiler(tiny_model_dir: Path) -> Iterator[GrammarCompiler]:
-    made = GrammarCompiler.from_model_dir(tiny_model_dir)
+    made = make_compiler(tiny_model_dir)
     yield made
     made.close()
 
@@ -297,7 +299,7 @@ def test_cached_compile_returns_the_same_object(compiler: GrammarCompiler) -> No
 
 
 def test_cache_is_bounded_lru(tiny_model_dir: Path) -> None:
-    small = GrammarCompiler.from_model_dir(tiny_model_dir, cache_size=2)
+    small = make_compiler(tiny_model_dir, cache_size=2)
     try:
         a, b, c = (GrammarSpec("regex", pattern) for pattern in ("a+", "b+", "c+"))
         first_a = small.submit(a).result()
@@ -316,7 +318,7 @@ def test_compile_runs_off_the_caller_thread_and_polls_without_blocking(tiny_mode
     pool = ThreadPoolExecutor(max_workers=1)
     gate = threading.Event()
     pool.submit(gate.wait)  # the only worker is busy until the gate opens
-    polled = GrammarCompiler.from_model_dir(tiny_model_dir, executor=pool)
+    polled = make_compiler(tiny_model_dir, executor=pool)
     try:
         handle = polled.submit(GrammarSpec("regex", "[a-z]+"))
         assert not handle.ready()
@@ -396,7 +398,7 @@ def test_vocab_follows_the_model_when_it_exceeds_the_tokenizer(tiny_model_dir: P
     tokenizer_vocab = config["vocab_size"]
     config["vocab_size"] = tokenizer_vocab + 100
     (tmp_path / "config.json").write_text(json.dumps(config))
-    padded = GrammarCompiler.from_model_dir(tmp_path)
+    padded = make_compiler(tmp_path)
     try:
         assert padded.vocab_size == tokenizer_vocab + 100
         state = padded.submit(GrammarSpec("json_object")).result().new_state()

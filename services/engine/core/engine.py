@@ -30,6 +30,20 @@ A step runs in one of three modes:
   the stop rules, counts the accepted drafts as computed and frees blocks that held only rejected ones
   (`Scheduler.accept_drafts`).
 
+Structured outputs: a request with a grammar (`SamplingParams.grammar`) has it compiled off the step thread
+by the engine's `GrammarCompiler` (services/engine/core/grammar.py, one per model, cached by key) and is
+held back, outside the scheduler, until the compile is done: the step never waits for it, and a compile
+error ends the request (`invalid_argument`, the message naming the problem). Its `GrammarState` accepts
+each token the request keeps, in `_stopped` (never a token discarded after a stop, nor async scheduling's
+discarded token); the sampler masks what the state forbids. Async scheduling reads a grammar request's
+pending token before the next step, as for penalties; speculation gives it no drafts. Preemption keeps
+`token_ids` (recompute), so the state, which holds exactly the kept output, stays as it is. A request
+whose grammar has ended after a kept token finishes with "stop" (only EOS could follow).
+
+Prompt logprobs: the runner keeps the prompt rows of a request that asks for them (`Runner.prompt_logits`)
+through its chunked prefill; the engine turns them into log-probabilities with the sampler, collects them
+on the request when the step is read, and sends them once, with its first token.
+
 The figures (`stats()`) are kept by a `StatsRecorder` (services/engine/core/stats.py), one call per step.
 Torch appears here only as types (the runner's device and logits, the sampler's handle), imported for type
 checking; the executor (runner, sampler) is imported when an engine is built.
@@ -44,9 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, error_message
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, error_message
 from services.engine.core.block_manager import BlockManager
-from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarHandle
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
 from services.engine.core.request import PLACEHOLDER, Request
 from services.engine.core.scheduler import Scheduler, SchedulerOutput
 from services.engine.core.speculative import Speculator
@@ -60,6 +75,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+GRAMMAR_POLL_S = 0.001  # how often an engine with nothing else to do looks at grammars compiling
+
 
 class Runner(Protocol):
     """What the engine needs from a model runner (executor/model_runner.py, or a fake in tests)."""
@@ -70,6 +87,9 @@ class Runner(Protocol):
     eos_ids: frozenset[int]
     max_position_embeddings: int
     last_forward_s: float  # forward seconds finished since the previous read (each reported once)
+    # The prompt rows the latest `execute` kept: (request, first position, logits (n, V)), row j predicting
+    # the prompt token at position first + j + 1. Only for requests with `wants_prompt_logprobs`.
+    prompt_logits: list[tuple[Request, int, torch.Tensor]]
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         """Called once by the engine before its first step, with the pool final: static buffers and CUDA
@@ -113,6 +133,7 @@ class _Launched:
     sched: SchedulerOutput
     reqs: list[Request]
     handle: SampleHandle
+    prompts: list[tuple[Request, int, SampleHandle]]  # prompt logprobs: (request, first position, handle)
 
 
 def context_length(settings: EngineSettings, runner: Runner, block_size: int) -> int:
@@ -138,16 +159,28 @@ def uses_async_scheduling(settings: EngineSettings, runner: Runner) -> bool:
 
 
 class LLMEngine:
-    def __init__(self, settings: EngineSettings, runner: Runner | None = None) -> None:
+    """The engine core. `runner`: None loads the model from `settings` (and, from its tokenizer.json, the
+    grammar compiler); a given runner (tests) comes with its `grammar_compiler`, None serving no grammar."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        runner: Runner | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
+    ) -> None:
         self.settings = settings
         # The executor (torch) is imported when an engine is built: importing the core needs none of it.
+        from services.engine.executor.grammar_mask import GrammarBatch
         from services.engine.executor.sampler import Sampler
 
         if runner is None:
             from services.engine.executor.model_runner import load_runner
 
-            runner = load_runner(settings)
+            loaded = load_runner(settings)
+            grammar_compiler = _grammar_compiler(loaded.model_dir, loaded.vocab_size, loaded.eos_ids)
+            runner = loaded
         self.runner = runner
+        self.grammar_compiler = grammar_compiler
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
         self.block_manager = BlockManager(runner.num_blocks, bs, settings.enable_prefix_caching)
@@ -162,7 +195,8 @@ class LLMEngine:
             batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
         )
-        self.sampler = Sampler(runner.device, settings.seed)
+        masks = GrammarBatch(grammar_compiler.vocab_size) if grammar_compiler is not None else None
+        self.sampler = Sampler(runner.device, settings.seed, masks)
         self.async_scheduling = uses_async_scheduling(settings, runner)
         self.speculator = Speculator.create(settings, self.max_model_len)  # None: speculation off
         assert self.speculator is None or not self.async_scheduling, "speculation needs synchronous steps"
@@ -175,6 +209,7 @@ class LLMEngine:
         )
         self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
+        self._compiling: dict[Request, GrammarHandle] = {}  # held back until their grammar compiled
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
         self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
@@ -202,6 +237,11 @@ class LLMEngine:
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
         sampling.validate()
         stopping.validate()
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
+        if sampling.grammar is not None and self.grammar_compiler is None:
+            raise ValueError("structured outputs are not served: the model directory has no tokenizer.json")
         bad = next((t for t in stopping.stop_token_ids if t >= vocab), None)
         if bad is not None:  # it could never be generated: a stop that silently never stops
             raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
@@ -230,7 +270,11 @@ class LLMEngine:
             eos_ids=self.runner.eos_ids,
         )
         self.requests[request_id] = req
-        self.scheduler.add(req)
+        if sampling.grammar is not None:
+            assert self.grammar_compiler is not None, "validated"
+            self._compiling[req] = self.grammar_compiler.submit(sampling.grammar)
+        else:
+            self.scheduler.add(req)
         if self.observer is not None:
             self._observe(self.observer.on_arrival, req, trace_context)
 
@@ -241,6 +285,7 @@ class LLMEngine:
         if req is None or req.finished:
             return
         self._drop_placeholder(req)
+        self._compiling.pop(req, None)
         self.scheduler.finish(req, "cancelled")
         self._pending.append(self._output(req, []))
 
@@ -267,7 +312,11 @@ class LLMEngine:
         request, before the next step; a step before then is harmless and finds nothing to run."""
         if self._in_flight is not None:
             return 0.0
-        return max(0.0, self._forming_until - time.monotonic())
+        idle = max(0.0, self._forming_until - time.monotonic())
+        compiling = self._compiling and not self.scheduler.running and not self.scheduler.waiting
+        if compiling and not any(handle.ready() for handle in self._compiling.values()):
+            idle = max(idle, GRAMMAR_POLL_S)  # only compiles to wait for: poll, never spin
+        return idle
 
     def step(self) -> list[RequestOutput]:
         """schedule → execute → sample → postprocess. Returns the outputs of this step, one per request
@@ -276,6 +325,8 @@ class LLMEngine:
         start = time.perf_counter()
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(time.monotonic()))
+        if self._compiling:
+            outputs.extend(self._admit_compiled())
         if self._in_flight is not None and self._needs_host_tokens():
             outputs.extend(self._drain())
         sched = self._schedule()
@@ -288,6 +339,25 @@ class LLMEngine:
         run = self._run_speculative if sched.num_draft_tokens else self._run_scheduled
         ok = run(sched, outputs)
         self._end_step(sched, outputs, start, timed=ok)
+        return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hands the requests whose grammar compiled to the scheduler, in arrival order, each with its own
+        grammar state; a compile that failed ends its request (`invalid_argument`, the compiler's words)."""
+        outputs: list[RequestOutput] = []
+        for req, handle in list(self._compiling.items()):
+            if not handle.ready():
+                continue
+            del self._compiling[req]
+            try:
+                req.grammar = handle.result().new_state()
+            except GrammarError as exc:
+                outputs.append(self._fail(req, INVALID_ARGUMENT, str(exc)))
+                continue
+            except Exception as exc:  # the compiler itself failed (or was closed)
+                outputs.append(self._fail(req, INTERNAL, f"grammar compile failed: {exc!r}"))
+                continue
+            self.scheduler.add(req)
         return outputs
 
     def _schedule(self) -> SchedulerOutput:
@@ -355,7 +425,28 @@ class LLMEngine:
             logits, sampling = self.runner.execute(sched.scheduled)
         else:
             logits, sampling = self.runner.execute(sched.scheduled, prev.handle.token_ids)
-        return _Launched(sched, sampling, self.sampler.launch(logits, sampling))
+        prompts = self._launch_prompt_logprobs()
+        return _Launched(sched, sampling, self.sampler.launch(logits, sampling), prompts)
+
+    def _launch_prompt_logprobs(self) -> list[tuple[Request, int, SampleHandle]]:
+        """The log-probabilities of the prompt rows the runner kept in its latest execute, launched."""
+        launched = []
+        for req, first, logits in self.runner.prompt_logits:
+            targets = req.token_ids[first + 1 : first + 1 + logits.shape[0]]
+            k = req.sampling.prompt_logprobs or 0
+            launched.append((req, first, self.sampler.prompt_logprobs(logits, targets, k)))
+        return launched
+
+    @staticmethod
+    def _collect_prompt_logprobs(prompts: list[tuple[Request, int, SampleHandle]]) -> None:
+        """Appends read prompt log-probabilities to their requests, from the first position each lacks
+        (a recompute after preemption may cover positions again)."""
+        for req, first, handle in prompts:
+            have = len(req.prompt_logprobs)
+            if req.finished or first > have:
+                continue
+            entries = handle.result().logprobs[have - first :]
+            req.prompt_logprobs.extend(e for e in entries if e is not None)
 
     def _settle(self, launched: _Launched) -> None:
         """Once the tokens before `launched` are on the host: counts its computed tokens (registering full
@@ -373,6 +464,7 @@ class LLMEngine:
         fails them instead and returns the exception."""
         try:
             result = launched.handle.result()
+            self._collect_prompt_logprobs(launched.prompts)
             outputs.extend(self._postprocess(launched.reqs, result.token_ids, result.logprobs))
         except Exception as exc:
             log.exception("engine step failed")
@@ -388,6 +480,7 @@ class LLMEngine:
         assert self._in_flight is None, "speculative steps are synchronous"
         try:
             logits, rows = self.runner.execute(sched.scheduled)
+            self._collect_prompt_logprobs(self._launch_prompt_logprobs())
             reqs = _row_owners(rows)
             result = self.sampler.verify(logits, reqs, [list(r.draft_ids) for r in reqs])
             self.scheduler.advance(sched)  # each request's own token; the accepted drafts follow
@@ -438,8 +531,12 @@ class LLMEngine:
         return outputs
 
     def _needs_host_tokens(self) -> bool:
-        """Whether the next step needs the host's values of pending tokens: penalties over the output."""
-        return any(r.prev_row >= 0 and r.sampling.has_penalties for r in self.scheduler.running)
+        """Whether the next step needs the host's values of pending tokens: penalties over the output, or
+        a grammar to advance before its next mask."""
+        return any(
+            r.prev_row >= 0 and (r.sampling.has_penalties or r.grammar is not None)
+            for r in self.scheduler.running
+        )
 
     @staticmethod
     def _drop_placeholder(req: Request) -> None:
@@ -470,7 +567,12 @@ class LLMEngine:
         return outputs
 
     def _stopped(self, req: Request, tok: int) -> bool:
-        """Ends `req` when `tok`, its latest token, stops it; whether it did."""
+        """Advances `req`'s grammar with `tok`, its latest (kept) token, and ends `req` when `tok` stops it;
+        whether it did. A token its grammar forbids (the mask let nothing else through: e.g. EOS held back
+        by min_new_tokens where only EOS may come) ends it with an internal error."""
+        if req.grammar is not None and not req.grammar.accept((tok,)):
+            self._fail(req, INTERNAL, f"token {tok} is outside the request's grammar")
+            return True
         reason = self._stop_reason(req, tok)
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -483,6 +585,8 @@ class LLMEngine:
         if req.num_output_tokens > st.min_new_tokens and (
             tok in st.stop_token_ids or (not st.ignore_eos and tok in req.eos_ids)
         ):
+            return "stop"
+        if req.grammar is not None and req.grammar.is_terminated():
             return "stop"
         if req.num_output_tokens >= req.stopping.max_new_tokens or req.num_tokens >= self.max_model_len:
             return "length"
@@ -497,12 +601,17 @@ class LLMEngine:
         """Ends the request with finish_reason "error" (a no-op on the state of one already finished)."""
         if not req.finished:
             self._drop_placeholder(req)
+        self._compiling.pop(req, None)
         self.scheduler.finish(req, "error", error_message(error_class, detail))
         self.requests.pop(req.request_id, None)
         return self._output(req, [])
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
+        """The output of `req` for `tokens`; its prompt logprobs go with its first token, once."""
+        prompt: list[TokenLogprob] | None = None
+        if tokens and req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            prompt, req.prompt_logprobs_sent = req.prompt_logprobs, True
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
@@ -512,6 +621,8 @@ class LLMEngine:
             prompt_tokens=req.num_prompt_tokens,
             completion_tokens=req.num_output_tokens,
             error=req.error,
+            prompt_logprobs=prompt,
+            cached_tokens=req.num_cached_tokens,
         )
 
     # ---- figures -------------------------------------------------------------------------------
@@ -537,3 +648,12 @@ def _row_owners(rows: Sequence[Request]) -> list[Request]:
         owners.append(req)
         i += span
     return owners
+
+
+def _grammar_compiler(model_dir: Path, vocab_size: int, eos_ids: frozenset[int]) -> GrammarCompiler | None:
+    """The model's grammar compiler, from its tokenizer.json (None, with a warning, without one: requests
+    with a grammar are then refused)."""
+    if not (model_dir / "tokenizer.json").exists():
+        log.warning("structured outputs off: %s has no tokenizer.json", model_dir)
+        return None
+    return GrammarCompiler.from_model_dir(model_dir, vocab_size=vocab_size, eos_ids=eos_ids)

@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.engine.core.grammar import GrammarSpec
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100.0
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -25,6 +31,13 @@ class SamplingParams:
     `frequency_penalty` subtract from the logits of tokens in the output (once, and once per occurrence).
     `seed` gives the request its own random generator: the same seed gives the same output whatever else
     is in the batch. `logprobs` asks for the top-n (0..20) alternatives of every generated token.
+
+    `logit_bias` ((token id, bias) pairs, at most 300, each bias in [-100, 100]) is added to the logits
+    before anything else. `grammar` constrains the output (services/engine/core/grammar.py): the tokens it
+    forbids are masked after logit bias and penalties, before temperature / top-k / top-p (greedy too).
+    `prompt_logprobs` (None: off) asks for the log-probability of every prompt token after the first and
+    its top-n (0..20) alternatives, returned once with the first token; such a request takes no
+    prefix-cache hit (its prompt is computed). Log-probabilities are the model's raw distribution's.
     """
 
     temperature: float = 0.0
@@ -36,6 +49,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         """Raises ValueError with a clear message when a value is out of range."""
@@ -56,6 +72,21 @@ class SamplingParams:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        """Count and values; the ids against the vocabulary are the engine's check."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+            )
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} is negative")
+            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
 
     @property
     def greedy(self) -> bool:
@@ -99,7 +130,8 @@ class RequestOutput:
     """What one step (or several merged steps) produced for one request.
 
     `new_token_ids` holds only the tokens since the previous output of this request. A finished output
-    is the last one for its request.
+    is the last one for its request. `prompt_logprobs` (one entry per prompt token after the first) comes
+    once, with the request's first token; `cached_tokens`: the prompt tokens found in the prefix cache.
     """
 
     request_id: str
@@ -110,6 +142,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
 
     def merge(self, later: RequestOutput) -> None:
         """Appends a later output of the same request to this one (coalescing for slow readers)."""
@@ -122,3 +156,6 @@ class RequestOutput:
         self.prompt_tokens = later.prompt_tokens
         self.completion_tokens = later.completion_tokens
         self.error = later.error
+        self.cached_tokens = later.cached_tokens
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs

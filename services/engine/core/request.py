@@ -10,6 +10,11 @@ Speculative decoding keeps its per-request state in `spec` (a `SpecState`, made 
 tokens proposed for the positions after `token_ids`, computed in the next step together with the
 request's own last token and verified by the sampler. They are never part of `token_ids` (nor of a block
 hash); accepted ones are appended to it after the step.
+
+Structured outputs: `grammar` is the request's grammar state once its compile is ready (the engine holds
+the request back until then); it has accepted exactly the kept output tokens. Prompt logprobs:
+`prompt_logprobs` collects, position by position through chunked prefill, the entries of the prompt
+tokens after the first; they go out once, with the first token (`prompt_logprobs_sent`).
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.common.block_keys import BlockHash
-from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.params import SamplingParams, StoppingParams, TokenLogprob
 from services.engine.core.speculative import SpecState
+
+if TYPE_CHECKING:
+    from services.engine.core.grammar import GrammarState
 
 # The value of a token the device sampled and the host has not read yet (async scheduling): never a
 # vocabulary id, so that hashing or feeding it by mistake fails loudly.
@@ -53,13 +61,16 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     generator: Any = None  # torch.Generator of a seeded request, made by the sampler
     # Async scheduling: >= 0 while the last entry of token_ids is PLACEHOLDER for a token the previous
     # step sampled on the device and the host has not read yet; its row in that step's sampled ids.
     prev_row: int = -1
     plain_greedy: bool = field(init=False, default=False)
     spec: SpecState | None = None  # speculative decoding (see the module docstring)
+    grammar: GrammarState | None = None  # structured outputs (see the module docstring)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -68,7 +79,12 @@ class Request:
         s = self.sampling
         # Greedy with nothing else to do: the sampler's fast path.
         self.plain_greedy = (
-            s.greedy and not s.has_penalties and not s.logprobs and not self.stopping.min_new_tokens
+            s.greedy
+            and not s.has_penalties
+            and not s.logprobs
+            and not self.stopping.min_new_tokens
+            and not s.logit_bias
+            and s.grammar is None
         )
 
     @property
@@ -82,6 +98,14 @@ class Request:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the prompt rows this request computes are kept (asked for, and not all collected)."""
+        return (
+            self.sampling.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def draft_ids(self) -> Sequence[int]:

@@ -100,7 +100,7 @@ class Scheduler:
             return
         if request.status is Status.RUNNING:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:  # else never handed here (the engine held it back for its grammar)
             self.waiting.remove(request)
         self._release(request)
         request.status = Status.FINISHED
@@ -164,7 +164,8 @@ class Scheduler:
             self.bm.acquire(hit)
             req.block_ids = [*hit, *self.bm.allocate(need)]
             req.num_computed_tokens = computed
-            req.num_cached_tokens = computed
+            if not req.num_preemptions:  # a recompute finding its own blocks is no hit
+                req.num_cached_tokens = computed
             del self.waiting[i]
             self._count_prefix_query(req, len(hit))
             req.status = Status.RUNNING
@@ -211,8 +212,13 @@ class Scheduler:
         return pending
 
     def _computed_elsewhere(self, req: Request, num_hit: int, pending: set[BlockHash]) -> bool:
-        """Whether the first block `req` would compute is being computed by a running request."""
-        return num_hit < self._max_hit_blocks(req) and req.block_hashes[num_hit] in pending
+        """Whether the first block `req` would compute is being computed by a running request (never for a
+        request that takes no hit)."""
+        return (
+            req.sampling.prompt_logprobs is None
+            and num_hit < self._max_hit_blocks(req)
+            and req.block_hashes[num_hit] in pending
+        )
 
     def _batch_open(self, out: SchedulerOutput, now: float) -> bool:
         """dynamic/static: True while a batch is in progress or a new one may start now."""
@@ -269,8 +275,11 @@ class Scheduler:
 
     def _prefix_hit(self, req: Request) -> list[int]:
         """The cached blocks `req` would start from (a look-up only: a waiting request is looked up at
-        every step until it is admitted)."""
+        every step until it is admitted). None for a request that asks for prompt logprobs: its whole
+        prompt is computed, as they come from the prompt's rows."""
         if not self.bm.enable_prefix_caching:
+            return []
+        if req.sampling.prompt_logprobs is not None:
             return []
         max_blocks = self._max_hit_blocks(req)
         if len(req.block_hashes) < max_blocks:

@@ -227,8 +227,8 @@ class Speculator:
         are short: those freed go back to the preempted request first) or that runs more than
         `speculative_disable_batch_size` requests (a full batch has no compute to spare). Of the others,
         those that were running before the step and decode one token with nothing pending on the device
-        (async scheduling), sample without penalties, are past min_new_tokens, and are not paused by the
-        acceptance rule (`verified`)."""
+        (async scheduling), sample without penalties or a grammar (structured outputs never draft), are past
+        min_new_tokens, and are not paused by the acceptance rule (`verified`)."""
         if sched.preempted or num_running > self.disable_batch_size:
             return []
         return [
@@ -238,6 +238,7 @@ class Speculator:
             and req.num_tokens - req.num_computed_tokens == 1
             and req.prev_row < 0
             and not req.sampling.has_penalties
+            and req.sampling.grammar is None
             and req.num_output_tokens >= req.stopping.min_new_tokens
             and (req.spec is None or req.num_output_tokens >= req.spec.resume_at)
         ]

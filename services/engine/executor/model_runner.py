@@ -2,7 +2,8 @@
 
 The model is transformers' own code with the attention implementation "sluice_paged"
 (services/engine/executor/attention.py). Each step feeds a single `(1, T)` batch with explicit per-sequence
-`position_ids`, `use_cache=False`, and `logits_to_keep` listing the rows whose next token is sampled.
+`position_ids`, `use_cache=False`, and `logits_to_keep` listing the rows whose next token is sampled,
+plus, for a request that asks for prompt logprobs, the rows of its prompt (`ModelRunner.prompt_logits`).
 """
 
 from __future__ import annotations
@@ -187,6 +188,9 @@ class ModelRunner:
         self._long = Staging(self.device, torch.int64)
         self._int = Staging(self.device, torch.int32)
         self._static: StaticDecode | None = None
+        # The prompt rows of the latest execute: (request, first position, logits (n, V)), row j of which
+        # predicts the prompt token at position first + j + 1 (see `execute`).
+        self.prompt_logits: list[tuple[Request, int, torch.Tensor]] = []
         # Decode grouping: a new group pays off when it saves this many padded key slots (per-call
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
@@ -318,17 +322,29 @@ class ModelRunner:
         `prev_tokens[prev_row]` on the device (async scheduling). The host builds the inputs; on CUDA
         they go to the device in non-blocking copies and nothing here waits for the device. A decode-only
         step runs through the padded static buffers (and a CUDA graph) when `prepare` made them.
+
+        Prompt logprobs: for a request that wants them (`Request.wants_prompt_logprobs`), the rows of the
+        prompt positions it computes in this step, before its last prompt token and from the first it has
+        no entry for, are kept too and left in `prompt_logits` (an empty list for a step without any).
         """
         decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         decodes.sort(key=lambda x: -x[0].num_computed_tokens)  # longest context first, for grouping
         prefills = [(r, n) for r, n in scheduled if not (n == 1 and r.num_computed_tokens > 0)]
         ids, pos, slots, keep_rows = self._pack(decodes, prefills)
+        prompt_rows = self._prompt_rows(decodes, prefills)
+        self.prompt_logits = []
         pending = [(row, r.prev_row) for row, (r, _) in enumerate(decodes) if r.prev_row >= 0]
         if pending and prev_tokens is None:
             raise ValueError("a request waits for a token of the previous step, but none was given")
         timer = self._start_timer()
         static = self._static
-        if static is not None and decodes and not prefills and len(decodes) <= static.max_rows:
+        if (
+            static is not None
+            and decodes
+            and not prefills
+            and not prompt_rows
+            and len(decodes) <= static.max_rows
+        ):
             keep, rows, src = self._long.stage(
                 [[row for _, row in keep_rows], [a for a, _ in pending], [b for _, b in pending]]
             )
@@ -337,9 +353,43 @@ class ModelRunner:
             all_logits = static.run(ids, pos, slots, blocks, prev, self._forward_all)
             logits = all_logits.index_select(0, keep)
         else:
-            logits = self._execute_eager(decodes, prefills, ids, pos, slots, keep_rows, pending, prev_tokens)
+            extra = [row for _, _, rows in prompt_rows for row in rows]
+            logits = self._execute_eager(
+                decodes,
+                prefills,
+                ids,
+                pos,
+                slots,
+                [row for _, row in keep_rows] + extra,
+                pending,
+                prev_tokens,
+            )
+            logits, prompt = logits[: len(keep_rows)], logits[len(keep_rows) :]  # (N, V), (M, V)
+            offset = 0
+            for req, first, rows in prompt_rows:
+                self.prompt_logits.append((req, first, prompt[offset : offset + len(rows)]))
+                offset += len(rows)
         self._stop_timer(timer)
         return logits, [r for r, _ in keep_rows]
+
+    @staticmethod
+    def _prompt_rows(
+        decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
+    ) -> list[tuple[Request, int, list[int]]]:
+        """Per request that wants prompt logprobs and computes prompt positions it has no entry for, other
+        than its last prompt token: (request, first such position, their rows in the packed batch), the
+        rows laid out as `_pack` lays them out (decode rows first, then the prefill chunks)."""
+        out: list[tuple[Request, int, list[int]]] = []
+        row = 0
+        for r, n in [*decodes, *prefills]:
+            if r.wants_prompt_logprobs:
+                p0 = r.num_computed_tokens
+                first = max(p0, len(r.prompt_logprobs))
+                end = min(p0 + n, r.num_prompt_tokens - 1)
+                if first < end:
+                    out.append((r, first, list(range(row + first - p0, row + end - p0))))
+            row += n
+        return out
 
     def _execute_eager(
         self,
@@ -348,17 +398,18 @@ class ModelRunner:
         ids: list[int],
         pos: list[int],
         slots: list[int],
-        keep_rows: list[tuple[Request, int]],
+        keep_rows: list[int],
         pending: list[tuple[int, int]],
         prev_tokens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The packed step as it is: every input in one staged copy (two with the triton backend)."""
+        """The packed step as it is: every input in one staged copy (two with the triton backend); the
+        logits of the rows `keep_rows`, in that order."""
         triton = self.backend == "triton"
         parts: list[Sequence[int] | np.ndarray] = [
             ids,
             pos,
             slots,
-            [row for _, row in keep_rows],
+            keep_rows,
             [a for a, _ in pending],
             [b for _, b in pending],
         ]

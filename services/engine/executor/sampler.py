@@ -1,8 +1,10 @@
 """Turns the logits of one step into one token per sampling request, vectorised over the batch.
 
-Order of operations per row: penalties (repetition over prompt and output, presence and frequency over
-the output), suppression of EOS / stop ids before `min_new_tokens`, then either argmax (greedy) or
-temperature → top-k → top-p → min-p → a draw. A draw is `argmax(probs / q)` with `q ~ Exp(1)`, which
+Order of operations per row: logit bias, penalties (repetition over prompt and output, presence and
+frequency over the output), suppression of EOS / stop ids before `min_new_tokens`, the grammar's token
+mask (structured outputs: `GrammarBatch.mask_`, executor/grammar_mask.py), then either argmax (greedy) or
+temperature → top-k → top-p → min-p → a draw. A step in which no request has a bias or a grammar does
+none of that work. A draw is `argmax(probs / q)` with `q ~ Exp(1)`, which
 picks token i with probability probs[i]; a seeded request draws `q` from its own generator, so its
 tokens do not depend on what else is in the batch. Log-probabilities are those of the model's raw
 distribution.
@@ -36,6 +38,7 @@ import torch
 
 from services.engine.core.params import TokenLogprob
 from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.executor.grammar_mask import GrammarBatch
 
 
 @dataclass
@@ -112,10 +115,14 @@ class SampleHandle:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    """`grammar`: the engine's mask builder when it serves structured outputs (None: requests with a
+    grammar state must not come)."""
+
+    def __init__(self, device: torch.device, seed: int = 0, grammar: GrammarBatch | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.grammar = grammar
 
     def sample(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SampleResult:
         """logits: (N, V), row i for reqs[i]. Launches and waits: `launch(...).result()`."""
@@ -124,9 +131,25 @@ class Sampler:
     def launch(self, logits: torch.Tensor, reqs: Sequence[Request]) -> SampleHandle:
         """Samples one token per row without waiting for the device (see the module docstring).
 
-        Requests with penalties need the host values of their output tokens: none may hold a placeholder
-        (`Request.prev_row >= 0`) here; the engine reads the previous step's results first."""
+        Requests with penalties or a grammar need the host values of their output tokens: none may hold
+        a placeholder (`Request.prev_row >= 0`) here; the engine reads the previous step's results first."""
         return self._launch(logits, reqs, None)
+
+    def prompt_logprobs(self, logits: torch.Tensor, targets: Sequence[int], k: int) -> SampleHandle:
+        """Log-probabilities of prompt tokens under the model's raw distribution, without waiting for the
+        device: logits (R, V), row j predicting `targets[j]`; `result().logprobs[j]` holds its log-prob
+        and its top-k (0..20) alternatives."""
+        n = len(targets)
+        if n == 0:
+            empty = torch.empty((0,), dtype=torch.long, device=logits.device)
+            return SampleHandle(empty, empty, 0, None)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+        tokens = self._to_device(list(targets), torch.long)  # (R,)
+        chosen = lp.gather(1, tokens[:, None])[:, 0]
+        top_vals, top_ids = lp.topk(k, dim=-1)  # (R, k)
+        parts = (tokens, chosen, top_ids.reshape(-1), top_vals.reshape(-1))
+        packed = torch.cat([t.to(torch.float64) for t in parts])
+        return SampleHandle(tokens, packed, n, _LogprobLayout(list(range(n)), k, [k] * n))
 
     def verify(
         self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
@@ -137,8 +160,8 @@ class Sampler:
         in order, row j being the distribution after its first j drafts. Returns, per request, the
         accepted drafts then one more token (greedy: the argmax of the first row that disagrees with its
         draft, or of the last row; sampling: rejection sampling, exact). A request without drafts gets
-        what `launch` would give it. Requests with drafts may have no penalties and must be past
-        `min_new_tokens` (their rows are processed alone, without the drafts before them)."""
+        what `launch` would give it. Requests with drafts may have no penalties nor grammar and must be
+        past `min_new_tokens` (their rows are processed alone, without the drafts before them)."""
         if len(drafts) != len(reqs):
             raise ValueError(f"{len(reqs)} requests but {len(drafts)} draft lists")
         rows: list[Request] = []
@@ -146,6 +169,7 @@ class Sampler:
         for r, d in zip(reqs, drafts, strict=True):
             if d:
                 assert not r.sampling.has_penalties, "drafts for a request with penalties"
+                assert r.grammar is None, "drafts for a request with a grammar"
                 assert r.num_output_tokens >= r.stopping.min_new_tokens, "drafts before min_new_tokens"
                 if r.sampling.seed is not None and not r.sampling.greedy:
                     rewind[id(r)] = []
@@ -182,12 +206,16 @@ class Sampler:
         if all(r.plain_greedy for r in reqs):
             tokens = raw.max(dim=-1).indices
             return SampleHandle(tokens, tokens, n, None)
-        x = raw
+        x = self._add_logit_bias(raw, reqs)
         pen_rows = [i for i, r in enumerate(reqs) if r.sampling.has_penalties]
         if pen_rows:
-            x = x.clone()
+            x = x.clone() if x is raw else x
             self._apply_penalties(x, [reqs[i] for i in pen_rows], pen_rows)
         x = self._suppress_early_stops(x, reqs, x is raw)
+        if any(r.grammar is not None for r in reqs):
+            assert self.grammar is not None, "a grammar request reached a sampler without a mask builder"
+            x = x.clone() if x is raw else x
+            self.grammar.mask_(x, [r.grammar for r in reqs])
         tokens = x.max(dim=-1).indices  # (N,) the first maximum, as argmax; faster on CPU
         sampled_rows = [i for i, r in enumerate(reqs) if not r.sampling.greedy]
         if sampled_rows:
@@ -210,6 +238,21 @@ class Sampler:
         return staged.to(self.device, non_blocking=True)
 
     # ---- processors ----------------------------------------------------------------------------
+
+    def _add_logit_bias(self, raw: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """raw (N, V) itself when no request has a logit bias, else a copy with the biases added."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, r in enumerate(reqs):
+            for token, bias in r.sampling.logit_bias:
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        if not rows:
+            return raw
+        index = (self._to_device(rows, torch.long), self._to_device(cols, torch.long))
+        return raw.index_put(index, self._to_device(values, raw.dtype), accumulate=True)
 
     def _apply_penalties(self, x: torch.Tensor, reqs: Sequence[Request], rows: list[int]) -> None:
         """In place on x rows `rows` (N, V)."""

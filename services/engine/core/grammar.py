@@ -1,14 +1,14 @@
-"""Structured outputs: grammars compiled off the step thread, one matcher state per request, token bitmasks.
+"""Structured outputs, host side: grammar specs, their compiles off the step thread, one state per request.
 
 A request's grammar is a `GrammarSpec` (OpenAI `response_format` json_object / json_schema, or a
 `structured_outputs` json, regex, choice or grammar). `GrammarCompiler.submit` compiles it in a thread
 pool against the model's tokenizer and caches the result by `GrammarSpec.key` (bounded LRU); the engine
 polls the returned `GrammarHandle.ready()` and schedules the request only once it is. Each request then
 holds a `GrammarState`, advanced only with the tokens it keeps (`accept`; `rollback` undoes rejected
-speculative drafts; `reset`/`replay` rebuild it after preemption). Each step, `GrammarBatch.fill` writes
-one bitmask row per sampled row, (rows, ceil(vocab / 32)) int32 on the host, bit j of word w allowing
-token 32·w + j, and `apply_bitmask_` sets the logits of forbidden tokens to -inf in place, on CPU or CUDA
-by the same torch code: after penalties, before temperature / top-k / top-p.
+speculative drafts; `reset`/`replay` rebuild it from a list of kept tokens). The token masks are the
+executor's (services/engine/executor/grammar_mask.py): each step `GrammarBatch` writes one bitmask row
+per sampled row from these states and the sampler sets the logits of forbidden tokens to -inf, after
+logit bias and penalties, before temperature / top-k / top-p.
 
 A grammar that has ended (`GrammarState.is_terminated`) allows only the EOS ids; the engine finishes
 such a request with `stop`. Bad input (a schema that is not JSON, an unknown or, when strict,
@@ -41,9 +41,7 @@ torch, transformers, triton and a runtime of its own). Correctness notes: llguid
 sticky (a matcher never leaves an error state, not even by `reset`), so `GrammarState` checks each token
 before consuming it; EOS accepted after the grammar has ended is not recorded by the matcher, so
 `GrammarState` counts those itself for `rollback`; regexes are Rust-regex syntax (no look-around or
-backreferences: a GrammarError). llguidance's own `apply_token_bitmask_inplace` is a torch.compile'd
-function: 0.05 ms instead of 2.1 ms at (64, 8192) on this CPU, but its first call compiled for 19 s here
-and each new shape class for 1.6 s more, so `apply_bitmask_` runs the same operations eagerly.
+backreferences: a GrammarError).
 
 JSON whitespace is bounded (`JSON_WHITESPACE`: at most 20 characters between tokens), so a model cannot
 loop on blanks. `strict` JSON schemas (OpenAI's `strict: true`) reject keywords the library cannot
@@ -62,15 +60,13 @@ from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
-import llguidance.torch as llguidance_torch
-import torch
-import transformers
 from tokenizers import Tokenizer
 
-from services.engine.executor.model_runner import read_eos_ids
+if TYPE_CHECKING:
+    import torch
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -205,11 +201,6 @@ def _first_lines(message: str) -> str:
     return message.split("\n<state>")[0].strip()[:_MAX_ERROR_CHARS]
 
 
-def bitmask_words(vocab_size: int) -> int:
-    """Width of one bitmask row in int32 words: one bit per token."""
-    return (vocab_size + 31) // 32
-
-
 class CompiledGrammar:
     """A spec compiled for one tokenizer: immutable, shared by every request with the same key.
 
@@ -269,13 +260,21 @@ class GrammarState:
         if held and not self._matcher.rollback(held):
             raise RuntimeError(f"grammar matcher could not roll back {held} tokens")
 
+    @property
+    def matcher(self) -> llguidance.LLMatcher:
+        """The llguidance matcher, for the executor's batched mask fill (which leaves it as it was)."""
+        return self._matcher
+
     def is_terminated(self) -> bool:
         """True when the grammar has ended: nothing but EOS may follow (the request finishes with stop)."""
         return self._matcher.is_stopped()
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the tokens allowed next into bitmask[row]; bitmask: (rows, words) int32 on the host."""
-        llguidance_torch.fill_next_token_bitmask(self._matcher, bitmask, row)
+        """Writes the tokens allowed next into bitmask[row]; bitmask: (rows, words) int32 on the host (the
+        executor fills a whole step's rows at once: executor/grammar_mask.py)."""
+        words = bitmask[row]
+        assert words.device.type == "cpu" and words.element_size() == 4 and words.is_contiguous()
+        self._matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def reset(self) -> None:
         """Back to the start of the grammar, as after `new_state()`."""
@@ -331,15 +330,14 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, model_dir: Path, **kwargs: Any) -> GrammarCompiler:
-        """Sized from `model_dir`: its tokenizer.json, and the larger of the tokenizer's vocabulary and
-        config.json's vocab_size (models pad their output layer); EOS ids as the engine reads them.
+    def from_model_dir(
+        cls, model_dir: Path, *, vocab_size: int, eos_ids: frozenset[int], **kwargs: Any
+    ) -> GrammarCompiler:
+        """Sized from `model_dir`'s tokenizer.json and the model's `vocab_size` (the larger of the two:
+        models pad their output layer), with the model's `eos_ids` (the engine passes its runner's).
         Building the tokenizer's index takes about 25 ms at 8k tokens and 1 s at 152k."""
-        model_dir = Path(model_dir)
-        config = transformers.AutoConfig.from_pretrained(model_dir)
-        text = (model_dir / "tokenizer.json").read_text()
-        n_vocab = max(int(config.vocab_size), Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True))
-        eos_ids = read_eos_ids(model_dir, config)
+        text = (Path(model_dir) / "tokenizer.json").read_text()
+        n_vocab = max(vocab_size, Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True))
         tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=sorted(eos_ids) or None)
         return cls(tokenizer, frozenset(tokenizer.eos_tokens), **kwargs)
 
@@ -377,77 +375,3 @@ class GrammarCompiler:
             with self._lock:
                 if self._cache.get(key) is future:
                     del self._cache[key]
-
-
-class GrammarBatch:
-    """Builds a step's bitmask: one row per sampled row, in the sampler's layout (a request with d drafts
-    owns d + 1 consecutive rows; row j is the distribution after its first j drafts).
-
-    Owns a reusable host buffer (pinned when CUDA is available) and llguidance's thread pool; `fill`
-    reads the states and leaves them as they were (drafts are accepted and rolled back inside)."""
-
-    def __init__(self, vocab_size: int, threads: int | None = None) -> None:
-        self.vocab_size = vocab_size
-        self._words = bitmask_words(vocab_size)
-        self._executor = llguidance.LLExecutor(num_threads=threads)
-        self._pin = torch.cuda.is_available()
-        self._buffer = torch.empty((0, self._words), dtype=torch.int32)
-
-    def fill(
-        self,
-        states: Sequence[GrammarState | None],
-        drafts: Sequence[Sequence[int]] | None = None,
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The bitmask (rows, words) int32 on the host (valid until the next call) and the rows a grammar
-        constrains. `states[i]` is request i's state (None: unconstrained, its rows allow every token);
-        `drafts[i]` its drafted tokens (none when `drafts` is None). A draft row after a draft the grammar
-        forbids is left allowing everything: the verify step never keeps its token."""
-        sizes = [1 + len(drafts[i]) if drafts is not None else 1 for i in range(len(states))]
-        bitmask = self._rows(sum(sizes))
-        bitmask.fill_(-1)
-        plain: list[tuple[llguidance.LLMatcher, int]] = []
-        drafted: list[tuple[llguidance.LLMatcher, int, list[int]]] = []
-        rows: list[int] = []
-        start = 0
-        for i, (state, size) in enumerate(zip(states, sizes, strict=True)):
-            if state is not None:
-                rows.extend(range(start, start + size))
-                if size == 1:
-                    plain.append((state._matcher, start))
-                else:
-                    drafted.append((state._matcher, start, list(drafts[i])))  # type: ignore[index]
-            start += size
-        if plain:
-            llguidance_torch.fill_next_token_bitmask_par(self._executor, plain, bitmask)
-        if drafted:
-            llguidance_torch.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
-        return bitmask, rows
-
-    def _rows(self, n: int) -> torch.Tensor:
-        if self._buffer.shape[0] < n:
-            self._buffer = torch.empty(
-                (max(n, 2 * self._buffer.shape[0]), self._words), dtype=torch.int32, pin_memory=self._pin
-            )
-        return self._buffer[:n]
-
-
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Sets to -inf, in place, the logits of the tokens that `bitmask` forbids in the listed rows.
-
-    logits: (R, V) float on any device; bitmask: (R, W) int32 on the host, 32·W >= V (tokens past V are
-    ignored); rows: the rows to mask (others are left untouched). The same torch code runs on CPU and
-    CUDA; the host → device copy is non-blocking from a pinned buffer."""
-    if not rows:
-        return
-    n, vocab = logits.shape
-    assert bitmask.shape[0] >= n and bitmask.shape[1] * 32 >= vocab, (tuple(bitmask.shape), (n, vocab))
-    every_row = len(rows) == n
-    masks = bitmask[:n] if every_row else bitmask[list(rows)]  # (r, W)
-    masks = masks.to(logits.device, non_blocking=True)
-    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-    blocked = (((masks.unsqueeze(-1) >> bits) & 1) == 0).view(len(rows), -1)[:, :vocab]  # (r, V) bool
-    if every_row:
-        logits.masked_fill_(blocked, float("-inf"))
-        return
-    index = torch.tensor(list(rows), dtype=torch.long).to(logits.device, non_blocking=True)  # (r,)
-    logits[index] = logits[index].masked_fill(blocked, float("-inf"))
