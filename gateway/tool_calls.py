@@ -53,7 +53,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 TOOL_CHOICES = ("none", "auto", "required")
 # JSON whitespace allowed between tokens of constrained arguments, as the engine allows in response
-# formats (services/engine/grammar.py), so that a model cannot loop on blanks.
+# formats (services/engine/core/grammar.py), so that a model cannot loop on blanks.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 
 
