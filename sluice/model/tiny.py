@@ -63,7 +63,9 @@ from sluice.model.tokenizer import (
 )
 from sluice.model.train import TrainConfig, TrainReport, train
 
-RECIPE_VERSION = 3
+# Part of a trained model's cache key: a change to what the directory holds (weights, tokenizer, chat
+# template) bumps it. 4: the chat template renders tools and tool-call history.
+RECIPE_VERSION = 4
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
