@@ -1,9 +1,5 @@
 """What every benchmark shares: its common flags, the run's metadata, JSON, tables, plots and ratios.
-
-Flags (`add_flags`): `--model`, `--json`, `--plot`, `--quick`, `--threads`, `--no-progress`, `--device`,
-`--dtype`, `--seed`, `--repeat`, with the same meaning, type and default in every benchmark that has them
-(a benchmark may reword the help). Comma-list and range types (`int_list`, `int_range`, `names`) raise
-argparse errors, so a bad value exits with status 2 and a usage line.
+Argparse types raise argparse errors, so a bad value exits with status 2 and a usage line.
 """
 
 from __future__ import annotations
@@ -93,6 +89,13 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
 }
+
+
+def add_count(
+    parser: argparse.ArgumentParser | Any, flag: str, default: Any, about: str, type: Any = positive_int
+) -> None:
+    """Adds `flag`, a number (by default an integer >= 1) with metavar N, to `parser`."""
+    parser.add_argument(flag, type=type, default=default, metavar="N", help=about)
 
 
 def add_flags(parser: argparse.ArgumentParser | Any, *flags: str, **helps: str) -> None:
@@ -212,6 +215,19 @@ def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None
     lines = [line(row) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+Column = tuple[str, Callable[[Any], object]]  # header, the cell of one item
+
+
+def cells(columns: Sequence[Column], item: Any) -> list[object]:
+    """One row of a table: each column's cell of `item`."""
+    return [cell(item) for _, cell in columns]
+
+
+def column_table(columns: Sequence[Column], items: Iterable[Any], right_from: int | None = None) -> str:
+    """`format_table` of a header and one row per item (see `cells`)."""
+    return format_table([[header for header, _ in columns], *(cells(columns, i) for i in items)], right_from)
 
 
 def json_safe(value: Any) -> Any:

@@ -1,18 +1,8 @@
-"""`sluice bench compare`: sluice's three batching policies, and transformers' own server, under a sweep
-of request rates.
-
-Measures output tokens/s and p99 time to first token (TTFT) against request rate for sluice's batching
-policies (static, dynamic, continuous: one pipeline each, started here) and for `transformers serve
---continuous-batching` on the same model (the peer, unless --no-peer), on one seeded workload of
-random-word prompts sent as streaming OpenAI completions with Poisson arrivals (rate inf: all at once):
-a sweep (sweep.py) whose systems are the policies and the peer and whose points are the rates. Prints a
-table of every point, sluice-continuous ÷ peer at each rate, per policy the highest rate whose p99 TTFT
-stays under --ttft-bound-ms, and continuous's highest rate ÷ static's. Every system runs the same
-requests greedily and stops at EOS (the peer does not accept ignore_eos), so each generates the same
-tokens; tokens/s counts the tokens produced, and "(EOS)" marks points that produced fewer than
-max_tokens. The defaults take about 4 minutes on a 2-core CPU with the embedded model. Exit status 0
-when every system ran every point, 1 when a system failed to start or a point completed no request, 2 on
-bad arguments.
+"""`sluice bench compare`: output tokens/s and p99 TTFT against request rate for sluice's batching policies
+(one pipeline each) and `transformers serve --continuous-batching` (the peer) on one seeded workload of
+streaming OpenAI completions, greedy and stopping at EOS (the peer rejects ignore_eos); "(EOS)" marks points
+that produced fewer than max_tokens. Exit status 0 when every system ran every point, 1 when a system failed
+to start or a point completed no request, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -26,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench.common import (
+    Column,
+    add_count,
+    cells,
+    column_table,
     figure,
     fmt,
     format_table,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     ratio,
     save_figure,
@@ -106,30 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    policies = ",".join(BATCHING_POLICIES[::-1])
-    add(
-        "--policies",
-        type=names(BATCHING_POLICIES, "policy"),
-        default=BATCHING_POLICIES[::-1],
-        metavar="LIST",
-        help=f"sluice batching policies to run (default {policies})",
-    )
-    add(
-        "--rates",
-        type=_rates,
-        default=DEFAULT_RATES,
-        metavar="LIST",
-        help="request rates in requests/s, inf = all at once (default 2,8,32,inf)",
-    )
-    add("--input-len", type=positive_int, default=64, metavar="N", help="mean prompt words (default 64)")
-    add("--output-len", type=positive_int, default=128, metavar="N", help="mean output tokens (default 128)")
-    add(
-        "--ttft-bound-ms",
-        type=positive_float,
-        default=1000.0,
-        metavar="MS",
-        help="p99 TTFT bound of the highest-rate figure (default 1000)",
-    )
+    about = f"sluice batching policies to run (default {','.join(BATCHING_POLICIES[::-1])})"
+    policies = names(BATCHING_POLICIES, "policy")
+    add("--policies", type=policies, default=BATCHING_POLICIES[::-1], metavar="LIST", help=about)
+    about = "request rates in requests/s, inf = all at once (default 2,8,32,inf)"
+    add("--rates", type=_rates, default=DEFAULT_RATES, metavar="LIST", help=about)
+    add_count(parser, "--input-len", 64, "mean prompt words (default 64)")
+    add_count(parser, "--output-len", 128, "mean output tokens (default 128)")
+    about = "p99 TTFT bound of the highest-rate figure (default 1000)"
+    add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     add("--no-peer", action="store_true", help="skip transformers serve")
     add_sweep_flags(
         parser,
@@ -239,54 +217,42 @@ def peer_ratios(head: SystemRun, peer: SystemRun) -> list[dict[str, Any]]:
 
 
 def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
-    header = (
-        "system",
-        "rate req/s",
-        "done",
-        "out tok/s",
-        "p50 TTFT ms",
-        "p99 TTFT ms",
-        "p50 TPOT ms",
-        "tokens out/asked",
-    )
-    lines = [header]
+    def tokens(p: Point) -> str:
+        return f"{p.summary['total_output_tokens']}/{p.asked_tokens}" + (
+            " (EOS)" if p.short_of_tokens else ""
+        )
+
+    columns: list[Column] = [
+        ("system", lambda p: _label(p.system)),
+        ("rate req/s", lambda p: _rate_text(p.rate)),
+        ("done", lambda p: f"{p.completed}/{num_requests}"),
+        ("out tok/s", lambda p: fmt(p.tokens_per_s, ".1f")),
+        ("p50 TTFT ms", lambda p: fmt(p.summary["ttft_ms"]["p50"], ".0f")),
+        ("p99 TTFT ms", lambda p: fmt(p.ttft_p99_ms, ".0f")),
+        ("p50 TPOT ms", lambda p: fmt(p.summary["tpot_ms"]["p50"], ".1f")),
+        ("tokens out/asked", tokens),
+    ]
+    rows: list[Sequence[object]] = [[header for header, _ in columns]]
     for run in runs.values():
         if run.error is not None:
-            lines.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
-        for p in run.points:
-            s = p.summary
-            short = " (EOS)" if p.short_of_tokens else ""
-            lines.append(
-                (
-                    _label(run.name),
-                    _rate_text(p.rate),
-                    f"{p.completed}/{num_requests}",
-                    fmt(p.tokens_per_s, ".1f"),
-                    fmt(s["ttft_ms"]["p50"], ".0f"),
-                    fmt(p.ttft_p99_ms, ".0f"),
-                    fmt(s["tpot_ms"]["p50"], ".1f"),
-                    f"{s['total_output_tokens']}/{p.asked_tokens}{short}",
-                )
-            )
-    return format_table(lines)
+            rows.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
+        rows += [cells(columns, p) for p in run.points]
+    return format_table(rows)
 
 
 def format_peer(rows: list[dict[str, Any]]) -> str:
-    header = ("rate req/s", "tok/s ÷ peer", "p99 TTFT ÷ peer", "peer tokens out/asked")
-    lines: list[tuple[str, ...]] = [header]
-    for row in rows:
+    def tokens(row: dict[str, Any]) -> str:
         out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
         note = " (EOS)" if out < asked else ""
-        shown = f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
-        lines.append(
-            (
-                _rate_text(row["rate"]),
-                fmt(row["tokens_per_s_ratio"], ".2f"),
-                fmt(row["ttft_p99_ratio"], ".2f"),
-                shown,
-            )
-        )
-    return format_table(lines)
+        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
+
+    columns: list[Column] = [
+        ("rate req/s", lambda row: _rate_text(row["rate"])),
+        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
+        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
+        ("peer tokens out/asked", tokens),
+    ]
+    return column_table(columns, rows)
 
 
 # ---- output -----------------------------------------------------------------------------------------
@@ -307,17 +273,12 @@ def to_json(
         for name, run in runs.items()
     }
     head, peer = runs.get(HEADLINE), runs.get(PEER)
+    value, note = capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), rates)
     return {
         "meta": meta,
         "systems": systems,
         "highest_rate_under_ttft_bound": capacities,
-        "capacity_ratio": dict(
-            zip(
-                ("value", "note"),
-                capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), rates),
-                strict=True,
-            )
-        ),
+        "capacity_ratio": {"value": value, "note": note},
         "peer_ratios": peer_ratios(head, peer) if head and peer else [],
     }
 

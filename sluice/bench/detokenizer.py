@@ -1,17 +1,6 @@
-"""`sluice bench detokenizer`: the detokenizer service against in-process `tokenizers`, in one run.
-
-Starts `sluice serve detokenizer` as a child process on a free port. For every generated length L and
-concurrency C, C requests each turn L ids of real text into text:
-
-- `mux`: on one multiplexed `Stream` call, one message per engine step carrying one id for each of
-  the C requests (a start message first, a close message last), written as fast as the service
-  answers (a few messages in flight, as a gateway forwards engine steps);
-- `per-request`: C concurrent `DetokenizeStream` calls, one chunk of one id per step;
-- `in-process`: `tokenizers.decoders.DecodeStream.step` per id for the C requests, in this process.
-
-Every service text is checked against the full decode. Prints tokens/s and ratios, and again the
-multiplexed stream's figures at 256 requests (written as "target" in the JSON: the cell
-docs/benchmarks.md sets a target for).
+"""`sluice bench detokenizer`: the detokenizer service (a child process; one multiplexed `Stream`, or
+per-request `DetokenizeStream` calls) against in-process `tokenizers.decoders.DecodeStream`, every text
+checked against the full decode (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""`sluice bench engine`: the engine against transformers on one fixed workload, in one process.
-
-The model: `--preset tiny` (the default; a random-weight tiny Llama written to a temporary directory),
-`qwen2-0.5b`, `llama-1b` or `llama-8b` (random weights in those models' shapes, cached; see
-sluice/model/presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it
-builds the workload (that many requests arriving at once, prompts 16-256 tokens, outputs 8-256 tokens,
-fixed seed), times each method on it, checks every method's greedy outputs against hf-sequential's
-(near-ties of the reference's logits told apart from real differences), and prints one table per
-concurrency. Then it times decode-only steps of the engine at `--decode-batch` rows (CUDA graphs on and
-off on CUDA) against the memory roofline (engine_roofline.py), and prints sluice-continuous's tokens/s
-over each transformers method's and CUDA graphs' decode speed-up. Exit status 0 when every method ran, 1
-when one failed, 2 on bad arguments.
+"""`sluice bench engine`: the engine against transformers on one fixed workload, in one process: per
+`--concurrency` every method timed and its greedy outputs checked against hf-sequential's, then decode-only
+steps against the memory roofline (docs/benchmarks.md). Exit status 0 when every method ran, 1 when one
+failed, 2 on bad arguments.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The engine core driven in-process by the benchmarks: settings, KV sizing, requests, stepping, memory.
-
-Every benchmark that runs `LLMEngine` in its own process (`engine`, `latency`, `pipeline`, and `compare`
-for the policy names) goes through this module, and this module alone imports the engine's modules.
-
-A benchmark's engine holds its whole workload at once: `engine_settings` sizes the KV pool for requests of
-the given total lengths (prompt + output, plus `extra` tokens each, e.g. speculative drafts) with
-`KV_SLACK` to spare, so no request is preempted, and sets a context length just above the longest (the
-model's own may not fit the pool). The size is explicit on CUDA too: the engine's automatic size would
-take most of the free memory and starve whatever runs in the same process after it.
+"""The engine core driven in-process by the benchmarks (the only benchmark module importing the engine's
+modules): settings, KV sizing, requests, stepping, memory. A benchmark's engine holds its whole workload at
+once: the KV pool is sized explicitly for the given request lengths (with `KV_SLACK`), so no request is
+preempted and, on CUDA, the rest of the process keeps its memory.
 """
 
 from __future__ import annotations

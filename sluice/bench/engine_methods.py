@@ -1,10 +1,6 @@
-"""The methods the engine benchmark times: transformers baselines and the sluice engine's three policies
-(continuous batching also with CUDA graphs off), and the decode-step measurement.
-
-Every method takes the same `BenchContext` and `Workload` and returns a `MethodResult` holding, for each
-request in workload order, exactly its `max_new_tokens[i]` greedy tokens. EOS never ends a request early:
-the transformers baselines run with no EOS id, the engine with `ignore_eos`. Each method first runs a
-short warm-up request outside the timed region.
+"""The methods the engine benchmark times (transformers baselines, the engine's policies) and the decode-step
+measurement. Every method returns, per request in workload order, exactly its `max_new_tokens[i]` greedy
+tokens (EOS never ends a request), and runs a short warm-up outside the timed region.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Figures of one engine-benchmark run: comparison with the reference, ratios, tables, JSON and plot.
-
-A run is one block per concurrency (every method on that workload) and the decode-step measurement.
+"""Figures of one engine-benchmark run (one block per concurrency, and the decode steps): the greedy
+comparison with the reference, ratios, tables, JSON and plot.
 """
 
 from __future__ import annotations

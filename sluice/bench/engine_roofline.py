@@ -1,9 +1,6 @@
-"""The memory roofline of a decode step: the least time a step can take when reading memory is the limit.
-
-A decode-only step of batch B reads every weight the forward multiplies by once (the input embedding
-only at B rows, so an untied embedding table does not count; a tied one is read whole as the output
-projection) and the KV cache of every row: B × context × layers × 2 (K and V) × KV heads × head_dim
-elements. roofline = (weight bytes + KV bytes) ÷ the device's memory bandwidth.
+"""The memory roofline of a decode step: (weight bytes + KV bytes read) ÷ memory bandwidth. A step of
+batch B reads every weight the forward multiplies by (a tied embedding whole, as the output projection; an
+untied input embedding only at B rows) and B × context × layers × 2 × KV heads × head_dim KV elements.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""The fixed workload of the engine benchmark: random-token requests (the model: sluice/model/presets.py).
-
-Everything here is a pure function of the seed, so every method of one run (and every run with the
-same seed) sees the same requests.
+"""The fixed workload of the engine benchmark: random-token requests, a pure function of the seed.
 """
 
 from __future__ import annotations

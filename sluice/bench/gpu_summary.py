@@ -1,12 +1,6 @@
-"""One table summarising scripts/gpu_check.sh: the GPU tests' outcome and each engine benchmark's figures.
-
-Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
-concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
-its decode-only steps (tokens/s, the step time against the memory roofline), and its ratios. The latency
-benchmark's JSON (`"bench": "latency"`) gives a row per variant, workload and batch (tok/s; × off, TTFT and
-speculation's acceptance in the last column), the larger shape's batch-1 decode, perplexity and KV blocks.
-A stage that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so;
-one that stopped after some concurrencies shows their figures (the benchmark writes its JSON after each).
+"""One table summarising scripts/gpu_check.sh: the GPU tests' outcome (pytest's JUnit XML) and the figures of
+each engine and latency benchmark JSON; a stage that failed or timed out before writing its JSON gets one
+row saying so.
 """
 
 from __future__ import annotations

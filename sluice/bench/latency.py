@@ -1,22 +1,6 @@
-"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine.
-
-Each variant (off: the plain engine; ngram: prompt-lookup speculation; int8: int8 weight-only; fp8: float8
-weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads of the model
-(sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive
-one). Per variant and workload: batch-1 decode tokens/s and TTFT p50 over `--num-requests` requests one
-at a time, and output tokens/s and TTFT p50 / p99 with `--concurrency` requests added at once (after a
-warm-up of both shapes); ngram's acceptance rate and mean accepted length. The model is the embedded chat
-model unless `--model` or `--preset` (random weights, sluice/model/presets.py) says otherwise.
-
-Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
-a few requests); perplexity of the embedded chat model (or
-`--quality-model`) on held-out text, unquantized against each quantization, through the engine's model
-runner (sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and
-fp8. `--repeat N` runs the variants N times in turn (one engine at a time, rebuilt each round) and keeps
-each measurement's best, so that a busy spell of the machine weighs on one round of every variant rather
-than on one variant; the larger shape's runs are repeated in place. Prints the tables (each figure with
-its ratio to off, or to unquantized). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped,
-not failed), 1 otherwise, 2 on bad arguments.
+"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine, one
+in-process engine per variant at a time (docs/benchmarks.md describes the stages and figures). Exit status
+0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -35,11 +19,11 @@ from sluice.bench import engine_driver as drv
 from sluice.bench import latency_report as rep
 from sluice.bench import perplexity as ppl
 from sluice.bench.common import (
+    add_count,
     add_flags,
     error_text,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -108,39 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
     add_flags(model, "model", model="a local Hugging Face model")
-    model.add_argument(
-        "--preset",
-        default=None,
-        choices=PRESET_NAMES,
-        help="random weights in a model's shape (default: the embedded chat model)",
-    )
-    add(
-        "--variants",
-        type=names(tuple(VARIANTS), "variant(s)"),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)",
-    )
-    add(
-        "--workloads",
-        type=names(WORKLOADS, "workload(s)"),
-        default=WORKLOADS,
-        metavar="LIST",
-        help="repetitive,non-repetitive",
-    )
-    add_flags(
-        parser,
-        "seed",
-        "device",
-        "dtype",
-        dtype="the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
-    )
-    add(
-        "--int8-preset",
-        default=None,
-        choices=(*PRESET_NAMES, "none"),
-        help="the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)",
-    )
+    about = "random weights in a model's shape (default: the embedded chat model)"
+    model.add_argument("--preset", default=None, choices=PRESET_NAMES, help=about)
+    about = f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
+    add("--variants", type=names(tuple(VARIANTS), "variant(s)"), default=None, metavar="LIST", help=about)
+    about = "repetitive,non-repetitive"
+    add("--workloads", type=names(WORKLOADS, "workload(s)"), default=WORKLOADS, metavar="LIST", help=about)
+    about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
+    add_flags(parser, "seed", "device", "dtype", dtype=about)
+    about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
+    add("--int8-preset", default=None, choices=(*PRESET_NAMES, "none"), help=about)
     for flag, about in (
         ("num_requests", "batch-1 requests per workload"),
         ("concurrency", "requests added at once"),
@@ -148,60 +109,28 @@ def build_parser() -> argparse.ArgumentParser:
         ("shape_requests", "requests on the --int8-preset shape"),
         ("shape_output_len", "their output tokens"),
     ):
-        add(
-            f"--{flag.replace('_', '-')}",
-            type=positive_int,
-            metavar="N",
-            help=f"{about} (default {FULL_DEFAULTS[flag]})",
-        )
-    add(
-        "--perplexity-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="held-out tokens scored for perplexity (default 16384; 0 = skip)",
-    )
-    add(
-        "--kv-budget-gb",
-        type=positive_float,
-        default=KV_BUDGET_GB,
-        metavar="GB",
-        help="CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8",
-    )
+        add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {FULL_DEFAULTS[flag]})")
+    about = "held-out tokens scored for perplexity (default 16384; 0 = skip)"
+    add_count(parser, "--perplexity-tokens", None, about, type=int)
+    about = "CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8"
+    add("--kv-budget-gb", type=positive_float, default=KV_BUDGET_GB, metavar="GB", help=about)
     for name in SPEC_FLAGS:
-        add(
-            f"--{name.replace('_', '-')}",
-            type=float if "acceptance" in name else int,
-            default=None,
-            metavar="X" if "acceptance" in name else "N",
-            help=f"ngram variant: the engine's {name} (default: the engine's)",
-        )
-    add(
-        "--quality-model",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)",
+        flag = f"--{name.replace('_', '-')}"
+        about = f"ngram variant: the engine's {name} (default: the engine's)"
+        if "acceptance" in name:
+            add(flag, type=float, default=None, metavar="X", help=about)
+        else:
+            add_count(parser, flag, None, about, type=int)
+    about = "the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)"
+    add("--quality-model", type=Path, default=None, metavar="DIR", help=about)
+    about = (
+        "when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
+        "and leave perplexity out instead of training the model first (minutes)"
     )
-    add(
-        "--if-no-embedded",
-        default=None,
-        choices=PRESET_NAMES,
-        metavar="PRESET",
-        help="when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
-        "and leave perplexity out instead of training the model first (minutes)",
-    )
-    add_flags(
-        parser,
-        "repeat",
-        "threads",
-        "json",
-        "plot",
-        "quick",
-        "no-progress",
-        repeat="N rounds of every measurement, the best kept",
-        quick="tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
-    )
+    add("--if-no-embedded", default=None, choices=PRESET_NAMES, metavar="PRESET", help=about)
+    repeat = "N rounds of every measurement, the best kept"
+    quick = "tiny counts (2 / 4 requests, 12 tokens) for smoke tests"
+    add_flags(parser, "repeat", "threads", "json", "plot", "quick", "no-progress", repeat=repeat, quick=quick)
     return parser
 
 

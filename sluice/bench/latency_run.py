@@ -1,17 +1,7 @@
-"""Runs of `sluice bench latency`: one in-process LLMEngine per variant, timed at batch 1 and at N at once.
-
-A variant is the engine's settings for one technique (VARIANTS: speculation off, n-gram speculation, int8
-or fp8 weights). `build_engine` makes its engine (prefix caching off, so that no run reuses the KV of an
-earlier one and every TTFT is a full prefill; a pool that holds the whole workload at once); one engine
-lives at a time and `release` frees it before the next.
-
-- `run_batch1`: the requests one at a time. Per request: TTFT (add_request to the first token out) and
-  its decode time (first token to last); the batch-1 decode rate is the tokens after the first over the
-  summed decode times, the output rate every token over the summed request times.
-- `run_concurrent`: every request added at once, then stepped until all are done; the output rate is
-  every token over that wall time, TTFT per request from the moment all were added.
-Each run starts from `engine.reset_stats()`, and the run's engine statistics named `spec_*` (speculative
-decoding's proposed and accepted tokens, acceptance rate, mean accepted length) are kept with it.
+"""Timed runs of `sluice bench latency`, one in-process engine per variant (prefix caching off, so every
+TTFT is a full prefill). Batch 1: decode rate = tokens after the first ÷ summed first-to-last times.
+Concurrent: every request added at once; output rate = tokens ÷ wall time. Each run keeps the engine's
+`spec_*` statistics.
 """
 
 from __future__ import annotations

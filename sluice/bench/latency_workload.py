@@ -1,21 +1,7 @@
-"""The two workloads of `sluice bench latency`, and how much of each output copies its prompt.
-
-- **repetitive** (edit / repeat a document): for each request a seed S (the first SEED_TOKENS tokens of a
-  held-out paragraph, sluice/bench/perplexity.py) is continued greedily by the model itself for
-  `output_len` tokens (C). The document D = S + C goes into a user turn asking for it to be repeated, and
-  the assistant's answer starts with S; the request asks for `output_len` greedy tokens. A continuation
-  that copies the document is then the model's own greedy text, so any model that can copy at all copies
-  here (and a model whose greedy text loops, like the embedded one, loops in the prompt too).
-- **non-repetitive**: a short question about a held-out topic (a chat turn), answered by sampling at
-  NON_REPETITIVE_TEMPERATURE with a per-request seed, so the answer neither copies the prompt nor falls
-  into the loops greedy decoding of a small model falls into.
-
-Both ask for the same number of output tokens per request (EOS ignored). `copy_fraction` says how far an
-output copies its prompt (the share of its tokens inside a COPY_NGRAM-token span that also occurs in the
-prompt) and `lookup_fraction` how far prompt lookup can find it (the same against the prompt and the
-output before it, which is what the n-gram proposer searches); the benchmark prints both for each
-workload. A model directory without tokenizer.json (random-weight presets) gets words mapped to ids by a
-seeded hash: the same structure, other ids.
+"""The two workloads of `sluice bench latency` (docs/benchmarks.md), and how much of each output copies its
+prompt. `repetitive`: a user turn asks to repeat a document made of a held-out seed and the model's own
+greedy continuation of it; `non-repetitive`: short questions sampled at NON_REPETITIVE_TEMPERATURE. A model
+without tokenizer.json gets words mapped to ids by crc32.
 """
 
 from __future__ import annotations

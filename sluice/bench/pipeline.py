@@ -1,18 +1,6 @@
-"""`sluice bench pipeline`: what the four-service trip costs against the engine alone.
-
-A sweep (sweep.py) of one system, the four services, whose points are rounds: each runs one workload
-(all requests at once, greedy, fixed output lengths) twice on this machine:
-1. **in-process**: the prompts tokenized here exactly as the tokenizer service does, then the engine core
-   (`LLMEngine`, the same settings the service gets) stepped until every request is done;
-2. **end to end**: the same prompts as streaming requests through gateway → tokenizer → engine →
-   detokenizer (a `Stack` of real processes) from the load generator in this process.
-
-It prints output tokens/s both ways and their ratio, raw and scaled: the load generator shares the
-machine with the pipeline, so the end-to-end rate is also compared with the in-process rate times the
-share of the machine the generator leaves (`1 - generator CPU / (wall × cores)`). Where the difference
-goes: engine steps and mean step time both ways (the engine's own step histogram), each process's CPU
-seconds and cores used, and the gateway's per-stage times. With `--repeat N` the two runs alternate N
-times and the best of each is compared (every run is in the JSON).
+"""`sluice bench pipeline`: one workload through the engine in-process and through the four-service trip,
+output tokens/s both ways, raw and scaled by the share of the machine the load generator leaves
+(docs/benchmarks.md), and where the difference goes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""`sluice bench routing`: the gateway's engine routing policies (round_robin, least_load,
-prefix_affinity) compared across engine replicas on `sluice bench serve`'s shared-prefix workload (many
-tenants, each with a long shared context).
-
-A sweep (sweep.py) per round whose systems are the policies, one point each: for each policy it starts
-the whole pipeline with `--engines N` (the gateway's `SLUICE_ROUTING` set to the policy), runs the same
-seeded workload through the OpenAI API, and reads each engine's prefix-cache counters from its /metrics.
-It prints, per policy, output tokens/s, p90 time to first token, the prefix-cache hit rate and the share
-of prompt tokens each engine got, and the throughput and p90 TTFT relative to round_robin. With
-`--repeat N` it runs N rounds, the policies in alternating order (so drift of a shared machine falls on
-each alike), prints each round, and then the median over rounds of each policy's ratios to round_robin
-within the same round. Exit status 0 when every policy completed every request, 1 otherwise (also when a
-stack failed to start).
+"""`sluice bench routing`: the gateway's engine routing policies across engine replicas on the
+shared-prefix workload (docs/benchmarks.md), rounds with the policies in alternating order. Exit status 0
+when every policy completed every request, 1 otherwise (also when a stack failed to start).
 """
 
 from __future__ import annotations

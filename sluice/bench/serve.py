@@ -1,10 +1,6 @@
-"""`sluice bench serve`: a serving load generator against a running gateway, like `vllm bench serve`.
-
-Open loop: request i is sent at its arrival time whatever happened to the others (gaps drawn from a
-gamma distribution of shape `burstiness` around 1/rate, seeded; rate inf sends all at once), as its own
-task; `max_concurrency` holds it back until a slot is free (its latencies count from when it is sent).
-Prints a table (see `serve_report`); exit status 0 when some request completed, 1 when every one failed
-or the server could not be reached, 2 on bad arguments.
+"""`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md).
+Exit status 0 when some request completed, 1 when every one failed or the server could not be reached, 2 on
+bad arguments.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Figures of one `sluice bench serve` run: per-request records, their summary, a table, JSON and plots.
-
-Latencies are taken over the requests that succeeded: TTFT (send to first text), TPOT ((e2e - ttft) /
-(output tokens - 1), requests with more than one token), ITL (every gap between two chunks that
-carried text, all requests pooled) and E2E. Percentiles are numpy's (linear interpolation).
+"""Figures of one `sluice bench serve` run: records, summary, table, JSON, plots. Latencies are over the
+requests that succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token;
+ITL pools every gap between chunks that carried text.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Servers that benchmarks start and stop themselves, on free loopback ports.
-
-`Stack`: the whole sluice pipeline (tokenizer, engine, detokenizer, gateway) as four child processes
-of the calling process, built with the launcher's own plan (`sluice/launcher.py`), so their pids are
-known and their CPU time can be read. `PeerServer`: `transformers serve` on the same model directory,
-an OpenAI-compatible peer to measure sluice against.
-
-Both are context managers: entering starts the processes and returns once they answer (raising
-RuntimeError with the last lines a child wrote when one dies or never answers); leaving stops every
-process they started, SIGTERM first, SIGKILL after a grace period. Each child's stdout and stderr go to
-a file in a temporary directory that lives as long as the context. Enter them outside a running
-asyncio event loop.
+"""Servers that benchmarks start and stop themselves on free loopback ports: `Stack` (the four services as
+child processes, by the launcher's plan) and `PeerServer` (`transformers serve`). Entering returns once
+they answer (RuntimeError with a child's last lines otherwise), leaving stops every process (SIGTERM, then
+SIGKILL); enter them outside a running event loop.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""`sluice bench tokenizer`: the tokenizer service against in-process `tokenizers`, in one run.
-
-Starts `sluice serve tokenizer` as a child process on a free port, then for every input length (texts
-that encode to that many tokens) and concurrency C measures tokens/s of C concurrent clients calling
-`Tokenize` in a loop, and tokens/s of the same texts encoded in this process with `tokenizers`
-(`encode` one at a time for C = 1, `encode_batch` of C texts otherwise; also `encode_batch_fast`,
-which skips offsets, as the service does). Prints the ratios, that of 1,024 tokens at concurrency 64
-again at the end (written as "target" in the JSON: the cell docs/benchmarks.md sets a target for).
-Without `--model`, uses the embedded model's tokenizer (written to a temporary directory).
+"""`sluice bench tokenizer`: the tokenizer service (a child process, C concurrent `Tokenize` clients) against
+in-process `tokenizers` on the same texts (docs/benchmarks.md).
 """
 
 from __future__ import annotations

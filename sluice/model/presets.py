@@ -1,16 +1,7 @@
-"""Model presets: the benchmarks' tiny Llama, or random weights in real architectures' shapes.
-
-`tiny` is the benchmarks' own small Llama (hidden 256, 4 layers, vocabulary 8192, untied). The other
-presets have the shapes of Qwen2-0.5B, Llama-3.2-1B and Llama-3.1-8B. Every preset gets seeded random
-weights: nothing is downloaded. Their directories are real Hugging Face directories (config.json,
-safetensors in the run's dtype) that the engine loads through its normal path; the real shapes are cached
-under `~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` (or `$SLUICE_BENCH_CACHE`), so a second run does
-not rewrite gigabytes, and `tiny` is written to the caller's scratch directory.
-
-Weights: RMSNorm scales 1, biases 0, every other matrix normal with std `INNER_STD`, except the output
-projection (the embedding when tied), whose std makes the logits' std about `LOGIT_STD`: spread logits keep
-exact near-ties between the top two tokens rare in float32. Special ids: pad 0, bos 1, eos 2; workloads
-draw prompt ids from `FIRST_PLAIN_ID` up.
+"""Model presets: the benchmarks' tiny Llama, or seeded random weights in the shapes of Qwen2-0.5B,
+Llama-3.2-1B and Llama-3.1-8B, written as Hugging Face directories (real shapes cached under
+`~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` or `$SLUICE_BENCH_CACHE`). The output projection's std
+makes the logits' std about `LOGIT_STD`, so exact near-ties stay rare. Special ids: pad 0, bos 1, eos 2.
 """
 
 from __future__ import annotations

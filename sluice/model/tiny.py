@@ -1,25 +1,6 @@
-"""Makes small, real Hugging Face causal-LM directories that load like any downloaded model.
-
-A directory holds `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`,
-`tokenizer_config.json` (with a ChatML chat template), `special_tokens_map.json` and
-`sluice-model.json` (how it was made). The tokenizer is described in `sluice.model.tokenizer`.
-
-Presets (any size may be overridden by keyword):
-
-- `test`: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128. Untrained (random weights, seeded), built in
-  about two seconds; for tests that need a model's shapes and code paths, not its words.
-- `chat`: hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704, 4096-token vocabulary (the output layer
-  over the vocabulary costs more per step than the layers; half the vocabulary buys twice the steps);
-  trained for a couple of minutes on two CPU threads, enough to write word-like English and to close
-  its chat turn.
-
-`test` uses an 8192-token vocabulary. Both use 2048 positions and tied input/output embeddings. `arch`
-picks the transformers family (`llama`, `qwen2`, `mistral`) with the same sizes; `sliding_window`
-applies to `qwen2` (all layers) and `mistral`.
-
-`default_model_dir()` returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else
-`~/.cache/sluice`), building it once. Every directory is built in a temporary sibling folder and renamed
-into place, so an interrupted build never leaves a partial model behind.
+"""Small, real Hugging Face causal-LM directories (`test`: untrained, seeded; `chat`: trained briefly on
+the project's corpus), built in a temporary sibling folder and renamed into place. `default_model_dir()`
+returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else `~/.cache/sluice`).
 """
 
 from __future__ import annotations
