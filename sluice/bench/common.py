@@ -220,14 +220,13 @@ def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None
 Column = tuple[str, Callable[[Any], object]]  # header, the cell of one item
 
 
-def cells(columns: Sequence[Column], item: Any) -> list[object]:
-    """One row of a table: each column's cell of `item`."""
-    return [cell(item) for _, cell in columns]
+def column_rows(columns: Sequence[Column], items: Iterable[Any]) -> list[Sequence[object]]:
+    """The columns' headers, then a row per item: each column's cell of it."""
+    return [[header for header, _ in columns], *([cell(item) for _, cell in columns] for item in items)]
 
 
 def column_table(columns: Sequence[Column], items: Iterable[Any], right_from: int | None = None) -> str:
-    """`format_table` of a header and one row per item (see `cells`)."""
-    return format_table([[header for header, _ in columns], *(cells(columns, i) for i in items)], right_from)
+    return format_table(column_rows(columns, items), right_from)
 
 
 def json_safe(value: Any) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 from sluice.bench.common import (
     Column,
     add_count,
-    cells,
+    column_rows,
     column_table,
     figure,
     fmt,
@@ -232,11 +232,11 @@ def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
         ("p50 TPOT ms", lambda p: fmt(p.summary["tpot_ms"]["p50"], ".1f")),
         ("tokens out/asked", tokens),
     ]
-    rows: list[Sequence[object]] = [[header for header, _ in columns]]
+    rows = column_rows(columns, [])
     for run in runs.values():
         if run.error is not None:
             rows.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
-        rows += [cells(columns, p) for p in run.points]
+        rows += column_rows(columns, run.points)[1:]
     return format_table(rows)
 
 

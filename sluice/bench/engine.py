@@ -17,13 +17,13 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sluice.bench import engine_report as report
 from sluice.bench.common import (
+    add_count,
     add_flags,
     error_text,
     int_list,
     int_range,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -76,72 +76,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
-    model.add_argument(
-        "--preset",
-        default=TINY,
-        choices=PRESET_NAMES,
-        help="the model: the tiny Llama (default) or random weights in a real model's shape (cached)",
-    )
+    about = "the model: the tiny Llama (default) or random weights in a real model's shape (cached)"
+    model.add_argument("--preset", default=TINY, choices=PRESET_NAMES, help=about)
     add_flags(model, "model", model="a local Hugging Face model")
-    add(
-        "--concurrency",
-        type=int_list,
-        default=None,
-        metavar="LIST",
-        help="requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
-        "other than tiny)",
-    )
-    add("--num-requests", type=positive_int, default=None, metavar="N", help="the same as --concurrency N")
-    add(
-        "--methods",
-        type=names(ALL_METHODS, "method(s)"),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)",
-    )
-    add(
-        "--decode-batch",
-        type=int,
-        default=None,
-        metavar="N",
-        help="time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)",
-    )
-    add(
-        "--decode-steps", type=positive_int, default=None, metavar="N", help="decode steps timed (default 32)"
-    )
-    add(
-        "--hbm-gbps",
-        type=positive_float,
-        default=None,
-        metavar="GB/s",
-        help="memory bandwidth for the roofline (default: by GPU name; none on CPU)",
-    )
+    about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
+    about += "other than tiny)"
+    add("--concurrency", type=int_list, default=None, metavar="LIST", help=about)
+    add_count(parser, "--num-requests", None, "the same as --concurrency N")
+    about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
+    add("--methods", type=names(ALL_METHODS, "method(s)"), default=None, metavar="LIST", help=about)
+    about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
+    add_count(parser, "--decode-batch", None, about, type=int)
+    add_count(parser, "--decode-steps", None, "decode steps timed (default 32)")
+    about = "memory bandwidth for the roofline (default: by GPU name; none on CPU)"
+    add("--hbm-gbps", type=positive_float, default=None, metavar="GB/s", help=about)
     add(
         "--prompt-len", type=int_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)"
     )
     add("--output-len", type=int_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
-    add(
-        "--hf-batch-tokens",
-        type=int_list,
-        default=None,
-        metavar="LIST",
-        help="max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)",
-    )
-    add_flags(
-        parser,
-        "seed",
-        "device",
-        "dtype",
-        "json",
-        "plot",
-        "threads",
-        "repeat",
-        "quick",
-        "no-progress",
-        dtype="every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
-        repeat="run each method N times, report its fastest",
-        quick="a small workload (4 short requests) for smoke tests",
-    )
+    about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
+    add("--hf-batch-tokens", type=int_list, default=None, metavar="LIST", help=about)
+    helps = {
+        "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+        "repeat": "run each method N times, report its fastest",
+        "quick": "a small workload (4 short requests) for smoke tests",
+    }
+    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    add_flags(parser, *flags, **helps)
     return parser
 
 

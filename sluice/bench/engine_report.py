@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from sluice.bench.common import figure, fmt, format_table, ratio, save_figure
+from sluice.bench.common import Column, column_rows, figure, fmt, format_table, ratio, save_figure
 from sluice.bench.engine_methods import HF_METHODS, NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
 from sluice.bench.engine_roofline import Roofline
 from sluice.bench.engine_workload import Workload
@@ -225,35 +225,22 @@ def graphs_ratio(figures: list[DecodeFigure], model: str, batch: int) -> Measure
 def format_methods(
     rows: list[Row], errors: dict[str, str], num_requests: int, skipped: dict[str, str] | None = None
 ) -> str:
-    header = (
-        "method",
-        "out tok/s",
-        "wall s",
-        f"× {BASELINE}",
-        f"= {REFERENCE}",
-        "fwd share",
-        "@max batch",
-        "KV eff",
-        "graphs",
-        "setting",
-    )
-    lines = [header]
-    for row in rows:
-        r = row.result
-        lines.append(
-            (
-                r.name,
-                f"{r.tokens_per_s:.1f}",
-                f"{r.wall_s:.2f}",
-                fmt(row.ratio, ".2f"),
-                _greedy_cell(row.greedy),
-                fmt(r.forward_share, ".1%"),
-                "-" if r.max_batch is None else f"{fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})",
-                fmt(r.kv_efficiency, ".3f"),
-                r.cuda_graphs or "-",
-                r.setting,
-            )
-        )
+    def at_max_batch(r: MethodResult) -> str:
+        return "-" if r.max_batch is None else f"{fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})"
+
+    columns: list[Column] = [
+        ("method", lambda row: row.result.name),
+        ("out tok/s", lambda row: f"{row.result.tokens_per_s:.1f}"),
+        ("wall s", lambda row: f"{row.result.wall_s:.2f}"),
+        (f"× {BASELINE}", lambda row: fmt(row.ratio, ".2f")),
+        (f"= {REFERENCE}", lambda row: _greedy_cell(row.greedy)),
+        ("fwd share", lambda row: fmt(row.result.forward_share, ".1%")),
+        ("@max batch", lambda row: at_max_batch(row.result)),
+        ("KV eff", lambda row: fmt(row.result.kv_efficiency, ".3f")),
+        ("graphs", lambda row: row.result.cuda_graphs or "-"),
+        ("setting", lambda row: row.result.setting),
+    ]
+    lines = column_rows(columns, rows)
     lines.extend((name, "FAILED", "", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
     lines.extend((name, why, "", "", "", "", "", "", why, "") for name, why in (skipped or {}).items())
     return format_table(lines) + (

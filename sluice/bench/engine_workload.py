@@ -1,5 +1,4 @@
-"""The fixed workload of the engine benchmark: random-token requests, a pure function of the seed.
-"""
+"""The fixed workload of the engine benchmark: random-token requests, a pure function of the seed."""
 
 from __future__ import annotations
 

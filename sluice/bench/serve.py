@@ -17,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from sluice.bench.common import add_flags, positive_float, positive_int, run_meta
+from sluice.bench.common import add_count, add_flags, positive_float, progress_bar, run_meta
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
 from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_plots, write_result
@@ -128,13 +127,8 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     be reached at all, every request fails with that reason."""
     if not requests:
         raise ValueError("the workload has no requests")
-    client = make_client(
-        config.api,
-        config.url,
-        model=config.model,
-        ignore_eos=config.ignore_eos,
-        temperature=config.temperature,
-    )
+    options = {"model": config.model, "ignore_eos": config.ignore_eos, "temperature": config.temperature}
+    client = make_client(config.api, config.url, **options)
     records = [RequestRecord() for _ in requests]
     try:
         await client.open()
@@ -146,15 +140,7 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     try:
         if config.num_warmup:
             await _warm_up(client, config, requests)
-        bar = tqdm(
-            total=len(requests),
-            desc="requests",
-            unit="req",
-            disable=not config.progress,
-            file=sys.stderr,
-            mininterval=0.5,
-            dynamic_ncols=True,
-        )
+        bar = progress_bar(config.progress, len(requests), "requests", unit="req")
         started_at, cpu, start = time.time(), time.process_time(), time.perf_counter()
         with bar:
             await _launch(client, config, requests, records, bar.update)
@@ -192,85 +178,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--api", choices=APIS, default="openai", help="which API to drive (default openai)")
-    add(
-        "--url",
-        default=None,
-        help="openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT "
-        "(default: `sluice up`'s ports on 127.0.0.1)",
-    )
+    about = "openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
+    add("--url", default=None, help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
     add("--model", default=None, help="openai model name (default: the first of GET /v1/models)")
-    add(
-        "--num-requests",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help=f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)",
-    )
-    add(
-        "--request-rate",
-        type=positive_float,
-        default=math.inf,
-        metavar="R",
-        help="requests/s (default inf: all at once)",
-    )
-    add(
-        "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)"
-    )
-    add(
-        "--max-concurrency", type=positive_int, default=None, metavar="N", help="at most N requests in flight"
-    )
-    add("--num-warmup", type=int, default=0, metavar="N", help="requests sent and awaited before measuring")
+    about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
+    add_count(parser, "--num-requests", None, about)
+    about = "requests/s (default inf: all at once)"
+    add("--request-rate", type=positive_float, default=math.inf, metavar="R", help=about)
+    about = "gamma shape of the arrival gaps (1 = Poisson)"
+    add("--burstiness", type=positive_float, default=1.0, help=about)
+    add_count(parser, "--max-concurrency", None, "at most N requests in flight")
+    add_count(parser, "--num-warmup", 0, "requests sent and awaited before measuring", type=int)
     add("--dataset", default="synthetic", help="synthetic | shared-prefix | FILE.jsonl (default synthetic)")
-    add(
-        "--input-len",
-        type=positive_int,
-        default=128,
-        metavar="N",
-        help="synthetic: mean prompt words (~tokens)",
-    )
-    add(
-        "--output-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)",
-    )
+    add_count(parser, "--input-len", 128, "synthetic: mean prompt words (~tokens)")
+    about = "synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)"
+    add_count(parser, "--output-len", None, about)
     add("--sigma", type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")
-    add(
-        "--prefix-len",
-        type=positive_int,
-        default=512,
-        metavar="N",
-        help="shared-prefix: words of each shared context",
-    )
-    add(
-        "--num-prefixes",
-        type=positive_int,
-        default=4,
-        metavar="N",
-        help="shared-prefix: tenants (shared contexts)",
-    )
-    add(
-        "--suffix-len",
-        type=positive_int,
-        default=32,
-        metavar="N",
-        help="shared-prefix: words of each request's own part",
-    )
+    add_count(parser, "--prefix-len", 512, "shared-prefix: words of each shared context")
+    add_count(parser, "--num-prefixes", 4, "shared-prefix: tenants (shared contexts)")
+    add_count(parser, "--suffix-len", 32, "shared-prefix: words of each request's own part")
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
     add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
-    add_flags(
-        parser,
-        "json",
-        "plot",
-        "seed",
-        "no-progress",
-        json="write the summary and every request here",
-        plot="write latency CDF and throughput PNGs into this folder",
-        seed="seed of the workload and the arrival times",
-    )
+    helps = {
+        "json": "write the summary and every request here",
+        "plot": "write latency CDF and throughput PNGs into this folder",
+        "seed": "seed of the workload and the arrival times",
+    }
+    add_flags(parser, "json", "plot", "seed", "no-progress", **helps)
     return parser
 
 
@@ -306,18 +242,21 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
+    same = (
+        "api",
+        "model",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "num_warmup",
+        "temperature",
+        "seed",
+    )
     slo = args.slo or {}
     return ServeConfig(
-        api=args.api,
+        **{name: getattr(args, name) for name in same},
         url=args.url or DEFAULT_URLS[args.api],
-        model=args.model,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        num_warmup=args.num_warmup,
         ignore_eos=not args.no_ignore_eos,
-        temperature=args.temperature,
-        seed=args.seed,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),
         request_timeout_s=args.timeout,
