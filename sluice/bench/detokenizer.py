@@ -58,25 +58,18 @@ async def mux(address: str, seqs: list[list[int]]) -> tuple[float, list[str]]:
 
     length = len(seqs[0]) - CONTEXT_IDS
     rids = [f"r{i}" for i in range(len(seqs))]
-    messages = [
-        pb.DetokenizeIn(
-            entries=[
-                pb.DetokenizeInEntry(start=pb.DetokenizeStart(request_id=rid, prompt_ids=seq[:CONTEXT_IDS]))
-                for rid, seq in zip(rids, seqs, strict=True)
-            ]
-        )
+    starts = [
+        pb.DetokenizeStart(request_id=f"r{i}", prompt_ids=seq[:CONTEXT_IDS]) for i, seq in enumerate(seqs)
     ]
+    messages = [pb.DetokenizeIn(entries=[pb.DetokenizeInEntry(start=start) for start in starts])]
     for step in range(length):
         chunks = [
             pb.DetokenizeChunk(request_id=rid, token_ids=[seq[CONTEXT_IDS + step]])
             for rid, seq in zip(rids, seqs, strict=True)
         ]
         messages.append(pb.DetokenizeIn(entries=[pb.DetokenizeInEntry(chunk=c) for c in chunks]))
-    messages.append(
-        pb.DetokenizeIn(
-            entries=[pb.DetokenizeInEntry(close=pb.DetokenizeClose(request_id=rid)) for rid in rids]
-        )
-    )
+    closes = [pb.DetokenizeInEntry(close=pb.DetokenizeClose(request_id=rid)) for rid in rids]
+    messages.append(pb.DetokenizeIn(entries=closes))
     texts = dict.fromkeys(rids, "")
     (chan,) = channels(address, 1)
     try:
@@ -197,19 +190,8 @@ def main(argv: list[str]) -> int:
             f"{best.mux_cpu_us_per_token:.2f} us (= {1e6 / best.mux_cpu_us_per_token:,.0f} tokens per "
             f"CPU-second)"
         )
-    write_json(
-        args.json,
-        {
-            "benchmark": "detokenizer",
-            "workers": args.workers,
-            "cpus": os.cpu_count(),
-            "cells": [asdict(c) for c in cells],
-            "target": {
-                "concurrency": HEADLINE_CONCURRENCY,
-                "length": None if best is None else best.length,
-                "mux_tokens_per_s": None if best is None else best.mux_tokens_per_s,
-            },
-        },
-        announce=True,
-    )
+    target = {"concurrency": HEADLINE_CONCURRENCY, "length": best and best.length}
+    target["mux_tokens_per_s"] = best and best.mux_tokens_per_s
+    doc = {"benchmark": "detokenizer", "workers": args.workers, "cpus": os.cpu_count()}
+    write_json(args.json, {**doc, "cells": [asdict(c) for c in cells], "target": target}, announce=True)
     return 0

@@ -74,27 +74,10 @@ def service(name: str, model: Path, workers: int, extra: Sequence[str] = ()) -> 
     """Runs `sluice serve NAME` on a free port; yields it once healthy; stops it after."""
     from services.common.grpc_server import wait_healthy
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice.cli",
-        "serve",
-        name,
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--workers",
-        str(workers),
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    serve = ["serve", name, "--model", str(model), "--port", "0", "--workers", str(workers), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "sluice.cli", *serve]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         assert proc.stdout is not None
         port = None
@@ -243,11 +226,8 @@ def run(args: argparse.Namespace) -> list[Cell]:
             for length in args.lengths:
                 texts = make_texts(tokenizer, length, max(args.concurrency) * 2)
                 for concurrency in args.concurrency:
-                    tps, rps, cpu_us = uvloop_run(
-                        through_service(  # type: ignore[misc]
-                            svc, texts, concurrency, args.seconds, max(1, args.workers)
-                        )
-                    )
+                    measured = through_service(svc, texts, concurrency, args.seconds, max(1, args.workers))
+                    tps, rps, cpu_us = uvloop_run(measured)  # type: ignore[misc]
                     base, base_cpu = inprocess(tokenizer, texts, concurrency, args.seconds, fast=False)
                     fast, _ = inprocess(tokenizer, texts, concurrency, args.seconds, fast=True)
                     cell = Cell(length, concurrency, tps, rps, cpu_us, base, base_cpu, fast)
@@ -294,22 +274,10 @@ def main(argv: list[str]) -> int:
     if head is not None:
         print(f"{HEADLINE_LENGTH} tokens x {HEADLINE_CONCURRENCY}: service / in-process encode_batch = "
               f"{head.ratio:.2f}; by CPU per token: {head.cpu_ratio:.2f}")  # fmt: skip
-    write_json(
-        args.json,
-        {
-            "benchmark": "tokenizer",
-            "workers": args.workers,
-            "cpus": os.cpu_count(),
-            "cells": [
-                {**asdict(c), "ratio": c.ratio, "ratio_fast": c.ratio_fast, "cpu_ratio": c.cpu_ratio}
-                for c in cells
-            ],
-            "target": {
-                "length": HEADLINE_LENGTH,
-                "concurrency": HEADLINE_CONCURRENCY,
-                "ratio": None if head is None else head.ratio,
-            },
-        },
-        announce=True,
-    )
+    rows = [
+        {**asdict(c), "ratio": c.ratio, "ratio_fast": c.ratio_fast, "cpu_ratio": c.cpu_ratio} for c in cells
+    ]
+    target = {"length": HEADLINE_LENGTH, "concurrency": HEADLINE_CONCURRENCY, "ratio": head and head.ratio}
+    doc = {"benchmark": "tokenizer", "workers": args.workers, "cpus": os.cpu_count(), "cells": rows}
+    write_json(args.json, {**doc, "target": target}, announce=True)
     return 0
