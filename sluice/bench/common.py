@@ -197,8 +197,8 @@ def ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or base is None or not base > 0 else value / base
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
 
 
 def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None) -> str:

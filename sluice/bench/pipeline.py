@@ -32,23 +32,14 @@ from sluice.launcher import default_engine_threads
 
 WARMUP_REQUESTS = 4
 # Histograms read from each service's /metrics: (service, metric family, label filter, report name).
+GATEWAY_STAGES = "sluice_gateway_stage_duration_seconds"
 STAGE_HISTOGRAMS = (
     ("engine", "sluice_step_duration_seconds", {}, "engine step"),
     ("tokenizer", "sluice_tokenize_duration_seconds", {}, "tokenizer batch"),
     ("detokenizer", "sluice_detokenize_duration_seconds", {}, "detokenizer batch"),
-    ("gateway", "sluice_gateway_stage_duration_seconds", {"stage": "tokenize"}, "gateway: tokenize"),
-    (
-        "gateway",
-        "sluice_gateway_stage_duration_seconds",
-        {"stage": "engine_first_token"},
-        "gateway: submit → first tokens",
-    ),
-    (
-        "gateway",
-        "sluice_gateway_stage_duration_seconds",
-        {"stage": "detokenize"},
-        "gateway: first tokens → first text",
-    ),
+    ("gateway", GATEWAY_STAGES, {"stage": "tokenize"}, "gateway: tokenize"),
+    ("gateway", GATEWAY_STAGES, {"stage": "engine_first_token"}, "gateway: submit → first tokens"),
+    ("gateway", GATEWAY_STAGES, {"stage": "detokenize"}, "gateway: first tokens → first text"),
 )
 
 
@@ -109,9 +100,8 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     outputs, wall = drv.generate(engine, prompts, [r.output_len for r in requests])
     stats = engine.stats()
     tokens = sum(len(ids) for ids in outputs)
-    return InProcessRun(
-        tokens, wall, time.process_time() - cpu, stats.steps, stats.step_time_s, stats.forward_time_s
-    )
+    cpu = time.process_time() - cpu
+    return InProcessRun(tokens, wall, cpu, stats.steps, stats.step_time_s, stats.forward_time_s)
 
 
 def run_end_to_end(endpoint: Endpoint, api: str, requests: list[BenchRequest], progress: bool) -> EndToEndRun:
@@ -189,13 +179,11 @@ class Comparison:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        inp, e2e = self.in_process, self.end_to_end
+        e2e_doc = {**asdict(e2e), "tokens_per_s": e2e.tokens_per_s, "generator_share": e2e.generator_share}
         return {
-            "in_process": {**asdict(self.in_process), "tokens_per_s": self.in_process.tokens_per_s},
-            "end_to_end": {
-                **asdict(self.end_to_end),
-                "tokens_per_s": self.end_to_end.tokens_per_s,
-                "generator_share": self.end_to_end.generator_share,
-            },
+            "in_process": {**asdict(inp), "tokens_per_s": inp.tokens_per_s},
+            "end_to_end": e2e_doc,
             "raw_ratio": self.raw_ratio,
             "scaled_ratio": self.scaled_ratio,
         }
@@ -210,9 +198,8 @@ def write_plot(path: Path, best: Comparison) -> None:
     bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
     speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
     speed.set_ylabel("output tokens/s")
-    speed.set_title(
-        f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled", fontsize=9
-    )
+    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
+    speed.set_title(title, fontsize=9)
     speed.margins(y=0.15)
     e2e = best.end_to_end
     used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
@@ -236,16 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompt-words", type=int_range, default=(12, 200), metavar="MIN,MAX", help="prompt words (12,200)")
     add("--output-len", type=int_range, default=(8, 256), metavar="MIN,MAX", help="output tokens (8,256)")
     add("--api", choices=("openai", "ws", "grpc"), default="openai", help="the gateway API to drive")
-    add_sweep_flags(
-        parser,
-        64,
-        "engine-flags",
-        "repeat",
-        "plot",
-        num_requests="requests, all sent at once (default 64)",
-        repeat="alternate the two runs N times, best of each",
-        plot="write tokens/s and cores used here",
-    )
+    helps = {
+        "num_requests": "requests, all sent at once (default 64)",
+        "repeat": "alternate the two runs N times, best of each",
+        "plot": "write tokens/s and cores used here",
+    }
+    add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
     return parser
 
 
@@ -279,12 +262,8 @@ def main(argv: list[str]) -> int:
     )
     print()
     print("\n".join(best.lines()))
-    doc = {
-        "meta": sweep_meta("pipeline", argv, model),
-        "best": best.to_json(),
-        "runs": [c.to_json() for c in run.points],
-    }
-    write_json(args.json, doc, announce=True)
+    doc = {"meta": sweep_meta("pipeline", argv, model), "best": best.to_json()}
+    write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
         write_plot(args.plot, best)
     return 1 if any(c.end_to_end.summary["failed"] for c in run.points) else 0
