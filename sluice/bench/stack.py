@@ -23,8 +23,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import psutil
 
@@ -136,7 +135,24 @@ class _LoggedSupervisor(Supervisor):
             log.close()
 
 
-class Stack:
+class _Started:
+    """A server that a `with` block starts (`start`) and stops (`stop`)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class Stack(_Started):
     """The four sluice services as children of this process, on free ports of `options.host`.
 
     `with Stack(options) as stack:` starts them and returns once every one answers its gRPC health check
@@ -155,11 +171,7 @@ class Stack:
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
-        flags = [
-            "--model",
-            options.model,
-            "--host",
-            host,
+        ports = [
             "--port",
             str(http_port),
             "--grpc-base-port",
@@ -167,6 +179,7 @@ class Stack:
             "--metrics-base-port",
             str(metrics_base),
         ]
+        flags = ["--model", options.model, "--host", host, *ports]
         flags += ["--engines", str(engines)] if engines > 1 else []
         plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
@@ -184,15 +197,6 @@ class Stack:
         if child.kind != "engine" or not self.options.engine_flags:
             return child
         return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
-
-    def __enter__(self) -> Stack:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Starts the four children and waits until they are ready; on failure stops them and raises."""
@@ -226,11 +230,8 @@ class Stack:
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                raise _failure(
-                    "gateway",
-                    f"was not ready at {self.http_url}/readyz in time",
-                    supervisor.log_path("gateway"),
-                )
+                what = f"was not ready at {self.http_url}/readyz in time"
+                raise _failure("gateway", what, supervisor.log_path("gateway"))
             time.sleep(POLL_S)
 
     def stop(self) -> None:
@@ -264,7 +265,7 @@ def _get_json(url: str, timeout_s: float = 2.0) -> Any:
         return json.load(resp)
 
 
-class PeerServer:
+class PeerServer(_Started):
     """`transformers serve` on a local model directory: an OpenAI-compatible peer on a free port.
 
     `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1; in the environment the
@@ -293,18 +294,8 @@ class PeerServer:
         self.openai_url = f"http://{host}:{self.port}/v1"
         self.startup_timeout_s = startup_timeout_s
         batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
-        self.args: tuple[str, ...] = (
-            self.path,
-            batching,
-            "--host",
-            host,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            *_peer_device_args(continuous_batching),
-            *extra_args,
-        )
+        where = ("--host", host, "--port", str(self.port), "--log-level", "warning")
+        self.args = (self.path, batching, *where, *_peer_device_args(continuous_batching), *extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._log: IO[bytes] | None = None
@@ -312,15 +303,6 @@ class PeerServer:
     @property
     def command(self) -> list[str]:
         return [sys.executable, "-m", "transformers.cli.transformers", "serve", *self.args]
-
-    def __enter__(self) -> PeerServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def _log_path(self) -> Path:
         assert self._tmp is not None
@@ -354,11 +336,8 @@ class PeerServer:
                     self.model = str(listed[0]["id"])
                 return
             if time.monotonic() > deadline:
-                raise _failure(
-                    "transformers serve",
-                    f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s",
-                    self._log_path(),
-                )
+                what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
+                raise _failure("transformers serve", what, self._log_path())
             time.sleep(POLL_S)
 
     def stop(self) -> None:
