@@ -17,6 +17,8 @@ from transformers import AutoConfig
 
 from sluice.bench import engine_driver as drv
 from sluice.bench import latency_report as rep
+from sluice.bench import latency_run as lrun
+from sluice.bench import latency_workload as wl
 from sluice.bench import perplexity as ppl
 from sluice.bench.common import (
     add_count,
@@ -29,49 +31,17 @@ from sluice.bench.common import (
     resolve_device,
     run_meta,
 )
-from sluice.bench.latency_run import (
-    CUDA_ONLY,
-    OFF,
-    VARIANTS,
-    EngineSpec,
-    RunFigures,
-    build_engine,
-    greedy_continuations,
-    run_batch1,
-    run_concurrent,
-    warm_up,
-)
-from sluice.bench.latency_workload import (
-    FIRST_PLAIN_ID,
-    WORKLOADS,
-    LatencyRequest,
-    LatencyWorkload,
-    copy_fraction,
-    lookup_fraction,
-    make_encoder,
-    mean_fraction,
-    non_repetitive,
-    repetitive,
-)
+from sluice.bench.latency_run import RunFigures
 from sluice.model.presets import PRESET_NAMES, preset_model_dir
 
-QUICK_DEFAULTS = {
-    "num_requests": 2,
-    "concurrency": 4,
-    "output_len": 12,
-    "int8_preset": "none",
-    "shape_requests": 1,
-    "shape_output_len": 6,
-    "perplexity_tokens": 1024,
-}
-FULL_DEFAULTS = {
-    "num_requests": 8,
-    "concurrency": 64,
-    "output_len": 128,
-    "int8_preset": "qwen2-0.5b",
-    "shape_requests": 2,
-    "shape_output_len": 32,
-    "perplexity_tokens": ppl.DEFAULT_MAX_TOKENS,
+DEFAULTS = {  # option: (with --quick, without)
+    "num_requests": (2, 8),
+    "concurrency": (4, 64),
+    "output_len": (12, 128),
+    "int8_preset": ("none", "qwen2-0.5b"),
+    "shape_requests": (1, 2),
+    "shape_output_len": (6, 32),
+    "perplexity_tokens": (1024, ppl.DEFAULT_MAX_TOKENS),
 }
 SHAPE_PROMPT_LEN = 64
 KV_BUDGET_GB = 1.0
@@ -94,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(model, "model", model="a local Hugging Face model")
     about = "random weights in a model's shape (default: the embedded chat model)"
     model.add_argument("--preset", default=None, choices=PRESET_NAMES, help=about)
-    about = f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
-    add("--variants", type=names(tuple(VARIANTS), "variant(s)"), default=None, metavar="LIST", help=about)
-    about = "repetitive,non-repetitive"
-    add("--workloads", type=names(WORKLOADS, "workload(s)"), default=WORKLOADS, metavar="LIST", help=about)
+    about = f"comma list of {', '.join(lrun.VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
+    add("--variants", type=names(tuple(lrun.VARIANTS), "variant(s)"), metavar="LIST", help=about)
+    workloads = names(wl.WORKLOADS, "workload(s)")
+    add("--workloads", type=workloads, default=wl.WORKLOADS, metavar="LIST", help="repetitive,non-repetitive")
     about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
     add_flags(parser, "seed", "device", "dtype", dtype=about)
     about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
@@ -109,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("shape_requests", "requests on the --int8-preset shape"),
         ("shape_output_len", "their output tokens"),
     ):
-        add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {FULL_DEFAULTS[flag]})")
+        add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {DEFAULTS[flag][1]})")
     about = "held-out tokens scored for perplexity (default 16384; 0 = skip)"
     add_count(parser, "--perplexity-tokens", None, about, type=int)
     about = "CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8"
@@ -139,9 +109,9 @@ def _resolve(args: argparse.Namespace) -> None:
     cuda = resolve_device(args)
     if args.dtype is None:
         args.dtype = "bfloat16" if cuda else "float32"
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+    for name, (quick, full) in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, quick if args.quick else full)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
     if args.perplexity_tokens < 0:
@@ -153,7 +123,7 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def _skip_reason(variant: str, device: str) -> str | None:
-    if variant in CUDA_ONLY and not device.startswith("cuda"):
+    if variant in lrun.CUDA_ONLY and not device.startswith("cuda"):
         return "skipped: CUDA only"
     return None
 
@@ -165,7 +135,7 @@ class Bench:
         self.args = args
         self.model_dir = model_dir
         overrides = {name: getattr(args, name) for name in SPEC_FLAGS}
-        self.spec = EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
+        self.spec = lrun.EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
         self.report = rep.Report(label, args.concurrency, [])
         self.meta = meta
 
@@ -176,21 +146,21 @@ class Bench:
 
     # ---- workloads ---------------------------------------------------------------------------
 
-    def workloads(self) -> list[LatencyWorkload]:
+    def workloads(self) -> list[wl.LatencyWorkload]:
         args = self.args
         vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
-        encode = make_encoder(self.model_dir, vocab)
+        encode = wl.make_encoder(self.model_dir, vocab)
         n = max(args.concurrency, args.num_requests)
-        built: list[LatencyWorkload] = []
+        built: list[wl.LatencyWorkload] = []
         for name in args.workloads:
             if name == "repetitive":
 
                 def greedy(prompts: list[list[int]], k: int) -> list[list[int]]:
-                    return greedy_continuations(self.spec, prompts, k, n)
+                    return lrun.greedy_continuations(self.spec, prompts, k, n)
 
-                built.append(repetitive(encode, greedy, n, args.output_len, args.seed))
+                built.append(wl.repetitive(encode, greedy, n, args.output_len, args.seed))
             else:
-                built.append(non_repetitive(encode, n, args.output_len, args.seed))
+                built.append(wl.non_repetitive(encode, n, args.output_len, args.seed))
         for w in built:
             self.report.workloads[w.name] = {
                 "how": w.how,
@@ -202,7 +172,7 @@ class Bench:
 
     # ---- variants ----------------------------------------------------------------------------
 
-    def run_variant(self, k: int, variant: str, workloads: list[LatencyWorkload]) -> None:
+    def run_variant(self, k: int, variant: str, workloads: list[wl.LatencyWorkload]) -> None:
         """One round of `variant`: its engine, then per workload a warm-up, the batch-1 run and the
         concurrent run. A later round (--repeat) keeps, per run, the faster of its figures and the earlier
         ones."""
@@ -218,11 +188,11 @@ class Bench:
         bar = progress_bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
         try:
             with bar:
-                engine = build_engine(self.spec, variant, lengths, args.concurrency)
+                engine = lrun.build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
-                    warm_up(engine, w, args.concurrency)
-                    b1 = run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
-                    many = run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
+                    lrun.warm_up(engine, w, args.concurrency)
+                    b1 = lrun.run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
+                    many = lrun.run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
                     self._keep(variant, w, b1, many)
         except Exception as exc:
             self.report.errors[variant] = error_text(exc)
@@ -231,7 +201,7 @@ class Bench:
             drv.release_memory(args.device)
         self.save(partial=True)
 
-    def _keep(self, variant: str, work: LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
+    def _keep(self, variant: str, work: wl.LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
         cell = self.report.cell(variant, work.name)
         if cell is None:
             cell = rep.Cell(variant, work.name)
@@ -239,31 +209,29 @@ class Bench:
         cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
         cell.concurrent = faster(cell.concurrent, many, "output_tok_s")
         prompts = [r.prompt for r in work.requests[: self.args.concurrency]]
-        cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
-        cell.lookup_fraction = mean_fraction(lookup_fraction, prompts, cell.concurrent.outputs)
+        cell.copy_fraction = wl.mean_fraction(wl.copy_fraction, prompts, cell.concurrent.outputs)
+        cell.lookup_fraction = wl.mean_fraction(wl.lookup_fraction, prompts, cell.concurrent.outputs)
 
     # ---- the larger shape --------------------------------------------------------------------
 
     def run_shape(self, scratch: Path) -> None:
         """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
         args = self.args
-        wanted = [v for v in (OFF, "int8", "fp8") if v == OFF or v in args.variants]
-        if args.int8_preset == "none" or wanted == [OFF]:
+        wanted = [v for v in (lrun.OFF, "int8", "fp8") if v == lrun.OFF or v in args.variants]
+        if args.int8_preset == "none" or wanted == [lrun.OFF]:
             return
         model_dir = preset_model_dir(args.int8_preset, args.dtype, args.seed, scratch)
         shape = rep.ShapeRun(args.int8_preset, args.dtype)
         self.report.shape = shape
         vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
         rng = random.Random(args.seed)
-        requests = tuple(
-            LatencyRequest(
-                tuple(rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)),
-                args.shape_output_len,
-            )
+        prompts = [
+            [rng.randrange(wl.FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)]
             for _ in range(args.shape_requests)
-        )
-        work = LatencyWorkload("random", requests, "random prompts, greedy")
-        spec = EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
+        ]
+        requests = tuple(wl.LatencyRequest(tuple(p), args.shape_output_len) for p in prompts)
+        work = wl.LatencyWorkload("random", requests, "random prompts, greedy")
+        spec = lrun.EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         print(f"== batch-1 decode on {args.int8_preset}: {', '.join(wanted)}")
         for variant in wanted:
@@ -274,10 +242,10 @@ class Bench:
             total = args.repeat * sum(r.max_new_tokens for r in requests)
             try:
                 with progress_bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
-                    engine = build_engine(spec, variant, lengths, 1)
-                    warm_up(engine, work, 1, tokens=2)
+                    engine = lrun.build_engine(spec, variant, lengths, 1)
+                    lrun.warm_up(engine, work, 1, tokens=2)
                     shape.runs[variant] = best_of(
-                        args.repeat, "decode_tok_s", run_batch1, engine, work, args.device, bar.update
+                        args.repeat, "decode_tok_s", lrun.run_batch1, engine, work, args.device, bar.update
                     )
             except Exception as exc:
                 shape.errors[variant] = error_text(exc)

@@ -97,9 +97,11 @@ def model_config(preset: str = "test", arch: str = "llama", **overrides: Any) ->
     elif arch == "mistral":
         kwargs.update(sliding_window=sliding_window)
     config_cls, _ = ARCHS[arch]
-    return config_cls(
-        bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID, **kwargs
-    )
+    return config_cls(**_special_ids(), **kwargs)
+
+
+def _special_ids() -> dict[str, Any]:
+    return {"bos_token_id": BOS_ID, "eos_token_id": list(GENERATION_EOS_IDS), "pad_token_id": PAD_ID}
 
 
 def make_tiny_model(
@@ -130,24 +132,20 @@ def make_tiny_model(
         model = model_cls(config).float().eval()
     report = None
     if train_seconds > 0:
-        report = train(
-            model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
-        )
+        training = TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
+        report = train(model, tok, build_corpus(), training)
+    recipe = {
+        "preset": preset,
+        "arch": arch,
+        "seed": seed,
+        "train_seconds": train_seconds,
+        "overrides": overrides,
+    }
     with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
-        GenerationConfig(
-            bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID
-        ).save_pretrained(tmp)
+        GenerationConfig(**_special_ids()).save_pretrained(tmp)
         save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
-        _write_marker(
-            tmp,
-            preset=preset,
-            arch=arch,
-            seed=seed,
-            train_seconds=train_seconds,
-            overrides=overrides,
-            report=report,
-        )
+        _write_marker(tmp, recipe, report)
     return out_dir
 
 
@@ -191,23 +189,11 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_marker(
-    path: Path,
-    *,
-    preset: str,
-    arch: str,
-    seed: int,
-    train_seconds: float,
-    overrides: dict[str, Any],
-    report: TrainReport | None,
-) -> None:
+def _write_marker(path: Path, recipe: dict[str, Any], report: TrainReport | None) -> None:
+    """Writes how the model was made (the recipe's arguments, training report, versions) beside it."""
     info = {
         "recipe_version": RECIPE_VERSION,
-        "preset": preset,
-        "arch": arch,
-        "seed": seed,
-        "train_seconds": train_seconds,
-        "overrides": overrides,
+        **recipe,
         "train_report": asdict(report) if report else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -235,10 +221,8 @@ def default_model_dir(
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{path.name}.lock"):
         if not (path / MARKER).exists():
-            print(
-                f"sluice: building the embedded model in {path} (once, about {train_seconds:g} s)",
-                file=sys.stderr,
-            )
+            about = f"once, about {train_seconds:g} s"
+            print(f"sluice: building the embedded model in {path} ({about})", file=sys.stderr)
             make_tiny_model(path, preset=preset, arch=arch, train_seconds=train_seconds, seed=seed)
     return path
 
@@ -270,34 +254,18 @@ def _parser() -> argparse.ArgumentParser:
         "embedded chat model that `sluice up` serves (trained once, about "
         f"{DEFAULT_TRAIN_SECONDS:g} s, then copied from the cache); with --preset, a model built to order.",
     )
-    p.add_argument(
-        "dir",
-        nargs="?",
-        type=Path,
-        help="output directory (may be left out with --trained: prints the cached model's path)",
-    )
-    p.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default=None,
-        help="build this preset instead of the embedded model (test: small, for tests; "
-        "untrained unless --train-seconds)",
-    )
+    about = "output directory (may be left out with --trained: prints the cached model's path)"
+    p.add_argument("dir", nargs="?", type=Path, help=about)
+    about = "build this preset instead of the embedded model (test: small, for tests; untrained unless"
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=f"{about} --train-seconds)")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    p.add_argument(
-        "--train-seconds",
-        type=float,
-        default=0.0,
-        help=f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; "
-        "--preset: 0, untrained)",
-    )
-    p.add_argument(
-        "--trained", action="store_true", help="the embedded model (the default; DIR may then be left out)"
-    )
+    about = f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; --preset: 0, untrained)"
+    p.add_argument("--train-seconds", type=float, default=0.0, help=about)
+    about = "the embedded model (the default; DIR may then be left out)"
+    p.add_argument("--trained", action="store_true", help=about)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--sliding-window", type=int, default=None, help="sliding-window size (qwen2, mistral; with --preset)"
-    )
+    about = "sliding-window size (qwen2, mistral; with --preset)"
+    p.add_argument("--sliding-window", type=int, default=None, help=about)
     return p
 
 
@@ -319,14 +287,8 @@ def main(argv: list[str]) -> int:
             out = cached if args.dir is None else copy_model_dir(cached, args.dir)
         else:
             overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
-            out = make_tiny_model(
-                args.dir,
-                preset=args.preset,
-                arch=args.arch,
-                train_seconds=args.train_seconds,
-                seed=args.seed,
-                **overrides,
-            )
+            recipe = {"preset": args.preset, "arch": args.arch, "seed": args.seed, **overrides}
+            out = make_tiny_model(args.dir, train_seconds=args.train_seconds, **recipe)
     except (ValueError, FileExistsError) as e:
         print(f"sluice model tiny: error: {e}", file=sys.stderr)
         return 2
