@@ -15,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from sluice.bench import sweep as sw
 from sluice.bench.common import (
     Column,
     add_count,
@@ -32,19 +33,6 @@ from sluice.bench.common import (
 )
 from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    Opener,
-    SystemRun,
-    add_sweep_flags,
-    cpu_used,
-    model_and_flags,
-    peer_endpoint,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 
 PEER = "transformers-serve"  # `transformers serve --continuous-batching` on the same model
 HEADLINE = "continuous"
@@ -52,6 +40,7 @@ BASELINE = "static"
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 NUM_WARMUP = 4  # requests sent and awaited before a system's first point
 REQUEST_TIMEOUT_S = 300.0
+Runs = dict[str, sw.SystemRun]  # system → its points
 
 
 @dataclass(frozen=True)
@@ -109,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     add("--no-peer", action="store_true", help="skip transformers serve")
-    add_sweep_flags(
+    sw.add_sweep_flags(
         parser,
         64,
         "plot",
@@ -124,12 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_point(
-    system: str, endpoint: Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
+    system: str, endpoint: sw.Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
 ) -> Point:
     """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`), greedy, each request
     ending at EOS or max_tokens: the same for every system, since the peer rejects ignore_eos."""
     before = endpoint.cpu_seconds()
-    result = serve_load(
+    result = sw.serve_load(
         endpoint,
         requests,
         request_rate=rate,
@@ -140,7 +129,7 @@ def run_point(
         progress=False,
     )
     asked = sum(req.output_len for req, rec in zip(requests, result.records, strict=True) if rec.ok)
-    return Point(system, rate, result.summary(), asked, cpu_used(before, endpoint.cpu_seconds()))
+    return Point(system, rate, result.summary(), asked, sw.cpu_used(before, endpoint.cpu_seconds()))
 
 
 # ---- figures ----------------------------------------------------------------------------------------
@@ -154,7 +143,7 @@ def _label(system: str) -> str:
     return system if system == PEER else f"sluice-{system}"
 
 
-def highest_rate_under(run: SystemRun, bound_ms: float, num_requests: int) -> float | None:
+def highest_rate_under(run: sw.SystemRun, bound_ms: float, num_requests: int) -> float | None:
     """The highest rate r such that at every rate up to r every request completed with p99 TTFT within
     `bound_ms`; None when the lowest rate already missed (or the system did not run)."""
     best = None
@@ -194,7 +183,7 @@ def capacity_ratio(
     return head / base, f"at least: {'; '.join(notes)}" if notes else ""
 
 
-def peer_ratios(head: SystemRun, peer: SystemRun) -> list[dict[str, Any]]:
+def peer_ratios(head: sw.SystemRun, peer: sw.SystemRun) -> list[dict[str, Any]]:
     """At each rate both ran: sluice-continuous ÷ peer output tokens/s and p99 TTFT ratio (None where a
     side completed nothing), and the peer's requests completed, tokens produced and tokens asked for."""
     peer_points = {p.rate: p for p in peer.points}
@@ -216,7 +205,7 @@ def peer_ratios(head: SystemRun, peer: SystemRun) -> list[dict[str, Any]]:
     return rows
 
 
-def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
+def format_points(runs: Runs, num_requests: int) -> str:
     def tokens(p: Point) -> str:
         return f"{p.summary['total_output_tokens']}/{p.asked_tokens}" + (
             " (EOS)" if p.short_of_tokens else ""
@@ -259,7 +248,7 @@ def format_peer(rows: list[dict[str, Any]]) -> str:
 
 
 def to_json(
-    runs: dict[str, SystemRun], capacities: dict[str, float | None], rates: list[float], meta: dict[str, Any]
+    runs: Runs, capacities: dict[str, float | None], rates: list[float], meta: dict[str, Any]
 ) -> dict[str, Any]:
     systems = {
         name: {
@@ -291,9 +280,7 @@ def _plot_x(rates: Sequence[float]) -> dict[float, float]:
     return {r: (inf_x if math.isinf(r) else r) for r in rates}
 
 
-def write_plot(
-    path: Path, runs: dict[str, SystemRun], rates: Sequence[float], bound_ms: float, title: str
-) -> None:
+def write_plot(path: Path, runs: Runs, rates: Sequence[float], bound_ms: float, title: str) -> None:
     """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
     tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
     from matplotlib.ticker import NullLocator
@@ -320,7 +307,7 @@ def write_plot(
     save_figure(fig, path, title)
 
 
-def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str, Any]) -> int:
+def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
     """Prints the tables, capacities and their ratio, writes the JSON and the plot; returns the exit
     status."""
     capacities = {
@@ -354,7 +341,7 @@ def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str
     return 1 if failed else 0
 
 
-def _first_error(run: SystemRun) -> str:
+def _first_error(run: sw.SystemRun) -> str:
     for point in run.points:
         for error in point.summary["errors"]:
             return f"every request failed, e.g. {error['message']}"
@@ -363,7 +350,7 @@ def _first_error(run: SystemRun) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model, engine_flags = model_and_flags(args)
+    model, engine_flags = sw.model_and_flags(args)
     requests = synthetic_requests(
         args.num_requests, args.seed, input_len=args.input_len, output_len=args.output_len
     )
@@ -375,21 +362,21 @@ def main(argv: list[str]) -> int:
         "seed": args.seed,
         "api": "openai",
     }
-    meta = sweep_meta(
+    meta = sw.sweep_meta(
         "compare", argv, model, workload=workload, rates=list(args.rates), ttft_bound_ms=args.ttft_bound_ms
     )
-    openers: dict[str, Opener] = {
-        policy: partial(stack_endpoint, model, engine_flags, batching=policy, metrics=False)
+    openers: dict[str, sw.Opener] = {
+        policy: partial(sw.stack_endpoint, model, engine_flags, batching=policy, metrics=False)
         for policy in args.policies
     }
     if not args.no_peer:
-        openers[PEER] = partial(peer_endpoint, model)
+        openers[PEER] = partial(sw.peer_endpoint, model)
     rates = ", ".join(map(_rate_text, args.rates))
     print(f"model: {model}; {args.num_requests} requests per point; rates {rates} req/s")
 
-    def measure(system: str, endpoint: Endpoint, rate: float, k: int) -> Point:
+    def measure(system: str, endpoint: sw.Endpoint, rate: float, k: int) -> Point:
         return run_point(system, endpoint, rate, requests, args.seed, warm_up=k == 0)
 
     with progress_bar(not args.no_progress, len(openers) * len(args.rates), "points", unit="pt") as bar:
-        runs = sweep(openers, args.rates, measure, bar)
+        runs = sw.sweep(openers, args.rates, measure, bar)
     return _report(args, runs, meta)

@@ -15,19 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import engine_driver as drv
+from sluice.bench import sweep as sw
 from sluice.bench.common import figure, int_range, save_figure, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    add_sweep_flags,
-    cpu_used,
-    model_and_flags,
-    scrape_metrics,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 from sluice.launcher import default_engine_threads
 
 WARMUP_REQUESTS = 4
@@ -104,13 +94,15 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     return InProcessRun(tokens, wall, cpu, stats.steps, stats.step_time_s, stats.forward_time_s)
 
 
-def run_end_to_end(endpoint: Endpoint, api: str, requests: list[BenchRequest], progress: bool) -> EndToEndRun:
+def run_end_to_end(
+    endpoint: sw.Endpoint, api: str, requests: list[BenchRequest], progress: bool
+) -> EndToEndRun:
     """Warms the stack up, then sends every request at once through `api` and reads what each process
     spent (CPU seconds from the OS, stage times from the services' own histograms)."""
-    serve_load(endpoint, requests[:WARMUP_REQUESTS], api, progress=False)
+    sw.serve_load(endpoint, requests[:WARMUP_REQUESTS], api, progress=False)
     cpu_before, stages_before = endpoint.cpu_seconds(), _stage_totals(endpoint)
-    result = serve_load(endpoint, requests, api, progress=progress)
-    cpu = cpu_used(cpu_before, endpoint.cpu_seconds())
+    result = sw.serve_load(endpoint, requests, api, progress=progress)
+    cpu = sw.cpu_used(cpu_before, endpoint.cpu_seconds())
     stages_after = _stage_totals(endpoint)
     cpu["load generator"] = result.client_cpu_s
     stages = {
@@ -120,9 +112,9 @@ def run_end_to_end(endpoint: Endpoint, api: str, requests: list[BenchRequest], p
     return EndToEndRun(result.summary(), result.duration_s, cpu, stages)
 
 
-def _stage_totals(endpoint: Endpoint) -> dict[str, tuple[int, float]]:
+def _stage_totals(endpoint: sw.Endpoint) -> dict[str, tuple[int, float]]:
     """(count, sum in seconds) of each histogram in STAGE_HISTOGRAMS, as the services report now."""
-    scraped = {name: scrape_metrics(url) for name, url in endpoint.metrics_urls.items()}
+    scraped = {name: sw.scrape_metrics(url) for name, url in endpoint.metrics_urls.items()}
     totals = {}
     for service, family, labels, name in STAGE_HISTOGRAMS:
         samples = scraped.get(service, {})
@@ -228,13 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat": "alternate the two runs N times, best of each",
         "plot": "write tokens/s and cores used here",
     }
-    add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
+    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model, engine_flags = model_and_flags(args)
+    model, engine_flags = sw.model_and_flags(args)
     requests = uniform_requests(
         args.num_requests, args.seed, prompt_words=args.prompt_words, output_len=args.output_len
     )
@@ -245,14 +237,14 @@ def main(argv: list[str]) -> int:
         f"model {model}"
     )
 
-    def measure(system: str, endpoint: Endpoint, k: int, index: int) -> Comparison:
+    def measure(system: str, endpoint: sw.Endpoint, k: int, index: int) -> Comparison:
         print(f"[{k + 1}/{args.repeat}] in-process engine ...", file=sys.stderr)
         in_process = run_in_process(model, engine_flags, requests)
         print(f"[{k + 1}/{args.repeat}] end to end ...", file=sys.stderr)
         return Comparison(in_process, run_end_to_end(endpoint, args.api, requests, not args.no_progress))
 
-    opener = partial(stack_endpoint, model, engine_flags)
-    (run,) = sweep({"pipeline": opener}, range(args.repeat), measure).values()
+    opener = partial(sw.stack_endpoint, model, engine_flags)
+    (run,) = sw.sweep({"pipeline": opener}, range(args.repeat), measure).values()
     if run.error is not None:
         print(f"sluice bench pipeline: {run.error}", file=sys.stderr)
         return 1
@@ -262,7 +254,7 @@ def main(argv: list[str]) -> int:
     )
     print()
     print("\n".join(best.lines()))
-    doc = {"meta": sweep_meta("pipeline", argv, model), "best": best.to_json()}
+    doc = {"meta": sw.sweep_meta("pipeline", argv, model), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
         write_plot(args.plot, best)

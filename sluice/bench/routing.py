@@ -13,19 +13,9 @@ from functools import partial
 from typing import Any
 
 from gateway.settings import ROUTING_POLICIES
+from sluice.bench import sweep as sw
 from sluice.bench.common import Column, column_table, fmt, names, positive_int, ratio, write_json
 from sluice.bench.serve_data import shared_prefix_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    add_sweep_flags,
-    counter,
-    model_and_flags,
-    scrape_metrics,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 
 NUM_WARMUP = 2
 BASELINE = "round_robin"
@@ -43,25 +33,25 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--output-len", type=int, default=32, help="tokens generated per request")
     add("--rate", type=float, default=float("inf"), help="requests/s (inf = all at once)")
     helps = {"num_requests": "requests (default 96)", "repeat": "rounds of every policy, alternating order"}
-    add_sweep_flags(parser, 96, "engine-flags", "repeat", **helps)
+    sw.add_sweep_flags(parser, 96, "engine-flags", "repeat", **helps)
     return parser.parse_args(argv)
 
 
-def _engine_counters(endpoint: Endpoint) -> dict[str, dict[str, float]]:
+def _engine_counters(endpoint: sw.Endpoint) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, url in endpoint.metrics_urls.items():
         if name.startswith("engine"):
-            samples = scrape_metrics(url)
+            samples = sw.scrape_metrics(url)
             out[name] = {
-                "prompt_tokens": counter(samples, "sluice_prompt_tokens"),
-                "prefix_queries": counter(samples, "sluice_prefix_cache_queries"),
-                "prefix_hits": counter(samples, "sluice_prefix_cache_hits"),
+                "prompt_tokens": sw.counter(samples, "sluice_prompt_tokens"),
+                "prefix_queries": sw.counter(samples, "sluice_prefix_cache_queries"),
+                "prefix_hits": sw.counter(samples, "sluice_prefix_cache_hits"),
             }
     return out
 
 
 def measure(
-    args: argparse.Namespace, policy: str, endpoint: Endpoint, rate: float, index: int
+    args: argparse.Namespace, policy: str, endpoint: sw.Endpoint, rate: float, index: int
 ) -> dict[str, Any]:
     """The workload through `policy`'s stack: the load generator's figures and the engines' prefix cache."""
     shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len", "output_len")}
@@ -72,7 +62,7 @@ def measure(
         "seed": args.seed,
         "progress": not args.no_progress,
     }
-    result = serve_load(endpoint, requests, **load)
+    result = sw.serve_load(endpoint, requests, **load)
     engines = _engine_counters(endpoint)
     summary = result.summary()
     queries = sum(e["prefix_queries"] for e in engines.values())
@@ -139,14 +129,12 @@ def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    model, engine_flags = model_and_flags(args)
+    model, engine_flags = sw.model_and_flags(args)
     rounds: list[list[dict[str, Any]]] = []
     for index in range(args.repeat):
-        openers = {
-            p: partial(stack_endpoint, model, engine_flags, engines=args.engines, env={"SLUICE_ROUTING": p})
-            for p in round_order(args.policies, index)
-        }
-        runs = sweep(openers, [args.rate], partial(measure, args))
+        opener = partial(sw.stack_endpoint, model, engine_flags, engines=args.engines)
+        openers = {p: partial(opener, env={"SLUICE_ROUTING": p}) for p in round_order(args.policies, index)}
+        runs = sw.sweep(openers, [args.rate], partial(measure, args))
         failed = {p: run.error for p, run in runs.items() if run.error is not None}
         if failed:
             print(f"sluice bench routing: {failed}", file=sys.stderr)
@@ -159,6 +147,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeat > 1:
         print(format_medians(medians, len(rounds)))
     config = {k: v for k, v in vars(args).items() if k != "json"}
-    doc = {"meta": sweep_meta("routing", argv, model), "config": config, "rounds": rounds}
+    doc = {"meta": sw.sweep_meta("routing", argv, model), "config": config, "rounds": rounds}
     write_json(args.json, {**doc, "results": rounds[-1], "median_ratios": medians})
     return 0 if all(r["failed"] == 0 for rows in rounds for r in rows) else 1
