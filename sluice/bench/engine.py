@@ -50,21 +50,13 @@ from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
 from sluice.bench.engine_workload import Workload, make_workload
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
-QUICK_DEFAULTS = {
-    "concurrency": (4,),
-    "prompt_len": (16, 48),
-    "output_len": (8, 24),
-    "hf_batch_tokens": (256,),
-    "decode_batch": 4,
-    "decode_steps": 4,
-}
-FULL_DEFAULTS = {
-    "concurrency": (64,),
-    "prompt_len": (16, 256),
-    "output_len": (8, 256),
-    "hf_batch_tokens": (256, 512, 1024),
-    "decode_batch": 64,
-    "decode_steps": 32,
+DEFAULTS = {  # option: (with --quick, without)
+    "concurrency": ((4,), (64,)),
+    "prompt_len": ((16, 48), (16, 256)),
+    "output_len": ((8, 24), (8, 256)),
+    "hf_batch_tokens": ((256,), (256, 512, 1024)),
+    "decode_batch": (4, 64),
+    "decode_steps": (4, 32),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
@@ -118,9 +110,9 @@ def _resolve(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if real_model_on_gpu else "float32"
     if args.concurrency is None and real_model_on_gpu and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+    for name, (quick, full) in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, quick if args.quick else full)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
     if args.decode_batch < 0:

@@ -381,11 +381,7 @@ def to_json_runs(
     return {
         "partial": False,
         **meta,
-        "reference": REFERENCE,
-        "baseline": BASELINE,
-        "workload": first["workload"],
-        "greedy_check": first["greedy_check"],
-        "methods": first["methods"],
+        **{key: first[key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")},
         "runs": runs,
         "decode_steps": [decode_json(f) for f in decode],
         "decode_error": decode_error,
