@@ -25,18 +25,7 @@ if TYPE_CHECKING:
     from services.engine.executor.model_runner import ModelRunner
 
 HELD_OUT_PACKAGES = (
-    "asyncio",
-    "collections",
-    "concurrent",
-    "email",
-    "http",
-    "importlib",
-    "json",
-    "logging",
-    "multiprocessing",
-    "unittest",
-    "urllib",
-    "xml",
+    "asyncio collections concurrent email http importlib json logging multiprocessing unittest urllib xml"
 )
 MIN_PARAGRAPH_CHARS = 80  # as the corpus builder's
 DEFAULT_WINDOW = 512
@@ -66,7 +55,7 @@ def held_out_texts() -> tuple[str, ...]:
     trained = set(build_corpus().texts)
     seen: set[str] = set()
     texts: list[str] = []
-    for package in HELD_OUT_PACKAGES:
+    for package in HELD_OUT_PACKAGES.split():
         for path in sorted((root / package).rglob("*.py")):
             if "test" in path.relative_to(root).parts[1:-1]:
                 continue

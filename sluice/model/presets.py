@@ -115,7 +115,8 @@ def model_dir_for(name: str, dtype: str, seed: int, root: Path | None = None) ->
 
 
 def _init_value(name: str, shape: torch.Size, output_std: float, gen: torch.Generator) -> torch.Tensor:
-    """The seeded float32 value of one parameter (see the module docstring)."""
+    """The seeded float32 value of one parameter: RMSNorm scales 1, biases 0, the output projection (the
+    embedding when tied) normal with std `output_std`, every other matrix normal with std INNER_STD."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
