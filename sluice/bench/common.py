@@ -143,9 +143,6 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# ---- the run's metadata ----------------------------------------------------------------------------
-
-
 def _git_commit() -> str | None:
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
@@ -187,9 +184,6 @@ def run_meta(bench_argv: Sequence[str], device: str | None = None) -> dict[str, 
         "machine": machine_info(device),
         "git_commit": _git_commit(),
     }
-
-
-# ---- figures out --------------------------------------------------------------------------------------
 
 
 def ratio(value: float | None, base: float | None) -> float | None:

@@ -109,9 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---- running ----------------------------------------------------------------------------------------
-
-
 def run_point(
     system: str, endpoint: sw.Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
 ) -> Point:
@@ -130,9 +127,6 @@ def run_point(
     )
     asked = sum(req.output_len for req, rec in zip(requests, result.records, strict=True) if rec.ok)
     return Point(system, rate, result.summary(), asked, sw.cpu_used(before, endpoint.cpu_seconds()))
-
-
-# ---- figures ----------------------------------------------------------------------------------------
 
 
 def _rate_text(rate: float) -> str:
@@ -242,9 +236,6 @@ def format_peer(rows: list[dict[str, Any]]) -> str:
         ("peer tokens out/asked", tokens),
     ]
     return column_table(columns, rows)
-
-
-# ---- output -----------------------------------------------------------------------------------------
 
 
 def to_json(

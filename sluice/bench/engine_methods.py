@@ -74,9 +74,6 @@ def _warmup_prompt() -> list[int]:
     return list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 16))
 
 
-# ---------------------------------------------------------------- transformers baselines
-
-
 def load_hf_model(ctx: BenchContext) -> PreTrainedModel:
     """The benchmark model through transformers, with EOS disabled so only max_new_tokens ends generation."""
     model = AutoModelForCausalLM.from_pretrained(ctx.model_dir, dtype=ctx.torch_dtype).to(ctx.device).eval()
@@ -242,9 +239,6 @@ def run_hf_continuous(
     return best
 
 
-# ---------------------------------------------------------------- sluice engine
-
-
 def _settings(ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, seqs: int = 0) -> Any:
     """The engine for requests of these total lengths (`seqs` 0: the engine's default max_num_seqs)."""
     return drv.engine_settings(
@@ -280,9 +274,6 @@ def run_sluice(
         preemptions=stats.num_preemptions,
         cuda_graphs=_graphs_state(ctx, cuda_graphs),
     )
-
-
-# ---------------------------------------------------------------- decode steps
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,6 @@ class Bench:
         if self.args.json is not None:
             rep.save_json(self.args.json, self.report, {**self.meta, "partial": partial})
 
-    # ---- workloads ---------------------------------------------------------------------------
-
     def workloads(self) -> list[wl.LatencyWorkload]:
         args = self.args
         vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
@@ -169,8 +167,6 @@ class Bench:
             }
             print(f"workload {w.name}: {len(w)} requests, {w.prompt_tokens} prompt tokens; {w.how}")
         return built
-
-    # ---- variants ----------------------------------------------------------------------------
 
     def run_variant(self, k: int, variant: str, workloads: list[wl.LatencyWorkload]) -> None:
         """One round of `variant`: its engine, then per workload a warm-up, the batch-1 run and the
@@ -212,8 +208,6 @@ class Bench:
         cell.copy_fraction = wl.mean_fraction(wl.copy_fraction, prompts, cell.concurrent.outputs)
         cell.lookup_fraction = wl.mean_fraction(wl.lookup_fraction, prompts, cell.concurrent.outputs)
 
-    # ---- the larger shape --------------------------------------------------------------------
-
     def run_shape(self, scratch: Path) -> None:
         """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
         args = self.args
@@ -253,8 +247,6 @@ class Bench:
                 engine = None
                 drv.release_memory(args.device)
             self.save(partial=True)
-
-    # ---- KV blocks and quality ---------------------------------------------------------------
 
     def run_kv_blocks(self) -> None:
         """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""

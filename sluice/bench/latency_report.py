@@ -94,9 +94,6 @@ def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | Non
     return None if mine is None else mine.ratio_to(base)
 
 
-# ---------------------------------------------------------------- tables
-
-
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
@@ -181,9 +178,6 @@ def format_kv(kv: KvBlocks | None) -> str:
         return f"fp8 KV blocks: FAILED: {kv.error}"
     shown = ", ".join(f"{k}: {n:,}" for k, n in kv.blocks.items())
     return f"KV blocks at {kv.budget_gb:g} GiB: {shown} ({_x(kv.ratio)})"
-
-
-# ---------------------------------------------------------------- JSON and plot
 
 
 def run_json(run: RunFigures | None) -> dict[str, Any] | None:

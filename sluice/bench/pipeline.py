@@ -72,9 +72,6 @@ class EndToEndRun:
         return self.cpu_s["load generator"] / (self.wall_s * (os.cpu_count() or 1))
 
 
-# ---- the two runs ----------------------------------------------------------------------------------
-
-
 def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
     core until every request is done. The engine gets the flags `sluice up` gives the service (its
@@ -122,9 +119,6 @@ def _stage_totals(endpoint: sw.Endpoint) -> dict[str, tuple[int, float]]:
         total = samples.get((f"{family}_sum", tuple(sorted(labels.items()))), 0.0)
         totals[name] = (int(count), total)
     return totals
-
-
-# ---- the report ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -200,9 +194,6 @@ def write_plot(path: Path, best: Comparison) -> None:
     cores.set_xlabel("cores used over the end-to-end run")
     cores.legend(fontsize=8, loc="lower right")
     save_figure(fig, path, "sluice bench pipeline")
-
-
-# ---- the command line ------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -150,9 +150,6 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
         await client.close()
 
 
-# ---- the command line ------------------------------------------------------------------------------
-
-
 def _slo(text: str) -> dict[str, float]:
     """`ttft=500,tpot=50` (milliseconds) as {"ttft": 500.0, "tpot": 50.0}."""
     slos: dict[str, float] = {}
