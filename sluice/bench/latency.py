@@ -253,18 +253,17 @@ class Bench:
         args = self.args
         if not args.device.startswith("cuda"):
             return
-        kv = rep.KvBlocks(args.kv_budget_gb)
-        self.report.kv = kv
+        kv = self.report.kv = rep.KvBlocks(args.kv_budget_gb)
+        settings = {
+            "model": str(self.model_dir),
+            "device": args.device,
+            "dtype": args.dtype,
+            "max_num_seqs": 8,
+        }
         for kv_dtype in ("auto", "fp8"):
             try:
                 engine = drv.make_engine(
-                    model=str(self.model_dir),
-                    device=args.device,
-                    dtype=args.dtype,
-                    kv_cache_gb=args.kv_budget_gb,
-                    kv_cache_dtype=kv_dtype,
-                    max_num_seqs=8,
-                    cuda_graphs="off",
+                    **settings, kv_cache_gb=args.kv_budget_gb, kv_cache_dtype=kv_dtype, cuda_graphs="off"
                 )
                 kv.blocks[kv_dtype] = engine.stats().num_blocks
             except Exception as exc:
@@ -287,25 +286,21 @@ class Bench:
         self.report.quality_model = f"{model_dir.name}, {args.perplexity_tokens} held-out tokens"
         ids = ppl.encode_documents(model_dir / "tokenizer.json", ppl.held_out_texts(), args.perplexity_tokens)
         cases = [("none", "none", "auto")]
-        cases += [
-            (q, q, "auto") for q in ("int8", "fp8") if q in args.variants and not _skip_reason(q, args.device)
-        ]
+        quantized = [q for q in ("int8", "fp8") if q in args.variants and not _skip_reason(q, args.device)]
+        cases += [(q, q, "auto") for q in quantized]
         if args.device.startswith("cuda"):
             cases.append(("fp8-kv", "none", "fp8"))
         print(f"== perplexity on {len(ids)} held-out tokens: {', '.join(c[0] for c in cases)}")
         for variant, quant, kv_dtype in cases:
+            case = (variant, quant, kv_dtype)
             try:
                 runner = ppl.make_runner(
                     model_dir, args.device, args.dtype, quant, kv_dtype, ppl.DEFAULT_WINDOW
                 )
                 result = ppl.runner_perplexity(runner, ids)
-                self.report.quality.append(
-                    ppl.QualityResult(variant, quant, kv_dtype, result.value, result.tokens)
-                )
+                self.report.quality.append(ppl.QualityResult(*case, result.value, result.tokens))
             except Exception as exc:
-                self.report.quality.append(
-                    ppl.QualityResult(variant, quant, kv_dtype, None, 0, error_text(exc))
-                )
+                self.report.quality.append(ppl.QualityResult(*case, None, 0, error_text(exc)))
             finally:
                 runner = None
                 drv.release_memory(args.device)

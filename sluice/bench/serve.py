@@ -217,22 +217,12 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The requests the options describe. Raises ValueError (and OSError for an unreadable file)."""
     num = args.num_requests
     if args.dataset == "synthetic":
-        output_len = args.output_len or 128
-        return synthetic_requests(
-            num or DEFAULT_NUM_REQUESTS,
-            args.seed,
-            input_len=args.input_len,
-            output_len=output_len,
-            sigma=args.sigma,
-        )
+        lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
+        return synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
     if args.dataset == "shared-prefix":
+        shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len")}
         return shared_prefix_requests(
-            num or DEFAULT_NUM_REQUESTS,
-            args.seed,
-            num_prefixes=args.num_prefixes,
-            prefix_len=args.prefix_len,
-            suffix_len=args.suffix_len,
-            output_len=args.output_len or 64,
+            num or DEFAULT_NUM_REQUESTS, args.seed, output_len=args.output_len or 64, **shape
         )
     lines = jsonl_requests(Path(args.dataset))
     return [lines[i % len(lines)] for i in range(num or len(lines))]

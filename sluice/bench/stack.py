@@ -153,13 +153,8 @@ class _Started:
 
 
 class Stack(_Started):
-    """The four sluice services as children of this process, on free ports of `options.host`.
-
-    `with Stack(options) as stack:` starts them and returns once every one answers its gRPC health check
-    and the gateway's `/readyz` says ready; leaving the block stops them all (also when start-up failed).
-    The ports are chosen when the Stack is made. A child that dies during start-up, or a stack not ready
-    within `startup_timeout_s`, raises RuntimeError naming the child and quoting its last output lines.
-    """
+    """The four sluice services as children of this process, on ports of `options.host` chosen when the
+    Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
@@ -266,17 +261,10 @@ def _get_json(url: str, timeout_s: float = 2.0) -> Any:
 
 
 class PeerServer(_Started):
-    """`transformers serve` on a local model directory: an OpenAI-compatible peer on a free port.
-
-    `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1; in the environment the
-    launcher gives the sluice services, so its OpenMP workers wait passively too) and returns once
-    `GET /v1/models` answers; `peer.openai_url` is its API base and `peer.model` the model name its
-    requests must carry. With `continuous_batching` it runs transformers' own continuous batching,
-    its KV cache sized by PEER_CPU_CACHE_ARGS on a CPU (on CUDA transformers sizes it, in bfloat16 as
-    the sluice engine runs there). `extra_args` come last, so they override these. The server does not
-    accept vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off. A server that dies or does
-    not answer in `startup_timeout_s` raises RuntimeError quoting its last output lines.
-    """
+    """`transformers serve` on a local model directory (offline, in the sluice services' environment):
+    ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
+    `continuous_batching` bounds its KV cache on a CPU (PEER_CPU_CACHE_ARGS); `extra_args` come last and
+    override. It rejects vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off."""
 
     def __init__(
         self,
