@@ -49,17 +49,9 @@ def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_
     if variant == "ngram":
         overrides.update({k: v for k, v in spec.spec_overrides.items() if v is not None})
     drafts = int(overrides.get("num_speculative_tokens", drv.NUM_SPECULATIVE_TOKENS))
-    return drv.engine_settings(
-        spec.model_dir,
-        spec.device,
-        spec.dtype,
-        lengths,
-        extra=drafts + 1,
-        threads=spec.threads,
-        max_num_seqs=max_num_seqs,
-        enable_prefix_caching=False,
-        **overrides,
-    )
+    fixed = {"threads": spec.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
+    model = (spec.model_dir, spec.device, spec.dtype)
+    return drv.engine_settings(*model, lengths, extra=drafts + 1, **fixed, **overrides)
 
 
 def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:

@@ -48,22 +48,16 @@ RECIPE_VERSION = 3
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
+_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    "test": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-    },
-    "chat": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 704,
-        "vocab_size": 4096,
-    },
+    "test": dict(zip(_SIZES, (64, 2, 4, 2, 128), strict=True)),
+    "chat": {**dict(zip(_SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
 }
 _COMMON: dict[str, Any] = {
     "vocab_size": DEFAULT_VOCAB_SIZE,
