@@ -18,7 +18,6 @@ from transformers import AutoConfig
 from sluice.bench import engine_driver as drv
 from sluice.bench import latency_report as rep
 from sluice.bench import latency_run as lrun
-from sluice.bench import latency_workload as wl
 from sluice.bench import perplexity as ppl
 from sluice.bench.common import (
     add_count,
@@ -66,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--preset", default=None, choices=PRESET_NAMES, help=about)
     about = f"comma list of {', '.join(lrun.VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
     add("--variants", type=names(tuple(lrun.VARIANTS), "variant(s)"), metavar="LIST", help=about)
-    workloads = names(wl.WORKLOADS, "workload(s)")
-    add("--workloads", type=workloads, default=wl.WORKLOADS, metavar="LIST", help="repetitive,non-repetitive")
+    workloads = names(lrun.WORKLOADS, "workload(s)")
+    add("--workloads", type=workloads, default=lrun.WORKLOADS, metavar="LIST", help=",".join(lrun.WORKLOADS))
     about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
     add_flags(parser, "seed", "device", "dtype", dtype=about)
     about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
@@ -144,21 +143,21 @@ class Bench:
         if self.args.json is not None:
             rep.save_json(self.args.json, self.report, {**self.meta, "partial": partial})
 
-    def workloads(self) -> list[wl.LatencyWorkload]:
+    def workloads(self) -> list[lrun.LatencyWorkload]:
         args = self.args
         vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
-        encode = wl.make_encoder(self.model_dir, vocab)
+        encode = lrun.make_encoder(self.model_dir, vocab)
         n = max(args.concurrency, args.num_requests)
-        built: list[wl.LatencyWorkload] = []
+        built: list[lrun.LatencyWorkload] = []
         for name in args.workloads:
             if name == "repetitive":
 
                 def greedy(prompts: list[list[int]], k: int) -> list[list[int]]:
                     return lrun.greedy_continuations(self.spec, prompts, k, n)
 
-                built.append(wl.repetitive(encode, greedy, n, args.output_len, args.seed))
+                built.append(lrun.repetitive(encode, greedy, n, args.output_len, args.seed))
             else:
-                built.append(wl.non_repetitive(encode, n, args.output_len, args.seed))
+                built.append(lrun.non_repetitive(encode, n, args.output_len, args.seed))
         for w in built:
             self.report.workloads[w.name] = {
                 "how": w.how,
@@ -168,7 +167,7 @@ class Bench:
             print(f"workload {w.name}: {len(w)} requests, {w.prompt_tokens} prompt tokens; {w.how}")
         return built
 
-    def run_variant(self, k: int, variant: str, workloads: list[wl.LatencyWorkload]) -> None:
+    def run_variant(self, k: int, variant: str, workloads: list[lrun.LatencyWorkload]) -> None:
         """One round of `variant`: its engine, then per workload a warm-up, the batch-1 run and the
         concurrent run. A later round (--repeat) keeps, per run, the faster of its figures and the earlier
         ones."""
@@ -197,7 +196,7 @@ class Bench:
             drv.release_memory(args.device)
         self.save(partial=True)
 
-    def _keep(self, variant: str, work: wl.LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
+    def _keep(self, variant: str, work: lrun.LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
         cell = self.report.cell(variant, work.name)
         if cell is None:
             cell = rep.Cell(variant, work.name)
@@ -205,8 +204,8 @@ class Bench:
         cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
         cell.concurrent = faster(cell.concurrent, many, "output_tok_s")
         prompts = [r.prompt for r in work.requests[: self.args.concurrency]]
-        cell.copy_fraction = wl.mean_fraction(wl.copy_fraction, prompts, cell.concurrent.outputs)
-        cell.lookup_fraction = wl.mean_fraction(wl.lookup_fraction, prompts, cell.concurrent.outputs)
+        cell.copy_fraction = lrun.mean_fraction(lrun.copy_fraction, prompts, cell.concurrent.outputs)
+        cell.lookup_fraction = lrun.mean_fraction(lrun.lookup_fraction, prompts, cell.concurrent.outputs)
 
     def run_shape(self, scratch: Path) -> None:
         """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
@@ -220,11 +219,11 @@ class Bench:
         vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
         rng = random.Random(args.seed)
         prompts = [
-            [rng.randrange(wl.FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)]
+            [rng.randrange(lrun.FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)]
             for _ in range(args.shape_requests)
         ]
-        requests = tuple(wl.LatencyRequest(tuple(p), args.shape_output_len) for p in prompts)
-        work = wl.LatencyWorkload("random", requests, "random prompts, greedy")
+        requests = tuple(lrun.LatencyRequest(tuple(p), args.shape_output_len) for p in prompts)
+        work = lrun.LatencyWorkload("random", requests, "random prompts, greedy")
         spec = lrun.EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         print(f"== batch-1 decode on {args.int8_preset}: {', '.join(wanted)}")
