@@ -38,7 +38,9 @@ from sluice.bench.engine_methods import (
     NOT_ON_CPU,
     BenchContext,
     MethodResult,
+    Workload,
     load_hf_model,
+    make_workload,
     measure_decode_step,
     reference_logits,
     run_hf_continuous,
@@ -47,7 +49,6 @@ from sluice.bench.engine_methods import (
     run_sluice,
 )
 from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
-from sluice.bench.engine_workload import Workload, make_workload
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)

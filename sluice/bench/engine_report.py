@@ -14,9 +14,15 @@ from typing import Any
 import torch
 
 from sluice.bench.common import Column, column_rows, figure, fmt, format_table, ratio, save_figure
-from sluice.bench.engine_methods import HF_METHODS, NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
+from sluice.bench.engine_methods import (
+    HF_METHODS,
+    NOT_ON_CPU,
+    SLUICE_METHODS,
+    DecodeStep,
+    MethodResult,
+    Workload,
+)
 from sluice.bench.engine_roofline import Roofline
-from sluice.bench.engine_workload import Workload
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method

@@ -17,9 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from sluice.bench.common import add_flags, positive_int, run_meta
-from sluice.bench.serve import ServeConfig, run_serve
+from sluice.bench.serve import ServeConfig, ServeResult, run_serve
 from sluice.bench.serve_data import BenchRequest
-from sluice.bench.serve_report import ServeResult
 from sluice.bench.stack import PeerServer, Stack, StackOptions
 from sluice.launcher import resolve_model
 

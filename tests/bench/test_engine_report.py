@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult
+from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult, Workload
 from sluice.bench.engine_report import (
     REFERENCE,
     Block,
@@ -24,7 +24,6 @@ from sluice.bench.engine_report import (
     to_json_runs,
 )
 from sluice.bench.engine_roofline import Roofline
-from sluice.bench.engine_workload import Workload
 
 REF = [[5, 6, 7], [8, 9]]
 THRESHOLD = 1e-4
