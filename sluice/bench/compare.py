@@ -98,14 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     add("--no-peer", action="store_true", help="skip transformers serve")
-    sw.add_sweep_flags(
-        parser,
-        64,
-        "plot",
-        "engine-flags",
-        num_requests="requests per point (default 64: at rate inf, 64 streams at once)",
-        plot="write tokens/s and p99 TTFT against request rate here",
-    )
+    helps = {
+        "num_requests": "requests per point (default 64: at rate inf, 64 streams at once)",
+        "plot": "write tokens/s and p99 TTFT against request rate here",
+    }
+    sw.add_sweep_flags(parser, 64, "plot", "engine-flags", **helps)
     return parser
 
 
@@ -115,16 +112,9 @@ def run_point(
     """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`), greedy, each request
     ending at EOS or max_tokens: the same for every system, since the peer rejects ignore_eos."""
     before = endpoint.cpu_seconds()
-    result = sw.serve_load(
-        endpoint,
-        requests,
-        request_rate=rate,
-        num_warmup=NUM_WARMUP if warm_up else 0,
-        ignore_eos=False,
-        seed=seed,
-        request_timeout_s=REQUEST_TIMEOUT_S,
-        progress=False,
-    )
+    warmup = NUM_WARMUP if warm_up else 0
+    load = {"request_rate": rate, "num_warmup": warmup, "ignore_eos": False, "seed": seed, "progress": False}
+    result = sw.serve_load(endpoint, requests, **load, request_timeout_s=REQUEST_TIMEOUT_S)
     asked = sum(req.output_len for req, rec in zip(requests, result.records, strict=True) if rec.ok)
     return Point(system, rate, result.summary(), asked, sw.cpu_used(before, endpoint.cpu_seconds()))
 
@@ -342,17 +332,11 @@ def _first_error(run: sw.SystemRun) -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model, engine_flags = sw.model_and_flags(args)
-    requests = synthetic_requests(
-        args.num_requests, args.seed, input_len=args.input_len, output_len=args.output_len
-    )
-    workload = {
-        "num_requests": args.num_requests,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "asked_output_tokens": sum(r.output_len for r in requests),
-        "seed": args.seed,
-        "api": "openai",
-    }
+    lengths = {"input_len": args.input_len, "output_len": args.output_len}
+    requests = synthetic_requests(args.num_requests, args.seed, **lengths)
+    asked = sum(r.output_len for r in requests)
+    workload = {"num_requests": args.num_requests, **lengths, "asked_output_tokens": asked, "seed": args.seed}
+    workload["api"] = "openai"
     meta = sw.sweep_meta(
         "compare", argv, model, workload=workload, rates=list(args.rates), ttft_bound_ms=args.ttft_bound_ms
     )

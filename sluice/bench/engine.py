@@ -187,12 +187,8 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     quiet_torch(args.threads)
     label = model_label(args)
-    meta = {
-        **run_meta(["engine", *argv], args.device),
-        "model": label,
-        "dtype": args.dtype,
-        "repeat": args.repeat,
-    }
+    meta = {**run_meta(["engine", *argv], args.device), "model": label, "dtype": args.dtype}
+    meta["repeat"] = args.repeat
     print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
     print(f"machine: {meta['machine']}")
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:

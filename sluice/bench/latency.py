@@ -253,12 +253,7 @@ class Bench:
         if not args.device.startswith("cuda"):
             return
         kv = self.report.kv = rep.KvBlocks(args.kv_budget_gb)
-        settings = {
-            "model": str(self.model_dir),
-            "device": args.device,
-            "dtype": args.dtype,
-            "max_num_seqs": 8,
-        }
+        settings = dict(model=str(self.model_dir), device=args.device, dtype=args.dtype, max_num_seqs=8)
         for kv_dtype in ("auto", "fp8"):
             try:
                 engine = drv.make_engine(

@@ -56,12 +56,7 @@ def measure(
     """The workload through `policy`'s stack: the load generator's figures and the engines' prefix cache."""
     shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len", "output_len")}
     requests = shared_prefix_requests(args.num_requests, args.seed, **shape)
-    load = {
-        "request_rate": rate,
-        "num_warmup": NUM_WARMUP,
-        "seed": args.seed,
-        "progress": not args.no_progress,
-    }
+    load = dict(request_rate=rate, num_warmup=NUM_WARMUP, seed=args.seed, progress=not args.no_progress)
     result = sw.serve_load(endpoint, requests, **load)
     engines = _engine_counters(endpoint)
     summary = result.summary()

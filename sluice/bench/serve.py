@@ -459,20 +459,12 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    same = (
-        "api",
-        "model",
-        "request_rate",
-        "burstiness",
-        "max_concurrency",
-        "num_warmup",
-        "temperature",
-        "seed",
-    )
+    same = ("api", "model", "request_rate", "burstiness", "max_concurrency", "num_warmup", "temperature")
     slo = args.slo or {}
     return ServeConfig(
         **{name: getattr(args, name) for name in same},
         url=args.url or DEFAULT_URLS[args.api],
+        seed=args.seed,
         ignore_eos=not args.no_ignore_eos,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),

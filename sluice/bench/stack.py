@@ -166,15 +166,8 @@ class Stack(_Started):
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
-        ports = [
-            "--port",
-            str(http_port),
-            "--grpc-base-port",
-            str(grpc_base),
-            "--metrics-base-port",
-            str(metrics_base),
-        ]
-        flags = ["--model", options.model, "--host", host, *ports]
+        ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
+        flags = ["--model", options.model, "--host", host, *ports, "--metrics-base-port", str(metrics_base)]
         flags += ["--engines", str(engines)] if engines > 1 else []
         plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]

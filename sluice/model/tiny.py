@@ -128,13 +128,7 @@ def make_tiny_model(
     if train_seconds > 0:
         training = TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
         report = train(model, tok, build_corpus(), training)
-    recipe = {
-        "preset": preset,
-        "arch": arch,
-        "seed": seed,
-        "train_seconds": train_seconds,
-        "overrides": overrides,
-    }
+    recipe = dict(preset=preset, arch=arch, seed=seed, train_seconds=train_seconds, overrides=overrides)
     with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
         GenerationConfig(**_special_ids()).save_pretrained(tmp)
