@@ -162,18 +162,11 @@ def make_runner(
     from services.engine.executor.model_runner import ModelRunner
     from services.engine.settings import EngineSettings
 
-    block_size = 16
-    settings = EngineSettings(
-        model=str(model_dir),
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        num_kv_blocks=-(-window // block_size),
-        cuda_graphs="off",
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+    weights = dict(
+        model=str(model_dir), device=device, dtype=dtype, quantization=quantization, cuda_graphs="off"
     )
-    return ModelRunner(settings)
+    pool = dict(block_size=16, num_kv_blocks=-(-window // 16), kv_cache_dtype=kv_cache_dtype)
+    return ModelRunner(EngineSettings(**weights, **pool))
 
 
 @dataclass(frozen=True)
