@@ -294,8 +294,7 @@ def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
     capacities = {
         name: highest_rate_under(run, args.ttft_bound_ms, args.num_requests) for name, run in runs.items()
     }
-    print()
-    print(format_points(runs, args.num_requests))
+    print(f"\n{format_points(runs, args.num_requests)}")
     head, peer = runs.get(HEADLINE), runs.get(PEER)
     if peer is not None:
         print()
@@ -304,8 +303,7 @@ def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
         elif head is not None:
             print(f"sluice-{HEADLINE} ÷ {PEER} at each rate:")
             print(format_peer(peer_ratios(head, peer)))
-    print()
-    print(f"highest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
+    print(f"\nhighest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
     for name, best in capacities.items():
         shown = "none of the rates tried" if best is None else f"{_rate_text(best)} req/s"
         print(f"  {_label(name):<22} {shown}")

@@ -278,11 +278,8 @@ def _report(
     and the plot; returns the exit status."""
     label = model_label(args)
     ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
-    for block in blocks:
-        print()
-        print(report.format_block(block))
-    print()
-    print(report.format_decode(decode, decode_error))
+    for text in [*map(report.format_block, blocks), report.format_decode(decode, decode_error)]:
+        print(f"\n{text}")
     if args.repeat > 1:
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")

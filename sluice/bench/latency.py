@@ -394,12 +394,8 @@ def main(argv: list[str]) -> int:
 
 def _finish(args: argparse.Namespace, bench: Bench) -> int:
     report = bench.report
-    print()
-    print(rep.format_main(report))
-    print()
-    print(rep.format_shape(report.shape))
-    print()
-    print(rep.format_quality(report))
+    tables = [rep.format_main(report), rep.format_shape(report.shape), rep.format_quality(report)]
+    print("\n" + "\n\n".join(tables))
     print(rep.format_kv(report.kv))
     bench.save(partial=False)
     if args.json is not None:

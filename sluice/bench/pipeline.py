@@ -243,8 +243,7 @@ def main(argv: list[str]) -> int:
         max((c.in_process for c in run.points), key=lambda r: r.tokens_per_s),
         max((c.end_to_end for c in run.points), key=lambda r: r.tokens_per_s),
     )
-    print()
-    print("\n".join(best.lines()))
+    print("\n" + "\n".join(best.lines()))
     doc = {"meta": sw.sweep_meta("pipeline", argv, model), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
