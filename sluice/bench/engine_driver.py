@@ -82,14 +82,10 @@ def engine_settings(
 ) -> EngineSettings:
     """Settings of an engine for requests of these total lengths (see the module docstring); `fields` are
     any other EngineSettings fields."""
+    pool = {"block_size": BLOCK_SIZE, "kv_cache_gb": kv_cache_gb(model_dir, dtype, lengths, extra)}
+    max_len = round_up(max(lengths) + extra + 1, BLOCK_SIZE)
     return EngineSettings(
-        model=str(model_dir),
-        device=device,
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        kv_cache_gb=kv_cache_gb(model_dir, dtype, lengths, extra),
-        max_model_len=round_up(max(lengths) + extra + 1, BLOCK_SIZE),
-        **fields,
+        model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
     )
 
 

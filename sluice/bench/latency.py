@@ -29,6 +29,7 @@ from sluice.bench.common import (
     quiet_torch,
     resolve_device,
     run_meta,
+    write_json,
 )
 from sluice.bench.latency_run import RunFigures
 from sluice.model.presets import PRESET_NAMES, preset_model_dir
@@ -141,7 +142,7 @@ class Bench:
     def save(self, partial: bool) -> None:
         """Writes the JSON so far (`"partial": true` until the end), so that a run cut short keeps it."""
         if self.args.json is not None:
-            rep.save_json(self.args.json, self.report, {**self.meta, "partial": partial})
+            write_json(self.args.json, rep.to_json(self.report, {**self.meta, "partial": partial}))
 
     def workloads(self) -> list[lrun.LatencyWorkload]:
         args = self.args

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.common import Column, column_table, figure, fmt, ratio, save_figure, write_json
+from sluice.bench.common import Column, column_table, figure, fmt, ratio, save_figure
 from sluice.bench.latency_run import OFF, RunFigures
 from sluice.bench.perplexity import QualityResult
 
@@ -217,10 +217,6 @@ def to_json(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
         "quality_model": report.quality_model,
         "quality": [{**vars(q), "ratio_to_none": quality_ratio(quality, q.variant)} for q in quality],
     }
-
-
-def save_json(path: Path, report: Report, meta: dict[str, Any]) -> None:
-    write_json(path, to_json(report, meta))
 
 
 VARIANT_COLORS = {"off": "#9a9a9a", "ngram": "#1f77b4", "int8": "#2ca02c", "fp8": "#d62728"}
