@@ -48,7 +48,6 @@ from sluice.bench.engine_methods import (
     run_hf_static,
     run_sluice,
 )
-from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)
@@ -238,7 +237,7 @@ def run_decode(
     roofline; returns the figures and the error that stopped the measurement, if any."""
     if args.decode_batch == 0:
         return [], None
-    gbps, source = device_bandwidth(ctx.device, args.hbm_gbps)
+    gbps, source = report.device_bandwidth(ctx.device, args.hbm_gbps)
     element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
     context = decode_context(work)
     print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
@@ -250,7 +249,7 @@ def run_decode(
             return figures, error_text(exc)
         finally:
             release_memory(ctx.device)
-        roof = decode_roofline(config, element, step.batch, step.mean_context, gbps)
+        roof = report.decode_roofline(config, element, step.batch, step.mean_context, gbps)
         figures.append(report.DecodeFigure(step, roof, source))
     return figures, None
 

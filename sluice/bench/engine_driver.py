@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from services.common.settings import load_settings
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.scheduler import SchedulerOutput
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
-from sluice.bench.engine_roofline import kv_bytes_per_token
 
 __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
 
@@ -66,6 +65,14 @@ def timed(device: str) -> Iterator[list[float]]:
     yield elapsed
     sync(device)
     elapsed[0] = time.perf_counter() - start
+
+
+def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
+    """Bytes of K and V of one token over all layers."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
 
 
 def kv_cache_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int = 0) -> float:

@@ -1,19 +1,26 @@
 """Figures of one engine-benchmark run (one block per concurrency, and the decode steps): the greedy
-comparison with the reference, ratios, tables, JSON and plot.
+comparison with the reference, the memory roofline of a decode step, ratios, tables, JSON and plot.
+
+The roofline: (weight bytes + KV bytes read) ÷ memory bandwidth. A step of batch B reads every weight the
+forward multiplies by (a tied embedding whole, as the output projection; an untied input embedding only at
+B rows) and B × context × layers × 2 × KV heads × head_dim KV elements.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from sluice.bench.common import Column, column_rows, figure, fmt, format_table, ratio, save_figure
+from sluice.bench.engine_driver import kv_bytes_per_token
 from sluice.bench.engine_methods import (
     HF_METHODS,
     NOT_ON_CPU,
@@ -22,7 +29,7 @@ from sluice.bench.engine_methods import (
     MethodResult,
     Workload,
 )
-from sluice.bench.engine_roofline import Roofline
+from sluice.model.presets import meta_model
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
@@ -37,6 +44,73 @@ GREEDY_RULE = (
     "token by token up to each request's first difference, which is a near-tie when the reference's logits "
     "score the other token within the near-tie threshold of its own"
 )
+
+
+# Peak memory bandwidth in GB/s (10^9 bytes/s) by torch.cuda.get_device_name, first match wins.
+HBM_GBPS: tuple[tuple[str, float], ...] = (
+    (r"H200", 4800.0),
+    (r"H100.*PCIe", 2000.0),
+    (r"H100", 3350.0),  # SXM (HBM3)
+    (r"A100.*80\s*GB", 2039.0),
+    (r"A100", 1555.0),  # 40 GB
+    (r"L40S", 864.0),
+    (r"\bL4\b", 300.0),
+)
+
+
+def hbm_gbps(device_name: str) -> float | None:
+    """The bandwidth of a known GPU by its name, None for any other device."""
+    for pattern, gbps in HBM_GBPS:
+        if re.search(pattern, device_name):
+            return gbps
+    return None
+
+
+def device_bandwidth(device: str, override: float | None) -> tuple[float | None, str]:
+    """(GB/s, where the figure comes from): `override` when given, else the table for a CUDA device, else
+    None (a CPU has no entry)."""
+    if override is not None:
+        return override, "--hbm-gbps"
+    if not device.startswith("cuda"):
+        return None, "a CPU has no entry; give --hbm-gbps"
+    name = torch.cuda.get_device_name(torch.device(device))
+    gbps = hbm_gbps(name)
+    return gbps, (name if gbps is not None else f"{name} not in the table; give --hbm-gbps")
+
+
+def weight_bytes_per_step(config: transformers.PretrainedConfig, element_size: int) -> int:
+    """Bytes of weights one decode step reads: every parameter but an untied input embedding."""
+    model = meta_model(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if not config.tie_word_embeddings:
+        total -= embedding.numel()
+    return total * element_size
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The bytes one decode step reads and, given a bandwidth, the least time it takes."""
+
+    weight_bytes: int
+    kv_bytes: int
+    gbps: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        return None if not self.gbps else self.total_bytes / (self.gbps * 1e9)
+
+
+def decode_roofline(
+    config: transformers.PretrainedConfig, element_size: int, batch: int, context: float, gbps: float | None
+) -> Roofline:
+    """The roofline of a decode step of `batch` rows with `context` tokens each (mean, new token included)."""
+    kv = round(batch * context * kv_bytes_per_token(config, element_size))
+    return Roofline(weight_bytes_per_step(config, element_size), kv, gbps)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from sluice.bench.engine_report import (
     Block,
     DecodeFigure,
     GreedyCheck,
+    Roofline,
     build_rows,
     check_greedy,
     compare_request,
@@ -23,7 +24,6 @@ from sluice.bench.engine_report import (
     to_json,
     to_json_runs,
 )
-from sluice.bench.engine_roofline import Roofline
 
 REF = [[5, 6, 7], [8, 9]]
 THRESHOLD = 1e-4
