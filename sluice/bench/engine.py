@@ -143,13 +143,10 @@ def _runner(
 def run_methods(
     ctx: BenchContext, work: Workload, methods: tuple[str, ...], repeat: int, show_progress: bool
 ) -> tuple[dict[str, MethodResult], dict[str, str], dict[str, str]]:
-    """Runs each method `repeat` times in order and keeps its fastest run; a method that raises is
-    recorded in the errors and the others go on. Returns the results, the errors and the methods skipped
-    with the reason (the eager engine on a CPU, where it is the same engine: NOT_ON_CPU).
-
-    Each transformers method loads its own copy of the model, so no state carries from one to the next;
-    the memory of each method is released before the next.
-    """
+    """Runs each method `repeat` times in order and keeps its fastest run; a method that raises is recorded
+    in the errors and the others go on. Returns the results, the errors and the methods skipped with why
+    (NOT_ON_CPU: the eager engine on a CPU). Each transformers method loads its own model; each method's
+    memory is released before the next."""
     results: dict[str, MethodResult] = {}
     errors: dict[str, str] = {}
     skipped: dict[str, str] = {}

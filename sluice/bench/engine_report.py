@@ -126,14 +126,10 @@ class Measured:
 
 @dataclass(frozen=True)
 class GreedyMatch:
-    """One method's greedy outputs against REFERENCE's, request by request.
-
-    Each request is compared token by token up to its first differing token. It is *equal* when there is
-    none, *equal up to a near-tie* when the reference's own logits there score the method's token within
-    the near-tie threshold of the reference's token (float noise between two correct paths can flip such a
-    choice, and past it the two continue from different prefixes), and *differing* otherwise (a token the
-    reference clearly ranks lower, or an output of another length).
-    """
+    """One method's greedy outputs against REFERENCE's, each request compared up to its first differing
+    token: *equal* without one, *equal up to a near-tie* when the reference's logits there score the method's
+    token within the threshold of its own (float noise can flip such a choice between two correct paths),
+    else *differing* (a token the reference clearly ranks lower, or an output of another length)."""
 
     differing: int  # requests with a real difference
     near_ties: int  # requests equal up to a near-tie

@@ -1,11 +1,7 @@
-"""The workloads and timed runs of `sluice bench latency` (docs/benchmarks.md).
-
-Workloads: `repetitive`, a user turn asking to repeat a document made of a held-out seed and the model's own
-greedy continuation of it; `non-repetitive`, short questions sampled at NON_REPETITIVE_TEMPERATURE. A model
-without tokenizer.json gets words mapped to ids by crc32. Runs: one in-process engine per variant (prefix
-caching off, so every TTFT is a full prefill). Batch 1: decode rate = tokens after the first ÷ summed
-first-to-last times; concurrent: every request added at once, output rate = tokens ÷ wall time. Each run
-keeps the engine's `spec_*` statistics.
+"""The workloads (docs/benchmarks.md; a model without tokenizer.json gets words mapped to ids by crc32) and
+timed runs of `sluice bench latency`: one in-process engine per variant, prefix caching off so every TTFT is
+a full prefill. Batch 1: decode rate = tokens after the first ÷ summed first-to-last times; concurrent:
+every request added at once, output rate = tokens ÷ wall time. Each run keeps the engine's `spec_*` stats.
 """
 
 from __future__ import annotations
@@ -106,7 +102,8 @@ Continue = Callable[[list[list[int]], int], list[list[int]]]  # prompts, n -> ea
 def repetitive(
     encode: Encoder, continue_greedy: Continue, count: int, output_len: int, seed: int
 ) -> LatencyWorkload:
-    """`count` repeat-the-document requests (see the module docstring); `continue_greedy` runs the model."""
+    """`count` user turns asking to repeat a document: a held-out seed and the model's own greedy continuation
+    of it (`continue_greedy` runs the model); the answer starts with the seed."""
     seeds = seed_texts(encode, count, seed)
     continuations = continue_greedy([[BOS_ID, *s] for s in seeds], output_len)
     instruction = encode("Repeat the following text exactly.\n\n")
@@ -128,7 +125,7 @@ def _topic(encode: Encoder, text: str) -> str:
 
 
 def non_repetitive(encode: Encoder, count: int, output_len: int, seed: int) -> LatencyWorkload:
-    """`count` short questions about held-out paragraphs' subjects, sampled (see the module docstring)."""
+    """`count` short questions about held-out paragraphs' subjects, sampled at NON_REPETITIVE_TEMPERATURE."""
     rng = random.Random(seed + 1)
     texts = rng.sample(list(held_out_texts()), count)
     requests = []
