@@ -20,7 +20,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Self
@@ -136,13 +136,10 @@ class _LoggedSupervisor(Supervisor):
 
 
 class _Started:
-    """A server that a `with` block starts (`start`) and stops (`stop`)."""
+    """A server that a `with` block starts and stops, by the subclass's `start` and `stop`."""
 
-    def start(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
+    start: Callable[[], None]
+    stop: Callable[[], None]
 
     def __enter__(self) -> Self:
         self.start()
