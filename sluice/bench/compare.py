@@ -278,11 +278,9 @@ def write_plot(path: Path, runs: Runs, rates: Sequence[float], bound_ms: float, 
     ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
     ttft_ax.set_yscale("log")
     for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
-        ax.set_xscale("log")
+        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
         ax.set_xticks(list(xs.values()), [_rate_text(r) for r in xs])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("request rate (req/s; inf = all at once)")
-        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path, title)

@@ -252,8 +252,7 @@ def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
         ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
         if ms.size:
             ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of gaps" if name == "ITL" else "fraction of requests")
+        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
         ax.grid(alpha=0.3)
     save_figure(fig, path, title)
 
@@ -264,8 +263,7 @@ def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
     ax = fig.subplots()
     if starts.size:
         ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
-    ax.set_xlabel("seconds since the start")
-    ax.set_ylabel("output tokens/s (1 s bins)")
+    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
     ax.grid(alpha=0.3)
     save_figure(fig, path, title)
 
