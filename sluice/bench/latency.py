@@ -6,6 +6,7 @@ in-process engine per variant at a time (docs/benchmarks.md describes the stages
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import tempfile
 import time
@@ -149,22 +150,15 @@ class Bench:
         vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
         encode = lrun.make_encoder(self.model_dir, vocab)
         n = max(args.concurrency, args.num_requests)
-        built: list[lrun.LatencyWorkload] = []
-        for name in args.workloads:
-            if name == "repetitive":
-
-                def greedy(prompts: list[list[int]], k: int) -> list[list[int]]:
-                    return lrun.greedy_continuations(self.spec, prompts, k, n)
-
-                built.append(lrun.repetitive(encode, greedy, n, args.output_len, args.seed))
-            else:
-                built.append(lrun.non_repetitive(encode, n, args.output_len, args.seed))
+        greedy = functools.partial(lrun.greedy_continuations, self.spec, max_num_seqs=n)
+        built = [
+            lrun.repetitive(encode, greedy, n, args.output_len, args.seed)
+            if name == lrun.REPETITIVE
+            else lrun.non_repetitive(encode, n, args.output_len, args.seed)
+            for name in args.workloads
+        ]
         for w in built:
-            self.report.workloads[w.name] = {
-                "how": w.how,
-                "requests": len(w),
-                "prompt_tokens": w.prompt_tokens,
-            }
+            self.report.workloads[w.name] = dict(how=w.how, requests=len(w), prompt_tokens=w.prompt_tokens)
             print(f"workload {w.name}: {len(w)} requests, {w.prompt_tokens} prompt tokens; {w.how}")
         return built
 
