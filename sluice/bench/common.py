@@ -73,19 +73,15 @@ def names(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]
     return parse
 
 
-_FLAGS: dict[str, dict[str, Any]] = {
-    "model": dict(
-        type=Path, default=None, metavar="DIR", help="model directory (default: the embedded model)"
-    ),
-    "json": dict(type=Path, default=None, metavar="FILE", help="write the figures as JSON here"),
-    "plot": dict(type=Path, default=None, metavar="FILE.png", help="write a PNG chart of the figures here"),
+_FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
+    "model": dict(type=Path, metavar="DIR", help="model directory (default: the embedded model)"),
+    "json": dict(type=Path, metavar="FILE", help="write the figures as JSON here"),
+    "plot": dict(type=Path, metavar="FILE.png", help="write a PNG chart of the figures here"),
     "quick": dict(action="store_true", help="tiny counts for smoke tests"),
-    "threads": dict(
-        type=positive_int, default=None, metavar="N", help="torch CPU threads (default: torch's)"
-    ),
+    "threads": dict(type=positive_int, metavar="N", help="torch CPU threads (default: torch's)"),
     "no-progress": dict(action="store_true", help="hide the progress bars"),
-    "device": dict(default=None, help="cpu | cuda | cuda:N (default: cuda if available)"),
-    "dtype": dict(default=None, choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
+    "device": dict(help="cpu | cuda | cuda:N (default: cuda if available)"),
+    "dtype": dict(choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
 }

@@ -73,21 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(model, "model", model="a local Hugging Face model")
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
     about += "other than tiny)"
-    add("--concurrency", type=int_list, default=None, metavar="LIST", help=about)
+    add("--concurrency", type=int_list, metavar="LIST", help=about)
     add_count(parser, "--num-requests", None, "the same as --concurrency N")
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
-    add("--methods", type=names(ALL_METHODS, "method(s)"), default=None, metavar="LIST", help=about)
+    add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
     add_count(parser, "--decode-batch", None, about, type=int)
     add_count(parser, "--decode-steps", None, "decode steps timed (default 32)")
     about = "memory bandwidth for the roofline (default: by GPU name; none on CPU)"
-    add("--hbm-gbps", type=positive_float, default=None, metavar="GB/s", help=about)
-    add(
-        "--prompt-len", type=int_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)"
-    )
-    add("--output-len", type=int_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
+    add("--hbm-gbps", type=positive_float, metavar="GB/s", help=about)
+    add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
+    add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
     about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
-    add("--hf-batch-tokens", type=int_list, default=None, metavar="LIST", help=about)
+    add("--hf-batch-tokens", type=int_list, metavar="LIST", help=about)
     helps = {
         "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
         "repeat": "run each method N times, report its fastest",

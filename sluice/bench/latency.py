@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = parser.add_mutually_exclusive_group()
     add_flags(model, "model", model="a local Hugging Face model")
     about = "random weights in a model's shape (default: the embedded chat model)"
-    model.add_argument("--preset", default=None, choices=PRESET_NAMES, help=about)
+    model.add_argument("--preset", choices=PRESET_NAMES, help=about)
     about = f"comma list of {', '.join(lrun.VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
     add("--variants", type=names(tuple(lrun.VARIANTS), "variant(s)"), metavar="LIST", help=about)
     workloads = names(lrun.WORKLOADS, "workload(s)")
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
     add_flags(parser, "seed", "device", "dtype", dtype=about)
     about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
-    add("--int8-preset", default=None, choices=(*PRESET_NAMES, "none"), help=about)
+    add("--int8-preset", choices=(*PRESET_NAMES, "none"), help=about)
     for flag, about in (
         ("num_requests", "batch-1 requests per workload"),
         ("concurrency", "requests added at once"),
@@ -89,16 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
         flag = f"--{name.replace('_', '-')}"
         about = f"ngram variant: the engine's {name} (default: the engine's)"
         if "acceptance" in name:
-            add(flag, type=float, default=None, metavar="X", help=about)
+            add(flag, type=float, metavar="X", help=about)
         else:
             add_count(parser, flag, None, about, type=int)
     about = "the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)"
-    add("--quality-model", type=Path, default=None, metavar="DIR", help=about)
+    add("--quality-model", type=Path, metavar="DIR", help=about)
     about = (
         "when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
         "and leave perplexity out instead of training the model first (minutes)"
     )
-    add("--if-no-embedded", default=None, choices=PRESET_NAMES, metavar="PRESET", help=about)
+    add("--if-no-embedded", choices=PRESET_NAMES, metavar="PRESET", help=about)
     repeat = "N rounds of every measurement, the best kept"
     quick = "tiny counts (2 / 4 requests, 12 tokens) for smoke tests"
     add_flags(parser, "repeat", "threads", "json", "plot", "quick", "no-progress", repeat=repeat, quick=quick)

@@ -404,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--api", choices=APIS, default="openai", help="which API to drive (default openai)")
     about = "openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
-    add("--url", default=None, help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
-    add("--model", default=None, help="openai model name (default: the first of GET /v1/models)")
+    add("--url", help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
+    add("--model", help="openai model name (default: the first of GET /v1/models)")
     about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
     add_count(parser, "--num-requests", None, about)
     about = "requests/s (default inf: all at once)"
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_count(parser, "--suffix-len", 32, "shared-prefix: words of each request's own part")
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
+    add("--slo", type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
     add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
     helps = {
         "json": "write the summary and every request here",
