@@ -107,7 +107,7 @@ stage_timeout() { [[ $1 == tiny ]] && echo "$TINY_TIMEOUT_S" || echo "$MODEL_TIM
 
 test_args() {
   if [[ $DEVICE == cpu ]]; then
-    echo tests/engine/test_errors.py
+    echo tests/engine/test_stats.py
   else
     echo tests/engine
   fi

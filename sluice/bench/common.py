@@ -1,9 +1,5 @@
 """What every benchmark shares: its common flags, the run's metadata, JSON, tables, plots and ratios.
-
-Flags (`add_flags`): `--model`, `--json`, `--plot`, `--quick`, `--threads`, `--no-progress`, `--device`,
-`--dtype`, `--seed`, `--repeat`, with the same meaning, type and default in every benchmark that has them
-(a benchmark may reword the help). Comma-list and range types (`int_list`, `int_range`, `names`) raise
-argparse errors, so a bad value exits with status 2 and a usage line.
+Argparse types raise argparse errors, so a bad value exits with status 2 and a usage line.
 """
 
 from __future__ import annotations
@@ -77,22 +73,25 @@ def names(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]
     return parse
 
 
-_FLAGS: dict[str, dict[str, Any]] = {
-    "model": dict(
-        type=Path, default=None, metavar="DIR", help="model directory (default: the embedded model)"
-    ),
-    "json": dict(type=Path, default=None, metavar="FILE", help="write the figures as JSON here"),
-    "plot": dict(type=Path, default=None, metavar="FILE.png", help="write a PNG chart of the figures here"),
+_FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
+    "model": dict(type=Path, metavar="DIR", help="model directory (default: the embedded model)"),
+    "json": dict(type=Path, metavar="FILE", help="write the figures as JSON here"),
+    "plot": dict(type=Path, metavar="FILE.png", help="write a PNG chart of the figures here"),
     "quick": dict(action="store_true", help="tiny counts for smoke tests"),
-    "threads": dict(
-        type=positive_int, default=None, metavar="N", help="torch CPU threads (default: torch's)"
-    ),
+    "threads": dict(type=positive_int, metavar="N", help="torch CPU threads (default: torch's)"),
     "no-progress": dict(action="store_true", help="hide the progress bars"),
-    "device": dict(default=None, help="cpu | cuda | cuda:N (default: cuda if available)"),
-    "dtype": dict(default=None, choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
+    "device": dict(help="cpu | cuda | cuda:N (default: cuda if available)"),
+    "dtype": dict(choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
 }
+
+
+def add_count(
+    parser: argparse.ArgumentParser | Any, flag: str, default: Any, about: str, type: Any = positive_int
+) -> None:
+    """Adds `flag`, a number (by default an integer >= 1) with metavar N, to `parser`."""
+    parser.add_argument(flag, type=type, default=default, metavar="N", help=about)
 
 
 def add_flags(parser: argparse.ArgumentParser | Any, *flags: str, **helps: str) -> None:
@@ -140,9 +139,6 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# ---- the run's metadata ----------------------------------------------------------------------------
-
-
 def _git_commit() -> str | None:
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
@@ -186,16 +182,13 @@ def run_meta(bench_argv: Sequence[str], device: str | None = None) -> dict[str, 
     }
 
 
-# ---- figures out --------------------------------------------------------------------------------------
-
-
 def ratio(value: float | None, base: float | None) -> float | None:
     """value ÷ base; None when either is missing or base is not positive."""
     return None if value is None or base is None or not base > 0 else value / base
 
 
-def fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
+def fmt(value: float | None, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
 
 
 def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None) -> str:
@@ -212,6 +205,18 @@ def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None
     lines = [line(row) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+Column = tuple[str, Callable[[Any], object]]  # header, the cell of one item
+
+
+def column_rows(columns: Sequence[Column], items: Iterable[Any]) -> list[Sequence[object]]:
+    """The columns' headers, then a row per item: each column's cell of it."""
+    return [[header for header, _ in columns], *([cell(item) for _, cell in columns] for item in items)]
+
+
+def column_table(columns: Sequence[Column], items: Iterable[Any], right_from: int | None = None) -> str:
+    return format_table(column_rows(columns, items), right_from)
 
 
 def json_safe(value: Any) -> Any:

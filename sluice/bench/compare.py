@@ -1,18 +1,8 @@
-"""`sluice bench compare`: sluice's three batching policies, and transformers' own server, under a sweep
-of request rates.
-
-Measures output tokens/s and p99 time to first token (TTFT) against request rate for sluice's batching
-policies (static, dynamic, continuous: one pipeline each, started here) and for `transformers serve
---continuous-batching` on the same model (the peer, unless --no-peer), on one seeded workload of
-random-word prompts sent as streaming OpenAI completions with Poisson arrivals (rate inf: all at once):
-a sweep (sweep.py) whose systems are the policies and the peer and whose points are the rates. Prints a
-table of every point, sluice-continuous ÷ peer at each rate, per policy the highest rate whose p99 TTFT
-stays under --ttft-bound-ms, and continuous's highest rate ÷ static's. Every system runs the same
-requests greedily and stops at EOS (the peer does not accept ignore_eos), so each generates the same
-tokens; tokens/s counts the tokens produced, and "(EOS)" marks points that produced fewer than
-max_tokens. The defaults take about 4 minutes on a 2-core CPU with the embedded model. Exit status 0
-when every system ran every point, 1 when a system failed to start or a point completed no request, 2 on
-bad arguments.
+"""`sluice bench compare`: output tokens/s and p99 TTFT against request rate for sluice's batching policies
+(one pipeline each) and `transformers serve --continuous-batching` (the peer) on one seeded workload of
+streaming OpenAI completions, greedy and stopping at EOS (the peer rejects ignore_eos); "(EOS)" marks points
+that produced fewer than max_tokens. Exit status 0 when every system ran every point, 1 when a system failed
+to start or a point completed no request, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -25,13 +15,17 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from sluice.bench import sweep as sw
 from sluice.bench.common import (
+    Column,
+    add_count,
+    column_rows,
+    column_table,
     figure,
     fmt,
     format_table,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     ratio,
     save_figure,
@@ -39,19 +33,6 @@ from sluice.bench.common import (
 )
 from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    Opener,
-    SystemRun,
-    add_sweep_flags,
-    cpu_used,
-    model_and_flags,
-    peer_endpoint,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 
 PEER = "transformers-serve"  # `transformers serve --continuous-batching` on the same model
 HEADLINE = "continuous"
@@ -59,6 +40,7 @@ BASELINE = "static"
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 NUM_WARMUP = 4  # requests sent and awaited before a system's first point
 REQUEST_TIMEOUT_S = 300.0
+Runs = dict[str, sw.SystemRun]  # system → its points
 
 
 @dataclass(frozen=True)
@@ -106,66 +88,35 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = parser.add_argument
-    policies = ",".join(BATCHING_POLICIES[::-1])
-    add(
-        "--policies",
-        type=names(BATCHING_POLICIES, "policy"),
-        default=BATCHING_POLICIES[::-1],
-        metavar="LIST",
-        help=f"sluice batching policies to run (default {policies})",
-    )
-    add(
-        "--rates",
-        type=_rates,
-        default=DEFAULT_RATES,
-        metavar="LIST",
-        help="request rates in requests/s, inf = all at once (default 2,8,32,inf)",
-    )
-    add("--input-len", type=positive_int, default=64, metavar="N", help="mean prompt words (default 64)")
-    add("--output-len", type=positive_int, default=128, metavar="N", help="mean output tokens (default 128)")
-    add(
-        "--ttft-bound-ms",
-        type=positive_float,
-        default=1000.0,
-        metavar="MS",
-        help="p99 TTFT bound of the highest-rate figure (default 1000)",
-    )
+    about = f"sluice batching policies to run (default {','.join(BATCHING_POLICIES[::-1])})"
+    policies = names(BATCHING_POLICIES, "policy")
+    add("--policies", type=policies, default=BATCHING_POLICIES[::-1], metavar="LIST", help=about)
+    about = "request rates in requests/s, inf = all at once (default 2,8,32,inf)"
+    add("--rates", type=_rates, default=DEFAULT_RATES, metavar="LIST", help=about)
+    add_count(parser, "--input-len", 64, "mean prompt words (default 64)")
+    add_count(parser, "--output-len", 128, "mean output tokens (default 128)")
+    about = "p99 TTFT bound of the highest-rate figure (default 1000)"
+    add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     add("--no-peer", action="store_true", help="skip transformers serve")
-    add_sweep_flags(
-        parser,
-        64,
-        "plot",
-        "engine-flags",
-        num_requests="requests per point (default 64: at rate inf, 64 streams at once)",
-        plot="write tokens/s and p99 TTFT against request rate here",
-    )
+    helps = {
+        "num_requests": "requests per point (default 64: at rate inf, 64 streams at once)",
+        "plot": "write tokens/s and p99 TTFT against request rate here",
+    }
+    sw.add_sweep_flags(parser, 64, "plot", "engine-flags", **helps)
     return parser
 
 
-# ---- running ----------------------------------------------------------------------------------------
-
-
 def run_point(
-    system: str, endpoint: Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
+    system: str, endpoint: sw.Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
 ) -> Point:
     """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`), greedy, each request
     ending at EOS or max_tokens: the same for every system, since the peer rejects ignore_eos."""
     before = endpoint.cpu_seconds()
-    result = serve_load(
-        endpoint,
-        requests,
-        request_rate=rate,
-        num_warmup=NUM_WARMUP if warm_up else 0,
-        ignore_eos=False,
-        seed=seed,
-        request_timeout_s=REQUEST_TIMEOUT_S,
-        progress=False,
-    )
+    warmup = NUM_WARMUP if warm_up else 0
+    load = {"request_rate": rate, "num_warmup": warmup, "ignore_eos": False, "seed": seed, "progress": False}
+    result = sw.serve_load(endpoint, requests, **load, request_timeout_s=REQUEST_TIMEOUT_S)
     asked = sum(req.output_len for req, rec in zip(requests, result.records, strict=True) if rec.ok)
-    return Point(system, rate, result.summary(), asked, cpu_used(before, endpoint.cpu_seconds()))
-
-
-# ---- figures ----------------------------------------------------------------------------------------
+    return Point(system, rate, result.summary(), asked, sw.cpu_used(before, endpoint.cpu_seconds()))
 
 
 def _rate_text(rate: float) -> str:
@@ -176,7 +127,7 @@ def _label(system: str) -> str:
     return system if system == PEER else f"sluice-{system}"
 
 
-def highest_rate_under(run: SystemRun, bound_ms: float, num_requests: int) -> float | None:
+def highest_rate_under(run: sw.SystemRun, bound_ms: float, num_requests: int) -> float | None:
     """The highest rate r such that at every rate up to r every request completed with p99 TTFT within
     `bound_ms`; None when the lowest rate already missed (or the system did not run)."""
     best = None
@@ -216,7 +167,7 @@ def capacity_ratio(
     return head / base, f"at least: {'; '.join(notes)}" if notes else ""
 
 
-def peer_ratios(head: SystemRun, peer: SystemRun) -> list[dict[str, Any]]:
+def peer_ratios(head: sw.SystemRun, peer: sw.SystemRun) -> list[dict[str, Any]]:
     """At each rate both ran: sluice-continuous ÷ peer output tokens/s and p99 TTFT ratio (None where a
     side completed nothing), and the peer's requests completed, tokens produced and tokens asked for."""
     peer_points = {p.rate: p for p in peer.points}
@@ -238,62 +189,47 @@ def peer_ratios(head: SystemRun, peer: SystemRun) -> list[dict[str, Any]]:
     return rows
 
 
-def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
-    header = (
-        "system",
-        "rate req/s",
-        "done",
-        "out tok/s",
-        "p50 TTFT ms",
-        "p99 TTFT ms",
-        "p50 TPOT ms",
-        "tokens out/asked",
-    )
-    lines = [header]
+def format_points(runs: Runs, num_requests: int) -> str:
+    def tokens(p: Point) -> str:
+        return f"{p.summary['total_output_tokens']}/{p.asked_tokens}" + (
+            " (EOS)" if p.short_of_tokens else ""
+        )
+
+    columns: list[Column] = [
+        ("system", lambda p: _label(p.system)),
+        ("rate req/s", lambda p: _rate_text(p.rate)),
+        ("done", lambda p: f"{p.completed}/{num_requests}"),
+        ("out tok/s", lambda p: fmt(p.tokens_per_s, ".1f")),
+        ("p50 TTFT ms", lambda p: fmt(p.summary["ttft_ms"]["p50"], ".0f")),
+        ("p99 TTFT ms", lambda p: fmt(p.ttft_p99_ms, ".0f")),
+        ("p50 TPOT ms", lambda p: fmt(p.summary["tpot_ms"]["p50"], ".1f")),
+        ("tokens out/asked", tokens),
+    ]
+    rows = column_rows(columns, [])
     for run in runs.values():
         if run.error is not None:
-            lines.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
-        for p in run.points:
-            s = p.summary
-            short = " (EOS)" if p.short_of_tokens else ""
-            lines.append(
-                (
-                    _label(run.name),
-                    _rate_text(p.rate),
-                    f"{p.completed}/{num_requests}",
-                    fmt(p.tokens_per_s, ".1f"),
-                    fmt(s["ttft_ms"]["p50"], ".0f"),
-                    fmt(p.ttft_p99_ms, ".0f"),
-                    fmt(s["tpot_ms"]["p50"], ".1f"),
-                    f"{s['total_output_tokens']}/{p.asked_tokens}{short}",
-                )
-            )
-    return format_table(lines)
+            rows.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
+        rows += column_rows(columns, run.points)[1:]
+    return format_table(rows)
 
 
 def format_peer(rows: list[dict[str, Any]]) -> str:
-    header = ("rate req/s", "tok/s ÷ peer", "p99 TTFT ÷ peer", "peer tokens out/asked")
-    lines: list[tuple[str, ...]] = [header]
-    for row in rows:
+    def tokens(row: dict[str, Any]) -> str:
         out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
         note = " (EOS)" if out < asked else ""
-        shown = f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
-        lines.append(
-            (
-                _rate_text(row["rate"]),
-                fmt(row["tokens_per_s_ratio"], ".2f"),
-                fmt(row["ttft_p99_ratio"], ".2f"),
-                shown,
-            )
-        )
-    return format_table(lines)
+        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
 
-
-# ---- output -----------------------------------------------------------------------------------------
+    columns: list[Column] = [
+        ("rate req/s", lambda row: _rate_text(row["rate"])),
+        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
+        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
+        ("peer tokens out/asked", tokens),
+    ]
+    return column_table(columns, rows)
 
 
 def to_json(
-    runs: dict[str, SystemRun], capacities: dict[str, float | None], rates: list[float], meta: dict[str, Any]
+    runs: Runs, capacities: dict[str, float | None], rates: list[float], meta: dict[str, Any]
 ) -> dict[str, Any]:
     systems = {
         name: {
@@ -307,17 +243,12 @@ def to_json(
         for name, run in runs.items()
     }
     head, peer = runs.get(HEADLINE), runs.get(PEER)
+    value, note = capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), rates)
     return {
         "meta": meta,
         "systems": systems,
         "highest_rate_under_ttft_bound": capacities,
-        "capacity_ratio": dict(
-            zip(
-                ("value", "note"),
-                capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), rates),
-                strict=True,
-            )
-        ),
+        "capacity_ratio": {"value": value, "note": note},
         "peer_ratios": peer_ratios(head, peer) if head and peer else [],
     }
 
@@ -330,9 +261,7 @@ def _plot_x(rates: Sequence[float]) -> dict[float, float]:
     return {r: (inf_x if math.isinf(r) else r) for r in rates}
 
 
-def write_plot(
-    path: Path, runs: dict[str, SystemRun], rates: Sequence[float], bound_ms: float, title: str
-) -> None:
+def write_plot(path: Path, runs: Runs, rates: Sequence[float], bound_ms: float, title: str) -> None:
     """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
     tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
     from matplotlib.ticker import NullLocator
@@ -349,24 +278,21 @@ def write_plot(
     ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
     ttft_ax.set_yscale("log")
     for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
-        ax.set_xscale("log")
+        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
         ax.set_xticks(list(xs.values()), [_rate_text(r) for r in xs])
         ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_xlabel("request rate (req/s; inf = all at once)")
-        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     save_figure(fig, path, title)
 
 
-def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str, Any]) -> int:
+def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
     """Prints the tables, capacities and their ratio, writes the JSON and the plot; returns the exit
     status."""
     capacities = {
         name: highest_rate_under(run, args.ttft_bound_ms, args.num_requests) for name, run in runs.items()
     }
-    print()
-    print(format_points(runs, args.num_requests))
+    print(f"\n{format_points(runs, args.num_requests)}")
     head, peer = runs.get(HEADLINE), runs.get(PEER)
     if peer is not None:
         print()
@@ -375,8 +301,7 @@ def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str
         elif head is not None:
             print(f"sluice-{HEADLINE} ÷ {PEER} at each rate:")
             print(format_peer(peer_ratios(head, peer)))
-    print()
-    print(f"highest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
+    print(f"\nhighest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
     for name, best in capacities.items():
         shown = "none of the rates tried" if best is None else f"{_rate_text(best)} req/s"
         print(f"  {_label(name):<22} {shown}")
@@ -393,7 +318,7 @@ def _report(args: argparse.Namespace, runs: dict[str, SystemRun], meta: dict[str
     return 1 if failed else 0
 
 
-def _first_error(run: SystemRun) -> str:
+def _first_error(run: sw.SystemRun) -> str:
     for point in run.points:
         for error in point.summary["errors"]:
             return f"every request failed, e.g. {error['message']}"
@@ -402,33 +327,27 @@ def _first_error(run: SystemRun) -> str:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model, engine_flags = model_and_flags(args)
-    requests = synthetic_requests(
-        args.num_requests, args.seed, input_len=args.input_len, output_len=args.output_len
-    )
-    workload = {
-        "num_requests": args.num_requests,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "asked_output_tokens": sum(r.output_len for r in requests),
-        "seed": args.seed,
-        "api": "openai",
-    }
-    meta = sweep_meta(
+    model, engine_flags = sw.model_and_flags(args)
+    lengths = {"input_len": args.input_len, "output_len": args.output_len}
+    requests = synthetic_requests(args.num_requests, args.seed, **lengths)
+    asked = sum(r.output_len for r in requests)
+    workload = {"num_requests": args.num_requests, **lengths, "asked_output_tokens": asked, "seed": args.seed}
+    workload["api"] = "openai"
+    meta = sw.sweep_meta(
         "compare", argv, model, workload=workload, rates=list(args.rates), ttft_bound_ms=args.ttft_bound_ms
     )
-    openers: dict[str, Opener] = {
-        policy: partial(stack_endpoint, model, engine_flags, batching=policy, metrics=False)
+    openers: dict[str, sw.Opener] = {
+        policy: partial(sw.stack_endpoint, model, engine_flags, batching=policy, metrics=False)
         for policy in args.policies
     }
     if not args.no_peer:
-        openers[PEER] = partial(peer_endpoint, model)
+        openers[PEER] = partial(sw.peer_endpoint, model)
     rates = ", ".join(map(_rate_text, args.rates))
     print(f"model: {model}; {args.num_requests} requests per point; rates {rates} req/s")
 
-    def measure(system: str, endpoint: Endpoint, rate: float, k: int) -> Point:
+    def measure(system: str, endpoint: sw.Endpoint, rate: float, k: int) -> Point:
         return run_point(system, endpoint, rate, requests, args.seed, warm_up=k == 0)
 
     with progress_bar(not args.no_progress, len(openers) * len(args.rates), "points", unit="pt") as bar:
-        runs = sweep(openers, args.rates, measure, bar)
+        runs = sw.sweep(openers, args.rates, measure, bar)
     return _report(args, runs, meta)

@@ -1,17 +1,6 @@
-"""`sluice bench detokenizer`: the detokenizer service against in-process `tokenizers`, in one run.
-
-Starts `sluice serve detokenizer` as a child process on a free port. For every generated length L and
-concurrency C, C requests each turn L ids of real text into text:
-
-- `mux`: on one multiplexed `Stream` call, one message per engine step carrying one id for each of
-  the C requests (a start message first, a close message last), written as fast as the service
-  answers (a few messages in flight, as a gateway forwards engine steps);
-- `per-request`: C concurrent `DetokenizeStream` calls, one chunk of one id per step;
-- `in-process`: `tokenizers.decoders.DecodeStream.step` per id for the C requests, in this process.
-
-Every service text is checked against the full decode. Prints tokens/s and ratios, and again the
-multiplexed stream's figures at 256 requests (written as "target" in the JSON: the cell
-docs/benchmarks.md sets a target for).
+"""`sluice bench detokenizer`: the detokenizer service (a child process; one multiplexed `Stream`, or
+per-request `DetokenizeStream` calls) against in-process `tokenizers.decoders.DecodeStream`, every text
+checked against the full decode (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -69,25 +58,18 @@ async def mux(address: str, seqs: list[list[int]]) -> tuple[float, list[str]]:
 
     length = len(seqs[0]) - CONTEXT_IDS
     rids = [f"r{i}" for i in range(len(seqs))]
-    messages = [
-        pb.DetokenizeIn(
-            entries=[
-                pb.DetokenizeInEntry(start=pb.DetokenizeStart(request_id=rid, prompt_ids=seq[:CONTEXT_IDS]))
-                for rid, seq in zip(rids, seqs, strict=True)
-            ]
-        )
+    starts = [
+        pb.DetokenizeStart(request_id=f"r{i}", prompt_ids=seq[:CONTEXT_IDS]) for i, seq in enumerate(seqs)
     ]
+    messages = [pb.DetokenizeIn(entries=[pb.DetokenizeInEntry(start=start) for start in starts])]
     for step in range(length):
         chunks = [
             pb.DetokenizeChunk(request_id=rid, token_ids=[seq[CONTEXT_IDS + step]])
             for rid, seq in zip(rids, seqs, strict=True)
         ]
         messages.append(pb.DetokenizeIn(entries=[pb.DetokenizeInEntry(chunk=c) for c in chunks]))
-    messages.append(
-        pb.DetokenizeIn(
-            entries=[pb.DetokenizeInEntry(close=pb.DetokenizeClose(request_id=rid)) for rid in rids]
-        )
-    )
+    closes = [pb.DetokenizeInEntry(close=pb.DetokenizeClose(request_id=rid)) for rid in rids]
+    messages.append(pb.DetokenizeIn(entries=closes))
     texts = dict.fromkeys(rids, "")
     (chan,) = channels(address, 1)
     try:
@@ -208,19 +190,8 @@ def main(argv: list[str]) -> int:
             f"{best.mux_cpu_us_per_token:.2f} us (= {1e6 / best.mux_cpu_us_per_token:,.0f} tokens per "
             f"CPU-second)"
         )
-    write_json(
-        args.json,
-        {
-            "benchmark": "detokenizer",
-            "workers": args.workers,
-            "cpus": os.cpu_count(),
-            "cells": [asdict(c) for c in cells],
-            "target": {
-                "concurrency": HEADLINE_CONCURRENCY,
-                "length": None if best is None else best.length,
-                "mux_tokens_per_s": None if best is None else best.mux_tokens_per_s,
-            },
-        },
-        announce=True,
-    )
+    target = {"concurrency": HEADLINE_CONCURRENCY, "length": best and best.length}
+    target["mux_tokens_per_s"] = best and best.mux_tokens_per_s
+    doc = {"benchmark": "detokenizer", "workers": args.workers, "cpus": os.cpu_count()}
+    write_json(args.json, {**doc, "cells": [asdict(c) for c in cells], "target": target}, announce=True)
     return 0

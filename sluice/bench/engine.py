@@ -1,15 +1,7 @@
-"""`sluice bench engine`: the engine against transformers on one fixed workload, in one process.
-
-The model: `--preset tiny` (the default; a random-weight tiny Llama written to a temporary directory),
-`qwen2-0.5b`, `llama-1b` or `llama-8b` (random weights in those models' shapes, cached; see
-sluice/model/presets.py), or `--model DIR` (a local Hugging Face directory). For each `--concurrency` value it
-builds the workload (that many requests arriving at once, prompts 16-256 tokens, outputs 8-256 tokens,
-fixed seed), times each method on it, checks every method's greedy outputs against hf-sequential's
-(near-ties of the reference's logits told apart from real differences), and prints one table per
-concurrency. Then it times decode-only steps of the engine at `--decode-batch` rows (CUDA graphs on and
-off on CUDA) against the memory roofline (engine_roofline.py), and prints sluice-continuous's tokens/s
-over each transformers method's and CUDA graphs' decode speed-up. Exit status 0 when every method ran, 1
-when one failed, 2 on bad arguments.
+"""`sluice bench engine`: the engine against transformers on one fixed workload, in one process: per
+`--concurrency` every method timed and its greedy outputs checked against hf-sequential's, then decode-only
+steps against the memory roofline (docs/benchmarks.md). Exit status 0 when every method ran, 1 when one
+failed, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -25,13 +17,13 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sluice.bench import engine_report as report
 from sluice.bench.common import (
+    add_count,
     add_flags,
     error_text,
     int_list,
     int_range,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -46,7 +38,9 @@ from sluice.bench.engine_methods import (
     NOT_ON_CPU,
     BenchContext,
     MethodResult,
+    Workload,
     load_hf_model,
+    make_workload,
     measure_decode_step,
     reference_logits,
     run_hf_continuous,
@@ -54,25 +48,15 @@ from sluice.bench.engine_methods import (
     run_hf_static,
     run_sluice,
 )
-from sluice.bench.engine_roofline import decode_roofline, device_bandwidth
-from sluice.bench.engine_workload import Workload, make_workload
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
-QUICK_DEFAULTS = {
-    "concurrency": (4,),
-    "prompt_len": (16, 48),
-    "output_len": (8, 24),
-    "hf_batch_tokens": (256,),
-    "decode_batch": 4,
-    "decode_steps": 4,
-}
-FULL_DEFAULTS = {
-    "concurrency": (64,),
-    "prompt_len": (16, 256),
-    "output_len": (8, 256),
-    "hf_batch_tokens": (256, 512, 1024),
-    "decode_batch": 64,
-    "decode_steps": 32,
+DEFAULTS = {  # option: (with --quick, without)
+    "concurrency": ((4,), (64,)),
+    "prompt_len": ((16, 48), (16, 256)),
+    "output_len": ((8, 24), (8, 256)),
+    "hf_batch_tokens": ((256,), (256, 512, 1024)),
+    "decode_batch": (4, 64),
+    "decode_steps": (4, 32),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
@@ -84,72 +68,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
-    model.add_argument(
-        "--preset",
-        default=TINY,
-        choices=PRESET_NAMES,
-        help="the model: the tiny Llama (default) or random weights in a real model's shape (cached)",
-    )
+    about = "the model: the tiny Llama (default) or random weights in a real model's shape (cached)"
+    model.add_argument("--preset", default=TINY, choices=PRESET_NAMES, help=about)
     add_flags(model, "model", model="a local Hugging Face model")
-    add(
-        "--concurrency",
-        type=int_list,
-        default=None,
-        metavar="LIST",
-        help="requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
-        "other than tiny)",
-    )
-    add("--num-requests", type=positive_int, default=None, metavar="N", help="the same as --concurrency N")
-    add(
-        "--methods",
-        type=names(ALL_METHODS, "method(s)"),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)",
-    )
-    add(
-        "--decode-batch",
-        type=int,
-        default=None,
-        metavar="N",
-        help="time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)",
-    )
-    add(
-        "--decode-steps", type=positive_int, default=None, metavar="N", help="decode steps timed (default 32)"
-    )
-    add(
-        "--hbm-gbps",
-        type=positive_float,
-        default=None,
-        metavar="GB/s",
-        help="memory bandwidth for the roofline (default: by GPU name; none on CPU)",
-    )
-    add(
-        "--prompt-len", type=int_range, default=None, metavar="MIN,MAX", help="prompt tokens (default 16,256)"
-    )
-    add("--output-len", type=int_range, default=None, metavar="MIN,MAX", help="output tokens (default 8,256)")
-    add(
-        "--hf-batch-tokens",
-        type=int_list,
-        default=None,
-        metavar="LIST",
-        help="max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)",
-    )
-    add_flags(
-        parser,
-        "seed",
-        "device",
-        "dtype",
-        "json",
-        "plot",
-        "threads",
-        "repeat",
-        "quick",
-        "no-progress",
-        dtype="every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
-        repeat="run each method N times, report its fastest",
-        quick="a small workload (4 short requests) for smoke tests",
-    )
+    about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
+    about += "other than tiny)"
+    add("--concurrency", type=int_list, metavar="LIST", help=about)
+    add_count(parser, "--num-requests", None, "the same as --concurrency N")
+    about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
+    add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
+    about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
+    add_count(parser, "--decode-batch", None, about, type=int)
+    add_count(parser, "--decode-steps", None, "decode steps timed (default 32)")
+    about = "memory bandwidth for the roofline (default: by GPU name; none on CPU)"
+    add("--hbm-gbps", type=positive_float, metavar="GB/s", help=about)
+    add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
+    add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
+    about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
+    add("--hf-batch-tokens", type=int_list, metavar="LIST", help=about)
+    helps = {
+        "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+        "repeat": "run each method N times, report its fastest",
+        "quick": "a small workload (4 short requests) for smoke tests",
+    }
+    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    add_flags(parser, *flags, **helps)
     return parser
 
 
@@ -165,9 +108,9 @@ def _resolve(args: argparse.Namespace) -> None:
         args.dtype = "bfloat16" if real_model_on_gpu else "float32"
     if args.concurrency is None and real_model_on_gpu and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+    for name, (quick, full) in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, quick if args.quick else full)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
     if args.decode_batch < 0:
@@ -198,13 +141,10 @@ def _runner(
 def run_methods(
     ctx: BenchContext, work: Workload, methods: tuple[str, ...], repeat: int, show_progress: bool
 ) -> tuple[dict[str, MethodResult], dict[str, str], dict[str, str]]:
-    """Runs each method `repeat` times in order and keeps its fastest run; a method that raises is
-    recorded in the errors and the others go on. Returns the results, the errors and the methods skipped
-    with the reason (the eager engine on a CPU, where it is the same engine: NOT_ON_CPU).
-
-    Each transformers method loads its own copy of the model, so no state carries from one to the next;
-    the memory of each method is released before the next.
-    """
+    """Runs each method `repeat` times in order and keeps its fastest run; a method that raises is recorded
+    in the errors and the others go on. Returns the results, the errors and the methods skipped with why
+    (NOT_ON_CPU: the eager engine on a CPU). Each transformers method loads its own model; each method's
+    memory is released before the next."""
     results: dict[str, MethodResult] = {}
     errors: dict[str, str] = {}
     skipped: dict[str, str] = {}
@@ -241,12 +181,8 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     quiet_torch(args.threads)
     label = model_label(args)
-    meta = {
-        **run_meta(["engine", *argv], args.device),
-        "model": label,
-        "dtype": args.dtype,
-        "repeat": args.repeat,
-    }
+    meta = {**run_meta(["engine", *argv], args.device), "model": label, "dtype": args.dtype}
+    meta["repeat"] = args.repeat
     print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
     print(f"machine: {meta['machine']}")
     with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
@@ -296,7 +232,7 @@ def run_decode(
     roofline; returns the figures and the error that stopped the measurement, if any."""
     if args.decode_batch == 0:
         return [], None
-    gbps, source = device_bandwidth(ctx.device, args.hbm_gbps)
+    gbps, source = report.device_bandwidth(ctx.device, args.hbm_gbps)
     element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
     context = decode_context(work)
     print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
@@ -308,7 +244,7 @@ def run_decode(
             return figures, error_text(exc)
         finally:
             release_memory(ctx.device)
-        roof = decode_roofline(config, element, step.batch, step.mean_context, gbps)
+        roof = report.decode_roofline(config, element, step.batch, step.mean_context, gbps)
         figures.append(report.DecodeFigure(step, roof, source))
     return figures, None
 
@@ -336,11 +272,8 @@ def _report(
     and the plot; returns the exit status."""
     label = model_label(args)
     ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
-    for block in blocks:
-        print()
-        print(report.format_block(block))
-    print()
-    print(report.format_decode(decode, decode_error))
+    for text in [*map(report.format_block, blocks), report.format_decode(decode, decode_error)]:
+        print(f"\n{text}")
     if args.repeat > 1:
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")

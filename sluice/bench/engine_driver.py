@@ -1,13 +1,7 @@
-"""The engine core driven in-process by the benchmarks: settings, KV sizing, requests, stepping, memory.
-
-Every benchmark that runs `LLMEngine` in its own process (`engine`, `latency`, `pipeline`, and `compare`
-for the policy names) goes through this module, and this module alone imports the engine's modules.
-
-A benchmark's engine holds its whole workload at once: `engine_settings` sizes the KV pool for requests of
-the given total lengths (prompt + output, plus `extra` tokens each, e.g. speculative drafts) with
-`KV_SLACK` to spare, so no request is preempted, and sets a context length just above the longest (the
-model's own may not fit the pool). The size is explicit on CUDA too: the engine's automatic size would
-take most of the free memory and starve whatever runs in the same process after it.
+"""The engine core driven in-process by the benchmarks (the only benchmark module importing the engine's
+modules): settings, KV sizing, requests, stepping, memory. A benchmark's engine holds its whole workload at
+once: the KV pool is sized explicitly for the given request lengths (with `KV_SLACK`), so no request is
+preempted and, on CUDA, the rest of the process keeps its memory.
 """
 
 from __future__ import annotations
@@ -21,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from services.common.settings import load_settings
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.scheduler import SchedulerOutput
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
-from sluice.bench.engine_roofline import kv_bytes_per_token
 
 __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
 
@@ -74,6 +67,14 @@ def timed(device: str) -> Iterator[list[float]]:
     elapsed[0] = time.perf_counter() - start
 
 
+def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
+    """Bytes of K and V of one token over all layers."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+
+
 def kv_cache_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int = 0) -> float:
     """GiB of a pool holding requests of these total lengths at once (`extra` more tokens each), KV_SLACK
     over, at least MIN_KV_GB."""
@@ -88,14 +89,10 @@ def engine_settings(
 ) -> EngineSettings:
     """Settings of an engine for requests of these total lengths (see the module docstring); `fields` are
     any other EngineSettings fields."""
+    pool = {"block_size": BLOCK_SIZE, "kv_cache_gb": kv_cache_gb(model_dir, dtype, lengths, extra)}
+    max_len = round_up(max(lengths) + extra + 1, BLOCK_SIZE)
     return EngineSettings(
-        model=str(model_dir),
-        device=device,
-        dtype=dtype,
-        block_size=BLOCK_SIZE,
-        kv_cache_gb=kv_cache_gb(model_dir, dtype, lengths, extra),
-        max_model_len=round_up(max(lengths) + extra + 1, BLOCK_SIZE),
-        **fields,
+        model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
     )
 
 

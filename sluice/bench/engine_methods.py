@@ -1,10 +1,7 @@
-"""The methods the engine benchmark times: transformers baselines and the sluice engine's three policies
-(continuous batching also with CUDA graphs off), and the decode-step measurement.
-
-Every method takes the same `BenchContext` and `Workload` and returns a `MethodResult` holding, for each
-request in workload order, exactly its `max_new_tokens[i]` greedy tokens. EOS never ends a request early:
-the transformers baselines run with no EOS id, the engine with `ignore_eos`. Each method first runs a
-short warm-up request outside the timed region.
+"""The engine benchmark's fixed workload (random-token requests, a pure function of the seed), the methods
+it times (transformers baselines, the engine's policies) and the decode-step measurement. Every method
+returns, per request in workload order, exactly its `max_new_tokens[i]` greedy tokens (EOS never ends a
+request), and runs a short warm-up outside the timed region.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import Progress, on_cuda, timed
-from sluice.bench.engine_workload import Workload
 from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID
 
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
@@ -31,6 +27,57 @@ ALL_METHODS = HF_METHODS + SLUICE_METHODS
 DEFAULT_METHODS = HF_METHODS + SLUICE_METHODS[:3]  # CPU: the eager method is the same engine there
 STATIC_BATCH_SIZE = 16
 NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests that all arrive at once: `prompts[i]` asks for exactly `max_new_tokens[i]` tokens."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_new_tokens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        assert len(self.prompts) == len(self.max_new_tokens)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def total_output_tokens(self) -> int:
+        return sum(self.max_new_tokens)
+
+    def describe(self, prompt_len: tuple[int, int], output_len: tuple[int, int], seed: int) -> dict:
+        return {
+            "num_requests": len(self),
+            "prompt_len": list(prompt_len),
+            "output_len": list(output_len),
+            "seed": seed,
+            "prompt_tokens": sum(len(p) for p in self.prompts),
+            "output_tokens": self.total_output_tokens,
+        }
+
+
+def make_workload(
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    prompt_len: tuple[int, int] = (16, 256),
+    output_len: tuple[int, int] = (8, 256),
+) -> Workload:
+    """`num_requests` requests with lengths uniform in the inclusive ranges and uniform random token ids."""
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be at least 1, got {num_requests}")
+    for name, (lo, hi) in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must satisfy 1 <= min <= max, got {lo}..{hi}")
+    rng = random.Random(seed)
+    prompts: list[tuple[int, ...]] = []
+    outputs: list[int] = []
+    for _ in range(num_requests):
+        length = rng.randint(*prompt_len)
+        prompts.append(tuple(rng.randrange(FIRST_PLAIN_ID, vocab_size) for _ in range(length)))
+        outputs.append(rng.randint(*output_len))
+    return Workload(prompts=tuple(prompts), max_new_tokens=tuple(outputs))
 
 
 @dataclass(frozen=True)
@@ -76,9 +123,6 @@ def _count(outputs: list[list[int]]) -> int:
 
 def _warmup_prompt() -> list[int]:
     return list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 16))
-
-
-# ---------------------------------------------------------------- transformers baselines
 
 
 def load_hf_model(ctx: BenchContext) -> PreTrainedModel:
@@ -246,9 +290,6 @@ def run_hf_continuous(
     return best
 
 
-# ---------------------------------------------------------------- sluice engine
-
-
 def _settings(ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, seqs: int = 0) -> Any:
     """The engine for requests of these total lengths (`seqs` 0: the engine's default max_num_seqs)."""
     return drv.engine_settings(
@@ -284,9 +325,6 @@ def run_sluice(
         preemptions=stats.num_preemptions,
         cuda_graphs=_graphs_state(ctx, cuda_graphs),
     )
-
-
-# ---------------------------------------------------------------- decode steps
 
 
 @dataclass(frozen=True)

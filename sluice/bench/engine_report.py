@@ -1,23 +1,35 @@
-"""Figures of one engine-benchmark run: comparison with the reference, ratios, tables, JSON and plot.
+"""Figures of one engine-benchmark run (one block per concurrency, and the decode steps): the greedy
+comparison with the reference, the memory roofline of a decode step, ratios, tables, JSON and plot.
 
-A run is one block per concurrency (every method on that workload) and the decode-step measurement.
+The roofline: (weight bytes + KV bytes read) ÷ memory bandwidth. A step of batch B reads every weight the
+forward multiplies by (a tied embedding whole, as the output projection; an untied input embedding only at
+B rows) and B × context × layers × 2 × KV heads × head_dim KV elements.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
-from sluice.bench.common import figure, fmt, format_table, ratio, save_figure
-from sluice.bench.engine_methods import HF_METHODS, NOT_ON_CPU, SLUICE_METHODS, DecodeStep, MethodResult
-from sluice.bench.engine_roofline import Roofline
-from sluice.bench.engine_workload import Workload
+from sluice.bench.common import Column, column_rows, figure, fmt, format_table, ratio, save_figure
+from sluice.bench.engine_driver import kv_bytes_per_token
+from sluice.bench.engine_methods import (
+    HF_METHODS,
+    NOT_ON_CPU,
+    SLUICE_METHODS,
+    DecodeStep,
+    MethodResult,
+    Workload,
+)
+from sluice.model.presets import meta_model
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
@@ -34,6 +46,73 @@ GREEDY_RULE = (
 )
 
 
+# Peak memory bandwidth in GB/s (10^9 bytes/s) by torch.cuda.get_device_name, first match wins.
+HBM_GBPS: tuple[tuple[str, float], ...] = (
+    (r"H200", 4800.0),
+    (r"H100.*PCIe", 2000.0),
+    (r"H100", 3350.0),  # SXM (HBM3)
+    (r"A100.*80\s*GB", 2039.0),
+    (r"A100", 1555.0),  # 40 GB
+    (r"L40S", 864.0),
+    (r"\bL4\b", 300.0),
+)
+
+
+def hbm_gbps(device_name: str) -> float | None:
+    """The bandwidth of a known GPU by its name, None for any other device."""
+    for pattern, gbps in HBM_GBPS:
+        if re.search(pattern, device_name):
+            return gbps
+    return None
+
+
+def device_bandwidth(device: str, override: float | None) -> tuple[float | None, str]:
+    """(GB/s, where the figure comes from): `override` when given, else the table for a CUDA device, else
+    None (a CPU has no entry)."""
+    if override is not None:
+        return override, "--hbm-gbps"
+    if not device.startswith("cuda"):
+        return None, "a CPU has no entry; give --hbm-gbps"
+    name = torch.cuda.get_device_name(torch.device(device))
+    gbps = hbm_gbps(name)
+    return gbps, (name if gbps is not None else f"{name} not in the table; give --hbm-gbps")
+
+
+def weight_bytes_per_step(config: transformers.PretrainedConfig, element_size: int) -> int:
+    """Bytes of weights one decode step reads: every parameter but an untied input embedding."""
+    model = meta_model(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if not config.tie_word_embeddings:
+        total -= embedding.numel()
+    return total * element_size
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The bytes one decode step reads and, given a bandwidth, the least time it takes."""
+
+    weight_bytes: int
+    kv_bytes: int
+    gbps: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        return None if not self.gbps else self.total_bytes / (self.gbps * 1e9)
+
+
+def decode_roofline(
+    config: transformers.PretrainedConfig, element_size: int, batch: int, context: float, gbps: float | None
+) -> Roofline:
+    """The roofline of a decode step of `batch` rows with `context` tokens each (mean, new token included)."""
+    kv = round(batch * context * kv_bytes_per_token(config, element_size))
+    return Roofline(weight_bytes_per_step(config, element_size), kv, gbps)
+
+
 @dataclass(frozen=True)
 class Measured:
     """One ratio of the run as printed and written: `value` None when the run could not measure it."""
@@ -47,14 +126,10 @@ class Measured:
 
 @dataclass(frozen=True)
 class GreedyMatch:
-    """One method's greedy outputs against REFERENCE's, request by request.
-
-    Each request is compared token by token up to its first differing token. It is *equal* when there is
-    none, *equal up to a near-tie* when the reference's own logits there score the method's token within
-    the near-tie threshold of the reference's token (float noise between two correct paths can flip such a
-    choice, and past it the two continue from different prefixes), and *differing* otherwise (a token the
-    reference clearly ranks lower, or an output of another length).
-    """
+    """One method's greedy outputs against REFERENCE's, each request compared up to its first differing
+    token: *equal* without one, *equal up to a near-tie* when the reference's logits there score the method's
+    token within the threshold of its own (float noise can flip such a choice between two correct paths),
+    else *differing* (a token the reference clearly ranks lower, or an output of another length)."""
 
     differing: int  # requests with a real difference
     near_ties: int  # requests equal up to a near-tie
@@ -226,35 +301,22 @@ def graphs_ratio(figures: list[DecodeFigure], model: str, batch: int) -> Measure
 def format_methods(
     rows: list[Row], errors: dict[str, str], num_requests: int, skipped: dict[str, str] | None = None
 ) -> str:
-    header = (
-        "method",
-        "out tok/s",
-        "wall s",
-        f"× {BASELINE}",
-        f"= {REFERENCE}",
-        "fwd share",
-        "@max batch",
-        "KV eff",
-        "graphs",
-        "setting",
-    )
-    lines = [header]
-    for row in rows:
-        r = row.result
-        lines.append(
-            (
-                r.name,
-                f"{r.tokens_per_s:.1f}",
-                f"{r.wall_s:.2f}",
-                fmt(row.ratio, ".2f"),
-                _greedy_cell(row.greedy),
-                fmt(r.forward_share, ".1%"),
-                "-" if r.max_batch is None else f"{fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})",
-                fmt(r.kv_efficiency, ".3f"),
-                r.cuda_graphs or "-",
-                r.setting,
-            )
-        )
+    def at_max_batch(r: MethodResult) -> str:
+        return "-" if r.max_batch is None else f"{fmt(r.forward_share_max_batch, '.1%')} ({r.max_batch})"
+
+    columns: list[Column] = [
+        ("method", lambda row: row.result.name),
+        ("out tok/s", lambda row: f"{row.result.tokens_per_s:.1f}"),
+        ("wall s", lambda row: f"{row.result.wall_s:.2f}"),
+        (f"× {BASELINE}", lambda row: fmt(row.ratio, ".2f")),
+        (f"= {REFERENCE}", lambda row: _greedy_cell(row.greedy)),
+        ("fwd share", lambda row: fmt(row.result.forward_share, ".1%")),
+        ("@max batch", lambda row: at_max_batch(row.result)),
+        ("KV eff", lambda row: fmt(row.result.kv_efficiency, ".3f")),
+        ("graphs", lambda row: row.result.cuda_graphs or "-"),
+        ("setting", lambda row: row.result.setting),
+    ]
+    lines = column_rows(columns, rows)
     lines.extend((name, "FAILED", "", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
     lines.extend((name, why, "", "", "", "", "", "", why, "") for name, why in (skipped or {}).items())
     return format_table(lines) + (
@@ -395,11 +457,7 @@ def to_json_runs(
     return {
         "partial": False,
         **meta,
-        "reference": REFERENCE,
-        "baseline": BASELINE,
-        "workload": first["workload"],
-        "greedy_check": first["greedy_check"],
-        "methods": first["methods"],
+        **{key: first[key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")},
         "runs": runs,
         "decode_steps": [decode_json(f) for f in decode],
         "decode_error": decode_error,

@@ -1,12 +1,6 @@
-"""One table summarising scripts/gpu_check.sh: the GPU tests' outcome and each engine benchmark's figures.
-
-Rows: the tests (passed / failed / errors / skipped, from pytest's JUnit XML), then per benchmark each
-concurrency's methods (output tokens/s, × hf-continuous, forward share at the largest batch, CUDA graphs),
-its decode-only steps (tokens/s, the step time against the memory roofline), and its ratios. The latency
-benchmark's JSON (`"bench": "latency"`) gives a row per variant, workload and batch (tok/s; × off, TTFT and
-speculation's acceptance in the last column), the larger shape's batch-1 decode, perplexity and KV blocks.
-A stage that timed out (exit status 124 or 137) or failed before writing its JSON gets one row saying so;
-one that stopped after some concurrencies shows their figures (the benchmark writes its JSON after each).
+"""One table summarising scripts/gpu_check.sh: the GPU tests' outcome (pytest's JUnit XML) and the figures of
+each engine and latency benchmark JSON; a stage that failed or timed out before writing its JSON gets one
+row saying so.
 """
 
 from __future__ import annotations
@@ -34,6 +28,7 @@ HEADER = (
     "vs roofline",
     "result",
 )
+MARKS = {"passed": ".", "failed": "F", "errors": "E", "skipped": "s"}  # pytest -q's progress marks
 
 
 @dataclass(frozen=True)
@@ -42,6 +37,11 @@ class Stage:
     path: Path
     rc: int
     seconds: float
+
+
+def _line(label: str, measure: str, result: str, conc: str = "-") -> tuple[str, ...]:
+    """A row with only a measure and a result (the figures' columns "-")."""
+    return (label, conc, measure, "-", "-", "-", "-", "-", result)
 
 
 def _outcome(stage: Stage) -> str:
@@ -78,12 +78,7 @@ def progress_counts(log: Path) -> dict[str, int] | None:
     except OSError:
         return None
     marks = "".join(m[1] for line in text.splitlines() if (m := PROGRESS_LINE.match(line.strip())))
-    return {
-        "passed": marks.count("."),
-        "failed": marks.count("F"),
-        "errors": marks.count("E"),
-        "skipped": marks.count("s"),
-    }
+    return {name: marks.count(mark) for name, mark in MARKS.items()}
 
 
 def tests_row(stage: Stage) -> tuple[str, ...]:
@@ -96,7 +91,7 @@ def tests_row(stage: Stage) -> tuple[str, ...]:
         verdict = "PASSED" if stage.rc == 0 else "FAILED"
         shown = ", ".join(f"{n} {k}" for k, n in counts.items())
         result = f"{verdict}: {shown} ({_outcome(stage)})"
-    return (stage.label, "-", "-", "-", "-", "-", "-", "-", result)
+    return _line(stage.label, "-", result)
 
 
 def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -106,27 +101,19 @@ def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
         if fig.get("skipped"):
             rows.append((label, conc, name, "-", "-", "-", fig["skipped"], "-", "skipped"))
         elif fig.get("error"):
-            rows.append((label, conc, name, "-", "-", "-", "-", "-", f"FAILED: {fig['error'][:60]}"))
+            rows.append(_line(label, name, f"FAILED: {fig['error'][:60]}", conc))
         else:
+            speed, ratio = fmt(fig["tokens_per_s"], ",.0f"), fmt(fig["ratio_to_hf-continuous"], ".2f")
+            share = fmt(fig["forward_share_max_batch"], ".1%")
             rows.append(
-                (
-                    label,
-                    conc,
-                    name,
-                    fmt(fig["tokens_per_s"], ",.0f"),
-                    fmt(fig["ratio_to_hf-continuous"], ".2f"),
-                    fmt(fig["forward_share_max_batch"], ".1%"),
-                    fig["cuda_graphs"] or "-",
-                    "-",
-                    fig["setting"],
-                )
+                (label, conc, name, speed, ratio, share, fig["cuda_graphs"] or "-", "-", fig["setting"])
             )
     return rows
 
 
 def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     if doc.get("partial"):
-        return [(label, "-", "decode steps", "-", "-", "-", "-", "-", "not reached: the stage stopped first")]
+        return [_line(label, "decode steps", "not reached: the stage stopped first")]
     rows = []
     for d in doc.get("decode_steps", []):
         roofline = "n/a" if d["ratio_to_roofline"] is None else f"{d['ratio_to_roofline']:.2f}×"
@@ -138,16 +125,14 @@ def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
             (label, "-", measure, f"{d['tokens_per_s']:,.0f}", "-", "-", d["cuda_graphs"], roofline, note)
         )
     if doc.get("decode_error"):
-        rows.append(
-            (label, "-", "decode steps", "-", "-", "-", "-", "-", f"FAILED: {doc['decode_error'][:60]}")
-        )
+        rows.append(_line(label, "decode steps", f"FAILED: {doc['decode_error'][:60]}"))
     return rows
 
 
 def ratio_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     """The engine benchmark's ratios that it measured (those it could not are left out)."""
     return [
-        (label, "-", "ratio", "-", "-", "-", "-", "-", f"{r['name']}: {r['value']:.3g}")
+        _line(label, "ratio", f"{r['name']}: {r['value']:.3g}")
         for r in doc.get("ratios", [])
         if r["value"] is not None
     ]
@@ -183,7 +168,7 @@ def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
                 rows.append(_latency_run_row(label, name, cell[key], cell[ratio]))
     for variant, why in doc["errors"].items():
         result = why if why.startswith("skipped") else f"FAILED: {why[:60]}"
-        rows.append((label, "-", variant, "-", "-", "-", "-", "-", result))
+        rows.append(_line(label, variant, result))
     shape = doc.get("shape")
     if shape:
         for variant, run in shape["runs"].items():
@@ -191,17 +176,17 @@ def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
             rows.append(_latency_run_row(label, name, run, shape["ratios_to_off"].get(variant)))
         for variant, why in shape["errors"].items():
             result = why if why.startswith("skipped") else f"FAILED: {why[:60]}"
-            rows.append((label, "-", f"{variant} {shape['model']}", "-", "-", "-", "-", "-", result))
+            rows.append(_line(label, f"{variant} {shape['model']}", result))
     for q in doc.get("quality", []):
         if q["error"]:
             result = f"FAILED: {q['error'][:60]}"
         else:
             result = f"{q['perplexity']:.3f} ({fmt(q['ratio_to_none'], '.4f')}x none, {q['tokens']} tokens)"
-        rows.append((label, "-", f"perplexity {q['variant']}", "-", "-", "-", "-", "-", result))
+        rows.append(_line(label, f"perplexity {q['variant']}", result))
     kv = doc.get("kv_blocks")
     if kv:
         shown = kv["error"] or ", ".join(f"{k}: {n:,}" for k, n in kv["blocks"].items())
-        rows.append((label, "-", f"KV blocks at {kv['budget_gb']:g} GiB", "-", "-", "-", "-", "-", shown))
+        rows.append(_line(label, f"KV blocks at {kv['budget_gb']:g} GiB", shown))
     return rows
 
 
@@ -210,7 +195,7 @@ def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
     try:
         doc = json.loads(stage.path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return [(stage.label, "-", "-", "-", "-", "-", "-", "-", f"NO RESULTS ({_outcome(stage)})")]
+        return [_line(stage.label, "-", f"NO RESULTS ({_outcome(stage)})")]
     if doc.get("bench") == "latency":
         rows = latency_rows(stage.label, doc)
     else:
@@ -219,7 +204,7 @@ def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
     verdict = "ok" if stage.rc == 0 else "FAILED"
     if doc.get("partial"):
         verdict += ", figures of the concurrencies finished before it stopped"
-    rows.append((stage.label, "-", "stage", "-", "-", "-", "-", "-", f"{verdict} ({_outcome(stage)})"))
+    rows.append(_line(stage.label, "stage", f"{verdict} ({_outcome(stage)})"))
     return rows
 
 
@@ -241,7 +226,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sluice.bench.gpu_summary", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--tests", nargs=4, metavar=("LABEL", "JUNIT_XML", "RC", "SECONDS"), default=None)
+    parser.add_argument("--tests", nargs=4, metavar=("LABEL", "JUNIT_XML", "RC", "SECONDS"))
     parser.add_argument(
         "--bench", nargs=4, action="append", default=[], metavar=("LABEL", "JSON", "RC", "SECONDS")
     )

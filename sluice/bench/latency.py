@@ -1,27 +1,12 @@
-"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine.
-
-Each variant (off: the plain engine; ngram: prompt-lookup speculation; int8: int8 weight-only; fp8: float8
-weights, CUDA only) is an in-process LLMEngine, one at a time, on two workloads of the model
-(sluice/bench/latency_workload.py: a repetitive one whose outputs copy the prompt, and a non-repetitive
-one). Per variant and workload: batch-1 decode tokens/s and TTFT p50 over `--num-requests` requests one
-at a time, and output tokens/s and TTFT p50 / p99 with `--concurrency` requests added at once (after a
-warm-up of both shapes); ngram's acceptance rate and mean accepted length. The model is the embedded chat
-model unless `--model` or `--preset` (random weights, sluice/model/presets.py) says otherwise.
-
-Then: batch-1 decode of off / int8 (/ fp8 on CUDA) on `--int8-preset` (random weights in the 0.5B shape,
-a few requests); perplexity of the embedded chat model (or
-`--quality-model`) on held-out text, unquantized against each quantization, through the engine's model
-runner (sluice/bench/perplexity.py); on CUDA the KV blocks that fit one budget with kv_cache_dtype auto and
-fp8. `--repeat N` runs the variants N times in turn (one engine at a time, rebuilt each round) and keeps
-each measurement's best, so that a busy spell of the machine weighs on one round of every variant rather
-than on one variant; the larger shape's runs are repeated in place. Prints the tables (each figure with
-its ratio to off, or to unquantized). Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped,
-not failed), 1 otherwise, 2 on bad arguments.
+"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine, one
+in-process engine per variant at a time (docs/benchmarks.md describes the stages and figures). Exit status
+0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import tempfile
 import time
@@ -33,61 +18,31 @@ from transformers import AutoConfig
 
 from sluice.bench import engine_driver as drv
 from sluice.bench import latency_report as rep
+from sluice.bench import latency_run as lrun
 from sluice.bench import perplexity as ppl
 from sluice.bench.common import (
+    add_count,
     add_flags,
     error_text,
     names,
     positive_float,
-    positive_int,
     progress_bar,
     quiet_torch,
     resolve_device,
     run_meta,
+    write_json,
 )
-from sluice.bench.latency_run import (
-    CUDA_ONLY,
-    OFF,
-    VARIANTS,
-    EngineSpec,
-    RunFigures,
-    build_engine,
-    greedy_continuations,
-    run_batch1,
-    run_concurrent,
-    warm_up,
-)
-from sluice.bench.latency_workload import (
-    FIRST_PLAIN_ID,
-    WORKLOADS,
-    LatencyRequest,
-    LatencyWorkload,
-    copy_fraction,
-    lookup_fraction,
-    make_encoder,
-    mean_fraction,
-    non_repetitive,
-    repetitive,
-)
+from sluice.bench.latency_run import RunFigures
 from sluice.model.presets import PRESET_NAMES, preset_model_dir
 
-QUICK_DEFAULTS = {
-    "num_requests": 2,
-    "concurrency": 4,
-    "output_len": 12,
-    "int8_preset": "none",
-    "shape_requests": 1,
-    "shape_output_len": 6,
-    "perplexity_tokens": 1024,
-}
-FULL_DEFAULTS = {
-    "num_requests": 8,
-    "concurrency": 64,
-    "output_len": 128,
-    "int8_preset": "qwen2-0.5b",
-    "shape_requests": 2,
-    "shape_output_len": 32,
-    "perplexity_tokens": ppl.DEFAULT_MAX_TOKENS,
+DEFAULTS = {  # option: (with --quick, without)
+    "num_requests": (2, 8),
+    "concurrency": (4, 64),
+    "output_len": (12, 128),
+    "int8_preset": ("none", "qwen2-0.5b"),
+    "shape_requests": (1, 2),
+    "shape_output_len": (6, 32),
+    "perplexity_tokens": (1024, ppl.DEFAULT_MAX_TOKENS),
 }
 SHAPE_PROMPT_LEN = 64
 KV_BUDGET_GB = 1.0
@@ -108,39 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
     add_flags(model, "model", model="a local Hugging Face model")
-    model.add_argument(
-        "--preset",
-        default=None,
-        choices=PRESET_NAMES,
-        help="random weights in a model's shape (default: the embedded chat model)",
-    )
-    add(
-        "--variants",
-        type=names(tuple(VARIANTS), "variant(s)"),
-        default=None,
-        metavar="LIST",
-        help=f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)",
-    )
-    add(
-        "--workloads",
-        type=names(WORKLOADS, "workload(s)"),
-        default=WORKLOADS,
-        metavar="LIST",
-        help="repetitive,non-repetitive",
-    )
-    add_flags(
-        parser,
-        "seed",
-        "device",
-        "dtype",
-        dtype="the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
-    )
-    add(
-        "--int8-preset",
-        default=None,
-        choices=(*PRESET_NAMES, "none"),
-        help="the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)",
-    )
+    about = "random weights in a model's shape (default: the embedded chat model)"
+    model.add_argument("--preset", choices=PRESET_NAMES, help=about)
+    about = f"comma list of {', '.join(lrun.VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
+    add("--variants", type=names(tuple(lrun.VARIANTS), "variant(s)"), metavar="LIST", help=about)
+    workloads = names(lrun.WORKLOADS, "workload(s)")
+    add("--workloads", type=workloads, default=lrun.WORKLOADS, metavar="LIST", help=",".join(lrun.WORKLOADS))
+    about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
+    add_flags(parser, "seed", "device", "dtype", dtype=about)
+    about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
+    add("--int8-preset", choices=(*PRESET_NAMES, "none"), help=about)
     for flag, about in (
         ("num_requests", "batch-1 requests per workload"),
         ("concurrency", "requests added at once"),
@@ -148,60 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
         ("shape_requests", "requests on the --int8-preset shape"),
         ("shape_output_len", "their output tokens"),
     ):
-        add(
-            f"--{flag.replace('_', '-')}",
-            type=positive_int,
-            metavar="N",
-            help=f"{about} (default {FULL_DEFAULTS[flag]})",
-        )
-    add(
-        "--perplexity-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="held-out tokens scored for perplexity (default 16384; 0 = skip)",
-    )
-    add(
-        "--kv-budget-gb",
-        type=positive_float,
-        default=KV_BUDGET_GB,
-        metavar="GB",
-        help="CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8",
-    )
+        add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {DEFAULTS[flag][1]})")
+    about = "held-out tokens scored for perplexity (default 16384; 0 = skip)"
+    add_count(parser, "--perplexity-tokens", None, about, type=int)
+    about = "CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8"
+    add("--kv-budget-gb", type=positive_float, default=KV_BUDGET_GB, metavar="GB", help=about)
     for name in SPEC_FLAGS:
-        add(
-            f"--{name.replace('_', '-')}",
-            type=float if "acceptance" in name else int,
-            default=None,
-            metavar="X" if "acceptance" in name else "N",
-            help=f"ngram variant: the engine's {name} (default: the engine's)",
-        )
-    add(
-        "--quality-model",
-        type=Path,
-        default=None,
-        metavar="DIR",
-        help="the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)",
+        flag = f"--{name.replace('_', '-')}"
+        about = f"ngram variant: the engine's {name} (default: the engine's)"
+        if "acceptance" in name:
+            add(flag, type=float, metavar="X", help=about)
+        else:
+            add_count(parser, flag, None, about, type=int)
+    about = "the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)"
+    add("--quality-model", type=Path, metavar="DIR", help=about)
+    about = (
+        "when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
+        "and leave perplexity out instead of training the model first (minutes)"
     )
-    add(
-        "--if-no-embedded",
-        default=None,
-        choices=PRESET_NAMES,
-        metavar="PRESET",
-        help="when the embedded chat model is not built yet (a fresh machine), run the variants on PRESET "
-        "and leave perplexity out instead of training the model first (minutes)",
-    )
-    add_flags(
-        parser,
-        "repeat",
-        "threads",
-        "json",
-        "plot",
-        "quick",
-        "no-progress",
-        repeat="N rounds of every measurement, the best kept",
-        quick="tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
-    )
+    add("--if-no-embedded", choices=PRESET_NAMES, metavar="PRESET", help=about)
+    repeat = "N rounds of every measurement, the best kept"
+    quick = "tiny counts (2 / 4 requests, 12 tokens) for smoke tests"
+    add_flags(parser, "repeat", "threads", "json", "plot", "quick", "no-progress", repeat=repeat, quick=quick)
     return parser
 
 
@@ -210,9 +110,9 @@ def _resolve(args: argparse.Namespace) -> None:
     cuda = resolve_device(args)
     if args.dtype is None:
         args.dtype = "bfloat16" if cuda else "float32"
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
+    for name, (quick, full) in DEFAULTS.items():
         if getattr(args, name) is None:
-            setattr(args, name, value)
+            setattr(args, name, quick if args.quick else full)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
     if args.perplexity_tokens < 0:
@@ -224,7 +124,7 @@ def _resolve(args: argparse.Namespace) -> None:
 
 
 def _skip_reason(variant: str, device: str) -> str | None:
-    if variant in CUDA_ONLY and not device.startswith("cuda"):
+    if variant in lrun.CUDA_ONLY and not device.startswith("cuda"):
         return "skipped: CUDA only"
     return None
 
@@ -236,44 +136,33 @@ class Bench:
         self.args = args
         self.model_dir = model_dir
         overrides = {name: getattr(args, name) for name in SPEC_FLAGS}
-        self.spec = EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
+        self.spec = lrun.EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
         self.report = rep.Report(label, args.concurrency, [])
         self.meta = meta
 
     def save(self, partial: bool) -> None:
         """Writes the JSON so far (`"partial": true` until the end), so that a run cut short keeps it."""
         if self.args.json is not None:
-            rep.save_json(self.args.json, self.report, {**self.meta, "partial": partial})
+            write_json(self.args.json, rep.to_json(self.report, {**self.meta, "partial": partial}))
 
-    # ---- workloads ---------------------------------------------------------------------------
-
-    def workloads(self) -> list[LatencyWorkload]:
+    def workloads(self) -> list[lrun.LatencyWorkload]:
         args = self.args
         vocab = int(AutoConfig.from_pretrained(self.model_dir).vocab_size)
-        encode = make_encoder(self.model_dir, vocab)
+        encode = lrun.make_encoder(self.model_dir, vocab)
         n = max(args.concurrency, args.num_requests)
-        built: list[LatencyWorkload] = []
-        for name in args.workloads:
-            if name == "repetitive":
-
-                def greedy(prompts: list[list[int]], k: int) -> list[list[int]]:
-                    return greedy_continuations(self.spec, prompts, k, n)
-
-                built.append(repetitive(encode, greedy, n, args.output_len, args.seed))
-            else:
-                built.append(non_repetitive(encode, n, args.output_len, args.seed))
+        greedy = functools.partial(lrun.greedy_continuations, self.spec, max_num_seqs=n)
+        built = [
+            lrun.repetitive(encode, greedy, n, args.output_len, args.seed)
+            if name == lrun.REPETITIVE
+            else lrun.non_repetitive(encode, n, args.output_len, args.seed)
+            for name in args.workloads
+        ]
         for w in built:
-            self.report.workloads[w.name] = {
-                "how": w.how,
-                "requests": len(w),
-                "prompt_tokens": w.prompt_tokens,
-            }
+            self.report.workloads[w.name] = dict(how=w.how, requests=len(w), prompt_tokens=w.prompt_tokens)
             print(f"workload {w.name}: {len(w)} requests, {w.prompt_tokens} prompt tokens; {w.how}")
         return built
 
-    # ---- variants ----------------------------------------------------------------------------
-
-    def run_variant(self, k: int, variant: str, workloads: list[LatencyWorkload]) -> None:
+    def run_variant(self, k: int, variant: str, workloads: list[lrun.LatencyWorkload]) -> None:
         """One round of `variant`: its engine, then per workload a warm-up, the batch-1 run and the
         concurrent run. A later round (--repeat) keeps, per run, the faster of its figures and the earlier
         ones."""
@@ -289,11 +178,11 @@ class Bench:
         bar = progress_bar(not args.no_progress, total, f"[{k}/{len(args.variants)}] {variant}")
         try:
             with bar:
-                engine = build_engine(self.spec, variant, lengths, args.concurrency)
+                engine = lrun.build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
-                    warm_up(engine, w, args.concurrency)
-                    b1 = run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
-                    many = run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
+                    lrun.warm_up(engine, w, args.concurrency)
+                    b1 = lrun.run_batch1(engine, w.head(args.num_requests), args.device, bar.update)
+                    many = lrun.run_concurrent(engine, w.head(args.concurrency), args.device, bar.update)
                     self._keep(variant, w, b1, many)
         except Exception as exc:
             self.report.errors[variant] = error_text(exc)
@@ -302,7 +191,7 @@ class Bench:
             drv.release_memory(args.device)
         self.save(partial=True)
 
-    def _keep(self, variant: str, work: LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
+    def _keep(self, variant: str, work: lrun.LatencyWorkload, b1: RunFigures, many: RunFigures) -> None:
         cell = self.report.cell(variant, work.name)
         if cell is None:
             cell = rep.Cell(variant, work.name)
@@ -310,31 +199,27 @@ class Bench:
         cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
         cell.concurrent = faster(cell.concurrent, many, "output_tok_s")
         prompts = [r.prompt for r in work.requests[: self.args.concurrency]]
-        cell.copy_fraction = mean_fraction(copy_fraction, prompts, cell.concurrent.outputs)
-        cell.lookup_fraction = mean_fraction(lookup_fraction, prompts, cell.concurrent.outputs)
-
-    # ---- the larger shape --------------------------------------------------------------------
+        cell.copy_fraction = lrun.mean_fraction(lrun.copy_fraction, prompts, cell.concurrent.outputs)
+        cell.lookup_fraction = lrun.mean_fraction(lrun.lookup_fraction, prompts, cell.concurrent.outputs)
 
     def run_shape(self, scratch: Path) -> None:
         """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
         args = self.args
-        wanted = [v for v in (OFF, "int8", "fp8") if v == OFF or v in args.variants]
-        if args.int8_preset == "none" or wanted == [OFF]:
+        wanted = [v for v in (lrun.OFF, "int8", "fp8") if v == lrun.OFF or v in args.variants]
+        if args.int8_preset == "none" or wanted == [lrun.OFF]:
             return
         model_dir = preset_model_dir(args.int8_preset, args.dtype, args.seed, scratch)
         shape = rep.ShapeRun(args.int8_preset, args.dtype)
         self.report.shape = shape
         vocab = int(AutoConfig.from_pretrained(model_dir).vocab_size)
         rng = random.Random(args.seed)
-        requests = tuple(
-            LatencyRequest(
-                tuple(rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)),
-                args.shape_output_len,
-            )
+        prompts = [
+            [rng.randrange(lrun.FIRST_PLAIN_ID, vocab) for _ in range(SHAPE_PROMPT_LEN)]
             for _ in range(args.shape_requests)
-        )
-        work = LatencyWorkload("random", requests, "random prompts, greedy")
-        spec = EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
+        ]
+        requests = tuple(lrun.LatencyRequest(tuple(p), args.shape_output_len) for p in prompts)
+        work = lrun.LatencyWorkload("random", requests, "random prompts, greedy")
+        spec = lrun.EngineSpec(model_dir, args.device, args.dtype, {}, args.threads or 0)
         lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
         print(f"== batch-1 decode on {args.int8_preset}: {', '.join(wanted)}")
         for variant in wanted:
@@ -345,10 +230,10 @@ class Bench:
             total = args.repeat * sum(r.max_new_tokens for r in requests)
             try:
                 with progress_bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
-                    engine = build_engine(spec, variant, lengths, 1)
-                    warm_up(engine, work, 1, tokens=2)
+                    engine = lrun.build_engine(spec, variant, lengths, 1)
+                    lrun.warm_up(engine, work, 1, tokens=2)
                     shape.runs[variant] = best_of(
-                        args.repeat, "decode_tok_s", run_batch1, engine, work, args.device, bar.update
+                        args.repeat, "decode_tok_s", lrun.run_batch1, engine, work, args.device, bar.update
                     )
             except Exception as exc:
                 shape.errors[variant] = error_text(exc)
@@ -357,25 +242,17 @@ class Bench:
                 drv.release_memory(args.device)
             self.save(partial=True)
 
-    # ---- KV blocks and quality ---------------------------------------------------------------
-
     def run_kv_blocks(self) -> None:
         """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""
         args = self.args
         if not args.device.startswith("cuda"):
             return
-        kv = rep.KvBlocks(args.kv_budget_gb)
-        self.report.kv = kv
+        kv = self.report.kv = rep.KvBlocks(args.kv_budget_gb)
+        settings = dict(model=str(self.model_dir), device=args.device, dtype=args.dtype, max_num_seqs=8)
         for kv_dtype in ("auto", "fp8"):
             try:
                 engine = drv.make_engine(
-                    model=str(self.model_dir),
-                    device=args.device,
-                    dtype=args.dtype,
-                    kv_cache_gb=args.kv_budget_gb,
-                    kv_cache_dtype=kv_dtype,
-                    max_num_seqs=8,
-                    cuda_graphs="off",
+                    **settings, kv_cache_gb=args.kv_budget_gb, kv_cache_dtype=kv_dtype, cuda_graphs="off"
                 )
                 kv.blocks[kv_dtype] = engine.stats().num_blocks
             except Exception as exc:
@@ -398,25 +275,21 @@ class Bench:
         self.report.quality_model = f"{model_dir.name}, {args.perplexity_tokens} held-out tokens"
         ids = ppl.encode_documents(model_dir / "tokenizer.json", ppl.held_out_texts(), args.perplexity_tokens)
         cases = [("none", "none", "auto")]
-        cases += [
-            (q, q, "auto") for q in ("int8", "fp8") if q in args.variants and not _skip_reason(q, args.device)
-        ]
+        quantized = [q for q in ("int8", "fp8") if q in args.variants and not _skip_reason(q, args.device)]
+        cases += [(q, q, "auto") for q in quantized]
         if args.device.startswith("cuda"):
             cases.append(("fp8-kv", "none", "fp8"))
         print(f"== perplexity on {len(ids)} held-out tokens: {', '.join(c[0] for c in cases)}")
         for variant, quant, kv_dtype in cases:
+            case = (variant, quant, kv_dtype)
             try:
                 runner = ppl.make_runner(
                     model_dir, args.device, args.dtype, quant, kv_dtype, ppl.DEFAULT_WINDOW
                 )
                 result = ppl.runner_perplexity(runner, ids)
-                self.report.quality.append(
-                    ppl.QualityResult(variant, quant, kv_dtype, result.value, result.tokens)
-                )
+                self.report.quality.append(ppl.QualityResult(*case, result.value, result.tokens))
             except Exception as exc:
-                self.report.quality.append(
-                    ppl.QualityResult(variant, quant, kv_dtype, None, 0, error_text(exc))
-                )
+                self.report.quality.append(ppl.QualityResult(*case, None, 0, error_text(exc)))
             finally:
                 runner = None
                 drv.release_memory(args.device)
@@ -516,12 +389,8 @@ def main(argv: list[str]) -> int:
 
 def _finish(args: argparse.Namespace, bench: Bench) -> int:
     report = bench.report
-    print()
-    print(rep.format_main(report))
-    print()
-    print(rep.format_shape(report.shape))
-    print()
-    print(rep.format_quality(report))
+    tables = [rep.format_main(report), rep.format_shape(report.shape), rep.format_quality(report)]
+    print("\n" + "\n\n".join(tables))
     print(rep.format_kv(report.kv))
     bench.save(partial=False)
     if args.json is not None:

@@ -1,5 +1,5 @@
-"""Figures of one `sluice bench latency` run: ratios against speculation off, the tables, the JSON and the
-plot. Pure functions of the measured figures (tests feed synthetic ones)."""
+"""Figures of one `sluice bench latency` run (ratios to speculation off, tables, JSON, plot): pure functions
+of the measured figures."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.common import figure, fmt, format_table, ratio, save_figure, write_json
+from sluice.bench.common import Column, column_table, figure, fmt, ratio, save_figure
 from sluice.bench.latency_run import OFF, RunFigures
 from sluice.bench.perplexity import QualityResult
 
@@ -94,9 +94,6 @@ def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | Non
     return None if mine is None else mine.ratio_to(base)
 
 
-# ---------------------------------------------------------------- tables
-
-
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.1f}"
 
@@ -120,42 +117,22 @@ def format_main(report: Report) -> str:
     tok/s, ratio, TTFT p50 / p99; speculation's acceptance rate / mean accepted length (batch 1, concurrent);
     the share of output tokens copied from the prompt."""
     c = report.concurrency
-    header = (
-        "workload",
-        "variant",
-        "b1 dec tok/s",
-        "x off",
-        "b1 TTFT p50 ms",
-        f"{c} tok/s",
-        "x off",
-        f"{c} TTFT p50 ms",
-        "p99 ms",
-        "accept/len b1",
-        f"accept/len {c}",
-        "copy",
-        "lookup",
-    )
-    rows = []
-    for cell in report.cells:
-        b, k = cell.batch1, cell.concurrent
-        rows.append(
-            (
-                cell.workload,
-                cell.variant,
-                fmt(_b1(cell), ",.1f"),
-                _x(batch1_ratio(report, cell.variant, cell.workload)),
-                _ms(b.ttft(0.5) if b else None),
-                fmt(_conc(cell), ",.1f"),
-                _x(concurrent_ratio(report, cell.variant, cell.workload)),
-                _ms(k.ttft(0.5) if k else None),
-                _ms(k.ttft(0.99) if k else None),
-                _spec_cell(cell.variant, b),
-                _spec_cell(cell.variant, k),
-                fmt(cell.copy_fraction, ".0%"),
-                fmt(cell.lookup_fraction, ".0%"),
-            )
-        )
-    text = format_table([header, *rows], right_from=2)
+    columns: list[Column] = [
+        ("workload", lambda cell: cell.workload),
+        ("variant", lambda cell: cell.variant),
+        ("b1 dec tok/s", lambda cell: fmt(_b1(cell), ",.1f")),
+        ("x off", lambda cell: _x(batch1_ratio(report, cell.variant, cell.workload))),
+        ("b1 TTFT p50 ms", lambda cell: _ms(cell.batch1 and cell.batch1.ttft(0.5))),
+        (f"{c} tok/s", lambda cell: fmt(_conc(cell), ",.1f")),
+        ("x off", lambda cell: _x(concurrent_ratio(report, cell.variant, cell.workload))),
+        (f"{c} TTFT p50 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.5))),
+        ("p99 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.99))),
+        ("accept/len b1", lambda cell: _spec_cell(cell.variant, cell.batch1)),
+        (f"accept/len {c}", lambda cell: _spec_cell(cell.variant, cell.concurrent)),
+        ("copy", lambda cell: fmt(cell.copy_fraction, ".0%")),
+        ("lookup", lambda cell: fmt(cell.lookup_fraction, ".0%")),
+    ]
+    text = column_table(columns, report.cells, right_from=2)
     for variant, why in report.errors.items():
         text += f"\n{variant}: no figures ({why})"
     return text
@@ -164,21 +141,16 @@ def format_main(report: Report) -> str:
 def format_shape(shape: ShapeRun | None) -> str:
     if shape is None:
         return "larger shape: not run"
-    header = ("model", "variant", "b1 dec tok/s", "x off", "b1 TTFT p50 ms", "tokens")
-    rows = [
-        (
-            shape.model,
-            v,
-            fmt(r.decode_tok_s, ",.2f"),
-            _x(shape_ratio(shape, v)),
-            _ms(r.ttft(0.5)),
-            str(r.output_tokens),
-        )
-        for v, r in shape.runs.items()
+    columns: list[Column] = [
+        ("model", lambda _: shape.model),
+        ("variant", lambda item: item[0]),
+        ("b1 dec tok/s", lambda item: fmt(item[1].decode_tok_s, ",.2f")),
+        ("x off", lambda item: _x(shape_ratio(shape, item[0]))),
+        ("b1 TTFT p50 ms", lambda item: _ms(item[1].ttft(0.5))),
+        ("tokens", lambda item: item[1].output_tokens),
     ]
-    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n" + format_table(
-        [header, *rows], right_from=2
-    )
+    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n"
+    text += column_table(columns, shape.runs.items(), right_from=2)
     for variant, why in shape.errors.items():
         text += f"\n{shape.model} {variant}: no figures ({why})"
     return text
@@ -187,22 +159,16 @@ def format_shape(shape: ShapeRun | None) -> str:
 def format_quality(report: Report) -> str:
     if not report.quality:
         return "perplexity: not measured"
-    base = next((q.perplexity for q in report.quality if q.variant == "none"), None)
-    header = ("variant", "weights", "kv", "perplexity", "x none", "tokens")
-    rows = [
-        (
-            q.variant,
-            q.quantization,
-            q.kv_cache_dtype,
-            fmt(q.perplexity, ".3f"),
-            fmt(q.ratio_to(base), ".4f"),
-            str(q.tokens) if q.error is None else f"FAILED: {q.error[:60]}",
-        )
-        for q in report.quality
+    columns: list[Column] = [
+        ("variant", lambda q: q.variant),
+        ("weights", lambda q: q.quantization),
+        ("kv", lambda q: q.kv_cache_dtype),
+        ("perplexity", lambda q: fmt(q.perplexity, ".3f")),
+        ("x none", lambda q: fmt(quality_ratio(report.quality, q.variant), ".4f")),
+        ("tokens", lambda q: q.tokens if q.error is None else f"FAILED: {q.error[:60]}"),
     ]
-    return f"perplexity on held-out text ({report.quality_model}):\n" + format_table(
-        [header, *rows], right_from=2
-    )
+    title = f"perplexity on held-out text ({report.quality_model}):\n"
+    return title + column_table(columns, report.quality, right_from=2)
 
 
 def format_kv(kv: KvBlocks | None) -> str:
@@ -212,9 +178,6 @@ def format_kv(kv: KvBlocks | None) -> str:
         return f"fp8 KV blocks: FAILED: {kv.error}"
     shown = ", ".join(f"{k}: {n:,}" for k, n in kv.blocks.items())
     return f"KV blocks at {kv.budget_gb:g} GiB: {shown} ({_x(kv.ratio)})"
-
-
-# ---------------------------------------------------------------- JSON and plot
 
 
 def run_json(run: RunFigures | None) -> dict[str, Any] | None:
@@ -229,46 +192,18 @@ def run_json(run: RunFigures | None) -> dict[str, Any] | None:
 def to_json(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
     cells = [
         {
-            "variant": c.variant,
-            "workload": c.workload,
+            **vars(c),
             "batch1": run_json(c.batch1),
             "concurrent": run_json(c.concurrent),
             "batch1_ratio_to_off": batch1_ratio(report, c.variant, c.workload),
             "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload),
-            "copy_fraction": c.copy_fraction,
-            "lookup_fraction": c.lookup_fraction,
         }
         for c in report.cells
     ]
-    shape = None
-    if report.shape is not None:
-        shape = {
-            "model": report.shape.model,
-            "dtype": report.shape.dtype,
-            "runs": {v: run_json(r) for v, r in report.shape.runs.items()},
-            "ratios_to_off": {v: shape_ratio(report.shape, v) for v in report.shape.runs},
-            "errors": report.shape.errors,
-        }
-    kv = None
-    if report.kv is not None:
-        kv = {
-            "budget_gb": report.kv.budget_gb,
-            "blocks": report.kv.blocks,
-            "ratio": report.kv.ratio,
-            "error": report.kv.error,
-        }
-    quality = [
-        {
-            "variant": q.variant,
-            "quantization": q.quantization,
-            "kv_cache_dtype": q.kv_cache_dtype,
-            "perplexity": q.perplexity,
-            "tokens": q.tokens,
-            "ratio_to_none": quality_ratio(report.quality, q.variant),
-            "error": q.error,
-        }
-        for q in report.quality
-    ]
+    shape, kv, quality = report.shape, report.kv, report.quality
+    if shape is not None:
+        runs = {v: run_json(r) for v, r in shape.runs.items()}
+        shape_doc = {**vars(shape), "runs": runs, "ratios_to_off": {v: shape_ratio(shape, v) for v in runs}}
     return {
         **meta,
         "bench": "latency",
@@ -277,15 +212,11 @@ def to_json(report: Report, meta: dict[str, Any]) -> dict[str, Any]:
         "workloads": report.workloads,
         "cells": cells,
         "errors": report.errors,
-        "shape": shape,
-        "kv_blocks": kv,
+        "shape": shape_doc if shape is not None else None,
+        "kv_blocks": kv and {**vars(kv), "ratio": kv.ratio},
         "quality_model": report.quality_model,
-        "quality": quality,
+        "quality": [{**vars(q), "ratio_to_none": quality_ratio(quality, q.variant)} for q in quality],
     }
-
-
-def save_json(path: Path, report: Report, meta: dict[str, Any]) -> None:
-    write_json(path, to_json(report, meta))
 
 
 VARIANT_COLORS = {"off": "#9a9a9a", "ngram": "#1f77b4", "int8": "#2ca02c", "fp8": "#d62728"}

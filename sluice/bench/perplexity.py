@@ -1,17 +1,7 @@
-"""Perplexity of a model through the engine's model runner, on text the embedded model never saw.
-
-Held-out text: the embedded chat model trains on the prose of `pydoc_data.topics` and on the docstrings of
-the *top-level* standard-library files (`Lib/*.py`, sluice/model/corpus.py). The docstrings of the
-standard library's *packages* (`Lib/json/`, `Lib/email/`, `Lib/asyncio/`, ... listed in HELD_OUT_PACKAGES)
-are the same kind of prose from files the corpus builder never reads; `held_out_texts()` takes their prose
-paragraphs with the corpus builder's own rules and drops any paragraph that also occurs in the training
-corpus, so none of it was trained on.
-
-`runner_perplexity()` scores text with a `ModelRunner` built as the engine builds it (quantized weights,
-the KV pool's dtype): the text is encoded as the trainer encodes documents (`<s> text </s>`, concatenated),
-cut into windows of `window` tokens, and each window is run through the runner's paged attention in
-prefill chunks of `chunk` tokens, every row's logits kept (teacher forcing). Perplexity is exp(mean NLL)
-over every predicted token (each window's first token is context only).
+"""Perplexity through the engine's model runner on held-out text: the prose of the standard library's
+*packages* (HELD_OUT_PACKAGES), which the embedded model's corpus never reads, less any paragraph that is in
+the corpus. Perplexity = exp(mean NLL) over every predicted token of windows run teacher-forced in prefill
+chunks (each window's first token is context only).
 """
 
 from __future__ import annotations
@@ -35,18 +25,7 @@ if TYPE_CHECKING:
     from services.engine.executor.model_runner import ModelRunner
 
 HELD_OUT_PACKAGES = (
-    "asyncio",
-    "collections",
-    "concurrent",
-    "email",
-    "http",
-    "importlib",
-    "json",
-    "logging",
-    "multiprocessing",
-    "unittest",
-    "urllib",
-    "xml",
+    "asyncio collections concurrent email http importlib json logging multiprocessing unittest urllib xml"
 )
 MIN_PARAGRAPH_CHARS = 80  # as the corpus builder's
 DEFAULT_WINDOW = 512
@@ -76,7 +55,7 @@ def held_out_texts() -> tuple[str, ...]:
     trained = set(build_corpus().texts)
     seen: set[str] = set()
     texts: list[str] = []
-    for package in HELD_OUT_PACKAGES:
+    for package in HELD_OUT_PACKAGES.split():
         for path in sorted((root / package).rglob("*.py")):
             if "test" in path.relative_to(root).parts[1:-1]:
                 continue
@@ -183,18 +162,11 @@ def make_runner(
     from services.engine.executor.model_runner import ModelRunner
     from services.engine.settings import EngineSettings
 
-    block_size = 16
-    settings = EngineSettings(
-        model=str(model_dir),
-        device=device,
-        dtype=dtype,
-        block_size=block_size,
-        num_kv_blocks=-(-window // block_size),
-        cuda_graphs="off",
-        quantization=quantization,
-        kv_cache_dtype=kv_cache_dtype,
+    weights = dict(
+        model=str(model_dir), device=device, dtype=dtype, quantization=quantization, cuda_graphs="off"
     )
-    return ModelRunner(settings)
+    pool = dict(block_size=16, num_kv_blocks=-(-window // 16), kv_cache_dtype=kv_cache_dtype)
+    return ModelRunner(EngineSettings(**weights, **pool))
 
 
 @dataclass(frozen=True)

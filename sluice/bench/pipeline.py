@@ -1,18 +1,6 @@
-"""`sluice bench pipeline`: what the four-service trip costs against the engine alone.
-
-A sweep (sweep.py) of one system, the four services, whose points are rounds: each runs one workload
-(all requests at once, greedy, fixed output lengths) twice on this machine:
-1. **in-process**: the prompts tokenized here exactly as the tokenizer service does, then the engine core
-   (`LLMEngine`, the same settings the service gets) stepped until every request is done;
-2. **end to end**: the same prompts as streaming requests through gateway → tokenizer → engine →
-   detokenizer (a `Stack` of real processes) from the load generator in this process.
-
-It prints output tokens/s both ways and their ratio, raw and scaled: the load generator shares the
-machine with the pipeline, so the end-to-end rate is also compared with the in-process rate times the
-share of the machine the generator leaves (`1 - generator CPU / (wall × cores)`). Where the difference
-goes: engine steps and mean step time both ways (the engine's own step histogram), each process's CPU
-seconds and cores used, and the gateway's per-stage times. With `--repeat N` the two runs alternate N
-times and the best of each is compared (every run is in the JSON).
+"""`sluice bench pipeline`: one workload through the engine in-process and through the four-service trip,
+output tokens/s both ways, raw and scaled by the share of the machine the load generator leaves
+(docs/benchmarks.md), and where the difference goes.
 """
 
 from __future__ import annotations
@@ -27,40 +15,21 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import engine_driver as drv
+from sluice.bench import sweep as sw
 from sluice.bench.common import figure, int_range, save_figure, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    add_sweep_flags,
-    cpu_used,
-    model_and_flags,
-    scrape_metrics,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 from sluice.launcher import default_engine_threads
 
 WARMUP_REQUESTS = 4
 # Histograms read from each service's /metrics: (service, metric family, label filter, report name).
+GATEWAY_STAGES = "sluice_gateway_stage_duration_seconds"
 STAGE_HISTOGRAMS = (
     ("engine", "sluice_step_duration_seconds", {}, "engine step"),
     ("tokenizer", "sluice_tokenize_duration_seconds", {}, "tokenizer batch"),
     ("detokenizer", "sluice_detokenize_duration_seconds", {}, "detokenizer batch"),
-    ("gateway", "sluice_gateway_stage_duration_seconds", {"stage": "tokenize"}, "gateway: tokenize"),
-    (
-        "gateway",
-        "sluice_gateway_stage_duration_seconds",
-        {"stage": "engine_first_token"},
-        "gateway: submit → first tokens",
-    ),
-    (
-        "gateway",
-        "sluice_gateway_stage_duration_seconds",
-        {"stage": "detokenize"},
-        "gateway: first tokens → first text",
-    ),
+    ("gateway", GATEWAY_STAGES, {"stage": "tokenize"}, "gateway: tokenize"),
+    ("gateway", GATEWAY_STAGES, {"stage": "engine_first_token"}, "gateway: submit → first tokens"),
+    ("gateway", GATEWAY_STAGES, {"stage": "detokenize"}, "gateway: first tokens → first text"),
 )
 
 
@@ -103,9 +72,6 @@ class EndToEndRun:
         return self.cpu_s["load generator"] / (self.wall_s * (os.cpu_count() or 1))
 
 
-# ---- the two runs ----------------------------------------------------------------------------------
-
-
 def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
     core until every request is done. The engine gets the flags `sluice up` gives the service (its
@@ -121,18 +87,19 @@ def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequ
     outputs, wall = drv.generate(engine, prompts, [r.output_len for r in requests])
     stats = engine.stats()
     tokens = sum(len(ids) for ids in outputs)
-    return InProcessRun(
-        tokens, wall, time.process_time() - cpu, stats.steps, stats.step_time_s, stats.forward_time_s
-    )
+    cpu = time.process_time() - cpu
+    return InProcessRun(tokens, wall, cpu, stats.steps, stats.step_time_s, stats.forward_time_s)
 
 
-def run_end_to_end(endpoint: Endpoint, api: str, requests: list[BenchRequest], progress: bool) -> EndToEndRun:
+def run_end_to_end(
+    endpoint: sw.Endpoint, api: str, requests: list[BenchRequest], progress: bool
+) -> EndToEndRun:
     """Warms the stack up, then sends every request at once through `api` and reads what each process
     spent (CPU seconds from the OS, stage times from the services' own histograms)."""
-    serve_load(endpoint, requests[:WARMUP_REQUESTS], api, progress=False)
+    sw.serve_load(endpoint, requests[:WARMUP_REQUESTS], api, progress=False)
     cpu_before, stages_before = endpoint.cpu_seconds(), _stage_totals(endpoint)
-    result = serve_load(endpoint, requests, api, progress=progress)
-    cpu = cpu_used(cpu_before, endpoint.cpu_seconds())
+    result = sw.serve_load(endpoint, requests, api, progress=progress)
+    cpu = sw.cpu_used(cpu_before, endpoint.cpu_seconds())
     stages_after = _stage_totals(endpoint)
     cpu["load generator"] = result.client_cpu_s
     stages = {
@@ -142,9 +109,9 @@ def run_end_to_end(endpoint: Endpoint, api: str, requests: list[BenchRequest], p
     return EndToEndRun(result.summary(), result.duration_s, cpu, stages)
 
 
-def _stage_totals(endpoint: Endpoint) -> dict[str, tuple[int, float]]:
+def _stage_totals(endpoint: sw.Endpoint) -> dict[str, tuple[int, float]]:
     """(count, sum in seconds) of each histogram in STAGE_HISTOGRAMS, as the services report now."""
-    scraped = {name: scrape_metrics(url) for name, url in endpoint.metrics_urls.items()}
+    scraped = {name: sw.scrape_metrics(url) for name, url in endpoint.metrics_urls.items()}
     totals = {}
     for service, family, labels, name in STAGE_HISTOGRAMS:
         samples = scraped.get(service, {})
@@ -152,9 +119,6 @@ def _stage_totals(endpoint: Endpoint) -> dict[str, tuple[int, float]]:
         total = samples.get((f"{family}_sum", tuple(sorted(labels.items()))), 0.0)
         totals[name] = (int(count), total)
     return totals
-
-
-# ---- the report ------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -201,13 +165,11 @@ class Comparison:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        inp, e2e = self.in_process, self.end_to_end
+        e2e_doc = {**asdict(e2e), "tokens_per_s": e2e.tokens_per_s, "generator_share": e2e.generator_share}
         return {
-            "in_process": {**asdict(self.in_process), "tokens_per_s": self.in_process.tokens_per_s},
-            "end_to_end": {
-                **asdict(self.end_to_end),
-                "tokens_per_s": self.end_to_end.tokens_per_s,
-                "generator_share": self.end_to_end.generator_share,
-            },
+            "in_process": {**asdict(inp), "tokens_per_s": inp.tokens_per_s},
+            "end_to_end": e2e_doc,
             "raw_ratio": self.raw_ratio,
             "scaled_ratio": self.scaled_ratio,
         }
@@ -222,9 +184,8 @@ def write_plot(path: Path, best: Comparison) -> None:
     bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
     speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
     speed.set_ylabel("output tokens/s")
-    speed.set_title(
-        f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled", fontsize=9
-    )
+    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
+    speed.set_title(title, fontsize=9)
     speed.margins(y=0.15)
     e2e = best.end_to_end
     used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
@@ -233,9 +194,6 @@ def write_plot(path: Path, best: Comparison) -> None:
     cores.set_xlabel("cores used over the end-to-end run")
     cores.legend(fontsize=8, loc="lower right")
     save_figure(fig, path, "sluice bench pipeline")
-
-
-# ---- the command line ------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,22 +206,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prompt-words", type=int_range, default=(12, 200), metavar="MIN,MAX", help="prompt words (12,200)")
     add("--output-len", type=int_range, default=(8, 256), metavar="MIN,MAX", help="output tokens (8,256)")
     add("--api", choices=("openai", "ws", "grpc"), default="openai", help="the gateway API to drive")
-    add_sweep_flags(
-        parser,
-        64,
-        "engine-flags",
-        "repeat",
-        "plot",
-        num_requests="requests, all sent at once (default 64)",
-        repeat="alternate the two runs N times, best of each",
-        plot="write tokens/s and cores used here",
-    )
+    helps = {
+        "num_requests": "requests, all sent at once (default 64)",
+        "repeat": "alternate the two runs N times, best of each",
+        "plot": "write tokens/s and cores used here",
+    }
+    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    model, engine_flags = model_and_flags(args)
+    model, engine_flags = sw.model_and_flags(args)
     requests = uniform_requests(
         args.num_requests, args.seed, prompt_words=args.prompt_words, output_len=args.output_len
     )
@@ -274,14 +228,14 @@ def main(argv: list[str]) -> int:
         f"model {model}"
     )
 
-    def measure(system: str, endpoint: Endpoint, k: int, index: int) -> Comparison:
+    def measure(system: str, endpoint: sw.Endpoint, k: int, index: int) -> Comparison:
         print(f"[{k + 1}/{args.repeat}] in-process engine ...", file=sys.stderr)
         in_process = run_in_process(model, engine_flags, requests)
         print(f"[{k + 1}/{args.repeat}] end to end ...", file=sys.stderr)
         return Comparison(in_process, run_end_to_end(endpoint, args.api, requests, not args.no_progress))
 
-    opener = partial(stack_endpoint, model, engine_flags)
-    (run,) = sweep({"pipeline": opener}, range(args.repeat), measure).values()
+    opener = partial(sw.stack_endpoint, model, engine_flags)
+    (run,) = sw.sweep({"pipeline": opener}, range(args.repeat), measure).values()
     if run.error is not None:
         print(f"sluice bench pipeline: {run.error}", file=sys.stderr)
         return 1
@@ -289,14 +243,9 @@ def main(argv: list[str]) -> int:
         max((c.in_process for c in run.points), key=lambda r: r.tokens_per_s),
         max((c.end_to_end for c in run.points), key=lambda r: r.tokens_per_s),
     )
-    print()
-    print("\n".join(best.lines()))
-    doc = {
-        "meta": sweep_meta("pipeline", argv, model),
-        "best": best.to_json(),
-        "runs": [c.to_json() for c in run.points],
-    }
-    write_json(args.json, doc, announce=True)
+    print("\n" + "\n".join(best.lines()))
+    doc = {"meta": sw.sweep_meta("pipeline", argv, model), "best": best.to_json()}
+    write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
         write_plot(args.plot, best)
     return 1 if any(c.end_to_end.summary["failed"] for c in run.points) else 0

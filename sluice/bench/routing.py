@@ -1,16 +1,6 @@
-"""`sluice bench routing`: the gateway's engine routing policies (round_robin, least_load,
-prefix_affinity) compared across engine replicas on `sluice bench serve`'s shared-prefix workload (many
-tenants, each with a long shared context).
-
-A sweep (sweep.py) per round whose systems are the policies, one point each: for each policy it starts
-the whole pipeline with `--engines N` (the gateway's `SLUICE_ROUTING` set to the policy), runs the same
-seeded workload through the OpenAI API, and reads each engine's prefix-cache counters from its /metrics.
-It prints, per policy, output tokens/s, p90 time to first token, the prefix-cache hit rate and the share
-of prompt tokens each engine got, and the throughput and p90 TTFT relative to round_robin. With
-`--repeat N` it runs N rounds, the policies in alternating order (so drift of a shared machine falls on
-each alike), prints each round, and then the median over rounds of each policy's ratios to round_robin
-within the same round. Exit status 0 when every policy completed every request, 1 otherwise (also when a
-stack failed to start).
+"""`sluice bench routing`: the gateway's engine routing policies across engine replicas on the
+shared-prefix workload (docs/benchmarks.md), rounds with the policies in alternating order. Exit status 0
+when every policy completed every request, 1 otherwise (also when a stack failed to start).
 """
 
 from __future__ import annotations
@@ -18,24 +8,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from gateway.settings import ROUTING_POLICIES
-from sluice.bench.common import format_table, names, positive_int, ratio, write_json
+from sluice.bench import sweep as sw
+from sluice.bench.common import Column, column_table, fmt, names, positive_int, ratio, write_json
 from sluice.bench.serve_data import shared_prefix_requests
-from sluice.bench.sweep import (
-    Endpoint,
-    add_sweep_flags,
-    counter,
-    model_and_flags,
-    scrape_metrics,
-    serve_load,
-    stack_endpoint,
-    sweep,
-    sweep_meta,
-)
 
 NUM_WARMUP = 2
 BASELINE = "round_robin"
@@ -45,58 +25,39 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice bench routing", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--engines", type=positive_int, default=2, help="engine replicas")
-    add(
-        "--policies", type=names(ROUTING_POLICIES, "policy"), default=ROUTING_POLICIES, help="comma-separated"
-    )
+    policies = names(ROUTING_POLICIES, "policy")
+    add("--policies", type=policies, default=ROUTING_POLICIES, help="comma-separated")
     add("--num-prefixes", type=int, default=8, help="tenants, each with its own context")
     add("--prefix-len", type=int, default=512, help="words of each tenant's context")
     add("--suffix-len", type=int, default=32, help="words of each request's own question")
     add("--output-len", type=int, default=32, help="tokens generated per request")
     add("--rate", type=float, default=float("inf"), help="requests/s (inf = all at once)")
-    add_sweep_flags(
-        parser,
-        96,
-        "engine-flags",
-        "repeat",
-        num_requests="requests (default 96)",
-        repeat="rounds of every policy, alternating order",
-    )
+    helps = {"num_requests": "requests (default 96)", "repeat": "rounds of every policy, alternating order"}
+    sw.add_sweep_flags(parser, 96, "engine-flags", "repeat", **helps)
     return parser.parse_args(argv)
 
 
-def _engine_counters(endpoint: Endpoint) -> dict[str, dict[str, float]]:
+def _engine_counters(endpoint: sw.Endpoint) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, url in endpoint.metrics_urls.items():
         if name.startswith("engine"):
-            samples = scrape_metrics(url)
+            samples = sw.scrape_metrics(url)
             out[name] = {
-                "prompt_tokens": counter(samples, "sluice_prompt_tokens"),
-                "prefix_queries": counter(samples, "sluice_prefix_cache_queries"),
-                "prefix_hits": counter(samples, "sluice_prefix_cache_hits"),
+                "prompt_tokens": sw.counter(samples, "sluice_prompt_tokens"),
+                "prefix_queries": sw.counter(samples, "sluice_prefix_cache_queries"),
+                "prefix_hits": sw.counter(samples, "sluice_prefix_cache_hits"),
             }
     return out
 
 
 def measure(
-    args: argparse.Namespace, policy: str, endpoint: Endpoint, rate: float, index: int
+    args: argparse.Namespace, policy: str, endpoint: sw.Endpoint, rate: float, index: int
 ) -> dict[str, Any]:
     """The workload through `policy`'s stack: the load generator's figures and the engines' prefix cache."""
-    requests = shared_prefix_requests(
-        args.num_requests,
-        args.seed,
-        num_prefixes=args.num_prefixes,
-        prefix_len=args.prefix_len,
-        suffix_len=args.suffix_len,
-        output_len=args.output_len,
-    )
-    result = serve_load(
-        endpoint,
-        requests,
-        request_rate=rate,
-        num_warmup=NUM_WARMUP,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
+    shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len", "output_len")}
+    requests = shared_prefix_requests(args.num_requests, args.seed, **shape)
+    load = dict(request_rate=rate, num_warmup=NUM_WARMUP, seed=args.seed, progress=not args.no_progress)
+    result = sw.serve_load(endpoint, requests, **load)
     engines = _engine_counters(endpoint)
     summary = result.summary()
     queries = sum(e["prefix_queries"] for e in engines.values())
@@ -117,22 +78,20 @@ def measure(
 def format_rows(rows: list[dict[str, Any]]) -> str:
     """One line per policy: its figures and its tokens/s and p90 TTFT over round_robin's."""
     base = next((r for r in rows if r["policy"] == BASELINE), None)
-    lines = [("policy", "out tok/s", "p90 TTFT ms", "prefix hits", "x tok/s", "x p90", "prompt-token share")]
-    for r in rows:
-        speed = ratio(r["output_throughput"], base and base["output_throughput"])
-        ttft = ratio(r["ttft_p90_ms"], base and base["ttft_p90_ms"])
-        lines.append(
-            (
-                r["policy"],
-                f"{r['output_throughput']:.1f}",
-                f"{r['ttft_p90_ms']:.0f}",
-                f"{r['prefix_hit_rate']:.2f}",
-                f"{speed if speed is not None else float('nan'):.2f}",
-                f"{ttft if ttft is not None else float('nan'):.2f}",
-                " ".join(f"{v:.2f}" for v in r["prompt_token_share"].values()),
-            )
-        )
-    return format_table(lines, right_from=1)
+
+    def over_base(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: fmt(ratio(r[key], base and base[key]), ".2f", missing="nan")
+
+    columns: list[Column] = [
+        ("policy", lambda r: r["policy"]),
+        ("out tok/s", lambda r: f"{r['output_throughput']:.1f}"),
+        ("p90 TTFT ms", lambda r: f"{r['ttft_p90_ms']:.0f}"),
+        ("prefix hits", lambda r: f"{r['prefix_hit_rate']:.2f}"),
+        ("x tok/s", over_base("output_throughput")),
+        ("x p90", over_base("ttft_p90_ms")),
+        ("prompt-token share", lambda r: " ".join(f"{v:.2f}" for v in r["prompt_token_share"].values())),
+    ]
+    return column_table(columns, rows, right_from=1)
 
 
 def round_order(policies: list[str], index: int) -> list[str]:
@@ -165,14 +124,12 @@ def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    model, engine_flags = model_and_flags(args)
+    model, engine_flags = sw.model_and_flags(args)
     rounds: list[list[dict[str, Any]]] = []
     for index in range(args.repeat):
-        openers = {
-            p: partial(stack_endpoint, model, engine_flags, engines=args.engines, env={"SLUICE_ROUTING": p})
-            for p in round_order(args.policies, index)
-        }
-        runs = sweep(openers, [args.rate], partial(measure, args))
+        opener = partial(sw.stack_endpoint, model, engine_flags, engines=args.engines)
+        openers = {p: partial(opener, env={"SLUICE_ROUTING": p}) for p in round_order(args.policies, index)}
+        runs = sw.sweep(openers, [args.rate], partial(measure, args))
         failed = {p: run.error for p, run in runs.items() if run.error is not None}
         if failed:
             print(f"sluice bench routing: {failed}", file=sys.stderr)
@@ -185,12 +142,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.repeat > 1:
         print(format_medians(medians, len(rounds)))
     config = {k: v for k, v in vars(args).items() if k != "json"}
-    doc = {
-        "meta": sweep_meta("routing", argv, model),
-        "config": config,
-        "rounds": rounds,
-        "results": rounds[-1],
-        "median_ratios": medians,
-    }
-    write_json(args.json, doc)
+    doc = {"meta": sw.sweep_meta("routing", argv, model), "config": config, "rounds": rounds}
+    write_json(args.json, {**doc, "results": rounds[-1], "median_ratios": medians})
     return 0 if all(r["failed"] == 0 for rows in rounds for r in rows) else 1

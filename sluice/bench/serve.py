@@ -1,10 +1,8 @@
-"""`sluice bench serve`: a serving load generator against a running gateway, like `vllm bench serve`.
-
-Open loop: request i is sent at its arrival time whatever happened to the others (gaps drawn from a
-gamma distribution of shape `burstiness` around 1/rate, seeded; rate inf sends all at once), as its own
-task; `max_concurrency` holds it back until a slot is free (its latencies count from when it is sent).
-Prints a table (see `serve_report`); exit status 0 when some request completed, 1 when every one failed
-or the server could not be reached, 2 on bad arguments.
+"""`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
+and the figures of a run: records, summary, table, JSON, plots. Latencies are over the requests that
+succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
+gap between chunks that carried text. Exit status 0 when some request completed, 1 when every one failed or
+the server could not be reached, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -16,17 +14,26 @@ import dataclasses
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from sluice.bench.common import add_flags, positive_float, positive_int, run_meta
+from sluice.bench.common import (
+    add_count,
+    add_flags,
+    figure,
+    positive_float,
+    progress_bar,
+    run_meta,
+    save_figure,
+    write_json,
+)
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
-from sluice.bench.serve_report import RequestRecord, ServeResult, format_summary, write_plots, write_result
 
 DEFAULT_URLS = {
     "openai": "http://127.0.0.1:8000/v1",
@@ -55,6 +62,222 @@ class ServeConfig:
     slo_tpot_ms: float | None = None
     request_timeout_s: float = 600.0
     progress: bool = True  # tqdm bar on stderr (requests done)
+
+
+PERCENTILES = (50, 90, 99)
+MAX_ERRORS = 5  # distinct error messages kept in the summary
+METRICS = (  # summary key, short name, table heading
+    ("ttft_ms", "TTFT", "Time to First Token"),
+    ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st)"),
+    ("itl_ms", "ITL", "Inter-token Latency"),
+    ("e2el_ms", "E2EL", "End-to-end Latency"),
+)
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request. Times in seconds; `start` counts from the run's start (when the
+    request was sent, after any concurrency limit let it go); `ttft_s` and `e2e_s` from `start`;
+    `itl_s` are the gaps between consecutive chunks that carried text or tokens."""
+
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    start: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def latency_stats(values_s: list[float]) -> dict[str, float | None]:
+    """Mean and percentiles in milliseconds (None for each when there are no values)."""
+    keys = ["mean", *(f"p{p}" for p in PERCENTILES)]
+    if not values_s:
+        return dict.fromkeys(keys)
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
+    values = [float(ms.mean()), *(float(v) for v in np.percentile(ms, PERCENTILES))]
+    return dict(zip(keys, values, strict=True))
+
+
+def meets_slos(record: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Whether a successful request stayed within every SLO given (a request of one token has no TPOT
+    and meets any TPOT SLO)."""
+    if not record.ok:
+        return False
+    if slo_ttft_ms is not None and record.ttft_s * 1000.0 > slo_ttft_ms:
+        return False
+    tpot = record.tpot_s
+    return slo_tpot_ms is None or tpot is None or tpot * 1000.0 <= slo_tpot_ms
+
+
+@dataclass
+class ServeResult:
+    """One measured run: its settings, one record per request (in the workload's order), the time from
+    the first send to the last answer, when it started (Unix time), and the load generator's own CPU
+    seconds over the run (user + system, this process)."""
+
+    config: ServeConfig
+    records: list[RequestRecord]
+    duration_s: float
+    started_at: float
+    client_cpu_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The run's figures as a JSON-ready dict (see the module docstring for the latencies)."""
+        ok = [r for r in self.records if r.ok]
+        duration = self.duration_s if self.duration_s > 0 else math.nan
+        prompt_tokens = sum(r.prompt_tokens for r in ok)
+        output_tokens = sum(r.output_tokens for r in ok)
+        slo_ttft, slo_tpot = self.config.slo_ttft_ms, self.config.slo_tpot_ms
+        goodput = None
+        if slo_ttft is not None or slo_tpot is not None:
+            goodput = sum(meets_slos(r, slo_ttft, slo_tpot) for r in ok) / duration
+        errors = Counter(r.error for r in self.records if not r.ok)
+        return {
+            "completed": len(ok),
+            "failed": len(self.records) - len(ok),
+            "duration_s": self.duration_s,
+            "total_input_tokens": prompt_tokens,
+            "total_output_tokens": output_tokens,
+            "request_throughput": len(ok) / duration,
+            "output_throughput": output_tokens / duration,
+            "total_token_throughput": (prompt_tokens + output_tokens) / duration,
+            "mean_concurrency": sum(r.e2e_s for r in ok) / duration,
+            "ttft_ms": latency_stats([r.ttft_s for r in ok]),
+            "tpot_ms": latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
+            "itl_ms": latency_stats([gap for r in ok for gap in r.itl_s]),
+            "e2el_ms": latency_stats([r.e2e_s for r in ok]),
+            "goodput": goodput,
+            "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
+            "client_cpu_s": self.client_cpu_s,
+            "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
+        }
+
+
+def _line(label: str, value: object, spec: str = "") -> str:
+    shown = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+    return f"{label:<40}{shown:>12}"
+
+
+def format_summary(result: ServeResult) -> str:
+    """The summary as a readable table, in the layout of vLLM's serving benchmark."""
+    s = result.summary()
+    width = 52
+    lines = [" Serving Benchmark Result ".center(width, "=")]
+    lines += [
+        _line("Successful requests:", s["completed"]),
+        _line("Failed requests:", s["failed"]),
+        _line("Benchmark duration (s):", s["duration_s"], ".2f"),
+        _line("Total input tokens:", s["total_input_tokens"]),
+        _line("Total generated tokens:", s["total_output_tokens"]),
+        _line("Request throughput (req/s):", s["request_throughput"], ".2f"),
+        _line("Output token throughput (tok/s):", s["output_throughput"], ".2f"),
+        _line("Total token throughput (tok/s):", s["total_token_throughput"], ".2f"),
+        _line("Mean concurrency:", s["mean_concurrency"], ".2f"),
+        _line("Load generator CPU (s):", s["client_cpu_s"], ".2f"),
+    ]
+    if s["goodput"] is not None:
+        slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
+        lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]
+    for key, short, title in METRICS:
+        lines.append(f" {title} ".center(width, "-"))
+        stats = s[key]
+        lines.append(_line(f"Mean {short} (ms):", stats["mean"], ".2f"))
+        lines += [_line(f"P{p} {short} (ms):", stats[f"p{p}"], ".2f") for p in PERCENTILES]
+    if s["errors"]:
+        lines.append(" Errors ".center(width, "-"))
+        lines += [f"{e['count']:>5} × {e['message'][:200]}" for e in s["errors"]]
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
+    """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
+    doc = {
+        "meta": meta,
+        "config": dataclasses.asdict(result.config),
+        "summary": result.summary(),
+        "started_at": result.started_at,
+        "records": [dataclasses.asdict(r) for r in result.records],
+    }
+    write_json(path, doc)
+
+
+def chunk_times(record: RequestRecord) -> np.ndarray:
+    """When each text-carrying chunk of a successful request arrived, in seconds from the run's start.
+    Shape (len(itl_s) + 1,), or (0,) for a request that produced no chunk."""
+    if not record.ok or record.output_tokens == 0:
+        return np.zeros(0)
+    return record.start + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
+
+
+def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens/s in bins of `bin_s` from the run's start: (bin starts, rates), each shape (bins,).
+    A request's tokens are spread evenly over its chunks (a chunk may carry several)."""
+    times, weights = [], []
+    for record in records:
+        at = chunk_times(record)
+        if at.size:
+            times.append(at)
+            weights.append(np.full(at.size, record.output_tokens / at.size))
+    if not times:
+        return np.zeros(0), np.zeros(0)
+    all_times = np.concatenate(times)
+    bins = int(all_times.max() // bin_s) + 1
+    index = (all_times // bin_s).astype(np.int64)
+    counts = np.bincount(index, weights=np.concatenate(weights), minlength=bins)
+    return np.arange(bins) * bin_s, counts / bin_s
+
+
+def _latency_series(result: ServeResult) -> dict[str, list[float]]:
+    ok = [r for r in result.records if r.ok]
+    return {
+        "TTFT": [r.ttft_s for r in ok],
+        "TPOT": [t for r in ok if (t := r.tpot_s) is not None],
+        "ITL": [gap for r in ok for gap in r.itl_s],
+        "E2E": [r.e2e_s for r in ok],
+    }
+
+
+def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
+    fig = figure(10, 7, dpi=110)
+    for ax, (name, values) in zip(fig.subplots(2, 2).flat, _latency_series(result).items(), strict=True):
+        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
+        if ms.size:
+            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
+        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
+        ax.grid(alpha=0.3)
+    save_figure(fig, path, title)
+
+
+def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
+    starts, rates = tokens_per_second(result.records)
+    fig = figure(8, 4.5, dpi=110)
+    ax = fig.subplots()
+    if starts.size:
+        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
+    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
+    ax.grid(alpha=0.3)
+    save_figure(fig, path, title)
+
+
+def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
+    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
+    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
+    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
+    completed = sum(r.ok for r in result.records)
+    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
+    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
+    _plot_cdfs(cdf, result, title)
+    _plot_throughput(throughput, result, title)
+    return [cdf, throughput]
 
 
 def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> np.ndarray:
@@ -132,13 +355,8 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     be reached at all, every request fails with that reason."""
     if not requests:
         raise ValueError("the workload has no requests")
-    client = make_client(
-        config.api,
-        config.url,
-        model=config.model,
-        ignore_eos=config.ignore_eos,
-        temperature=config.temperature,
-    )
+    options = {"model": config.model, "ignore_eos": config.ignore_eos, "temperature": config.temperature}
+    client = make_client(config.api, config.url, **options)
     records = [RequestRecord() for _ in requests]
     try:
         await client.open()
@@ -150,15 +368,7 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     try:
         if config.num_warmup:
             await _warm_up(client, config, requests)
-        bar = tqdm(
-            total=len(requests),
-            desc="requests",
-            unit="req",
-            disable=not config.progress,
-            file=sys.stderr,
-            mininterval=0.5,
-            dynamic_ncols=True,
-        )
+        bar = progress_bar(config.progress, len(requests), "requests", unit="req")
         started_at, cpu, start = time.time(), time.process_time(), time.perf_counter()
         with bar:
             await _launch(client, config, requests, records, bar.update)
@@ -166,9 +376,6 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
         return ServeResult(config, records, duration, started_at, time.process_time() - cpu)
     finally:
         await client.close()
-
-
-# ---- the command line ------------------------------------------------------------------------------
 
 
 def _slo(text: str) -> dict[str, float]:
@@ -196,85 +403,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--api", choices=APIS, default="openai", help="which API to drive (default openai)")
-    add(
-        "--url",
-        default=None,
-        help="openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT "
-        "(default: `sluice up`'s ports on 127.0.0.1)",
-    )
-    add("--model", default=None, help="openai model name (default: the first of GET /v1/models)")
-    add(
-        "--num-requests",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help=f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)",
-    )
-    add(
-        "--request-rate",
-        type=positive_float,
-        default=math.inf,
-        metavar="R",
-        help="requests/s (default inf: all at once)",
-    )
-    add(
-        "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)"
-    )
-    add(
-        "--max-concurrency", type=positive_int, default=None, metavar="N", help="at most N requests in flight"
-    )
-    add("--num-warmup", type=int, default=0, metavar="N", help="requests sent and awaited before measuring")
+    about = "openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
+    add("--url", help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
+    add("--model", help="openai model name (default: the first of GET /v1/models)")
+    about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
+    add_count(parser, "--num-requests", None, about)
+    about = "requests/s (default inf: all at once)"
+    add("--request-rate", type=positive_float, default=math.inf, metavar="R", help=about)
+    about = "gamma shape of the arrival gaps (1 = Poisson)"
+    add("--burstiness", type=positive_float, default=1.0, help=about)
+    add_count(parser, "--max-concurrency", None, "at most N requests in flight")
+    add_count(parser, "--num-warmup", 0, "requests sent and awaited before measuring", type=int)
     add("--dataset", default="synthetic", help="synthetic | shared-prefix | FILE.jsonl (default synthetic)")
-    add(
-        "--input-len",
-        type=positive_int,
-        default=128,
-        metavar="N",
-        help="synthetic: mean prompt words (~tokens)",
-    )
-    add(
-        "--output-len",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)",
-    )
+    add_count(parser, "--input-len", 128, "synthetic: mean prompt words (~tokens)")
+    about = "synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)"
+    add_count(parser, "--output-len", None, about)
     add("--sigma", type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")
-    add(
-        "--prefix-len",
-        type=positive_int,
-        default=512,
-        metavar="N",
-        help="shared-prefix: words of each shared context",
-    )
-    add(
-        "--num-prefixes",
-        type=positive_int,
-        default=4,
-        metavar="N",
-        help="shared-prefix: tenants (shared contexts)",
-    )
-    add(
-        "--suffix-len",
-        type=positive_int,
-        default=32,
-        metavar="N",
-        help="shared-prefix: words of each request's own part",
-    )
+    add_count(parser, "--prefix-len", 512, "shared-prefix: words of each shared context")
+    add_count(parser, "--num-prefixes", 4, "shared-prefix: tenants (shared contexts)")
+    add_count(parser, "--suffix-len", 32, "shared-prefix: words of each request's own part")
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    add("--slo", type=_slo, default=None, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
+    add("--slo", type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
     add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
-    add_flags(
-        parser,
-        "json",
-        "plot",
-        "seed",
-        "no-progress",
-        json="write the summary and every request here",
-        plot="write latency CDF and throughput PNGs into this folder",
-        seed="seed of the workload and the arrival times",
-    )
+    helps = {
+        "json": "write the summary and every request here",
+        "plot": "write latency CDF and throughput PNGs into this folder",
+        "seed": "seed of the workload and the arrival times",
+    }
+    add_flags(parser, "json", "plot", "seed", "no-progress", **helps)
     return parser
 
 
@@ -288,40 +445,25 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The requests the options describe. Raises ValueError (and OSError for an unreadable file)."""
     num = args.num_requests
     if args.dataset == "synthetic":
-        output_len = args.output_len or 128
-        return synthetic_requests(
-            num or DEFAULT_NUM_REQUESTS,
-            args.seed,
-            input_len=args.input_len,
-            output_len=output_len,
-            sigma=args.sigma,
-        )
+        lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
+        return synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
     if args.dataset == "shared-prefix":
+        shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len")}
         return shared_prefix_requests(
-            num or DEFAULT_NUM_REQUESTS,
-            args.seed,
-            num_prefixes=args.num_prefixes,
-            prefix_len=args.prefix_len,
-            suffix_len=args.suffix_len,
-            output_len=args.output_len or 64,
+            num or DEFAULT_NUM_REQUESTS, args.seed, output_len=args.output_len or 64, **shape
         )
     lines = jsonl_requests(Path(args.dataset))
     return [lines[i % len(lines)] for i in range(num or len(lines))]
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
+    same = ("api", "model", "request_rate", "burstiness", "max_concurrency", "num_warmup", "temperature")
     slo = args.slo or {}
     return ServeConfig(
-        api=args.api,
+        **{name: getattr(args, name) for name in same},
         url=args.url or DEFAULT_URLS[args.api],
-        model=args.model,
-        request_rate=args.request_rate,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        num_warmup=args.num_warmup,
-        ignore_eos=not args.no_ignore_eos,
-        temperature=args.temperature,
         seed=args.seed,
+        ignore_eos=not args.no_ignore_eos,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),
         request_timeout_s=args.timeout,

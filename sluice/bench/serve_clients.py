@@ -1,11 +1,6 @@
-"""The three API clients of `sluice bench serve`: OpenAI streaming completions (aiohttp), the WebSocket
-`/v1/ws` (one socket per request, as a browser tab would open), and the public gRPC `Gateway/Generate`
-(one channel for every call).
-
-A client only speaks its protocol: it marks each chunk that carried text on the request's `ChunkClock`
-and returns the server's token usage; the run loop does the timing, the accounting and the error
-handling. The per-chunk path is kept lean, since the load generator's own CPU time is part of what a
-run measures.
+"""The API clients of `sluice bench serve` (OpenAI streaming completions, WebSocket `/v1/ws`, gRPC
+`Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried text on the
+request's `ChunkClock` and returns the server's usage; the run loop times, counts and handles errors.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Workloads of `sluice bench serve`: lists of `BenchRequest`, made from a seed or read from a file.
-
-Prompts are plain English words drawn from the fixed vocabulary `WORDS`, so one seed gives the same
-prompts on every machine; on a byte-level BPE tokenizer a word with its leading space is about one
-token, which makes a request's word count a fair estimate of its prompt tokens (`prompt_len`).
+"""Workloads of `sluice bench serve`: lists of `BenchRequest` made from a seed (words of the fixed `WORDS`,
+about one token each) or read from a file.
 """
 
 from __future__ import annotations

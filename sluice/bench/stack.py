@@ -1,15 +1,7 @@
-"""Servers that benchmarks start and stop themselves, on free loopback ports.
-
-`Stack`: the whole sluice pipeline (tokenizer, engine, detokenizer, gateway) as four child processes
-of the calling process, built with the launcher's own plan (`sluice/launcher.py`), so their pids are
-known and their CPU time can be read. `PeerServer`: `transformers serve` on the same model directory,
-an OpenAI-compatible peer to measure sluice against.
-
-Both are context managers: entering starts the processes and returns once they answer (raising
-RuntimeError with the last lines a child wrote when one dies or never answers); leaving stops every
-process they started, SIGTERM first, SIGKILL after a grace period. Each child's stdout and stderr go to
-a file in a temporary directory that lives as long as the context. Enter them outside a running
-asyncio event loop.
+"""Servers that benchmarks start and stop themselves on free loopback ports: `Stack` (the four services as
+child processes, by the launcher's plan) and `PeerServer` (`transformers serve`). Entering returns once
+they answer (RuntimeError with a child's last lines otherwise), leaving stops every process (SIGTERM, then
+SIGKILL); enter them outside a running event loop.
 """
 
 from __future__ import annotations
@@ -28,11 +20,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, Self
 
 import psutil
 
@@ -144,14 +135,23 @@ class _LoggedSupervisor(Supervisor):
             log.close()
 
 
-class Stack:
-    """The four sluice services as children of this process, on free ports of `options.host`.
+class _Started:
+    """A server that a `with` block starts and stops, by the subclass's `start` and `stop`."""
 
-    `with Stack(options) as stack:` starts them and returns once every one answers its gRPC health check
-    and the gateway's `/readyz` says ready; leaving the block stops them all (also when start-up failed).
-    The ports are chosen when the Stack is made. A child that dies during start-up, or a stack not ready
-    within `startup_timeout_s`, raises RuntimeError naming the child and quoting its last output lines.
-    """
+    start: Callable[[], None]
+    stop: Callable[[], None]
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class Stack(_Started):
+    """The four sluice services as children of this process, on ports of `options.host` chosen when the
+    Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
 
     def __init__(self, options: StackOptions) -> None:
         self.options = options
@@ -163,18 +163,8 @@ class Stack:
         self.openai_url = f"{self.http_url}/v1"
         self.ws_url = f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
-        flags = [
-            "--model",
-            options.model,
-            "--host",
-            host,
-            "--port",
-            str(http_port),
-            "--grpc-base-port",
-            str(grpc_base),
-            "--metrics-base-port",
-            str(metrics_base),
-        ]
+        ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
+        flags = ["--model", options.model, "--host", host, *ports, "--metrics-base-port", str(metrics_base)]
         flags += ["--engines", str(engines)] if engines > 1 else []
         plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
@@ -192,15 +182,6 @@ class Stack:
         if child.kind != "engine" or not self.options.engine_flags:
             return child
         return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
-
-    def __enter__(self) -> Stack:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def start(self) -> None:
         """Starts the four children and waits until they are ready; on failure stops them and raises."""
@@ -234,11 +215,8 @@ class Stack:
             if failure is not None:
                 raise failure
             if time.monotonic() > deadline:
-                raise _failure(
-                    "gateway",
-                    f"was not ready at {self.http_url}/readyz in time",
-                    supervisor.log_path("gateway"),
-                )
+                what = f"was not ready at {self.http_url}/readyz in time"
+                raise _failure("gateway", what, supervisor.log_path("gateway"))
             time.sleep(POLL_S)
 
     def stop(self) -> None:
@@ -272,18 +250,11 @@ def _get_json(url: str, timeout_s: float = 2.0) -> Any:
         return json.load(resp)
 
 
-class PeerServer:
-    """`transformers serve` on a local model directory: an OpenAI-compatible peer on a free port.
-
-    `with PeerServer(model) as peer:` starts it (offline: HF_HUB_OFFLINE=1; in the environment the
-    launcher gives the sluice services, so its OpenMP workers wait passively too) and returns once
-    `GET /v1/models` answers; `peer.openai_url` is its API base and `peer.model` the model name its
-    requests must carry. With `continuous_batching` it runs transformers' own continuous batching,
-    its KV cache sized by PEER_CPU_CACHE_ARGS on a CPU (on CUDA transformers sizes it, in bfloat16 as
-    the sluice engine runs there). `extra_args` come last, so they override these. The server does not
-    accept vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off. A server that dies or does
-    not answer in `startup_timeout_s` raises RuntimeError quoting its last output lines.
-    """
+class PeerServer(_Started):
+    """`transformers serve` on a local model directory (offline, in the sluice services' environment):
+    ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
+    `continuous_batching` bounds its KV cache on a CPU (PEER_CPU_CACHE_ARGS); `extra_args` come last and
+    override. It rejects vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off."""
 
     def __init__(
         self,
@@ -301,18 +272,8 @@ class PeerServer:
         self.openai_url = f"http://{host}:{self.port}/v1"
         self.startup_timeout_s = startup_timeout_s
         batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
-        self.args: tuple[str, ...] = (
-            self.path,
-            batching,
-            "--host",
-            host,
-            "--port",
-            str(self.port),
-            "--log-level",
-            "warning",
-            *_peer_device_args(continuous_batching),
-            *extra_args,
-        )
+        where = ("--host", host, "--port", str(self.port), "--log-level", "warning")
+        self.args = (self.path, batching, *where, *_peer_device_args(continuous_batching), *extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._log: IO[bytes] | None = None
@@ -320,15 +281,6 @@ class PeerServer:
     @property
     def command(self) -> list[str]:
         return [sys.executable, "-m", "transformers.cli.transformers", "serve", *self.args]
-
-    def __enter__(self) -> PeerServer:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     def _log_path(self) -> Path:
         assert self._tmp is not None
@@ -362,11 +314,8 @@ class PeerServer:
                     self.model = str(listed[0]["id"])
                 return
             if time.monotonic() > deadline:
-                raise _failure(
-                    "transformers serve",
-                    f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s",
-                    self._log_path(),
-                )
+                what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
+                raise _failure("transformers serve", what, self._log_path())
             time.sleep(POLL_S)
 
     def stop(self) -> None:

@@ -1,13 +1,5 @@
-"""The shape `compare`, `pipeline` and `routing` share: systems started one at a time, a load swept over
-each, a report.
-
-A system is something an `Opener` starts for the life of a context and hands back as an `Endpoint`: the
-whole sluice pipeline (`stack_endpoint`, a `Stack` of child processes with any engine flags, replicas or
-environment) or `transformers serve` (`peer_endpoint`). `sweep` starts each system once, measures every
-point of the load on it (request rates for `compare`, rounds for `pipeline`, one point per round for
-`routing`) and records a system that failed to start instead of raising. Loads go through `sluice bench
-serve`'s generator (`serve_load`); what the services spent comes from the OS (CPU seconds) and from their
-own /metrics (`scrape_metrics`, `counter`).
+"""What `compare`, `pipeline` and `routing` share: systems (an `Opener` yields an `Endpoint`) started one at
+a time, a load swept over each, start-up failures recorded rather than raised.
 """
 
 from __future__ import annotations
@@ -25,9 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from sluice.bench.common import add_flags, positive_int, run_meta
-from sluice.bench.serve import ServeConfig, run_serve
+from sluice.bench.serve import ServeConfig, ServeResult, run_serve
 from sluice.bench.serve_data import BenchRequest
-from sluice.bench.serve_report import ServeResult
 from sluice.bench.stack import PeerServer, Stack, StackOptions
 from sluice.launcher import resolve_model
 

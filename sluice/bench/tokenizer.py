@@ -1,12 +1,5 @@
-"""`sluice bench tokenizer`: the tokenizer service against in-process `tokenizers`, in one run.
-
-Starts `sluice serve tokenizer` as a child process on a free port, then for every input length (texts
-that encode to that many tokens) and concurrency C measures tokens/s of C concurrent clients calling
-`Tokenize` in a loop, and tokens/s of the same texts encoded in this process with `tokenizers`
-(`encode` one at a time for C = 1, `encode_batch` of C texts otherwise; also `encode_batch_fast`,
-which skips offsets, as the service does). Prints the ratios, that of 1,024 tokens at concurrency 64
-again at the end (written as "target" in the JSON: the cell docs/benchmarks.md sets a target for).
-Without `--model`, uses the embedded model's tokenizer (written to a temporary directory).
+"""`sluice bench tokenizer`: the tokenizer service (a child process, C concurrent `Tokenize` clients) against
+in-process `tokenizers` on the same texts (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -81,27 +74,10 @@ def service(name: str, model: Path, workers: int, extra: Sequence[str] = ()) -> 
     """Runs `sluice serve NAME` on a free port; yields it once healthy; stops it after."""
     from services.common.grpc_server import wait_healthy
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "sluice.cli",
-        "serve",
-        name,
-        "--model",
-        str(model),
-        "--port",
-        "0",
-        "--workers",
-        str(workers),
-        *extra,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    serve = ["serve", name, "--model", str(model), "--port", "0", "--workers", str(workers), *extra]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "sluice.cli", *serve]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         assert proc.stdout is not None
         port = None
@@ -250,11 +226,8 @@ def run(args: argparse.Namespace) -> list[Cell]:
             for length in args.lengths:
                 texts = make_texts(tokenizer, length, max(args.concurrency) * 2)
                 for concurrency in args.concurrency:
-                    tps, rps, cpu_us = uvloop_run(
-                        through_service(  # type: ignore[misc]
-                            svc, texts, concurrency, args.seconds, max(1, args.workers)
-                        )
-                    )
+                    measured = through_service(svc, texts, concurrency, args.seconds, max(1, args.workers))
+                    tps, rps, cpu_us = uvloop_run(measured)  # type: ignore[misc]
                     base, base_cpu = inprocess(tokenizer, texts, concurrency, args.seconds, fast=False)
                     fast, _ = inprocess(tokenizer, texts, concurrency, args.seconds, fast=True)
                     cell = Cell(length, concurrency, tps, rps, cpu_us, base, base_cpu, fast)
@@ -301,22 +274,10 @@ def main(argv: list[str]) -> int:
     if head is not None:
         print(f"{HEADLINE_LENGTH} tokens x {HEADLINE_CONCURRENCY}: service / in-process encode_batch = "
               f"{head.ratio:.2f}; by CPU per token: {head.cpu_ratio:.2f}")  # fmt: skip
-    write_json(
-        args.json,
-        {
-            "benchmark": "tokenizer",
-            "workers": args.workers,
-            "cpus": os.cpu_count(),
-            "cells": [
-                {**asdict(c), "ratio": c.ratio, "ratio_fast": c.ratio_fast, "cpu_ratio": c.cpu_ratio}
-                for c in cells
-            ],
-            "target": {
-                "length": HEADLINE_LENGTH,
-                "concurrency": HEADLINE_CONCURRENCY,
-                "ratio": None if head is None else head.ratio,
-            },
-        },
-        announce=True,
-    )
+    rows = [
+        {**asdict(c), "ratio": c.ratio, "ratio_fast": c.ratio_fast, "cpu_ratio": c.cpu_ratio} for c in cells
+    ]
+    target = {"length": HEADLINE_LENGTH, "concurrency": HEADLINE_CONCURRENCY, "ratio": head and head.ratio}
+    doc = {"benchmark": "tokenizer", "workers": args.workers, "cpus": os.cpu_count(), "cells": rows}
+    write_json(args.json, {**doc, "target": target}, announce=True)
     return 0

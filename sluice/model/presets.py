@@ -1,16 +1,7 @@
-"""Model presets: the benchmarks' tiny Llama, or random weights in real architectures' shapes.
-
-`tiny` is the benchmarks' own small Llama (hidden 256, 4 layers, vocabulary 8192, untied). The other
-presets have the shapes of Qwen2-0.5B, Llama-3.2-1B and Llama-3.1-8B. Every preset gets seeded random
-weights: nothing is downloaded. Their directories are real Hugging Face directories (config.json,
-safetensors in the run's dtype) that the engine loads through its normal path; the real shapes are cached
-under `~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` (or `$SLUICE_BENCH_CACHE`), so a second run does
-not rewrite gigabytes, and `tiny` is written to the caller's scratch directory.
-
-Weights: RMSNorm scales 1, biases 0, every other matrix normal with std `INNER_STD`, except the output
-projection (the embedding when tied), whose std makes the logits' std about `LOGIT_STD`: spread logits keep
-exact near-ties between the top two tokens rare in float32. Special ids: pad 0, bos 1, eos 2; workloads
-draw prompt ids from `FIRST_PLAIN_ID` up.
+"""Model presets: the benchmarks' tiny Llama, or seeded random weights in the shapes of Qwen2-0.5B,
+Llama-3.2-1B and Llama-3.1-8B, written as Hugging Face directories (real shapes cached under
+`~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` or `$SLUICE_BENCH_CACHE`). The output projection's std
+makes the logits' std about `LOGIT_STD`, so exact near-ties stay rare. Special ids: pad 0, bos 1, eos 2.
 """
 
 from __future__ import annotations
@@ -37,14 +28,6 @@ INNER_STD = 0.02
 LOGIT_STD = 4.0
 SHARD_BYTES = 2 << 30  # safetensors shards of at most about 2 GiB each
 
-_LLAMA3_ROPE = {
-    "rope_theta": 500000.0,
-    "rope_type": "llama3",
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-}
-
 
 @dataclass(frozen=True)
 class Preset:
@@ -56,71 +39,47 @@ class Preset:
     parameters: int  # the real model's parameter count, as published (for the shape tests)
 
 
+def _shape(
+    hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, tied: bool, positions: int
+) -> dict[str, Any]:
+    """The config fields of a Llama-like shape."""
+    return dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+        tie_word_embeddings=tied,
+        max_position_embeddings=positions,
+    )
+
+
+def _llama3(factor: float) -> dict[str, Any]:
+    """Llama 3's norm epsilon and RoPE scaling, with the scaling factor of one size."""
+    rope = {"rope_theta": 500000.0, "rope_type": "llama3", "high_freq_factor": 4.0, "low_freq_factor": 1.0}
+    return {
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": {**rope, "original_max_position_embeddings": 8192, "factor": factor},
+    }
+
+
+_QWEN2 = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 PRESETS: dict[str, Preset] = {
-    TINY: Preset(
-        TINY,
-        "llama",
-        dict(
-            hidden_size=256,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            intermediate_size=704,
-            vocab_size=8192,
-            tie_word_embeddings=False,
-            max_position_embeddings=1024,
-        ),
-        7_145_728,
-    ),
+    TINY: Preset(TINY, "llama", _shape(256, 4, 4, 2, 704, 8192, False, 1024), 7_145_728),
     "qwen2-0.5b": Preset(
-        "qwen2-0.5b",
-        "qwen2",
-        dict(
-            hidden_size=896,
-            num_hidden_layers=24,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            intermediate_size=4864,
-            vocab_size=151936,
-            tie_word_embeddings=True,
-            max_position_embeddings=32768,
-            rope_theta=1000000.0,
-            rms_norm_eps=1e-6,
-        ),
-        494_000_000,
+        "qwen2-0.5b", "qwen2", {**_shape(896, 24, 14, 2, 4864, 151936, True, 32768), **_QWEN2}, 494_000_000
     ),
     "llama-1b": Preset(
         "llama-1b",
         "llama",
-        dict(
-            hidden_size=2048,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=8192,
-            vocab_size=128256,
-            tie_word_embeddings=True,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 32.0},
-        ),
+        {**_shape(2048, 16, 32, 8, 8192, 128256, True, 131072), **_llama3(32.0)},
         1_240_000_000,
     ),
     "llama-8b": Preset(
         "llama-8b",
         "llama",
-        dict(
-            hidden_size=4096,
-            num_hidden_layers=32,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            intermediate_size=14336,
-            vocab_size=128256,
-            tie_word_embeddings=False,
-            max_position_embeddings=131072,
-            rms_norm_eps=1e-5,
-            rope_scaling={**_LLAMA3_ROPE, "factor": 8.0},
-        ),
+        {**_shape(4096, 32, 32, 8, 14336, 128256, False, 131072), **_llama3(8.0)},
         8_030_000_000,
     ),
 }
@@ -156,7 +115,8 @@ def model_dir_for(name: str, dtype: str, seed: int, root: Path | None = None) ->
 
 
 def _init_value(name: str, shape: torch.Size, output_std: float, gen: torch.Generator) -> torch.Tensor:
-    """The seeded float32 value of one parameter (see the module docstring)."""
+    """The seeded float32 value of one parameter: RMSNorm scales 1, biases 0, the output projection (the
+    embedding when tied) normal with std `output_std`, every other matrix normal with std INNER_STD."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):

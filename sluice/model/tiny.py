@@ -1,25 +1,6 @@
-"""Makes small, real Hugging Face causal-LM directories that load like any downloaded model.
-
-A directory holds `config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json`,
-`tokenizer_config.json` (with a ChatML chat template), `special_tokens_map.json` and
-`sluice-model.json` (how it was made). The tokenizer is described in `sluice.model.tokenizer`.
-
-Presets (any size may be overridden by keyword):
-
-- `test`: hidden 64, 2 layers, 4 heads, 2 KV heads, MLP 128. Untrained (random weights, seeded), built in
-  about two seconds; for tests that need a model's shapes and code paths, not its words.
-- `chat`: hidden 256, 4 layers, 4 heads, 2 KV heads, MLP 704, 4096-token vocabulary (the output layer
-  over the vocabulary costs more per step than the layers; half the vocabulary buys twice the steps);
-  trained for a couple of minutes on two CPU threads, enough to write word-like English and to close
-  its chat turn.
-
-`test` uses an 8192-token vocabulary. Both use 2048 positions and tied input/output embeddings. `arch`
-picks the transformers family (`llama`, `qwen2`, `mistral`) with the same sizes; `sliding_window`
-applies to `qwen2` (all layers) and `mistral`.
-
-`default_model_dir()` returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else
-`~/.cache/sluice`), building it once. Every directory is built in a temporary sibling folder and renamed
-into place, so an interrupted build never leaves a partial model behind.
+"""Small, real Hugging Face causal-LM directories (`test`: untrained, seeded; `chat`: trained briefly on
+the project's corpus), built in a temporary sibling folder and renamed into place. `default_model_dir()`
+returns the trained chat model from the cache (`$SLUICE_CACHE_DIR`, else `~/.cache/sluice`).
 """
 
 from __future__ import annotations
@@ -69,22 +50,16 @@ RECIPE_VERSION = 4
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
+_SIZES = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
 PRESETS: dict[str, dict[str, Any]] = {
-    "test": {
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-    },
-    "chat": {
-        "hidden_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 704,
-        "vocab_size": 4096,
-    },
+    "test": dict(zip(_SIZES, (64, 2, 4, 2, 128), strict=True)),
+    "chat": {**dict(zip(_SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
 }
 _COMMON: dict[str, Any] = {
     "vocab_size": DEFAULT_VOCAB_SIZE,
@@ -118,9 +93,11 @@ def model_config(preset: str = "test", arch: str = "llama", **overrides: Any) ->
     elif arch == "mistral":
         kwargs.update(sliding_window=sliding_window)
     config_cls, _ = ARCHS[arch]
-    return config_cls(
-        bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID, **kwargs
-    )
+    return config_cls(**_special_ids(), **kwargs)
+
+
+def _special_ids() -> dict[str, Any]:
+    return {"bos_token_id": BOS_ID, "eos_token_id": list(GENERATION_EOS_IDS), "pad_token_id": PAD_ID}
 
 
 def make_tiny_model(
@@ -151,24 +128,14 @@ def make_tiny_model(
         model = model_cls(config).float().eval()
     report = None
     if train_seconds > 0:
-        report = train(
-            model, tok, build_corpus(), TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
-        )
+        training = TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
+        report = train(model, tok, build_corpus(), training)
+    recipe = dict(preset=preset, arch=arch, seed=seed, train_seconds=train_seconds, overrides=overrides)
     with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
-        GenerationConfig(
-            bos_token_id=BOS_ID, eos_token_id=list(GENERATION_EOS_IDS), pad_token_id=PAD_ID
-        ).save_pretrained(tmp)
+        GenerationConfig(**_special_ids()).save_pretrained(tmp)
         save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
-        _write_marker(
-            tmp,
-            preset=preset,
-            arch=arch,
-            seed=seed,
-            train_seconds=train_seconds,
-            overrides=overrides,
-            report=report,
-        )
+        _write_marker(tmp, recipe, report)
     return out_dir
 
 
@@ -212,23 +179,11 @@ def _replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_marker(
-    path: Path,
-    *,
-    preset: str,
-    arch: str,
-    seed: int,
-    train_seconds: float,
-    overrides: dict[str, Any],
-    report: TrainReport | None,
-) -> None:
+def _write_marker(path: Path, recipe: dict[str, Any], report: TrainReport | None) -> None:
+    """Writes how the model was made (the recipe's arguments, training report, versions) beside it."""
     info = {
         "recipe_version": RECIPE_VERSION,
-        "preset": preset,
-        "arch": arch,
-        "seed": seed,
-        "train_seconds": train_seconds,
-        "overrides": overrides,
+        **recipe,
         "train_report": asdict(report) if report else None,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
@@ -256,10 +211,8 @@ def default_model_dir(
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root / f".{path.name}.lock"):
         if not (path / MARKER).exists():
-            print(
-                f"sluice: building the embedded model in {path} (once, about {train_seconds:g} s)",
-                file=sys.stderr,
-            )
+            about = f"once, about {train_seconds:g} s"
+            print(f"sluice: building the embedded model in {path} ({about})", file=sys.stderr)
             make_tiny_model(path, preset=preset, arch=arch, train_seconds=train_seconds, seed=seed)
     return path
 
@@ -291,34 +244,18 @@ def _parser() -> argparse.ArgumentParser:
         "embedded chat model that `sluice up` serves (trained once, about "
         f"{DEFAULT_TRAIN_SECONDS:g} s, then copied from the cache); with --preset, a model built to order.",
     )
-    p.add_argument(
-        "dir",
-        nargs="?",
-        type=Path,
-        help="output directory (may be left out with --trained: prints the cached model's path)",
-    )
-    p.add_argument(
-        "--preset",
-        choices=sorted(PRESETS),
-        default=None,
-        help="build this preset instead of the embedded model (test: small, for tests; "
-        "untrained unless --train-seconds)",
-    )
+    about = "output directory (may be left out with --trained: prints the cached model's path)"
+    p.add_argument("dir", nargs="?", type=Path, help=about)
+    about = "build this preset instead of the embedded model (test: small, for tests; untrained unless"
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help=f"{about} --train-seconds)")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama")
-    p.add_argument(
-        "--train-seconds",
-        type=float,
-        default=0.0,
-        help=f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; "
-        "--preset: 0, untrained)",
-    )
-    p.add_argument(
-        "--trained", action="store_true", help="the embedded model (the default; DIR may then be left out)"
-    )
+    about = f"training budget in seconds (embedded model: {DEFAULT_TRAIN_SECONDS:g}; --preset: 0, untrained)"
+    p.add_argument("--train-seconds", type=float, default=0.0, help=about)
+    about = "the embedded model (the default; DIR may then be left out)"
+    p.add_argument("--trained", action="store_true", help=about)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--sliding-window", type=int, default=None, help="sliding-window size (qwen2, mistral; with --preset)"
-    )
+    about = "sliding-window size (qwen2, mistral; with --preset)"
+    p.add_argument("--sliding-window", type=int, default=None, help=about)
     return p
 
 
@@ -340,14 +277,8 @@ def main(argv: list[str]) -> int:
             out = cached if args.dir is None else copy_model_dir(cached, args.dir)
         else:
             overrides = {} if args.sliding_window is None else {"sliding_window": args.sliding_window}
-            out = make_tiny_model(
-                args.dir,
-                preset=args.preset,
-                arch=args.arch,
-                train_seconds=args.train_seconds,
-                seed=args.seed,
-                **overrides,
-            )
+            recipe = {"preset": args.preset, "arch": args.arch, "seed": args.seed, **overrides}
+            out = make_tiny_model(args.dir, train_seconds=args.train_seconds, **recipe)
     except (ValueError, FileExistsError) as e:
         print(f"sluice model tiny: error: {e}", file=sys.stderr)
         return 2

@@ -20,12 +20,13 @@ from sluice.bench.engine_methods import (
     HF_METHODS,
     BenchContext,
     MethodResult,
+    Workload,
     load_hf_model,
+    make_workload,
     measure_decode_step,
     reference_logits,
     run_hf_sequential,
 )
-from sluice.bench.engine_workload import Workload, make_workload
 from sluice.model.presets import BOS_ID, EOS_ID, FIRST_PLAIN_ID, PAD_ID, preset_model_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult
+from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult, Workload
 from sluice.bench.engine_report import (
     REFERENCE,
     Block,
     DecodeFigure,
     GreedyCheck,
+    Roofline,
     build_rows,
     check_greedy,
     compare_request,
@@ -23,8 +24,6 @@ from sluice.bench.engine_report import (
     to_json,
     to_json_runs,
 )
-from sluice.bench.engine_roofline import Roofline
-from sluice.bench.engine_workload import Workload
 
 REF = [[5, 6, 7], [8, 9]]
 THRESHOLD = 1e-4

@@ -13,14 +13,17 @@ import torch
 
 from sluice.bench import latency
 from sluice.bench.engine_driver import release_memory
-from sluice.bench.latency_run import EngineSpec, build_engine, greedy_continuations, run_concurrent
-from sluice.bench.latency_workload import (
+from sluice.bench.latency_run import (
+    EngineSpec,
+    build_engine,
     copy_fraction,
+    greedy_continuations,
     lookup_fraction,
     make_encoder,
     mean_fraction,
     non_repetitive,
     repetitive,
+    run_concurrent,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

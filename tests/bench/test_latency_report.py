@@ -9,8 +9,14 @@ import pytest
 
 from sluice.bench import latency_report as rep
 from sluice.bench.latency import faster
-from sluice.bench.latency_run import RunFigures, percentile
-from sluice.bench.latency_workload import NON_REPETITIVE, REPETITIVE, copy_fraction, lookup_fraction
+from sluice.bench.latency_run import (
+    NON_REPETITIVE,
+    REPETITIVE,
+    RunFigures,
+    copy_fraction,
+    lookup_fraction,
+    percentile,
+)
 from sluice.bench.perplexity import QualityResult
 
 

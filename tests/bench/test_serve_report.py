@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.serve import ServeConfig
-from sluice.bench.serve_report import (
+from sluice.bench.serve import (
     RequestRecord,
+    ServeConfig,
     ServeResult,
     format_summary,
     tokens_per_second,
