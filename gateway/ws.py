@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
 
+
 class FrameError(Exception):
     """A client frame that is not a valid message; `frame_id` is the id it carried, or None."""
 
@@ -130,8 +131,14 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
         raise ParamError("params", "'params' must be an object")
     params.only_keys(given, params.GENERATION_KEYS, "params")
     sampling, stopping = params.generation_params(given, settings, where="params.")
-    return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
-                         trace_context=trace_context_from(frame.get))
+    return GenerateInput(
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        stopping=stopping,
+        api="ws",
+        trace_context=trace_context_from(frame.get),
+    )
 
 
 # Close codes (RFC 6455): 1000 normal (client's choice), 1008 policy violation (authentication, a
@@ -343,7 +350,11 @@ class SocketSession:
 def _terminal_frame(frame_id: str, event: Done | Failed) -> dict[str, Any]:
     if isinstance(event, Failed):
         return error_frame(frame_id, event.code, event.message)
-    usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}
+    usage = {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cached_tokens": event.cached_tokens,
+    }
     return {"type": "done", "id": frame_id, "finish_reason": event.finish_reason, "usage": usage}
 
 
