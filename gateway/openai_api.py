@@ -267,6 +267,10 @@ class _Renderer:
         echo, self.echo = self.echo, ""
         return echo + text
 
+    def finish(self, done: Done) -> str:
+        """The choice's finish reason: "length" when scoring only (its one token dropped)."""
+        return "length" if self.parsed.scoring else done.finish_reason
+
     async def logprobs(self, delta: Delta) -> dict[str, Any] | None:
         """OpenAI logprobs for the tokens of `delta` (None when not asked for): the prompt's first
         (with no logprob, as OpenAI gives it) when `delta` brings the prompt's, then the generated."""
@@ -518,7 +522,7 @@ class OpenAIHandlers:
         wanted = parsed.logprobs is not None
         body = renderers[0].envelope([
             renderer.choice(
-                "".join(text), _merge_logprobs(parts, parsed.chat) if wanted else None, end.finish_reason
+                "".join(text), _merge_logprobs(parts, parsed.chat) if wanted else None, renderer.finish(end)
             )
             for renderer, text, parts, end in zip(renderers, texts, logprob_parts, done, strict=True)
         ])  # fmt: skip
@@ -584,7 +588,7 @@ class OpenAIHandlers:
                     continue
                 assert isinstance(event, Done)
                 ends[index] = event
-                chunk = renderer.choice(renderer.text(None), None, event.finish_reason)
+                chunk = renderer.choice(renderer.text(None), None, renderer.finish(event))
                 yield _sse_data(renderer.envelope([chunk]))
             done = [end for end in ends if end is not None]
             if len(done) == len(renderers) and parsed.include_usage:

@@ -121,6 +121,13 @@ async def test_scoring_a_prompt_returns_its_logprobs_and_no_generated_token(
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (3, 0)
 
 
+async def test_scoring_ends_with_length_whatever_stopped_the_dropped_token(
+    client: openai.AsyncOpenAI,
+) -> None:
+    reply = await client.completions.create(model=MODEL, prompt="hi", max_tokens=0, echo=True, stop="h")
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == ("hi", "length")
+
+
 async def test_echo_with_logprobs_gives_the_prompt_then_the_generated_tokens(
     client: openai.AsyncOpenAI,
 ) -> None:
