@@ -173,12 +173,16 @@ def test_lm_eval_local_completions_matches_hf(
         "base_url": f"{pipeline.http_url}/v1/completions",
         "tokenizer_backend": "huggingface",
         "tokenizer": str(tiny_model_dir),
+        "add_bos_token": True,  # as the hf model's tokenizer does by default
         "num_concurrent": 1,
         "max_retries": 1,
     }
     api = run_lm_eval("local-completions", api_args, tmp_path, task)
     hf = run_lm_eval(
-        "hf", {"pretrained": str(tiny_model_dir), "dtype": "float32", "device": "cpu"}, tmp_path, task
+        "hf",
+        {"pretrained": str(tiny_model_dir), "dtype": "float32", "device": "cpu", "add_bos_token": True},
+        tmp_path,
+        task,
     )
     served_ll, hf_ll = loglikelihoods(api, task), loglikelihoods(hf, task)
     assert sorted(served_ll) == sorted(hf_ll) == list(range(QUESTIONS))
