@@ -27,7 +27,8 @@ class GenerateInput:
     `max_model_len` less the prompt's tokens). `timeout_s` is the caller's own deadline; the
     gateway's `request_timeout_s` caps it. `api` names the edge (metrics label); `trace_context` is
     the caller's W3C context (traceparent, tracestate), empty for none; `request_id` the caller's own
-    id for the request (its trace span's `sluice.request_id`), "" for the gateway's."""
+    id for the request (its trace span's `sluice.request_id`, the gateway's own id, which the stages'
+    spans carry, then in `sluice.upstream_request_id`), "" for none (the span takes the gateway's)."""
 
     prompt: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None

@@ -3,8 +3,8 @@
 `/readyz`, `/metrics` (Prometheus).
 
 Every HTTP response carries `X-Request-Id`: the client's own when valid (`params.client_request_id`),
-else a fresh one; the generation endpoints use it as the response's id and their trace span's
-request id (`RequestIds`).
+else a fresh one (`RequestIds`). The generation endpoints name their response by it, and their trace
+span by the client's own (`GenerateInput.request_id`).
 
 The API routes are `/v1/` and `/tokenize`, `/detokenize`. With API keys on, every API route needs
 `Authorization: Bearer KEY` (the WebSocket may send its key in its first frame instead); the page and

@@ -419,12 +419,11 @@ class OpenAIHandlers:
         model = await self.model_name(parsed.model)
         echoes = await self._echoes(parsed)
         request_id = request.scope[REQUEST_ID]
+        own = params.client_request_id(request.headers.get("x-request-id")) or ""
         context = trace_context_from(request.headers.get)
         api = "chat" if chat else "completions"
         choices = _Choices([
-            self._pipeline.generate(
-                dataclasses.replace(inp, api=api, trace_context=context, request_id=request_id)
-            )
+            self._pipeline.generate(dataclasses.replace(inp, api=api, trace_context=context, request_id=own))
             for inp in parsed.inputs
         ])  # fmt: skip
         response_id = ("chatcmpl-" if chat else "cmpl-") + request_id

@@ -177,6 +177,8 @@ class Pipeline:
             attributes["gen_ai.request.max_tokens"] = inp.stopping.max_new_tokens
         if self._lookups.info is not None:
             attributes["gen_ai.request.model"] = self._lookups.info.model
+        if inp.request_id:  # the span is named by the client's id; the stages' spans by the gateway's
+            attributes["sluice.upstream_request_id"] = request.id
         trace_id = inp.request_id or request.id
         return RequestTrace(self.metrics, trace_id, inp.api, inp.trace_context, attributes)
 

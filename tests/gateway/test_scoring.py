@@ -390,20 +390,26 @@ async def test_an_invalid_request_id_is_replaced(http: httpx.AsyncClient, asked:
 
 
 async def test_the_request_id_names_the_response_and_the_trace_span(
-    http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+    http: httpx.AsyncClient, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    traced: list[str] = []
+    traced: list[tuple[str, object]] = []
 
     class Recorded(observability.RequestTrace):
-        def __init__(self, metrics: Any, request_id: str, *args: Any) -> None:
-            traced.append(request_id)
-            super().__init__(metrics, request_id, *args)
+        def __init__(self, metrics: Any, request_id: str, api: str, context: Any, attributes: Any) -> None:
+            traced.append((request_id, attributes.get("sluice.upstream_request_id")))
+            super().__init__(metrics, request_id, api, context, attributes)
 
     monkeypatch.setattr(pipeline, "RequestTrace", Recorded)
     body = {"model": MODEL, "prompt": "a", "max_tokens": 1, "n": 2}
     response = await http.post("/v1/completions", json=body, headers={"X-Request-Id": "abc-123"})
     assert response.json()["id"] == "cmpl-abc-123"
-    assert traced == ["abc-123", "abc-123"]
+    assert [name for name, _ in traced] == ["abc-123", "abc-123"]
+    submitted = {s.request_id for s in upstreams.engine.submits}
+    assert {upstream for _, upstream in traced} == submitted and len(submitted) == 2
+    traced.clear()
+    response = await http.post("/v1/completions", json=body)  # no id of its own: the gateway's names the span
+    assert [name for name, _ in traced] == [s.request_id for s in upstreams.engine.submits[2:]]
+    assert traced[0][0] != response.headers["x-request-id"] and traced[0][1] is None
 
 
 async def test_grpc_request_id_names_the_trace_span(
