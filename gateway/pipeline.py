@@ -10,7 +10,11 @@ close finishes with the engine's reason. Ids and logprobs go out with the text: 
 many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
 after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
 handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
+generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing (a prompt of
+token ids skips the tokenizer). A request that asked no max tokens may generate the rest of the
+context: the engines' `max_model_len` (an engine's `Stats`, asked once) less its prompt. A request that
+asked for prompt logprobs gets them, with the prompt's ids, once, from the engine's first chunk.
+`Done.cached_tokens` comes from the engine's final: 0 when a stop string ended the request first.
 
 Invariants:
 - every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
