@@ -21,16 +21,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerateInput:
-    """One generation as the edges hand it over. Exactly one of `prompt` and `messages` is set;
-    `tools_json` (the OpenAI `tools` array as JSON text, "" = none) goes with messages to the chat
-    template. `user` is the caller's end-user id (OpenAI `user`), recorded on the request's span.
-    `stopping.max_new_tokens` 0 means the gateway's default.
-    `timeout_s` is the caller's own deadline; the gateway's `request_timeout_s` caps it.
-    `api` names the edge (metrics label); `trace_context` is the caller's W3C context (traceparent,
-    tracestate), empty for none."""
+    """One generation as the edges hand it over. Exactly one of `prompt`, `messages` and `prompt_ids` (a
+    prompt already tokenized, sent to the engine as it is) is set; `tools_json` (the OpenAI `tools` array as
+    JSON text, "" = none) goes with messages to the chat template. `user` is the caller's end-user id
+    (OpenAI `user`), recorded on the request's span. `stopping.max_new_tokens` 0 means the rest of the
+    context (the engine's `max_model_len` less the prompt's tokens). `timeout_s` is the caller's own
+    deadline; the gateway's `request_timeout_s` caps it. `api` names the edge (metrics label);
+    `trace_context` is the caller's W3C context (traceparent, tracestate), empty for none; `request_id` the
+    caller's own id for the request (its trace span's `sluice.request_id`, the gateway's own id, which the
+    stages' spans carry, then in `sluice.upstream_request_id`), "" for none (the span takes the gateway's)."""
 
     prompt: str | None = None
     messages: tuple[common_pb2.ChatMessage, ...] | None = None
+    prompt_ids: tuple[int, ...] | None = None
     tools_json: str = ""
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     stopping: common_pb2.StoppingParams = field(default_factory=common_pb2.StoppingParams)
@@ -40,6 +43,7 @@ class GenerateInput:
     api: str = ""
     user: str = ""
     trace_context: Mapping[str, str] = field(default_factory=dict)
+    request_id: str = ""
 
 
 @dataclass
@@ -48,11 +52,15 @@ class Delta:
     `logprobs`, one per id) only when asked for. Over a generation the ids are exactly those of its
     text: through the one that completed a stop string, none after it. In one delta they may lead
     the text by the tokens whose text is still held back (part of a character, a possible start of a
-    stop string); they never lag it."""
+    stop string); they never lag it. The first delta of a generation that asked for prompt
+    logprobs (`SamplingParams.prompt_logprobs`) carries the prompt's ids and their logprobs (one per
+    id after the first, as the engine sent them); no other delta does."""
 
     text: str
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class Done:
     prompt_tokens: int
     completion_tokens: int  # the generated ids handed out (whether or not they were asked for)
     stop: str = ""  # the stop string that matched, if any
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,7 @@ class EventSlot:
         self._text: list[str] = []
         self._ids: list[int] = []
         self._logprobs: list[common_pb2.TokenLogprob] = []
+        self._prompt: tuple[list[int], list[common_pb2.TokenLogprob]] | None = None  # not yet taken
         self._terminal: Done | Failed | None = None
         self._terminal_taken = False
         self._wake = asyncio.Event()
@@ -100,6 +110,12 @@ class EventSlot:
             self._text.append(text)
         self._ids.extend(ids)
         self._logprobs.extend(logprobs)
+        self._wake.set()
+
+    def push_prompt(self, ids: list[int], logprobs: list[common_pb2.TokenLogprob]) -> None:
+        """The prompt's ids and logprobs, for the next delta (the pipeline pushes them once)."""
+        assert self._terminal is None and self._prompt is None
+        self._prompt = (ids, logprobs)
         self._wake.set()
 
     def finish(self, event: Done | Failed) -> None:
@@ -114,8 +130,11 @@ class EventSlot:
     async def get(self) -> Event:
         """The next event; raises EOFError after the terminal event was taken."""
         while True:
-            if self._text or self._ids:
+            if self._text or self._ids or self._prompt is not None:
                 delta = Delta("".join(self._text), self._ids, self._logprobs)
+                if self._prompt is not None:
+                    delta.prompt_ids, delta.prompt_logprobs = self._prompt
+                    self._prompt = None
                 self._text, self._ids, self._logprobs = [], [], []
                 return delta
             if self._terminal is not None:

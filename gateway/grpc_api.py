@@ -1,7 +1,9 @@
 """The public gRPC API, `sluice.v1.Gateway`: thin protobuf ↔ pipeline glue.
 
 Cancelling the call (or the client going away) cancels the generation, which aborts the engine
-request. The call's own deadline caps the gateway's request timeout.
+request. The call's own deadline caps the gateway's request timeout. A request's own `request_id`,
+when valid (`params.client_request_id`), is its id in the responses and its trace span; else the
+gateway's id is.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
         messages = tuple(
             params.check_chat_message(m, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)
         )
+    if request.sampling.HasField("prompt_logprobs"):
+        raise ParamError("sampling.prompt_logprobs", "'sampling.prompt_logprobs' is not supported here")
     sampling, stopping = params.generation_params(_generation_values(request), settings)
     sampling.structured.CopyFrom(check_structured(request.sampling.structured, "sampling.structured"))
     sampling.logprobs = params.logprobs(request.sampling.logprobs, "sampling.logprobs")
@@ -52,6 +56,7 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
         stopping=stopping,
         skip_special_tokens=request.skip_special_tokens if request.HasField("skip_special_tokens") else True,
         return_token_ids=request.return_token_ids,
+        request_id=params.client_request_id(request.request_id) or "",
     )
 
 
@@ -77,6 +82,8 @@ def _generation_values(request: gateway_pb2.PublicGenerateRequest) -> dict[str, 
     values.update((name, value) for name, value in unless_zero.items() if value)  # NaN is kept: refused
     if s.HasField("seed"):
         values["seed"] = s.seed
+    if s.logit_bias:
+        values["logit_bias"] = dict(s.logit_bias)
     return values
 
 
@@ -117,7 +124,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # The trace context in metadata is the current span's (server interceptor).
         inp = dataclasses.replace(inp, timeout_s=context.time_remaining(), api="grpc")
         generation = self._pipeline.generate(inp)
-        request_id = request.request_id or generation.id
+        request_id = inp.request_id or generation.id
         with_ids, with_logprobs = request.return_token_ids, request.sampling.logprobs > 0
         try:
             async for event in generation:
@@ -132,7 +139,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     final = gateway_pb2.GenerateFinal(
                         finish_reason=errors.FINISH_REASONS[event.finish_reason],
                         usage=common_pb2.Usage(
-                            prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                            cached_tokens=event.cached_tokens,
                         ),
                         stop=event.stop,
                     )

@@ -1,27 +1,35 @@
 """The HTTP application: chat page `/`, WebSocket `/v1/ws`, OpenAI-compatible `/v1/completions`,
-`/v1/chat/completions` and `/v1/models`, `/healthz`, `/readyz`, `/metrics` (Prometheus).
+`/v1/chat/completions` and `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/healthz`,
+`/readyz`, `/metrics` (Prometheus).
 
-With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
-key in its first frame instead); the page and the health routes stay open. A browser's request from
-another origin (`auth.origin_allowed`, `--allowed-origins`) is refused 403 on every `/v1/` route.
-Every error of the `/v1/` HTTP routes, and every 5xx of any route, is OpenAI-style JSON that names no
-internal address and holds no stack trace.
+Every HTTP response carries `X-Request-Id`: the client's own when valid (`params.client_request_id`),
+else a fresh one (`RequestIds`). The generation endpoints name their response by it, and their trace
+span by the client's own (`GenerateInput.request_id`).
+
+The API routes are `/v1/` and `/tokenize`, `/detokenize`. With API keys on, every API route needs
+`Authorization: Bearer KEY` (the WebSocket may send its key in its first frame instead); the page and
+the health routes stay open. A browser's request from another origin (`auth.origin_allowed`,
+`--allowed-origins`) is refused 403 on every API route. Every error of the API's HTTP routes, and
+every 5xx of any route, is OpenAI-style JSON that names no internal address and holds no stack trace.
 """
 
 from __future__ import annotations
 
 import logging
+import uuid
 from importlib import resources
 
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway import params
 from gateway.auth import ApiKeys, origin_allowed
-from gateway.openai_api import DROP_CONNECTION, ApiError, OpenAIHandlers
+from gateway.openai_api import DROP_CONNECTION, REQUEST_ID, ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
+from gateway.tokenize_api import TokenizeHandlers
 from gateway.ws import serve_socket
 from services.common.metrics import render
 
@@ -48,8 +56,33 @@ def with_connection_drop(app: ASGIApp) -> ASGIApp:
     return wrapped
 
 
+class RequestIds:
+    """ASGI middleware: each HTTP request's id in `scope[REQUEST_ID]` (the client's `X-Request-Id`
+    when valid, else a fresh one), and in the `X-Request-Id` header of its response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        asked = next((v for k, v in scope["headers"] if k == b"x-request-id"), b"")
+        request_id = params.client_request_id(asked.decode("latin-1")) or uuid.uuid4().hex
+        scope[REQUEST_ID] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIds)
     _add_error_handlers(app)
     _add_open_routes(app, pipeline)
     _add_api_routes(app, pipeline, settings, keys)
@@ -108,8 +141,10 @@ def _add_open_routes(app: FastAPI, pipeline: Pipeline) -> None:
 
 
 def _add_api_routes(app: FastAPI, pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> None:
-    """The `/v1/` routes: a trusted origin and, with keys on, a key (the WebSocket checks its own)."""
+    """The `/v1/` routes and `/tokenize`, `/detokenize`: a trusted origin and, with keys on, a key (the
+    WebSocket checks its own)."""
     handlers = OpenAIHandlers(pipeline, settings)
+    tokens = TokenizeHandlers(pipeline, settings, handlers)
 
     async def authorized(request: Request) -> None:
         if not keys.check_bearer(request.headers.get("authorization")):
@@ -131,8 +166,17 @@ def _add_api_routes(app: FastAPI, pipeline: Pipeline, settings: GatewaySettings,
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> JSONResponse:
         served = await handlers.model_name(None)
-        card = {"id": served, "object": "model", "created": 0, "owned_by": "sluice"}
+        card = {"id": served, "object": "model", "created": 0, "owned_by": "sluice",
+                "max_model_len": await handlers.max_model_len()}  # fmt: skip
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request) -> Response:
+        return await tokens.tokenize(request)
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request) -> Response:
+        return await tokens.detokenize(request)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:

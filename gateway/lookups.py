@@ -1,6 +1,7 @@
 """What the edges look up from the stages besides generations, each cached: the model's `Info` from a
-tokenizer (fetched once), and token pieces from a detokenizer's vocabulary (for logprobs; at most
-`TOKEN_PIECE_CACHE` entries, cleared when full).
+tokenizer and the engines' context length from an engine's `Stats` (each fetched once), and token
+pieces from a detokenizer's vocabulary (for logprobs; at most `TOKEN_PIECE_CACHE` entries, cleared
+when full).
 """
 
 from __future__ import annotations
@@ -8,7 +9,14 @@ from __future__ import annotations
 from gateway.events import TokenPiece
 from gateway.settings import GatewaySettings
 from gateway.stages import Stages
-from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from services.common.pb import (
+    detokenizer_pb2,
+    detokenizer_pb2_grpc,
+    engine_pb2,
+    engine_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
 
 TOKEN_PIECE_CACHE = 200_000  # token id → piece entries kept for logprobs
 
@@ -20,6 +28,7 @@ class Lookups:
         self._stages = stages
         self._settings = settings
         self.info: tokenizer_pb2.InfoResponse | None = None
+        self._max_model_len = 0
         self._token_pieces: dict[int, TokenPiece] = {}
 
     async def model_info(self) -> tokenizer_pb2.InfoResponse:
@@ -32,6 +41,18 @@ class Lookups:
                 tokenizer_pb2.InfoRequest(), timeout=self._settings.tokenize_timeout_s
             )
         return self.info
+
+    async def max_model_len(self) -> int:
+        """The engines' context length (prompt and output tokens of one request), from the `Stats` of
+        a connected engine replica, fetched once: every replica serves the same model with the same
+        settings. Raises AioRpcError."""
+        if not self._max_model_len:
+            engines = self._stages.engines
+            address = await engines.pick_ready(self._settings.upstream_wait_s)
+            stub = engine_pb2_grpc.EngineStub(engines.channels[address])
+            stats = await stub.Stats(engine_pb2.StatsRequest(), timeout=self._settings.tokenize_timeout_s)
+            self._max_model_len = stats.max_model_len
+        return self._max_model_len
 
     async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
         """Each token id on its own (special tokens kept), for logprobs: its text and bytes, from the

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Scope key of a callable that drops the request's connection at once (`http_app.with_connection_drop`).
 DROP_CONNECTION = "sluice.drop_connection"
+# Scope key of the request's id: the client's valid `X-Request-Id`, else a fresh one (`http_app.RequestIds`).
+REQUEST_ID = "sluice.request_id"
 
 
 class ApiError(Exception):
@@ -86,14 +88,34 @@ def failure_error(failure: Failed, settings: GatewaySettings) -> ApiError:
     return ApiError(500, failure.message, type_="server_error", code="internal_error")
 
 
+def decode_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP answer to a failed Decode call: 400 with the detokenizer's words for ids it refused,
+    else 503."""
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, f"detokenizer: {exc.details()}")
+    log.warning("decode failed: %s: %s", exc.code().name, exc.details())
+    return ApiError(503, "detokenizer unavailable", type_="service_unavailable", code="unavailable")
+
+
+def requested_model(body: dict[str, Any]) -> str | None:
+    """The body's `model` (None when absent). Raises ParamError."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ParamError("model", "'model' must be a string")
+    return model
+
+
 @dataclass(frozen=True)
 class ParsedRequest:
     chat: bool
-    input: GenerateInput
+    inputs: tuple[GenerateInput, ...]  # one generation per choice, in the order of the choices' index
     model: str | None
     stream: bool
     include_usage: bool
     logprobs: int | None  # None = no logprobs; else how many top alternatives per token
+    n: int = 1  # choices per prompt: choice i is prompt i // n
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    scoring: bool = False  # completions' max_tokens 0: the prompt only (1 token generated, then dropped)
     tools: ToolRequest | None = None  # chat: the request's tools, None = none
 
 
@@ -124,7 +146,7 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, message, code="request_too_large")
 
 
-_UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
+_UNSUPPORTED = ("functions", "function_call", "suffix")
 # OpenAI chat fields the gateway does not implement: refused when given (not null), never ignored.
 _UNSUPPORTED_CHAT = (
     "audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key", "prompt_cache_options",
@@ -139,17 +161,11 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
         if body.get(name):
             raise ParamError(name, f"'{name}' is not supported")
     _refuse_unsupported(body, chat)
-    if body.get("echo"):
-        raise ParamError("echo", "'echo' is not supported")
-    n = params.integer(body, "n", 1, params.MAX_INT32)
-    if n not in (None, 1):
-        raise ParamError("n", "only n = 1 is supported")
-    best_of = params.integer(body, "best_of", 1, params.MAX_INT32)
-    if best_of not in (None, 1):
-        raise ParamError("best_of", "only best_of = 1 is supported")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ParamError("model", "'model' must be a string")
+    if chat and body.get("echo"):
+        raise ParamError("echo", "'echo' is not supported on chat completions")
+    echo = not chat and bool(params.boolean(body, "echo"))
+    n = params.choices_per_prompt(body)
+    model = requested_model(body)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise ParamError("user", "'user' must be a string")
@@ -158,14 +174,20 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     if options is not None and not isinstance(options, dict):
         raise ParamError("stream_options", "'stream_options' must be an object")
     include_usage = bool(params.boolean(options or {}, "include_usage", where="stream_options."))
-    prompt, messages, logprobs = _parse_input(body, chat)
-    sampling, stopping = _sampling_and_stopping(body, settings, chat)
+    sources, logprobs = _parse_input(body, chat)
+    if len(sources) * n > params.MAX_CHOICES:
+        raise ParamError("n", f"a request may have at most {params.MAX_CHOICES} choices (prompts times n)")
+    scoring = params.scoring_only(body, echo) if not chat else False
+    sampling, stopping = _sampling_and_stopping(body, settings, chat, scoring)
     if logprobs is not None:
         sampling.logprobs = max(1, logprobs)  # the sampled token's own logprob needs one
+        if echo:
+            sampling.prompt_logprobs = logprobs
     tools = _constraints(body, sampling, chat)
-    inp = GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping,
-                        tools_json=tools.tools_json() if tools else "", user=user or "")  # fmt: skip
-    return ParsedRequest(chat, inp, model, stream, include_usage, logprobs, tools)
+    extra = {"tools_json": tools.tools_json() if tools else "", "user": user or ""}
+    sources = [dataclasses.replace(source, **extra) for source in sources]
+    inputs = _choice_inputs(sources, sampling, stopping, n)
+    return ParsedRequest(chat, inputs, model, stream, include_usage, logprobs, n, echo, scoring, tools)
 
 
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -193,9 +215,8 @@ def _constraints(body: dict[str, Any], sampling: common_pb2.SamplingParams, chat
     return tools
 
 
-def _parse_input(
-    body: dict[str, Any], chat: bool
-) -> tuple[str | None, tuple[common_pb2.ChatMessage, ...] | None, int | None]:
+def _parse_input(body: dict[str, Any], chat: bool) -> tuple[list[GenerateInput], int | None]:
+    """One input per prompt (chat: the one conversation) and the logprobs asked for."""
     if chat:
         if "messages" not in body:
             raise ParamError("messages", "'messages' is required")
@@ -204,36 +225,58 @@ def _parse_input(
         top = params.integer(body, "top_logprobs", 0, params.MAX_LOGPROBS)
         if top is not None and not want:
             raise ParamError("top_logprobs", "'top_logprobs' needs 'logprobs': true")
-        return None, messages, (top or 0) if want else None
-    raw = body.get("prompt")
-    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str):
-        raw = raw[0]
-    if not isinstance(raw, str):
-        raise ParamError("prompt", "'prompt' must be a string (or a list of one string)")
-    return raw, None, params.integer(body, "logprobs", 0, params.MAX_LOGPROBS_COMPLETIONS)
+        return [GenerateInput(messages=messages)], (top or 0) if want else None
+    prompts = [
+        GenerateInput(prompt=p) if isinstance(p, str) else GenerateInput(prompt_ids=p)
+        for p in params.completion_prompts(body.get("prompt"))
+    ]
+    return prompts, params.integer(body, "logprobs", 0, params.MAX_LOGPROBS_COMPLETIONS)
 
 
 def _sampling_and_stopping(
-    body: dict[str, Any], settings: GatewaySettings, chat: bool
+    body: dict[str, Any], settings: GatewaySettings, chat: bool, scoring: bool
 ) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
     values = {name: body[name] for name in params.GENERATION_KEYS if name in body}
     if chat:  # the newer name wins
         newer = params.integer(body, "max_completion_tokens", 1, params.MAX_INT32)
         if newer is not None:
             values["max_tokens"] = newer
+    if scoring:  # the engine emits at least one token: it is dropped
+        values["max_tokens"] = 1
     return params.generation_params(values, settings)
+
+
+def _choice_inputs(
+    sources: list[GenerateInput],
+    sampling: common_pb2.SamplingParams,
+    stopping: common_pb2.StoppingParams,
+    n: int,
+) -> tuple[GenerateInput, ...]:
+    """`n` inputs per source, in order; with a seed, the i-th of each source samples with seed + i."""
+    inputs = []
+    for source in sources:
+        for i in range(n):
+            own = common_pb2.SamplingParams()
+            own.CopyFrom(sampling)
+            if sampling.HasField("seed"):
+                own.seed = (sampling.seed + i) % (params.MAX_SEED + 1)
+            inputs.append(dataclasses.replace(source, sampling=own, stopping=stopping))
+    return tuple(inputs)
 
 
 @dataclass
 class _Renderer:
-    """Builds OpenAI response objects for one request."""
+    """Builds OpenAI response objects for one choice of a request. `echo` is the text that starts the
+    choice's text (completions' `echo`: its prompt), "" for none."""
 
     parsed: ParsedRequest
     pipeline: Pipeline
     request_id: str
     model: str
+    created: int
+    index: int = 0
+    echo: str = ""
     output: ChatOutput | None = None  # chat: splits reasoning and tool calls out of the text
-    created: int = field(default_factory=lambda: int(time.time()))
     text_offset: int = 0
 
     @property
@@ -254,48 +297,75 @@ class _Renderer:
             body["usage"] = None
         return body
 
+    def text(self, delta: Delta | None) -> str:
+        """The choice's text for `delta` (None: the choice's end): the echoed prompt first, once; no
+        generated text when scoring only."""
+        text = "" if delta is None or self.parsed.scoring else delta.text
+        echo, self.echo = self.echo, ""
+        return echo + text
+
+    def finish(self, done: Done) -> str:
+        """The choice's finish reason: "length" when scoring only (its one token dropped)."""
+        return "length" if self.parsed.scoring else done.finish_reason
+
     async def logprobs(self, delta: Delta) -> dict[str, Any] | None:
-        """OpenAI logprobs for the tokens of `delta` (None when not asked for)."""
+        """OpenAI logprobs for the tokens of `delta` (None when not asked for): the prompt's first
+        (with no logprob, as OpenAI gives it) when `delta` brings the prompt's, then the generated."""
         top_n = self.parsed.logprobs
         if top_n is None:
             return None
-        entries = delta.logprobs[: len(delta.token_ids)]
-        ids = list(delta.token_ids[: len(entries)])
-        top_ids = [list(e.top_token_ids[:top_n]) for e in entries]
-        pieces = await self.pipeline.token_pieces(ids + [i for row in top_ids for i in row])
-        own, rest = pieces[: len(ids)], pieces[len(ids) :]
+        entries: list[tuple[int, common_pb2.TokenLogprob | None]] = []
+        if delta.prompt_ids:
+            entries.append((delta.prompt_ids[0], None))
+            entries.extend(zip(delta.prompt_ids[1:], delta.prompt_logprobs, strict=False))
+        if not self.parsed.scoring:
+            entries.extend(zip(delta.token_ids, delta.logprobs, strict=False))
+        top_ids = [list(e.top_token_ids[:top_n]) if e is not None else [] for _, e in entries]
+        pieces = await self.pipeline.token_pieces(
+            [i for i, _ in entries] + [i for row in top_ids for i in row]
+        )
+        own, rest = pieces[: len(entries)], pieces[len(entries) :]
         tops: list[list[tuple[TokenPiece, float]]] = []
-        for entry, row in zip(entries, top_ids, strict=True):
-            tops.append(list(zip(rest[: len(row)], entry.top_logprobs[: len(row)], strict=True)))
+        for (_, entry), row in zip(entries, top_ids, strict=True):
+            top_logprobs = entry.top_logprobs[: len(row)] if entry is not None else []
+            tops.append(list(zip(rest[: len(row)], top_logprobs, strict=True)))
             rest = rest[len(row) :]
         if self.parsed.chat:
             content = [
                 {
                     "token": piece.text,
-                    "logprob": entry.logprob,
+                    "logprob": entry.logprob if entry is not None else None,
                     "bytes": list(piece.data),
                     "top_logprobs": [
                         {"token": t.text, "logprob": lp, "bytes": list(t.data)} for t, lp in top
                     ],
                 }
-                for piece, entry, top in zip(own, entries, tops, strict=True)
+                for piece, (_, entry), top in zip(own, entries, tops, strict=True)
             ]
             return {"content": content}
-        token_texts = [piece.text for piece in own]
         offsets = []
-        for text in token_texts:
+        for piece in own:
             offsets.append(self.text_offset)
-            self.text_offset += len(text)
+            self.text_offset += len(piece.text)
         return {
-            "tokens": token_texts,
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t.text: lp for t, lp in top} for top in tops],
+            "tokens": [piece.text for piece in own],
+            "token_logprobs": [e.logprob if e is not None else None for _, e in entries],
+            "top_logprobs": [
+                {t.text: lp for t, lp in top} if e is not None else None
+                for (_, e), top in zip(entries, tops, strict=True)
+            ],
             "text_offset": offsets,
         }
 
     def choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-        """A completions choice."""
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        index = self.index
+        if not self.parsed.chat:
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.parsed.stream:
+            delta = {"content": text} if text else {}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text}
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chat_chunk(
         self, out: ChatDelta, logprobs: dict[str, Any] | None, finish_reason: str | None
@@ -308,47 +378,54 @@ class _Renderer:
             delta["content"] = out.content
         if out.tool_calls:
             delta["tool_calls"] = [call.to_openai() for call in out.tool_calls]
-        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     async def chunk(self, event: Delta) -> dict[str, Any] | None:
         """The streamed chunk of a delta, or None when it has nothing to show yet (text held back)."""
-        logprobs = await self.logprobs(event)
+        text, logprobs = self.text(event), await self.logprobs(event)
         if self.output is None:
-            choice = self.choice(event.text, logprobs, None) if event.text or logprobs else None
+            choice = self.choice(text, logprobs, None) if text or logprobs else None
         else:
-            out = self.output.feed(event.text)
+            out = self.output.feed(text)
             choice = self.chat_chunk(out, logprobs, None) if out or logprobs else None
         return None if choice is None else self.envelope([choice])
 
-    def last_chunks(self, finish_reason: str) -> list[dict[str, Any]]:
+    def last_chunks(self, done: Done) -> list[dict[str, Any]]:
         """The chunks that end a stream: what the chat output held back, if any, then the finish reason."""
         if self.output is None:
-            return [self.envelope([self.choice("", None, finish_reason)])]
+            return [self.envelope([self.choice(self.text(None), None, self.finish(done))])]
         held = self.output.finish()
-        reason = self.output.finish_reason(finish_reason)
+        reason = self.output.finish_reason(done.finish_reason)
         chunks = [self.chat_chunk(held, None, None)] if held else []
         return [self.envelope([c]) for c in [*chunks, self.chat_chunk(ChatDelta(), None, reason)]]
 
-    def chat_choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str) -> dict[str, Any]:
-        """The whole chat choice for the generated `text`: content null when it is empty and there
-        are tool calls; reasoning_content with the reasoning parser on; tool_calls when there are
-        calls; finish_reason `tool_calls` for an output that ended with calls."""
-        assert self.output is not None
+    def whole_choice(self, text: str, logprobs: dict[str, Any] | None, done: Done) -> dict[str, Any]:
+        """The whole choice for its `text`. Chat with an output splitter: content null when it is empty
+        and there are tool calls; reasoning_content with the reasoning parser on; tool_calls when there
+        are calls; finish_reason `tool_calls` for an output that ended with calls."""
+        if self.output is None:
+            return self.choice(text, logprobs, self.finish(done))
         reasoning, content, calls = self.output.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if self.output.splits_reasoning:
             message["reasoning_content"] = reasoning or None
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-        reason = self.output.finish_reason(finish_reason)
-        return {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        reason = self.output.finish_reason(done.finish_reason)
+        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _usage(done: Done) -> dict[str, int]:
+def _usage(ends: list[Done], parsed: ParsedRequest) -> dict[str, Any]:
+    """The usage of a request's choices: completion tokens summed over every choice (none when
+    scoring only); prompt and cached tokens once per prompt, those of its first choice."""
+    firsts = ends[:: parsed.n]
+    prompt_tokens = sum(done.prompt_tokens for done in firsts)
+    completion_tokens = 0 if parsed.scoring else sum(done.completion_tokens for done in ends)
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(done.cached_tokens for done in firsts)},
     }
 
 
@@ -370,8 +447,48 @@ def _merge_logprobs(parts: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
     }
 
 
+class _Choices:
+    """The generations of a request's choices read as one stream of (choice index, event), in the
+    order events arrive (OpenAI interleaves the choices of a stream). At most one read per
+    generation is pending, so the deltas of a slow client still merge in each generation's slot.
+    `cancel()` cancels every generation."""
+
+    def __init__(self, generations: list[Generation]) -> None:
+        self._generations = generations
+        self._reads: dict[asyncio.Future[Event], int] = {}
+        self._ready: list[tuple[int, Event]] = []
+        self.open = len(generations)  # choices whose terminal event was not returned yet
+        for index in range(len(generations)):
+            self._read(index)
+
+    def _read(self, index: int) -> None:
+        self._reads[asyncio.ensure_future(self._generations[index].next())] = index
+
+    async def next(self) -> tuple[int, Event]:
+        """The next event of any choice; only while `open`. Safe to cancel (a timeout loses nothing)."""
+        assert self.open
+        while not self._ready:
+            done, _ = await asyncio.wait(self._reads, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=lambda f: self._reads[f]):
+                index = self._reads.pop(future)
+                event = future.result()
+                self._ready.append((index, event))
+                if isinstance(event, Delta):
+                    self._read(index)
+        index, event = self._ready.pop(0)
+        if not isinstance(event, Delta):
+            self.open -= 1
+        return index, event
+
+    def cancel(self) -> None:
+        for generation in self._generations:
+            generation.cancel()
+        for future in self._reads:
+            future.cancel()
+
+
 class OpenAIHandlers:
-    """The two generation endpoints; routes are added by `http_app`."""
+    """The generation endpoints and the model list; routes are added by `http_app`."""
 
     def __init__(self, pipeline: Pipeline, settings: GatewaySettings) -> None:
         self._pipeline = pipeline
@@ -384,17 +501,27 @@ class OpenAIHandlers:
         except ParamError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         model = await self.model_name(parsed.model)
-        inp = dataclasses.replace(parsed.input, api="chat" if chat else "completions",
-                                  trace_context=trace_context_from(request.headers.get))
-        generation = self._pipeline.generate(inp)
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        renderer = _Renderer(parsed, self._pipeline, prefix + generation.id, model, self._chat_output(parsed))
+        echoes = await self._echoes(parsed)
+        request_id = request.scope[REQUEST_ID]
+        own = params.client_request_id(request.headers.get("x-request-id")) or ""
+        context = trace_context_from(request.headers.get)
+        api = "chat" if chat else "completions"
+        choices = _Choices([
+            self._pipeline.generate(dataclasses.replace(inp, api=api, trace_context=context, request_id=own))
+            for inp in parsed.inputs
+        ])  # fmt: skip
+        response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        created = int(time.time())
+        renderers = [
+            _Renderer(parsed, self._pipeline, response_id, model, created, i, echo, self._chat_output(parsed))
+            for i, echo in enumerate(echoes)
+        ]
         if parsed.stream:
-            return await self._stream(request, generation, renderer)
-        return await self._complete(request, generation, renderer)
+            return await self._stream(request, choices, renderers)
+        return await self._complete(request, choices, renderers)
 
     def _chat_output(self, parsed: ParsedRequest) -> ChatOutput | None:
-        """The splitter of a chat request's output (None for completions): reasoning with
+        """A splitter of one chat choice's output (None for completions): reasoning with
         `reasoning_parser` on, tool calls when the request has tools and tool_choice is not none."""
         if not parsed.chat:
             return None
@@ -403,6 +530,23 @@ class OpenAIHandlers:
             reasoning=self._settings.reasoning_parser == "think",
             tool_parser=self._settings.tool_call_parser if reads_calls else None,
         )
+
+    async def _echoes(self, parsed: ParsedRequest) -> list[str]:
+        """Each choice's echoed prompt ("" without `echo`): a text prompt as given, token ids decoded
+        by a detokenizer (special tokens kept). Raises ApiError (`decode_error`)."""
+        if not parsed.echo:
+            return [""] * len(parsed.inputs)
+        echoes: list[str] = []
+        for inp in parsed.inputs[:: parsed.n]:
+            if inp.prompt_ids is None:
+                text = inp.prompt or ""
+            else:
+                try:
+                    text = await self._pipeline.decode(list(inp.prompt_ids), skip_special_tokens=False)
+                except grpc.aio.AioRpcError as exc:
+                    raise decode_error(exc) from None
+            echoes.extend([text] * parsed.n)
+        return echoes
 
     async def model_name(self, asked: str | None) -> str:
         """The served model's name: `served_model_name`, else the tokenizer's (the model directory's
@@ -421,93 +565,132 @@ class OpenAIHandlers:
                            param="model", code="model_not_found")  # fmt: skip
         return served
 
-    async def _complete(self, request: Request, generation: Generation, renderer: _Renderer) -> JSONResponse:
-        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, generation))
+    async def max_model_len(self) -> int:
+        """The engines' context length. Raises ApiError 503 when no engine can say."""
         try:
-            texts: list[str] = []
-            logprob_parts: list[dict[str, Any]] = []
-            async for event in generation:
+            return await self._pipeline.max_model_len()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
+            raise ApiError(
+                503, "engine unavailable", type_="service_unavailable", code="unavailable"
+            ) from None
+
+    async def _complete(
+        self, request: Request, choices: _Choices, renderers: list[_Renderer]
+    ) -> JSONResponse:
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, choices.cancel))
+        try:
+            texts: list[list[str]] = [[] for _ in renderers]
+            logprob_parts: list[list[dict[str, Any]]] = [[] for _ in renderers]
+            ends: list[Done | None] = [None] * len(renderers)
+            while choices.open:
+                index, event = await choices.next()
                 failure = _as_failure(event)
                 if failure is not None:
                     return failure_error(failure, self._settings).response()
+                renderer = renderers[index]
                 if isinstance(event, Delta):
-                    texts.append(event.text)
+                    texts[index].append(renderer.text(event))
                     part = await renderer.logprobs(event)
                     if part is not None:
-                        logprob_parts.append(part)
-                    continue
-                assert isinstance(event, Done)
-                wanted = renderer.parsed.logprobs is not None
-                logprobs = _merge_logprobs(logprob_parts, renderer.parsed.chat) if wanted else None
-                if renderer.parsed.chat:
-                    choice = renderer.chat_choice("".join(texts), logprobs, event.finish_reason)
+                        logprob_parts[index].append(part)
                 else:
-                    choice = renderer.choice("".join(texts), logprobs, event.finish_reason)
-                body = renderer.envelope([choice])
-                body["usage"] = _usage(event)
-                return JSONResponse(body)
-            raise AssertionError("a generation always ends with a terminal event")
+                    assert isinstance(event, Done)
+                    texts[index].append(renderer.text(None))
+                    ends[index] = event
+            return JSONResponse(self._completion_body(renderers, texts, logprob_parts, ends))
         finally:
             watcher.cancel()
-            generation.cancel()
+            choices.cancel()
+
+    @staticmethod
+    def _completion_body(
+        renderers: list[_Renderer],
+        texts: list[list[str]],
+        logprob_parts: list[list[dict[str, Any]]],
+        ends: list[Done | None],
+    ) -> dict[str, Any]:
+        parsed = renderers[0].parsed
+        done = [end for end in ends if end is not None]
+        assert len(done) == len(renderers), "every choice ended"
+        wanted = parsed.logprobs is not None
+        body = renderers[0].envelope([
+            renderer.whole_choice("".join(text), _merge_logprobs(parts, parsed.chat) if wanted else None, end)
+            for renderer, text, parts, end in zip(renderers, texts, logprob_parts, done, strict=True)
+        ])  # fmt: skip
+        body["usage"] = _usage(done, parsed)
+        return body
 
     async def _stream(
-        self, request: Request, generation: Generation, renderer: _Renderer
+        self, request: Request, choices: _Choices, renderers: list[_Renderer]
     ) -> JSONResponse | EventSourceResponse:
-        first: Event | None = None
+        first: tuple[int, Event] | None = None
         with contextlib.suppress(TimeoutError):
-            first = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
-        failure = _as_failure(first) if first is not None else None
+            first = await asyncio.wait_for(choices.next(), self._settings.sse_keepalive_s)
+        failure = _as_failure(first[1]) if first is not None else None
         if failure is not None:
+            choices.cancel()
             return failure_error(failure, self._settings).response()
         # The client's disconnect is heard even while no chunk is being written.
-        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, generation))
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, choices.cancel))
         return _TimedEventSource(
-            self._sse(first, generation, renderer, watcher),
+            self._sse(first, choices, renderers, watcher),
             send_timeout_s=self._settings.send_timeout_s,
-            on_timeout=generation.cancel,
+            on_timeout=choices.cancel,
             headers=SSE_HEADERS,
-            background=BackgroundTask(generation.cancel),
+            background=BackgroundTask(choices.cancel),
         )
 
     async def _sse(
-        self, first: Event | None, generation: Generation, renderer: _Renderer, watcher: asyncio.Task[None]
+        self,
+        first: tuple[int, Event] | None,
+        choices: _Choices,
+        renderers: list[_Renderer],
+        watcher: asyncio.Task[None],
     ) -> AsyncIterator[bytes]:
+        parsed = renderers[0].parsed
+        ends: list[Done | None] = [None] * len(renderers)
         try:
-            if renderer.parsed.chat:
-                opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                           "finish_reason": None}  # fmt: skip
-                yield _sse_data(renderer.envelope([opening]))
-            event = first
+            if parsed.chat:
+                for renderer in renderers:
+                    opening = {"index": renderer.index, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}  # fmt: skip
+                    yield _sse_data(renderer.envelope([opening]))
+            item = first
             while True:
-                if event is None:
+                if item is None:
+                    if not choices.open:
+                        break
                     try:
-                        event = await asyncio.wait_for(generation.next(), self._settings.sse_keepalive_s)
+                        item = await asyncio.wait_for(choices.next(), self._settings.sse_keepalive_s)
                     except TimeoutError:
                         yield KEEPALIVE
                         continue
+                index, event = item
+                item = None
                 failure = _as_failure(event)
                 if failure is not None:
                     yield _sse_data(failure_error(failure, self._settings).body())
                     break
+                renderer = renderers[index]
                 if isinstance(event, Delta):
                     chunk = await renderer.chunk(event)
                     if chunk is not None:
                         yield _sse_data(chunk)
-                else:
-                    assert isinstance(event, Done)
-                    for chunk in renderer.last_chunks(event.finish_reason):
-                        yield _sse_data(chunk)
-                    if renderer.parsed.include_usage:
-                        usage_chunk = renderer.envelope([])
-                        usage_chunk["usage"] = _usage(event)
-                        yield _sse_data(usage_chunk)
-                    break
-                event = None
+                    continue
+                assert isinstance(event, Done)
+                ends[index] = event
+                for chunk in renderer.last_chunks(event):
+                    yield _sse_data(chunk)
+            done = [end for end in ends if end is not None]
+            if len(done) == len(renderers) and parsed.include_usage:
+                usage_chunk = renderers[0].envelope([])
+                usage_chunk["usage"] = _usage(done, parsed)
+                yield _sse_data(usage_chunk)
             yield DONE
         finally:
             watcher.cancel()
-            generation.cancel()
+            choices.cancel()
 
 
 KEEPALIVE = format_sse_event(comment="keep-alive")
@@ -550,8 +733,10 @@ class _TimedEventSource(EventSourceResponse):
         try:
             await super().stream_response(timed_send)
         except TimeoutError:
-            log.warning("an SSE client stopped reading (a write blocked %gs): its generation is cancelled",
-                        self._send_timeout_s)
+            log.warning(
+                "an SSE client stopped reading (a write blocked %gs): its generation is cancelled",
+                self._send_timeout_s,
+            )
             self._on_timeout()
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
@@ -560,10 +745,10 @@ class _TimedEventSource(EventSourceResponse):
                 self._drop()
 
 
-async def _cancel_on_disconnect(request: Request, generation: Generation) -> None:
-    """Cancels `generation` when the client goes away."""
+async def _cancel_on_disconnect(request: Request, cancel: Callable[[], None]) -> None:
+    """Calls `cancel` when the client goes away."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            generation.cancel()
+            cancel()
             return

@@ -1,16 +1,20 @@
 """Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and
 public gRPC APIs: `generation_params` turns the sampling and stopping values of any of them into the
 protobufs the pipeline takes. The gateway's defaults and limits live here, and only here: the default
-max tokens (`max_new_tokens`, from `default_max_tokens`) and the logprob limits included.
+max tokens (`max_new_tokens`: the rest of the context) and the logprob limits included.
 
 Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a
 positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0 to 10, seed
-0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, at most
+0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, logit_bias at most
+`MAX_LOGIT_BIAS` token ids (0 to 2**31 - 1; the engine refuses one outside the vocabulary) each
+biased by -100 to 100, at most
 `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
 detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
 token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it);
 logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's `top_logprobs`, the gRPC
 API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI completions' `logprobs`.
+A client's own request id (`client_request_id`: HTTP `X-Request-Id`, the gRPC API's `request_id`) is
+printable ASCII of at most `MAX_REQUEST_ID_CHARS` characters.
 
 `OPENAI_EXTENSIONS` are the keys of `GENERATION_KEYS` that OpenAI's API lacks and vLLM's accepts; the
 README's "OpenAI extensions" table lists the same (a test checks).
@@ -39,6 +43,11 @@ MAX_INT32 = 2**31 - 1
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32
 MAX_LOGPROBS = 20
 MAX_LOGPROBS_COMPLETIONS = 5
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
+MAX_REQUEST_ID_CHARS = 128
+MAX_N = 128
+MAX_CHOICES = 1024  # prompts times n in one OpenAI request
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -294,23 +303,100 @@ def _text_parts(parts: list[Any], where: str) -> str:
 
 def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *, where: str = "") -> None:
     """The vLLM extensions for fixed output lengths, `ignore_eos` (bool) and `min_tokens` (0 to the
-    request's max tokens), set on `stopping`, whose `max_new_tokens` must already be final."""
+    request's max tokens when it gave one), set on `stopping`, whose `max_new_tokens` must already be
+    set (0: the rest of the context, which the engine checks against)."""
     ignore_eos = boolean(obj, "ignore_eos", where=where)
     if ignore_eos is not None:
         stopping.ignore_eos = ignore_eos
     min_tokens = integer(obj, "min_tokens", 0, MAX_INT32, where=where)
     if min_tokens is None:
         return
-    if min_tokens > stopping.max_new_tokens:
+    if stopping.max_new_tokens and min_tokens > stopping.max_new_tokens:
         label, most = where + "min_tokens", stopping.max_new_tokens
         raise ParamError(label, f"{label} ({min_tokens}) must not exceed max_tokens ({most})")
     stopping.min_new_tokens = min_tokens
 
 
-def max_new_tokens(asked: int | None, settings: GatewaySettings) -> int:
-    """The most tokens a request may generate: `asked`, or `settings.default_max_tokens` when it asked
-    none (None, or a protobuf's 0)."""
-    return asked or settings.default_max_tokens
+def max_new_tokens(asked: int, prompt_tokens: int, max_model_len: int) -> int:
+    """The most tokens a request may generate: `asked`, or when it asked none (0) the rest of the
+    context, `max_model_len` less the prompt (at least 1: the engine refuses a prompt that fills it)."""
+    return asked or max(1, max_model_len - prompt_tokens)
+
+
+def logit_bias(raw: Any, label: str) -> dict[int, float]:
+    """OpenAI's `logit_bias`, an object of token ids (decimal strings, or ints from the gRPC map) to
+    a bias from -100 to 100, as token id → bias; null = none."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ParamError(label, f"{label} must be an object of token ids to biases")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise ParamError(label, f"{label} takes at most {MAX_LOGIT_BIAS} token ids")
+    biases: dict[int, float] = {}
+    for key, value in raw.items():
+        text = str(key)
+        if not (text.isascii() and text.isdigit()) or int(text) > MAX_INT32:
+            raise ParamError(label, f"{label}: {text!r} is not a token id (0 to {MAX_INT32})")
+        bias = number({text: value}, text, -MAX_BIAS, MAX_BIAS, where=f"{label}.")
+        if bias is None:
+            raise ParamError(f"{label}.{text}", f"{label}.{text} must be a number")
+        biases[int(text)] = bias
+    return biases
+
+
+def token_ids(raw: Any, label: str) -> tuple[int, ...]:
+    """A non-empty list of token ids, each an int from 0 to `MAX_INT32` (the engine refuses one
+    outside the vocabulary)."""
+    if not isinstance(raw, list) or not raw:
+        raise ParamError(label, f"{label} must be a non-empty list of token ids")
+    for token_id in raw:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT32:
+            raise ParamError(label, f"{label} must hold integers from 0 to {MAX_INT32}")
+    return tuple(raw)
+
+
+def completion_prompts(raw: Any, label: str = "prompt") -> list[str | tuple[int, ...]]:
+    """OpenAI completions' `prompt`: a string, a list of strings, a list of token ids, or a list of
+    lists of token ids; one entry per prompt of the batch (a string, or a tuple of ids)."""
+    if isinstance(raw, str):
+        return [raw]
+    if not isinstance(raw, list) or not raw:
+        raise ParamError(label, f"'{label}' must be a string, a list of strings, a list of token ids or a "
+                         "list of lists of token ids")  # fmt: skip
+    if all(isinstance(item, str) for item in raw):
+        return list(raw)
+    if all(isinstance(item, list) for item in raw):
+        return [token_ids(item, f"{label}[{i}]") for i, item in enumerate(raw)]
+    return [token_ids(raw, label)]
+
+
+def choices_per_prompt(body: dict[str, Any]) -> int:
+    """OpenAI's `n` (1 to `MAX_N`, default 1), and `best_of`, which may only repeat it (choices are
+    not ranked by likelihood)."""
+    n = integer(body, "n", 1, MAX_N) or 1
+    best_of = integer(body, "best_of", 1, MAX_N)
+    if best_of not in (None, n):
+        raise ParamError("best_of", f"best_of ({best_of}) must equal n ({n}): choices are not ranked")
+    return n
+
+
+def scoring_only(body: dict[str, Any], echo: bool) -> bool:
+    """Whether an OpenAI completions body asks to score its prompt only: `max_tokens` 0, which needs
+    `echo` (the prompt, and with `logprobs` its logprobs, are then the whole answer)."""
+    value = body.get("max_tokens")
+    if isinstance(value, bool) or value != 0:
+        return False
+    if not echo:
+        raise ParamError("max_tokens", "max_tokens 0 needs 'echo': true (the prompt is all it returns)")
+    return True
+
+
+def client_request_id(raw: Any) -> str | None:
+    """A client's own id for its request when it is printable ASCII (space to ~) of 1 to
+    `MAX_REQUEST_ID_CHARS` characters; None otherwise (the gateway then makes one)."""
+    if not isinstance(raw, str) or not 0 < len(raw) <= MAX_REQUEST_ID_CHARS:
+        return None
+    return raw if all(" " <= c <= "~" for c in raw) else None
 
 
 def logprobs(raw: int, label: str) -> int:
@@ -324,7 +410,7 @@ def logprobs(raw: int, label: str) -> int:
 OPENAI_EXTENSIONS = ("ignore_eos", "min_p", "min_tokens", "repetition_penalty", "stop_token_ids", "top_k")
 GENERATION_KEYS = frozenset({
     "max_tokens", "temperature", "top_p", "seed", "stop", "presence_penalty", "frequency_penalty",
-    *OPENAI_EXTENSIONS,
+    "logit_bias", *OPENAI_EXTENSIONS,
 })  # fmt: skip
 
 
@@ -332,8 +418,8 @@ def generation_params(
     values: dict[str, Any], settings: GatewaySettings, *, where: str = ""
 ) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
     """The sampling and stopping protobufs for the values of `GENERATION_KEYS` in `values` (other
-    keys are not read; absent or null = the default: `settings.default_temperature`,
-    `settings.default_max_tokens`, off for the rest). `where` prefixes the names in errors
+    keys are not read; absent or null = the default: `settings.default_temperature`, max tokens 0
+    (the rest of the context, `max_new_tokens`), off for the rest). `where` prefixes the names in errors
     ("params."). Raises ParamError on the first value outside the limits of the module docstring."""
     sampling = common_pb2.SamplingParams()
     temperature = number(values, "temperature", 0.0, MAX_TEMPERATURE, where=where)
@@ -347,9 +433,9 @@ def generation_params(
     seed = integer(values, "seed", 0, MAX_SEED, where=where)
     if seed is not None:
         sampling.seed = seed
+    sampling.logit_bias.update(logit_bias(values.get("logit_bias"), where + "logit_bias"))
     stopping = common_pb2.StoppingParams()
-    asked = integer(values, "max_tokens", 1, MAX_INT32, where=where)
-    stopping.max_new_tokens = max_new_tokens(asked, settings)
+    stopping.max_new_tokens = integer(values, "max_tokens", 1, MAX_INT32, where=where) or 0
     stopping.stop.extend(stop_strings(values.get("stop"), where + "stop"))
     stopping.stop_token_ids.extend(stop_token_ids(values.get("stop_token_ids"), where + "stop_token_ids"))
     length_controls(values, stopping, where=where)

@@ -10,7 +10,11 @@ close finishes with the engine's reason. Ids and logprobs go out with the text: 
 many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
 after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
 handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
+generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing (a prompt of
+token ids skips the tokenizer). A request that asked no max tokens may generate the rest of the
+context: the engines' `max_model_len` (an engine's `Stats`, asked once) less its prompt. A request that
+asked for prompt logprobs gets them, with the prompt's ids, once, from the engine's first chunk.
+`Done.cached_tokens` comes from the engine's final: 0 when a stop string ended the request first.
 
 Invariants:
 - every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
@@ -59,7 +63,7 @@ from gateway.events import (
 from gateway.lookups import Lookups
 from gateway.observability import RequestTrace
 from gateway.settings import GatewaySettings
-from gateway.stages import DetokLink, EngineLink, Stages
+from gateway.stages import DetokLink, EngineLink, Stages, TokenizeOptions
 from services.common import errors
 from services.common.errors import (
     DEADLINE_EXCEEDED,
@@ -99,6 +103,7 @@ class _Request:
     held_ids: list[int] = field(default_factory=list)  # kept ids not yet handed out with text
     held_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
     ids_out: int = 0  # generated ids handed out so far (counted whether kept or not)
+    prompt_out: bool = False  # the prompt's ids and logprobs went out (prompt logprobs asked for)
     admit_task: asyncio.Task[None] | None = None
     submit: engine_pb2.GenerateRequest | None = None  # as sent to the engine, kept for a retry
     deadline: float = 0.0  # time.monotonic()
@@ -145,7 +150,8 @@ class Pipeline:
 
     def generate(self, inp: GenerateInput) -> Generation:
         """Starts one generation at once (tokenizing runs in the background) and returns its handle."""
-        assert (inp.prompt is None) != (inp.messages is None), "exactly one of prompt and messages"
+        given = (inp.prompt, inp.messages, inp.prompt_ids)
+        assert sum(x is not None for x in given) == 1, "exactly one of prompt, messages and prompt_ids"
         request = _Request(id=f"{self._prefix}-{next(self._counter)}", input=inp, slot=EventSlot())
         generation = Generation(request.id, request.slot, lambda: self.cancel(request))
         request.trace = self._start_trace(request)
@@ -168,15 +174,19 @@ class Pipeline:
     def _start_trace(self, request: _Request) -> RequestTrace:
         inp = request.input
         attributes: dict[str, object] = {
-            "gen_ai.request.max_tokens": params.max_new_tokens(inp.stopping.max_new_tokens, self._settings),
             "gen_ai.request.temperature": inp.sampling.temperature,
             "gen_ai.request.top_p": inp.sampling.top_p,
         }
+        if inp.stopping.max_new_tokens:  # else set once the prompt's length is known
+            attributes["gen_ai.request.max_tokens"] = inp.stopping.max_new_tokens
         if self._lookups.info is not None:
             attributes["gen_ai.request.model"] = self._lookups.info.model
         if inp.user:
             attributes["user.id"] = inp.user
-        return RequestTrace(self.metrics, request.id, inp.api, inp.trace_context, attributes)
+        if inp.request_id:  # the span is named by the client's id; the stages' spans by the gateway's
+            attributes["sluice.upstream_request_id"] = request.id
+        trace_id = inp.request_id or request.id
+        return RequestTrace(self.metrics, trace_id, inp.api, inp.trace_context, attributes)
 
     def _refusal(self) -> Failed | None:
         """Why a new generation cannot start now (admission control), or None."""
@@ -225,6 +235,20 @@ class Pipeline:
         """Each token id on its own, for logprobs (`Lookups.token_pieces`). Raises AioRpcError."""
         return await self._lookups.token_pieces(ids)
 
+    async def max_model_len(self) -> int:
+        """The engines' context length (`Lookups.max_model_len`). Raises AioRpcError."""
+        return await self._lookups.max_model_len()
+
+    async def tokenize(self, inp: GenerateInput, options: TokenizeOptions) -> list[int]:
+        """The ids of `inp`'s prompt or messages, tokenized with `options`, outside any generation.
+        Raises AioRpcError."""
+        deadline = time.monotonic() + self._settings.tokenize_timeout_s
+        return await self._stages.tokenize(f"{self._prefix}-t{next(self._counter)}", inp, deadline, options)
+
+    async def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        """The text of `ids` from a detokenizer replica. Raises AioRpcError."""
+        return await self._stages.decode(ids, skip_special_tokens=skip_special_tokens)
+
     # ----- admission
 
     async def _admit(self, request: _Request, deadline: float) -> None:
@@ -233,14 +257,16 @@ class Pipeline:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._lookups.model_info()
         try:
-            with request.trace.active():
-                ids = await self._stages.tokenize(request.id, request.input, deadline)
+            ids = await self._prompt_ids(request, deadline)
         except grpc.aio.AioRpcError as exc:
             self._finish(request, tokenizer_failure(exc))
             return
         if request.finished:
             return
         request.trace.tokenized(len(ids))
+        max_new_tokens = await self._max_new_tokens(request, len(ids))
+        if request.finished or max_new_tokens is None:
+            return
         if self._lookups.info is not None:
             request.trace.set_attribute("gen_ai.request.model", self._lookups.info.model)
         wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
@@ -249,10 +275,35 @@ class Pipeline:
         if request.finished:
             return
         try:
-            self._submit(request, ids, deadline, detok, engine)
+            self._submit(request, ids, deadline, detok, engine, max_new_tokens)
         except Exception:
             log.exception("cannot submit request %s", request.id)
             self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
+
+    async def _prompt_ids(self, request: _Request, deadline: float) -> list[int]:
+        """The request's prompt ids: as given, else from the tokenizer. Raises AioRpcError."""
+        if request.input.prompt_ids is not None:
+            return list(request.input.prompt_ids)
+        assert request.trace is not None
+        with request.trace.active():
+            return await self._stages.tokenize(request.id, request.input, deadline)
+
+    async def _max_new_tokens(self, request: _Request, prompt_tokens: int) -> int | None:
+        """The most tokens the request may generate (`params.max_new_tokens`), asking the engines'
+        context length when it gave none; None when that fails (the request is then finished)."""
+        asked = request.input.stopping.max_new_tokens
+        if asked:
+            return asked
+        try:
+            limit = await self._lookups.max_model_len()
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
+            self._finish(request, Failed(UNAVAILABLE, "engine unavailable"))
+            return None
+        max_new_tokens = params.max_new_tokens(asked, prompt_tokens, limit)
+        assert request.trace is not None
+        request.trace.set_attribute("gen_ai.request.max_tokens", max_new_tokens)
+        return max_new_tokens
 
     def _prompt_refusal(self, ids: list[int]) -> Failed | None:
         """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`), or None."""
@@ -264,12 +315,18 @@ class Pipeline:
         return None
 
     def _submit(
-        self, request: _Request, ids: list[int], deadline: float, detok_address: str, engine_address: str
+        self,
+        request: _Request,
+        ids: list[int],
+        deadline: float,
+        detok_address: str,
+        engine_address: str,
+        max_new_tokens: int,
     ) -> None:
         """Opens the request's decoding state, then submits it to the engine (in that order, so that
-        its first chunk always finds the state), on the replicas given. The engine gets the time left
-        until `deadline` (`time.monotonic()`), so it ends the request itself if the gateway's own timer
-        cannot."""
+        its first chunk always finds the state), on the replicas given, to generate at most
+        `max_new_tokens`. The engine gets the time left until `deadline` (`time.monotonic()`), so it
+        ends the request itself if the gateway's own timer cannot."""
         refusal = self._prompt_refusal(ids)
         if refusal is not None:
             self._finish(request, refusal)
@@ -289,7 +346,7 @@ class Pipeline:
         inp = request.input
         stopping = common_pb2.StoppingParams()
         stopping.CopyFrom(inp.stopping)
-        stopping.max_new_tokens = params.max_new_tokens(stopping.max_new_tokens, self._settings)
+        stopping.max_new_tokens = max_new_tokens
         request.submit = engine_pb2.GenerateRequest(
             request_id=request.id,
             prompt_ids=ids,
@@ -335,6 +392,10 @@ class Pipeline:
             return
         if not request.num_generated and request.trace is not None:
             request.trace.on_chunk(batch_size)
+        if not request.prompt_out and request.input.sampling.HasField("prompt_logprobs"):
+            request.prompt_out = True
+            assert request.submit is not None
+            request.slot.push_prompt(list(request.submit.prompt_ids), list(chunk.prompt_logprobs))
         request.num_generated += len(chunk.token_ids)
         if request.keep_ids:
             request.held_ids.extend(chunk.token_ids)
@@ -384,13 +445,15 @@ class Pipeline:
             self._finish(request, Failed(INTERNAL, f"detokenizer: {final.error}"))
         elif final.stopped:
             self._hand_out(request, "", final.num_ids_consumed)
-            self._finish(request, Done("stop", request.prompt_tokens, request.ids_out, final.stop))
+            cached = request.engine_final.usage.cached_tokens if request.engine_final is not None else 0
+            self._finish(request, Done("stop", request.prompt_tokens, request.ids_out, final.stop, cached))
         elif request.engine_final is not None:
             usage = request.engine_final.usage
             self._hand_out(request, "", final.num_ids_consumed)
             reason = _finish_reason(request.engine_final)
             prompt_tokens = usage.prompt_tokens or request.prompt_tokens
-            self._finish(request, Done(reason, prompt_tokens, request.ids_out))
+            done = Done(reason, prompt_tokens, request.ids_out, cached_tokens=usage.cached_tokens)
+            self._finish(request, done)
         else:
             self._finish(request, Failed(INTERNAL, "detokenizer ended the request before it was closed"))
 

@@ -18,8 +18,10 @@ class GatewaySettings(ValidatedSettings):
     grpc_port: int = field(default=50050, metadata={"help": "public gRPC API port (0 = any free port)"})
     tokenizer: tuple[str, ...] = field(
         default=("127.0.0.1:50051",),
-        metadata={"help": "tokenizer replicas, comma-separated host:port, or dns:///name:port for every "
-                  "address the name resolves to (re-resolved every --resolve-interval-s)"},
+        metadata={
+            "help": "tokenizer replicas, comma-separated host:port, or dns:///name:port for every "
+            "address the name resolves to (re-resolved every --resolve-interval-s)"
+        },
     )
     engine: tuple[str, ...] = field(
         default=("127.0.0.1:50052",),
@@ -31,16 +33,19 @@ class GatewaySettings(ValidatedSettings):
     )
     resolve_interval_s: float = field(
         default=10.0,
-        metadata={"help": "seconds between re-resolutions of the dns:/// names (also re-resolved when no "
-                  "replica of a stage is connected)"},
+        metadata={
+            "help": "seconds between re-resolutions of the dns:/// names (also re-resolved when no "
+            "replica of a stage is connected)"
+        },
     )
     channels_per_replica: int = field(
         default=1,
-        metadata={"help": "connections to each tokenizer and detokenizer replica, the work spread over them "
-                  "(one multiplexed detokenizer stream each): for replicas running --workers N, about 4N, "
-                  "so every worker gets work (the kernel hands each connection to one); engines get one"},
+        metadata={
+            "help": "connections to each tokenizer and detokenizer replica, the work spread over them "
+            "(one multiplexed detokenizer stream each): for replicas running --workers N, about 4N, "
+            "so every worker gets work (the kernel hands each connection to one); engines get one"
+        },
     )
-    default_max_tokens: int = field(default=256, metadata={"help": "max_tokens when a request gives none"})
     default_temperature: float = field(
         default=1.0, metadata={"help": "temperature when a request gives none (0 = greedy)"}
     )
@@ -172,8 +177,6 @@ class GatewaySettings(ValidatedSettings):
             raise ValueError("resolve_interval_s must be > 0")
         if self.channels_per_replica < 1:
             raise ValueError("channels_per_replica must be >= 1")
-        if self.default_max_tokens < 1:
-            raise ValueError("default_max_tokens must be >= 1")
         if self.default_temperature < 0:
             raise ValueError("default_temperature must be >= 0")
         for name in ("request_timeout_s", "tokenize_timeout_s", "health_timeout_s"):

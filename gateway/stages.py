@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from gateway.events import GenerateInput
 from gateway.routing import Picker
@@ -36,6 +37,14 @@ DetokLink = StreamLink[
     detokenizer_pb2.DetokenizeInEntry, detokenizer_pb2.DetokenizeIn, detokenizer_pb2.DetokenizeOut
 ]
 OnBroken = Callable[[EngineLink | DetokLink, str], None]
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """The tokenizer's options for one call; None leaves the tokenizer's default (true for both)."""
+
+    add_special_tokens: bool | None = None  # text only: bos and the like
+    add_generation_prompt: bool | None = None  # messages only: the assistant turn's opening
 
 
 class Stages:
@@ -150,7 +159,9 @@ class Stages:
 
     # ----- unary calls
 
-    async def tokenize(self, request_id: str, inp: GenerateInput, deadline: float) -> list[int]:
+    async def tokenize(
+        self, request_id: str, inp: GenerateInput, deadline: float, options: TokenizeOptions | None = None
+    ) -> list[int]:
         """The prompt's ids from a tokenizer replica (in turn), within `deadline` (`time.monotonic()`).
         Raises AioRpcError."""
         if inp.messages is not None:
@@ -160,12 +171,25 @@ class Stages:
             )
         else:
             message = tokenizer_pb2.TokenizeRequest(request_id=request_id, text=inp.prompt)
+        if options is not None:
+            if options.add_special_tokens is not None:
+                message.add_special_tokens = options.add_special_tokens
+            if options.add_generation_prompt is not None:
+                message.add_generation_prompt = options.add_generation_prompt
         wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
         address = await self.tokenizers.pick_ready(wait_s)
         timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
         stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
         reply = await stub.Tokenize(message, timeout=timeout)
         return list(reply.ids)
+
+    async def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
+        """The text of `ids` from a detokenizer replica (in turn). Raises AioRpcError."""
+        address = await self.detokenizers.pick_ready(self._settings.upstream_wait_s)
+        stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[address])
+        request = detokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=skip_special_tokens)
+        reply = await stub.Decode(request, timeout=self._settings.tokenize_timeout_s)
+        return reply.text
 
     async def check_ready(self) -> dict[str, bool]:
         """Health of every upstream replica: "kind address" → SERVING."""

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
 
+
 class FrameError(Exception):
     """A client frame that is not a valid message; `frame_id` is the id it carried, or None."""
 
@@ -136,8 +137,14 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     constraint = structured_output(given, where="params.")
     if constraint is not None:
         sampling.structured.CopyFrom(constraint[1])
-    return GenerateInput(prompt=prompt, messages=messages, sampling=sampling, stopping=stopping, api="ws",
-                         trace_context=trace_context_from(frame.get))
+    return GenerateInput(
+        prompt=prompt,
+        messages=messages,
+        sampling=sampling,
+        stopping=stopping,
+        api="ws",
+        trace_context=trace_context_from(frame.get),
+    )
 
 
 # Close codes (RFC 6455): 1000 normal (client's choice), 1008 policy violation (authentication, a
@@ -349,7 +356,11 @@ class SocketSession:
 def _terminal_frame(frame_id: str, event: Done | Failed) -> dict[str, Any]:
     if isinstance(event, Failed):
         return error_frame(frame_id, event.code, event.message)
-    usage = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}
+    usage = {
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cached_tokens": event.cached_tokens,
+    }
     return {"type": "done", "id": frame_id, "finish_reason": event.finish_reason, "usage": usage}
 
 

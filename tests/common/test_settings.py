@@ -81,7 +81,7 @@ def test_validate_runs_once_when_built(
         ("services.tokenizer.settings", "TokenizerSettings", ["--workers", "0"]),
         ("services.detokenizer.settings", "DetokenizerSettings", ["--workers", "0"]),
         ("services.engine.settings", "EngineSettings", ["--batching", "sometimes"]),
-        ("gateway.settings", "GatewaySettings", ["--default-max-tokens", "0"]),
+        ("gateway.settings", "GatewaySettings", ["--routing", "random"]),
     ],
 )
 def test_every_service_refuses_bad_settings(module: str, name: str, argv: list[str]) -> None:

@@ -75,7 +75,11 @@ def test_two_concurrent_greedy_generations_repeat_exactly(pipeline: Pipeline, ti
         text, prompt_tokens, completion_tokens = reference(tiny_model_dir, prompt, MAX_TOKENS)
         done = first[rid]["done"]
         assert first[rid]["text"] == text
-        assert done["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}
+        assert done["usage"] == {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "cached_tokens": done["usage"]["cached_tokens"],  # the second run finds the first's blocks
+        }
         assert done["finish_reason"] == ("length" if completion_tokens == MAX_TOKENS else "stop")
 
 

@@ -1,10 +1,13 @@
 """Fake upstream services for gateway tests: the simplest servicers that honour the protos.
 
 Tokenizer: id 1 (bos) then one id per character (its code point); a conversation renders as
-"role: content\n" lines then "assistant: ". Engine: one token per step per request (`tokens_per_step`),
+"role: content\n" lines then "assistant: " (bos and "assistant: " left out when the request's options
+say so). Engine: one token per step per request (`tokens_per_step`),
 cycling through the code points of `OUTPUT` (or through `output_ids`); finishes with LENGTH at
-max_new_tokens. Detokenizer: id → chr(id) (bos skipped), stop strings matched across chunks with the
-possible prefix held back; each delta carries the running count of ids consumed.
+max_new_tokens; prompt logprobs (when asked) are `PROMPT_LOGPROB` for every prompt token after the
+first, its top alternative the token itself; `Stats` gives `max_model_len`. Detokenizer: id → chr(id)
+(bos skipped), stop strings matched across chunks with the possible prefix held back; each delta
+carries the running count of ids consumed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from services.common.pb import (
 BOS = 1
 OUTPUT = "hello world. "
 MODEL = "fake-model"
+PROMPT_LOGPROB = -0.25
 
 
 def expected_text(n: int) -> str:
@@ -57,12 +61,17 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             self.arrived.set()
             await self.gate.wait()
         if request.WhichOneof("input") == "chat":
-            text = "".join(f"{m.role}: {m.content}\n" for m in request.chat.messages) + "assistant: "
+            text = "".join(f"{m.role}: {m.content}\n" for m in request.chat.messages)
+            if not request.HasField("add_generation_prompt") or request.add_generation_prompt:
+                text += "assistant: "
         else:
             text = request.text
         if "INVALID" in text:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "text the tokenizer refuses")
-        return tokenizer_pb2.TokenizeResponse(request_id=request.request_id, ids=encode(text))
+        ids = encode(text)
+        if request.HasField("add_special_tokens") and not request.add_special_tokens:
+            ids = ids[1:]
+        return tokenizer_pb2.TokenizeResponse(request_id=request.request_id, ids=ids)
 
     async def Info(
         self, request: tokenizer_pb2.InfoRequest, context: grpc.aio.ServicerContext
@@ -82,7 +91,7 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     `error_next_submit` (the final's error message) answers the next submit with an ERROR final.
     `report`, when set, is the first message of every Stream call (a load and cache snapshot);
     `paused` holds every request queued (no tokens); `kill_streams()` breaks every open Stream call
-    (UNAVAILABLE) at its next step."""
+    (UNAVAILABLE) at its next step. Every final's usage says `cached_tokens`."""
 
     step_s: float = 0.001
     submits: list[engine_pb2.GenerateRequest] = field(default_factory=list)
@@ -97,6 +106,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     output_ids: list[int] = field(default_factory=list)  # cycled through instead of OUTPUT's code points
     report: engine_pb2.EngineReport | None = None
     paused: bool = False
+    max_model_len: int = 64
+    cached_tokens: int = 0
     _open: list[tuple[list[str], asyncio.Event]] = field(default_factory=list)
 
     def kill_streams(self) -> None:
@@ -165,6 +176,23 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
 
+    async def Stats(
+        self, request: engine_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.StatsResponse:
+        return engine_pb2.StatsResponse(model=MODEL, max_model_len=self.max_model_len)
+
+    @staticmethod
+    def _prompt_logprobs(request: engine_pb2.GenerateRequest) -> list[common_pb2.TokenLogprob]:
+        if not request.sampling.HasField("prompt_logprobs"):
+            return []
+        top = request.sampling.prompt_logprobs
+        return [
+            common_pb2.TokenLogprob(
+                logprob=PROMPT_LOGPROB, top_token_ids=[token][:top], top_logprobs=[PROMPT_LOGPROB][:top]
+            )
+            for token in request.prompt_ids[1:]
+        ]
+
     def _step(self, running: dict[str, _Running]) -> list[engine_pb2.StepEntry]:
         entries = []
         if self.paused:
@@ -176,11 +204,15 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
             state.generated += n
             logprobs = [common_pb2.TokenLogprob(logprob=-0.5)] * n if state.request.sampling.logprobs else []
             chunk = engine_pb2.TokenChunk(request_id=request_id, token_ids=tokens, logprobs=logprobs)
+            if not state.generated - n:
+                chunk.prompt_logprobs.extend(self._prompt_logprobs(state.request))
             entries.append(engine_pb2.StepEntry(chunk=chunk))
             if state.generated >= state.request.stopping.max_new_tokens:
                 del running[request_id]
                 usage = common_pb2.Usage(
-                    prompt_tokens=len(state.request.prompt_ids), completion_tokens=state.generated
+                    prompt_tokens=len(state.request.prompt_ids),
+                    completion_tokens=state.generated,
+                    cached_tokens=self.cached_tokens,
                 )
                 final = engine_pb2.RequestFinal(
                     request_id=request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH, usage=usage

@@ -62,6 +62,9 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.booleans(),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=params.MAX_STOP_STRINGS + 2)),
     "stop_token_ids": st.lists(st.integers(-2, 2**31), max_size=params.MAX_STOP_TOKEN_IDS + 2),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-2, 2**31).map(str), TEXT), st.one_of(st.floats(-110, 110), EDGES), max_size=4
+    ),
 }
 assert set(PLAUSIBLE) == params.GENERATION_KEYS
 PARAM_VALUES = st.fixed_dictionaries(
@@ -75,8 +78,10 @@ def check_valid(sampling: common_pb2.SamplingParams, stopping: common_pb2.Stoppi
     assert 0 <= sampling.top_p <= 1 and 0 <= sampling.min_p <= 1 and sampling.top_k >= 0
     assert -2 <= sampling.presence_penalty <= 2 and -2 <= sampling.frequency_penalty <= 2
     assert 0 <= sampling.repetition_penalty <= 10
-    assert 1 <= stopping.max_new_tokens <= params.MAX_INT32
-    assert 0 <= stopping.min_new_tokens <= stopping.max_new_tokens
+    assert 0 <= stopping.max_new_tokens <= params.MAX_INT32  # 0: the rest of the context
+    assert 0 <= stopping.min_new_tokens <= (stopping.max_new_tokens or params.MAX_INT32)
+    assert len(sampling.logit_bias) <= params.MAX_LOGIT_BIAS
+    assert all(0 <= t <= params.MAX_INT32 and -100 <= b <= 100 for t, b in sampling.logit_bias.items())
     assert len(stopping.stop) <= params.MAX_STOP_STRINGS
     assert all(0 < len(s) <= params.MAX_STOP_CHARS for s in stopping.stop)
     assert len(stopping.stop_token_ids) <= params.MAX_STOP_TOKEN_IDS

@@ -122,7 +122,8 @@ async def test_completion_logprobs_stream(client: openai.AsyncOpenAI) -> None:
 @pytest.mark.parametrize(
     "body",
     [
-        {"model": MODEL, "messages": MESSAGES, "n": 2},
+        {"model": MODEL, "messages": MESSAGES, "n": 0},
+        {"model": MODEL, "messages": MESSAGES, "n": 2, "best_of": 3},
         {"model": MODEL, "messages": MESSAGES, "temperature": 5},
         {"model": MODEL, "messages": []},
         {"model": MODEL, "messages": MESSAGES, "top_logprobs": 3},

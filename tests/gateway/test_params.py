@@ -217,11 +217,11 @@ async def test_a_tiny_top_p_is_not_read_as_off(
     assert upstreams.engine.submits[-1].sampling.top_p > 0  # float32 0 would be off: the whole nucleus
 
 
-def test_the_default_max_tokens_applies_when_a_request_asks_none() -> None:
-    settings = GatewaySettings(default_max_tokens=7)
-    assert params.max_new_tokens(None, settings) == params.max_new_tokens(0, settings) == 7
-    assert params.max_new_tokens(3, settings) == 3
-    assert params.generation_params({}, settings)[1].max_new_tokens == 7
+def test_the_default_max_tokens_is_the_rest_of_the_context() -> None:
+    assert params.generation_params({}, GatewaySettings())[1].max_new_tokens == 0  # decided after tokenizing
+    assert params.max_new_tokens(0, prompt_tokens=10, max_model_len=64) == 54
+    assert params.max_new_tokens(3, prompt_tokens=10, max_model_len=64) == 3
+    assert params.max_new_tokens(0, prompt_tokens=64, max_model_len=64) == 1  # the engine refuses the prompt
 
 
 def test_logprobs_above_the_limit_are_refused() -> None:

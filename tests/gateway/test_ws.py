@@ -36,11 +36,12 @@ async def test_two_concurrent_generations_stream_and_finish_with_usage(
         "type": "done",
         "id": "a",
         "finish_reason": "length",
-        "usage": {"prompt_tokens": len(encode("Once upon")), "completion_tokens": 20},
+        "usage": {"prompt_tokens": len(encode("Once upon")), "completion_tokens": 20, "cached_tokens": 0},
     }
     chat_prompt = "user: hi\nassistant: "
     assert results["b"]["text"] == expected_text(7)
-    assert results["b"]["end"]["usage"] == {"prompt_tokens": len(encode(chat_prompt)), "completion_tokens": 7}
+    usage = {"prompt_tokens": len(encode(chat_prompt)), "completion_tokens": 7, "cached_tokens": 0}
+    assert results["b"]["end"]["usage"] == usage
     assert all(f["type"] == "delta" for r in results.values() for f in r["frames"][:-1])
     # Both requests went over one multiplexed call to each stage.
     assert upstreams.engine.stream_calls == 1
@@ -83,7 +84,8 @@ async def test_defaults_when_params_are_absent(ws: ClientConnection, upstreams: 
     await send(ws, {"type": "generate", "id": "d", "prompt": "x"})
     result = await collect(ws, {"d"})
     settings = gateway_settings(upstreams)
-    assert result["d"]["end"]["usage"]["completion_tokens"] == settings.default_max_tokens
+    rest_of_context = upstreams.engine.max_model_len - len(encode("x"))
+    assert result["d"]["end"]["usage"]["completion_tokens"] == rest_of_context
     assert upstreams.engine.submits[-1].sampling.temperature == settings.default_temperature
     stopping = upstreams.engine.submits[-1].stopping
     assert (stopping.min_new_tokens, stopping.ignore_eos) == (0, False)
@@ -115,7 +117,7 @@ async def test_cancel_while_tokenizing_never_reaches_the_engine(
     await send(ws, {"type": "cancel", "id": "early"})
     end = (await collect(ws, {"early"}))["early"]["end"]
     assert end["finish_reason"] == "cancelled"
-    assert end["usage"] == {"prompt_tokens": 0, "completion_tokens": 0}
+    assert end["usage"] == {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
     upstreams.tokenizer.gate.set()
     upstreams.tokenizer.gate = None
     await send(ws, {"type": "generate", "id": "next", "prompt": "x", "params": {"max_tokens": 2}})
