@@ -76,11 +76,13 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "verbosity": {"verbosity": "low"},
     "web_search_options": {"web_search_options": {}},
 }
-COMPLETIONS_SAMPLES = {"logprobs": {"logprobs": 2}}  # where the completions field differs
+COMPLETIONS_SAMPLES = {"logprobs": {"logprobs": 2}, "best_of": {"best_of": 2, "n": 2}}  # where the completions field differs
 
 # Fields the gateway implements, per endpoint, and what it does with each. Every other field is refused.
 _COMMON = {
     "frequency_penalty": "sampling penalty, in the engine's sampler",
+    "logit_bias": "token id -> bias added to its logit, in the engine's sampler",
+    "n": "choices per prompt, one engine request each",
     "max_tokens": "the most tokens generated",
     "model": "checked against the served model (404 for another)",
     "presence_penalty": "sampling penalty, in the engine's sampler",
@@ -106,6 +108,8 @@ HONOURED = {
     },
     COMPLETIONS: {
         **_COMMON,
+        "best_of": "only equal to n",
+        "echo": "the prompt first; with logprobs, its tokens' logprobs",
         "logprobs": "top alternatives per token",
         "prompt": "the text to complete",
     },
