@@ -221,13 +221,13 @@ def test_a_hundred_json_schema_outputs_over_http_are_valid(pipeline: Pipeline, m
 
 
 def test_json_schema_outputs_over_the_websocket_are_valid(pipeline: Pipeline) -> None:
-    outputs = asyncio.run(ws_outputs(pipeline.ws_url, mixed_jobs(20)))
-    assert len(outputs) == 20 and invalid(outputs) == []
+    outputs = asyncio.run(ws_outputs(pipeline.ws_url, mixed_jobs(50)))
+    assert len(outputs) == 50 and invalid(outputs) == []
 
 
 def test_json_schema_outputs_over_grpc_are_valid(pipeline: Pipeline) -> None:
-    outputs = asyncio.run(grpc_outputs(f"127.0.0.1:{pipeline.grpc_base_port}", mixed_jobs(20)))
-    assert len(outputs) == 20 and invalid(outputs) == []
+    outputs = asyncio.run(grpc_outputs(f"127.0.0.1:{pipeline.grpc_base_port}", mixed_jobs(50)))
+    assert len(outputs) == 50 and invalid(outputs) == []
 
 
 def test_langchain_bind_tools_and_with_structured_output(pipeline: Pipeline, model: str) -> None:
