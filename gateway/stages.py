@@ -13,8 +13,11 @@ picker forget what that replica reported.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
+
+import grpc
 
 from gateway.events import GenerateInput
 from gateway.routing import Picker
@@ -30,6 +33,11 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+
+log = logging.getLogger(__name__)
+
+# The status of a unary call whose replica went away while it ran: worth one more try elsewhere.
+REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
 DetokLink = StreamLink[
@@ -152,19 +160,30 @@ class Stages:
 
     async def tokenize(self, request_id: str, inp: GenerateInput, deadline: float) -> list[int]:
         """The prompt's ids from a tokenizer replica (in turn), within `deadline` (`time.monotonic()`).
-        Raises AioRpcError."""
+        A call that fails because its replica went away (UNAVAILABLE, or CANCELLED: a draining
+        replica cancels what is still running when its grace ends) is made once more, on another
+        replica when one is ready. Raises AioRpcError."""
         if inp.messages is not None:
             messages = [common_pb2.ChatMessage(role=role, content=content) for role, content in inp.messages]
             chat = common_pb2.Conversation(messages=messages)
             message = tokenizer_pb2.TokenizeRequest(request_id=request_id, chat=chat)
         else:
             message = tokenizer_pb2.TokenizeRequest(request_id=request_id, text=inp.prompt)
-        wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
-        address = await self.tokenizers.pick_ready(wait_s)
-        timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
-        stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
-        reply = await stub.Tokenize(message, timeout=timeout)
-        return list(reply.ids)
+        failed: str | None = None
+        while True:
+            wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
+            address = await self.tokenizers.pick_ready(wait_s, avoid=failed)
+            timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
+            stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
+            try:
+                reply = await stub.Tokenize(message, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if failed is not None or exc.code() not in REPLICA_GONE:
+                    raise
+                failed = self.tokenizers.replica_of(address)
+                log.info("request %s: tokenizer %s: %s; retrying", request_id, address, exc.code().name)
+                continue
+            return list(reply.ids)
 
     async def check_ready(self) -> dict[str, bool]:
         """Health of every upstream replica: "kind address" → SERVING."""

@@ -48,6 +48,7 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 
 DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
+MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
 RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
 
 
@@ -111,6 +112,11 @@ class Replicas:
     leaves the rotation at once; its channel is closed once it is no longer connected, calls in flight
     there (streams included) given up to RETIRE_GRACE_S to finish. Over TLS, the certificate of a resolved
     replica must name the host of its endpoint.
+
+    Health: every member's grpc.health.v1 status is watched (one `Watch` call per member, reopened
+    whenever its channel is READY again). A member whose status is known and not SERVING (a replica
+    draining, or an engine whose loop failed) gets no new work until it reports SERVING; a member
+    not yet heard from, or whose server has no health service, counts by its channel alone.
     """
 
     def __init__(
@@ -143,6 +149,8 @@ class Replicas:
         self._refresher: asyncio.Task[None] | None = None
         self._first_resolve: asyncio.Task[None] | None = None
         self._last_resolve = -math.inf
+        self._serving: dict[str, bool] = {}  # member key → its latest health status is SERVING
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # member key → its health watch
         self._set_members()
         self._start_resolving()
 
@@ -185,8 +193,12 @@ class Replicas:
             if self.addresses:
                 log.info("%s replicas: %s", self.kind, ", ".join(keys))
             self.addresses = tuple(keys)
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wakes every `pick_ready` waiting for a member (the members or a health status changed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _sweep(self) -> None:
         """Closes the channels of retired members that are not connected (a replica gone, or one that
@@ -197,6 +209,7 @@ class Replicas:
             if channel.get_state() != grpc.ChannelConnectivity.READY:
                 self._retiring.discard(key)
                 del self.channels[key]
+                self._stop_watching(key)
                 closing = asyncio.get_running_loop().create_task(channel.close(RETIRE_GRACE_S))
                 self._closing[closing] = channel
                 closing.add_done_callback(lambda task: self._closing.pop(task, None))
@@ -210,8 +223,9 @@ class Replicas:
             try:
                 ips = await self._resolve(endpoint.host, endpoint.port)
             except OSError as exc:
-                log.warning("%s: cannot resolve %s (%s); keeping its last replicas", self.kind,
-                            endpoint.target, exc)
+                log.warning(
+                    "%s: cannot resolve %s (%s); keeping its last replicas", self.kind, endpoint.target, exc
+                )
                 continue
             if ips:
                 self._resolved[endpoint] = tuple(host_port(ip, endpoint.port) for ip in ips)
@@ -265,10 +279,64 @@ class Replicas:
         members = self.addresses
         if self._resolving():
             members = tuple(a for a in members if not a.startswith(DNS_SCHEME))
-        return [a for a in members if self.channels[a].get_state(try_to_connect=True) == ready]
+        self._watch_members()
+        return [
+            a
+            for a in members
+            if self.channels[a].get_state(try_to_connect=True) == ready and self._serving.get(a, True)
+        ]
 
-    async def pick_ready(self, timeout_s: float, prompt_ids: Sequence[int] = ()) -> str:
-        """The member for the next piece of work among those whose channel is READY, by the picker.
+    # ----- health
+
+    def _watch_members(self) -> None:
+        """Starts a health watch for every member that has none (once an event loop runs)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for key in self.addresses:
+            if key not in self._watchers:
+                self._watchers[key] = loop.create_task(self._watch(key), name=f"{self.kind}-health-watch")
+
+    def _stop_watching(self, key: str) -> None:
+        watcher = self._watchers.pop(key, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._serving.pop(key, None)
+
+    async def _watch(self, key: str) -> None:
+        """Follows one member's health status for as long as it is a member: a `Watch` call each time
+        its channel is READY; the status is unknown between calls. Ends when the server has no health
+        service (the member then counts by its channel alone)."""
+        channel = self.channels[key]
+        request = health_pb2.HealthCheckRequest(service="")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while True:
+            await channel.channel_ready()
+            call = health_pb2_grpc.HealthStub(channel).Watch(request)
+            try:
+                async for reply in call:
+                    self._set_serving(key, reply.status == serving)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._serving.pop(key, None)
+                    return
+            finally:
+                call.cancel()
+            self._serving.pop(key, None)
+            await asyncio.sleep(MIN_WATCH_GAP_S)  # a call that ends at once while READY must not spin
+
+    def _set_serving(self, key: str, serving: bool) -> None:
+        if self._serving.get(key) != serving:
+            log.info("%s %s: %s", self.kind, key, "SERVING" if serving else "not serving")
+            self._serving[key] = serving
+            self._wake()
+
+    async def pick_ready(
+        self, timeout_s: float, prompt_ids: Sequence[int] = (), *, avoid: str | None = None
+    ) -> str:
+        """The member for the next piece of work among those whose channel is READY, by the picker,
+        other than a member of the replica `avoid` when another one is READY.
         When none is (the stage is starting or restarting), resolves the names again and waits up to
         `timeout_s` for the first to become READY; when none does, `pick`: a call there fails at once
         with UNAVAILABLE. Returns at once when a member is READY."""
@@ -278,7 +346,8 @@ class Replicas:
         while True:
             ready = self.connected()
             if ready:
-                return self.picker.pick(ready, prompt_ids)
+                others = [key for key in ready if self.replica_of(key) != avoid]
+                return self.picker.pick(others or ready, prompt_ids)
             if self._first_resolve is not None and loop.time() - self._last_resolve >= MIN_RESOLVE_GAP_S:
                 await self.refresh()
                 continue
@@ -288,8 +357,14 @@ class Replicas:
             await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
 
     async def _any_ready(self, timeout_s: float) -> None:
-        """Returns when a member's channel becomes READY, the members change, or after `timeout_s`."""
-        waiters = [asyncio.ensure_future(self.channels[key].channel_ready()) for key in self.addresses]
+        """Returns when a member's channel becomes READY, the members or a member's health change, or
+        after `timeout_s`."""
+        ready = grpc.ChannelConnectivity.READY
+        waiters = [
+            asyncio.ensure_future(self.channels[key].channel_ready())
+            for key in self.addresses
+            if self.channels[key].get_state() != ready
+        ]
         waiters.append(asyncio.ensure_future(self._changed.wait()))
         try:
             await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -317,9 +392,11 @@ class Replicas:
         return dict(zip(first, results, strict=True))
 
     async def close(self) -> None:
-        for task in (self._refresher, self._first_resolve):
+        for task in (self._refresher, self._first_resolve, *self._watchers.values()):
             if task is not None:
                 task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        self._watchers.clear()
         for closing, channel in list(self._closing.items()):
             closing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
