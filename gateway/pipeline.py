@@ -226,6 +226,19 @@ class Pipeline:
     # ----- admission
 
     async def _admit(self, request: _Request, deadline: float) -> None:
+        """Tokenizes, picks the replicas and submits; any failure on the way ends the request (an
+        unexpected one "internal", or "unavailable" for an OSError reaching a replica), so that no
+        client waits for its timeout and no later request is affected."""
+        try:
+            await self._admit_steps(request, deadline)
+        except Exception as exc:
+            log.exception("cannot admit request %s", request.id)
+            if isinstance(exc, OSError):
+                self._finish(request, Failed(UNAVAILABLE, "cannot reach an upstream service"))
+            else:
+                self._finish(request, Failed(INTERNAL, "internal error while admitting the request"))
+
+    async def _admit_steps(self, request: _Request, deadline: float) -> None:
         assert request.trace is not None
         if request.trace.traced and self._lookups.info is None:
             with contextlib.suppress(grpc.aio.AioRpcError):
@@ -246,11 +259,7 @@ class Pipeline:
         engine = await self._stages.pick_engine(ids, wait_until - time.monotonic())
         if request.finished:
             return
-        try:
-            self._submit(request, ids, deadline, detok, engine)
-        except Exception:
-            log.exception("cannot submit request %s", request.id)
-            self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
+        self._submit(request, ids, deadline, detok, engine)
 
     def _prompt_refusal(self, ids: list[int]) -> Failed | None:
         """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`), or None."""

@@ -182,12 +182,17 @@ class Replicas:
         return key.rpartition("#")[0] if self._per_replica > 1 else key
 
     def _set_members(self) -> None:
-        """Opens channels for new members, retires those no longer given; wakes `pick_ready`."""
+        """Opens channels for new members (one that cannot be opened is no member until it can),
+        retires those no longer given; wakes `pick_ready`."""
         keys = {key: target for target in self._targets() for key in self._keys(target)}
-        for key, target in keys.items():
+        for key, target in list(keys.items()):
             self._retiring.discard(key)
             if key not in self.channels:
-                self.channels[key] = self._open(target)
+                try:
+                    self.channels[key] = self._open(target)
+                except OSError as exc:  # e.g. the TLS files cannot be read now: tried again next time
+                    log.error("%s: cannot open a channel to %s: %s", self.kind, target, exc)
+                    del keys[key]
         self._retiring.update(key for key in self.channels if key not in keys)
         if tuple(keys) != self.addresses:
             if self.addresses:
@@ -222,7 +227,7 @@ class Replicas:
                 continue
             try:
                 ips = await self._resolve(endpoint.host, endpoint.port)
-            except OSError as exc:
+            except (OSError, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
                 log.warning(
                     "%s: cannot resolve %s (%s); keeping its last replicas", self.kind, endpoint.target, exc
                 )
@@ -243,7 +248,7 @@ class Replicas:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._first_resolve = loop.create_task(self.refresh())
+        self._first_resolve = loop.create_task(self._refresh_logged())
         self._refresher = loop.create_task(self._refresh_forever())
 
     def _resolving(self) -> bool:
@@ -259,10 +264,15 @@ class Replicas:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("%s: re-resolution failed", self.kind)
+            await self._refresh_logged()
+
+    async def _refresh_logged(self) -> None:
+        """`refresh`, an unexpected failure logged, never raised: the members stay as they were, and a
+        later pick or the periodic re-resolution tries again."""
+        try:
+            await self.refresh()
+        except Exception:
+            log.exception("%s: resolution failed", self.kind)
 
     # ----- choice
 
@@ -349,7 +359,7 @@ class Replicas:
                 others = [key for key in ready if self.replica_of(key) != avoid]
                 return self.picker.pick(others or ready, prompt_ids)
             if self._first_resolve is not None and loop.time() - self._last_resolve >= MIN_RESOLVE_GAP_S:
-                await self.refresh()
+                await self._refresh_logged()
                 continue
             left = deadline - loop.time()
             if left <= 0:
