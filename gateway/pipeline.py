@@ -10,7 +10,8 @@ close finishes with the engine's reason. Ids and logprobs go out with the text: 
 many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
 after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
 handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing.
+generation fails at once; a prompt longer than `max_prompt_tokens` (by default the model's context
+length) fails after tokenizing, before it is routed (routing hashes the prompt's blocks).
 
 Invariants:
 - every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
@@ -240,18 +241,22 @@ class Pipeline:
 
     async def _admit_steps(self, request: _Request, deadline: float) -> None:
         assert request.trace is not None
-        if request.trace.traced and self._lookups.info is None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._lookups.model_info()
         try:
             with request.trace.active():
                 ids = await self._stages.tokenize(request.id, request.input, deadline)
         except grpc.aio.AioRpcError as exc:
             self._finish(request, tokenizer_failure(exc))
             return
+        if self._lookups.info is None:  # fetched once, from a tokenizer that just answered
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._lookups.model_info()
         if request.finished:
             return
         request.trace.tokenized(len(ids))
+        refusal = self._prompt_refusal(ids)
+        if refusal is not None:  # before routing, which hashes the prompt's blocks
+            self._finish(request, refusal)
+            return
         if self._lookups.info is not None:
             request.trace.set_attribute("gen_ai.request.model", self._lookups.info.model)
         wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
@@ -262,10 +267,12 @@ class Pipeline:
         self._submit(request, ids, deadline, detok, engine)
 
     def _prompt_refusal(self, ids: list[int]) -> Failed | None:
-        """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`), or None."""
+        """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`, by default
+        the model's context length once the tokenizer's Info is known), or None."""
         if not ids:
             return Failed(INVALID_ARGUMENT, "the prompt is empty")
-        cap = self._settings.max_prompt_tokens
+        info = self._lookups.info
+        cap = self._settings.max_prompt_tokens or (info.context_length if info is not None else 0)
         if cap and len(ids) > cap:
             return Failed(INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens, more than the {cap} allowed")
         return None
@@ -277,10 +284,6 @@ class Pipeline:
         its first chunk always finds the state), on the replicas given. The engine gets the time left
         until `deadline` (`time.monotonic()`), so it ends the request itself if the gateway's own timer
         cannot."""
-        refusal = self._prompt_refusal(ids)
-        if refusal is not None:
-            self._finish(request, refusal)
-            return
         request.prompt_tokens = len(ids)
         request.deadline = deadline
         assert request.trace is not None
