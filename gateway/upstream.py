@@ -446,6 +446,7 @@ class StreamLink(Generic[Item, In, Out]):
         self._on_broken = on_broken
         self._queue: asyncio.Queue[Item | None] = asyncio.Queue()
         self._flushed = asyncio.Event()
+        self._requests_ended = False
         self._call = open_call(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"{kind}-link-reader")
 
@@ -459,13 +460,21 @@ class StreamLink(Generic[Item, In, Out]):
         waiting up to `flush_timeout_s` for that, then cancels the call and the reader."""
         if self.alive:
             self.alive = False
-            self._queue.put_nowait(None)
+            self._end_requests()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flushed.wait(), flush_timeout_s)
         self._call.cancel()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+
+    def _end_requests(self) -> None:
+        """Lets the request iterator end (once): after what is queued, or at once when the call is over.
+        gRPC stops consuming it only when it cancels a call still running: an iterator left waiting
+        on a call that ended by itself would keep gRPC's consumer task pending for good."""
+        if not self._requests_ended:
+            self._requests_ended = True
+            self._queue.put_nowait(None)
 
     async def _requests(self) -> AsyncIterator[In]:
         while True:
@@ -499,6 +508,7 @@ class StreamLink(Generic[Item, In, Out]):
         was_alive = self.alive
         self.alive = False
         self._call.cancel()
+        self._end_requests()
         if was_alive:
             log.warning("%s stream to %s broke: %s", self.kind, self.address, reason)
             self._on_broken(self, reason)
