@@ -90,14 +90,16 @@ def _add_open_routes(app: FastAPI, pipeline: Pipeline) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         """Readiness: every stage can serve, i.e. at least one replica of each answers its gRPC health
-        check with SERVING. 200 when ready, else 503; the body names each stage and each replica."""
+        check with SERVING. 200 when ready, else 503. The body gives each stage's readiness, its count
+        of serving replicas and each replica's health in the stage's order, never an address; the
+        checks are made at most once a second (`readyz_cache_s`), however often this is asked."""
         upstreams = await pipeline.check_ready()
-        stages: dict[str, bool] = {}
-        for key, serving in upstreams.items():
-            kind = key.split(" ", 1)[0]
-            stages[kind] = stages.get(kind, False) or serving
-        ready = all(stages.values())
-        body = {"status": "ready" if ready else "not ready", "stages": stages, "upstreams": upstreams}
+        stages = {
+            kind: {"ready": any(serving), "serving": sum(serving), "replicas": serving}
+            for kind, serving in upstreams.items()
+        }
+        ready = all(stage["ready"] for stage in stages.values())
+        body = {"status": "ready" if ready else "not ready", "stages": stages}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

@@ -212,8 +212,8 @@ class Pipeline:
         self.end_all()
         await self._stages.close()
 
-    async def check_ready(self) -> dict[str, bool]:
-        """Health of every upstream replica: "kind address" → SERVING."""
+    async def check_ready(self) -> dict[str, list[bool]]:
+        """Health of every upstream replica by stage (`Stages.check_ready`)."""
         return await self._stages.check_ready()
 
     async def model_info(self) -> tokenizer_pb2.InfoResponse:

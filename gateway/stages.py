@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -86,6 +87,8 @@ class Stages:
         self._on_engine_out = on_engine_out
         self._on_detok_out = on_detok_out
         self._on_broken = on_broken
+        self._ready_check: asyncio.Future[dict[str, list[bool]]] | None = None
+        self._ready_checked_at = -math.inf
 
     # ----- picking
 
@@ -185,18 +188,30 @@ class Stages:
                 continue
             return list(reply.ids)
 
-    async def check_ready(self) -> dict[str, bool]:
-        """Health of every upstream replica: "kind address" → SERVING."""
+    async def check_ready(self) -> dict[str, list[bool]]:
+        """Health of every upstream replica by stage: kind → SERVING per replica, in the stage's order
+        of replicas. One fan-out of health checks at a time, and at most one per `readyz_cache_s`:
+        callers within that time of the latest share its answer."""
+        now = time.monotonic()
+        checking = self._ready_check
+        if checking is None or (
+            checking.done() and now - self._ready_checked_at >= self._settings.readyz_cache_s
+        ):
+            self._ready_checked_at = now
+            checking = self._ready_check = asyncio.ensure_future(self._check_every_replica())
+        return await asyncio.shield(checking)
+
+    async def _check_every_replica(self) -> dict[str, list[bool]]:
         timeout = self._settings.health_timeout_s
         stages = (self.tokenizers, self.engines, self.detokenizers)
         results = await asyncio.gather(*(replicas.check_health(timeout) for replicas in stages))
         return {
-            f"{replicas.kind} {address}": ok
-            for replicas, result in zip(stages, results, strict=True)
-            for address, ok in result.items()
+            replicas.kind: list(result.values()) for replicas, result in zip(stages, results, strict=True)
         }
 
     async def close(self) -> None:
+        if self._ready_check is not None:
+            self._ready_check.cancel()
         links: list[EngineLink | DetokLink] = [*self._engine_links.values(), *self._detok_links.values()]
         self._engine_links.clear()
         self._detok_links.clear()

@@ -326,7 +326,7 @@ class Schedule:
         """The replica is back: a new process after a kill or a failed loop, resumed or replaced after a
         stop; SERVING; and /readyz names it serving."""
         port = self.ports[fault.target]
-        key = f"{fault.target.rsplit('-', 1)[0]} 127.0.0.1:{port}"
+        stage, number = fault.target.rsplit("-", 1)  # `engine-2`: the second of the gateway's engines
 
         def back() -> bool:
             replaced = self.pipeline.pids().get(fault.target) != fault.pid
@@ -334,7 +334,7 @@ class Schedule:
 
         def seen() -> bool:
             body = readyz(self.pipeline)
-            return body is not None and bool(body["upstreams"].get(key))
+            return body is not None and body["stages"][stage]["replicas"][int(number) - 1]
 
         for condition in (back, lambda: serving(port), seen):
             while not await asyncio.to_thread(condition):
