@@ -3,7 +3,9 @@
 
 With API keys on, every `/v1/` route needs `Authorization: Bearer KEY` (the WebSocket may send its
 key in its first frame instead); the page and the health routes stay open. A browser's request from
-another origin (`auth.origin_allowed`, `--allowed-origins`) is refused 403 on every `/v1/` route.
+another origin (`auth.origin_allowed`, `--allowed-origins`) is refused 403 on every `/v1/` route, and
+so is any request whose `Host` is not an allowed host name (`HostCheck`, `--allowed-hosts`: a page
+of another site whose name was rebound to the gateway's address sends its own name).
 Every error of the `/v1/` HTTP routes, and every 5xx of any route, is OpenAI-style JSON that names no
 internal address and holds no stack trace.
 """
@@ -15,10 +17,11 @@ from importlib import resources
 
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.auth import ApiKeys, origin_allowed
+from gateway.auth import ApiKeys, allowed_hosts, host_allowed, host_name, origin_allowed
 from gateway.openai_api import DROP_CONNECTION, ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -48,8 +51,42 @@ def with_connection_drop(app: ASGIApp) -> ASGIApp:
     return wrapped
 
 
+class HostCheck:
+    """ASGI middleware against DNS rebinding: a `/v1/` request or WebSocket handshake whose `Host`
+    names no allowed host (`auth.allowed_hosts`) is refused, 403 naming the host (400 without a usable
+    Host), as OpenAI-style JSON; a WebSocket is refused before it opens, with that body where the
+    server can send one (else a bare 403)."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1/"):
+            host = Headers(scope=scope).get("host")
+            if not host_allowed(host, self.allowed):
+                await self._refuse(host, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(host: str | None, scope: Scope, receive: Receive, send: Send) -> None:
+        name = host_name(host)
+        log.info("%s %s refused: host %r is not allowed", scope["type"], scope["path"], host)
+        if name is None:
+            error = ApiError(400, "the request has no usable Host header", code="host_not_allowed")
+        else:
+            error = ApiError(403, f"host {name!r} is not allowed (the gateway's --allowed-hosts lists the "
+                             "host names it answers to)", code="host_not_allowed")  # fmt: skip
+        if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
+            await error.response()(scope, receive, send)
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+
 def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(HostCheck, allowed=allowed_hosts(settings.allowed_hosts, settings.host))
     _add_error_handlers(app)
     _add_open_routes(app, pipeline)
     _add_api_routes(app, pipeline, settings, keys)

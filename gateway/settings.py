@@ -114,6 +114,14 @@ class GatewaySettings:
             "comma-separated, '*' = any (a client that sends no Origin, not a browser, is always accepted)"
         },
     )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "host names the HTTP API and WebSocket answer to (the Host header, against DNS "
+            "rebinding), comma-separated, '*' = any; default: the loopback names and --host (any when "
+            "--host is 0.0.0.0 or ::)"
+        },
+    )
     ws_auth_timeout_s: float = field(
         default=10.0, metadata={"help": "seconds a WebSocket has to send its auth frame when API keys are on"}
     )
