@@ -37,14 +37,15 @@ def chat_page() -> str:
 
 
 def with_connection_drop(app: ASGIApp) -> ASGIApp:
-    """Wraps the outermost ASGI app so that a response can drop its connection at once (a client
-    that stopped reading): each HTTP scope gets `scope[DROP_CONNECTION]`, a callable that aborts the
-    connection's transport, when the server's `send` exposes it (uvicorn's does, as the bound method
-    of a cycle with a `transport`); else the key is absent and the response just ends."""
+    """Wraps the outermost ASGI app so that a response or a WebSocket can drop its connection at once
+    (a client that stopped reading): each HTTP and WebSocket scope gets `scope[DROP_CONNECTION]`, a
+    callable that aborts the connection's transport, when the server's `send` exposes it (uvicorn's
+    does, as the bound method of a cycle or protocol with a `transport`); else the key is absent and
+    the response or socket just ends."""
 
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):
+        if scope["type"] in ("http", "websocket") and callable(getattr(transport, "abort", None)):
             scope[DROP_CONNECTION] = transport.abort
         await app(scope, receive, send)
 
