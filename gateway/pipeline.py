@@ -26,7 +26,8 @@ Invariants:
   `unavailable` error final before its first token (its loop stopped); the next request opens a new
   call, on a replica whose channel is connected: when no replica of a stage is (it is starting or
   restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails with
-  "unavailable" (`Replicas.pick_ready`).
+  "unavailable" (`Replicas.pick_ready`); a replica that says it is not SERVING counts as not connected;
+- admission (tokenize, pick, submit) ends its request on any error, never leaving it to its timeout.
 
 This module is the per-request state machine, with its single exit `_finish`. The links to the stages
 (replicas, pickers, the multiplexed calls) are `gateway.stages.Stages`; the cached look-ups (model
