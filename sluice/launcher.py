@@ -15,7 +15,8 @@ once every replica is healthy.
 
 A child that dies is restarted, as compose's `restart:` or Kubernetes would, whether it had served or
 was still starting: the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each
-restart in the window, at most 8 s), and starts it again; the other children keep running untouched. A
+restart in the window, at most 8 s, for a run that never served: a crash loop; 0.5 s after a run that
+had served), and starts it again; the other children keep running untouched. A
 child that dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds
 (default 60) makes the launcher give up: it stops every child and exits 1 naming it. The ready line
 waits until every child has answered SERVING once; if that takes longer than `--startup-timeout`, the
@@ -79,7 +80,7 @@ STOP_GRACE_S = 10.0
 UNHEALTHY_RESTART_S = 10.0  # a served child not SERVING this long is restarted
 HEALTH_TIMEOUT_S = 2.0  # one health check's deadline
 HEALTH_INTERVAL_S = 1.0  # how often a serving child is asked
-KILL_GRACE_S = 3.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
+KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 WATCH_INTERVAL_S = 0.2
@@ -108,8 +109,9 @@ class Child:
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a dead child is started again: after `initial_backoff_s`, doubling with each restart of
-    that child within the last `window_s` seconds, at most `max_backoff_s`; never more than
-    `max_restarts` times within `window_s` seconds."""
+    that child within the last `window_s` seconds, at most `max_backoff_s`, unless the run that died
+    had served (it came up: no crash loop to slow down, so `initial_backoff_s`); never more than
+    `max_restarts` times within `window_s` seconds, served or not."""
 
     max_restarts: int = 5
     window_s: float = 60.0
@@ -124,15 +126,15 @@ class RestartTracker:
     policy: RestartPolicy
     restarts: deque[float] = field(default_factory=deque)
 
-    def on_exit(self, now: float) -> float | None:
-        """The child died at `now` (monotonic seconds): the delay before starting it again, or None
-        when it already had `max_restarts` restarts within the window (give up). A returned delay
-        counts as a restart at `now`."""
+    def on_exit(self, now: float, served: bool = False) -> float | None:
+        """The child died at `now` (monotonic seconds), after its run had answered SERVING or not: the
+        delay before starting it again, or None when it already had `max_restarts` restarts within
+        the window (give up). A returned delay counts as a restart at `now`."""
         while self.restarts and now - self.restarts[0] >= self.policy.window_s:
             self.restarts.popleft()
         if len(self.restarts) >= self.policy.max_restarts:
             return None
-        delay = self.policy.initial_backoff_s * 2 ** len(self.restarts)
+        delay = self.policy.initial_backoff_s * (1 if served else 2 ** len(self.restarts))
         self.restarts.append(now)
         return min(delay, self.policy.max_backoff_s)
 
@@ -589,7 +591,7 @@ class Watcher:
     def _schedule_restart(self, name: str, code: int, now: float) -> bool:
         """False when the policy gives up on `name`."""
         when = "" if self.runs[name].served else " during start-up"
-        delay = self.trackers[name].on_exit(now)
+        delay = self.trackers[name].on_exit(now, self.runs[name].served)
         if delay is None:
             print(
                 f"sluice up: {name} exited with {describe_exit(code)}{when} after {self.policy.max_restarts} "

@@ -386,3 +386,14 @@ def test_a_restarted_child_that_never_serves_is_killed_and_restarted(
     assert watcher.check(40.0) is None
     assert watcher.check(41.0) is None
     assert supervisor.starts.count("engine") == 3
+
+
+def test_a_child_that_had_served_is_restarted_without_growing_backoff() -> None:
+    """The backoff slows a crash loop (runs that never come up); a run that had served and then died
+    (killed, or stopped for not serving) is started again after the initial delay, however many
+    restarts the window holds, and still counts toward giving up."""
+    tracker = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
+    assert [tracker.on_exit(float(t), served=True) for t in range(4)] == [0.5] * 4
+    assert tracker.on_exit(4.0, served=True) is None
+    crashing = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
+    assert [crashing.on_exit(float(t), served=t == 2) for t in range(4)] == [0.5, 1.0, 0.5, 4.0]
