@@ -79,10 +79,10 @@ class GatewaySettings:
         default="", metadata={"help": "model name the APIs answer to (default: the model directory's name)"}
     )
     upstream_wait_s: float = field(
-        default=15.0,
+        default=5.0,
         metadata={
             "help": "longest a request waits for a stage that is connecting or restarting (within its "
-            "deadline) before it fails with unavailable: about one replica's restart, cold start included"
+            "deadline) before it fails with unavailable"
         },
     )
     routing: str = field(

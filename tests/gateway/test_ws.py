@@ -308,7 +308,7 @@ async def test_tokenizer_refusal_is_invalid_argument(ws: ClientConnection, upstr
 
 
 async def test_unreachable_tokenizer_is_unavailable(upstreams: FakeUpstreams) -> None:
-    # upstream_wait_s: how long a request waits for the tokenizer before failing (default 15 s)
+    # upstream_wait_s: how long a request waits for the tokenizer before failing (default 5 s)
     settings = gateway_settings(upstreams, tokenizer=(dead_address(),), upstream_wait_s=0.2)
     server = await create_server(settings)
     await server.start()
