@@ -104,3 +104,39 @@ def _same_host(origin: tuple[str, str, int], host: str) -> bool:
     scheme, origin_host, origin_port = origin
     expected_port = _DEFAULT_PORTS[scheme] if port is None else port
     return parts.hostname == origin_host and origin_port == expected_port
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
+
+
+def allowed_hosts(configured: Iterable[str], bound_host: str) -> frozenset[str]:
+    """The host names a request's `Host` header may give (lower case; `"*"`: any). Configured
+    (`--allowed-hosts`): those. Else the loopback names and the host the gateway is bound to; a gateway
+    bound to every interface answers to any name (it is meant to be reached from the network)."""
+    entries = [entry.strip().lower() for entry in configured if entry.strip()]
+    if entries:
+        return frozenset(entry.strip("[]") for entry in entries)
+    if bound_host.strip("[]") in WILDCARD_BINDS:
+        return frozenset({"*"})
+    return frozenset({*LOOPBACK_HOSTS, bound_host.strip("[]").lower()})
+
+
+def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a request's `Host` header (name or address, any port) is in `allowed`: a browser page
+    whose name was rebound to this gateway's address (DNS rebinding) sends its own name, which is not."""
+    if "*" in allowed:
+        return True
+    name = host_name(host)
+    return name is not None and name in allowed
+
+
+def host_name(host: str | None) -> str | None:
+    """The host name of a `Host` header value, lower case, without port or brackets; None if unusable."""
+    if not host:
+        return None
+    try:
+        name = urlsplit("//" + host.strip()).hostname
+    except ValueError:
+        return None
+    return name or None

@@ -168,8 +168,11 @@ class Generation:
 
 def tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
     """A failed Tokenize call as the client sees it: the tokenizer's own words when it refused the
-    input, else only the class of the failure (the log has the details, addresses included)."""
-    code = errors.code_of_status(exc.code())
+    input, else only the class of the failure (the log has the details, addresses included). A
+    cancelled call is a replica that went away (the gateway never cancels one it still waits for):
+    "unavailable"."""
+    status = exc.code()
+    code = errors.UNAVAILABLE if status == grpc.StatusCode.CANCELLED else errors.code_of_status(status)
     if code in (errors.INVALID_ARGUMENT, errors.RESOURCE_EXHAUSTED):
         return Failed(code, f"tokenizer: {exc.details() or exc.code().name}")
     log.warning("tokenize failed: %s: %s", exc.code().name, exc.details())

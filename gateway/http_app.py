@@ -9,8 +9,10 @@ span by the client's own (`GenerateInput.request_id`).
 The API routes are `/v1/` and `/tokenize`, `/detokenize`. With API keys on, every API route needs
 `Authorization: Bearer KEY` (the WebSocket may send its key in its first frame instead); the page and
 the health routes stay open. A browser's request from another origin (`auth.origin_allowed`,
-`--allowed-origins`) is refused 403 on every API route. Every error of the API's HTTP routes, and
-every 5xx of any route, is OpenAI-style JSON that names no internal address and holds no stack trace.
+`--allowed-origins`) is refused 403 on every API route, and so is any request whose `Host` is not an
+allowed host name (`HostCheck`, `--allowed-hosts`: a page of another site whose name was rebound to the
+gateway's address sends its own name). Every error of the API's HTTP routes, and every 5xx of any route,
+is OpenAI-style JSON that names no internal address and holds no stack trace.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from importlib import resources
 
 from fastapi import Depends, FastAPI, Request, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import params
-from gateway.auth import ApiKeys, origin_allowed
+from gateway.auth import ApiKeys, allowed_hosts, host_allowed, host_name, origin_allowed
 from gateway.openai_api import DROP_CONNECTION, REQUEST_ID, ApiError, OpenAIHandlers
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -42,14 +45,15 @@ def chat_page() -> str:
 
 
 def with_connection_drop(app: ASGIApp) -> ASGIApp:
-    """Wraps the outermost ASGI app so that a response can drop its connection at once (a client
-    that stopped reading): each HTTP scope gets `scope[DROP_CONNECTION]`, a callable that aborts the
-    connection's transport, when the server's `send` exposes it (uvicorn's does, as the bound method
-    of a cycle with a `transport`); else the key is absent and the response just ends."""
+    """Wraps the outermost ASGI app so that a response or a WebSocket can drop its connection at once
+    (a client that stopped reading): each HTTP and WebSocket scope gets `scope[DROP_CONNECTION]`, a
+    callable that aborts the connection's transport, when the server's `send` exposes it (uvicorn's
+    does, as the bound method of a cycle or protocol with a `transport`); else the key is absent and
+    the response or socket just ends."""
 
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         transport = getattr(getattr(send, "__self__", None), "transport", None)
-        if scope["type"] == "http" and callable(getattr(transport, "abort", None)):
+        if scope["type"] in ("http", "websocket") and callable(getattr(transport, "abort", None)):
             scope[DROP_CONNECTION] = transport.abort
         await app(scope, receive, send)
 
@@ -80,9 +84,47 @@ class RequestIds:
         await self.app(scope, receive, send_with_id)
 
 
+def _is_api_path(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+class HostCheck:
+    """ASGI middleware against DNS rebinding: an API request or WebSocket handshake whose `Host`
+    names no allowed host (`auth.allowed_hosts`) is refused, 403 naming the host (400 without a usable
+    Host), as OpenAI-style JSON; a WebSocket is refused before it opens, with that body where the
+    server can send one (else a bare 403)."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = allowed
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and _is_api_path(scope["path"]):
+            host = Headers(scope=scope).get("host")
+            if not host_allowed(host, self.allowed):
+                await self._refuse(host, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    async def _refuse(host: str | None, scope: Scope, receive: Receive, send: Send) -> None:
+        name = host_name(host)
+        log.info("%s %s refused: host %r is not allowed", scope["type"], scope["path"], host)
+        if name is None:
+            error = ApiError(400, "the request has no usable Host header", code="host_not_allowed")
+        else:
+            error = ApiError(403, f"host {name!r} is not allowed (the gateway's --allowed-hosts lists the "
+                             "host names it answers to)", code="host_not_allowed")  # fmt: skip
+        if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
+            await error.response()(scope, receive, send)
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+
 def create_app(pipeline: Pipeline, settings: GatewaySettings, keys: ApiKeys) -> FastAPI:
     app = FastAPI(title="sluice gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(RequestIds)
+    app.add_middleware(HostCheck, allowed=allowed_hosts(settings.allowed_hosts, settings.host))
     _add_error_handlers(app)
     _add_open_routes(app, pipeline)
     _add_api_routes(app, pipeline, settings, keys)
@@ -123,14 +165,16 @@ def _add_open_routes(app: FastAPI, pipeline: Pipeline) -> None:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         """Readiness: every stage can serve, i.e. at least one replica of each answers its gRPC health
-        check with SERVING. 200 when ready, else 503; the body names each stage and each replica."""
+        check with SERVING. 200 when ready, else 503. The body gives each stage's readiness, its count
+        of serving replicas and each replica's health in the stage's order, never an address; the
+        checks are made at most once a second (`readyz_cache_s`), however often this is asked."""
         upstreams = await pipeline.check_ready()
-        stages: dict[str, bool] = {}
-        for key, serving in upstreams.items():
-            kind = key.split(" ", 1)[0]
-            stages[kind] = stages.get(kind, False) or serving
-        ready = all(stages.values())
-        body = {"status": "ready" if ready else "not ready", "stages": stages, "upstreams": upstreams}
+        stages = {
+            kind: {"ready": any(serving), "serving": sum(serving), "replicas": serving}
+            for kind, serving in upstreams.items()
+        }
+        ready = all(stage["ready"] for stage in stages.values())
+        body = {"status": "ready" if ready else "not ready", "stages": stages}
         return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")

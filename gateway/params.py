@@ -4,10 +4,10 @@ protobufs the pipeline takes. The gateway's defaults and limits live here, and o
 max tokens (`max_new_tokens`: the rest of the context) and the logprob limits included.
 
 Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a
-positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0 to 10, seed
-0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, logit_bias at most
-`MAX_LOGIT_BIAS` token ids (0 to 2**31 - 1; the engine refuses one outside the vocabulary) each
-biased by -100 to 100, at most
+positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0.01 to 10
+(0 = off), seed 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1,
+logit_bias at most `MAX_LOGIT_BIAS` token ids (0 to 2**31 - 1; the engine refuses one outside the
+vocabulary) each biased by -100 to 100, at most
 `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
 detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
 token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it);
@@ -42,6 +42,7 @@ MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32
 MAX_LOGPROBS = 20
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # the engine's own bounds
 MAX_LOGPROBS_COMPLETIONS = 5
 MAX_LOGIT_BIAS = 300
 MAX_BIAS = 100.0
@@ -124,6 +125,19 @@ def number(
     if not lo <= value <= hi:
         raise ParamError(label, f"{label} must be between {lo:g} and {hi:g}")
     return float(value)
+
+
+def repetition_penalty(obj: dict[str, Any], *, where: str = "") -> float:
+    """`obj["repetition_penalty"]` from MIN_ to MAX_REPETITION_PENALTY, or 0 (off) when 0, absent or
+    null. A tiny positive one is refused: dividing the logits by it overflows them."""
+    value = number(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, where=where) or 0.0
+    if 0.0 < value < MIN_REPETITION_PENALTY:
+        label = where + "repetition_penalty"
+        raise ParamError(
+            label,
+            f"{label} must be 0 (off) or between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g}",
+        )
+    return value
 
 
 def top_p(obj: dict[str, Any], *, where: str = "") -> float:
@@ -429,7 +443,7 @@ def generation_params(
     sampling.min_p = number(values, "min_p", 0.0, 1.0, where=where) or 0.0
     sampling.presence_penalty = number(values, "presence_penalty", -2.0, 2.0, where=where) or 0.0
     sampling.frequency_penalty = number(values, "frequency_penalty", -2.0, 2.0, where=where) or 0.0
-    sampling.repetition_penalty = number(values, "repetition_penalty", 0.0, 10.0, where=where) or 0.0
+    sampling.repetition_penalty = repetition_penalty(values, where=where)
     seed = integer(values, "seed", 0, MAX_SEED, where=where)
     if seed is not None:
         sampling.seed = seed

@@ -10,8 +10,9 @@ close finishes with the engine's reason. Ids and logprobs go out with the text: 
 many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
 after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
 handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens` fails after tokenizing (a prompt of
-token ids skips the tokenizer). A request that asked no max tokens may generate the rest of the
+generation fails at once; a prompt longer than `max_prompt_tokens` (by default the model's context
+length) fails after tokenizing, before it is routed (routing hashes the prompt's blocks); a prompt of
+token ids skips the tokenizer. A request that asked no max tokens may generate the rest of the
 context: the engines' `max_model_len` (an engine's `Stats`, asked once) less its prompt. A request that
 asked for prompt logprobs gets them, with the prompt's ids, once, from the engine's first chunk.
 `Done.cached_tokens` comes from the engine's final: 0 when a stop string ended the request first.
@@ -29,7 +30,8 @@ Invariants:
   `unavailable` error final before its first token (its loop stopped); the next request opens a new
   call, on a replica whose channel is connected: when no replica of a stage is (it is starting or
   restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails with
-  "unavailable" (`Replicas.pick_ready`).
+  "unavailable" (`Replicas.pick_ready`); a replica that says it is not SERVING counts as not connected;
+- admission (tokenize, pick, submit) ends its request on any error, never leaving it to its timeout.
 
 This module is the per-request state machine, with its single exit `_finish`. The links to the stages
 (replicas, pickers, the multiplexed calls) are `gateway.stages.Stages`; the cached look-ups (model
@@ -223,8 +225,8 @@ class Pipeline:
         self.end_all()
         await self._stages.close()
 
-    async def check_ready(self) -> dict[str, bool]:
-        """Health of every upstream replica: "kind address" → SERVING."""
+    async def check_ready(self) -> dict[str, list[bool]]:
+        """Health of every upstream replica by stage (`Stages.check_ready`)."""
         return await self._stages.check_ready()
 
     async def model_info(self) -> tokenizer_pb2.InfoResponse:
@@ -252,18 +254,35 @@ class Pipeline:
     # ----- admission
 
     async def _admit(self, request: _Request, deadline: float) -> None:
+        """Tokenizes, picks the replicas and submits; any failure on the way ends the request (an
+        unexpected one "internal", or "unavailable" for an OSError reaching a replica), so that no
+        client waits for its timeout and no later request is affected."""
+        try:
+            await self._admit_steps(request, deadline)
+        except Exception as exc:
+            log.exception("cannot admit request %s", request.id)
+            if isinstance(exc, OSError):
+                self._finish(request, Failed(UNAVAILABLE, "cannot reach an upstream service"))
+            else:
+                self._finish(request, Failed(INTERNAL, "internal error while admitting the request"))
+
+    async def _admit_steps(self, request: _Request, deadline: float) -> None:
         assert request.trace is not None
-        if request.trace.traced and self._lookups.info is None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._lookups.model_info()
         try:
             ids = await self._prompt_ids(request, deadline)
         except grpc.aio.AioRpcError as exc:
             self._finish(request, tokenizer_failure(exc))
             return
+        if self._lookups.info is None:  # fetched once, from a tokenizer that just answered
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._lookups.model_info()
         if request.finished:
             return
         request.trace.tokenized(len(ids))
+        refusal = self._prompt_refusal(ids)
+        if refusal is not None:  # before routing, which hashes the prompt's blocks
+            self._finish(request, refusal)
+            return
         max_new_tokens = await self._max_new_tokens(request, len(ids))
         if request.finished or max_new_tokens is None:
             return
@@ -306,10 +325,12 @@ class Pipeline:
         return max_new_tokens
 
     def _prompt_refusal(self, ids: list[int]) -> Failed | None:
-        """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`), or None."""
+        """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`, by default
+        the model's context length once the tokenizer's Info is known), or None."""
         if not ids:
             return Failed(INVALID_ARGUMENT, "the prompt is empty")
-        cap = self._settings.max_prompt_tokens
+        info = self._lookups.info
+        cap = self._settings.max_prompt_tokens or (info.context_length if info is not None else 0)
         if cap and len(ids) > cap:
             return Failed(INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens, more than the {cap} allowed")
         return None
@@ -327,10 +348,6 @@ class Pipeline:
         its first chunk always finds the state), on the replicas given, to generate at most
         `max_new_tokens`. The engine gets the time left until `deadline` (`time.monotonic()`), so it
         ends the request itself if the gateway's own timer cannot."""
-        refusal = self._prompt_refusal(ids)
-        if refusal is not None:
-            self._finish(request, refusal)
-            return
         request.prompt_tokens = len(ids)
         request.deadline = deadline
         assert request.trace is not None

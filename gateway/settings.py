@@ -54,6 +54,9 @@ class GatewaySettings(ValidatedSettings):
     )
     tokenize_timeout_s: float = field(default=30.0, metadata={"help": "deadline of one Tokenize call"})
     health_timeout_s: float = field(default=2.0, metadata={"help": "deadline of one upstream health check"})
+    readyz_cache_s: float = field(
+        default=1.0, metadata={"help": "how long /readyz reuses its latest round of upstream health checks"}
+    )
     grace_s: float = field(
         default=5.0, metadata={"help": "seconds generations in flight may finish on SIGTERM"}
     )
@@ -116,6 +119,14 @@ class GatewaySettings(ValidatedSettings):
         metadata={
             "help": "browser Origins that may use the WebSocket and the HTTP API besides the gateway's own, "
             "comma-separated, '*' = any (a client that sends no Origin, not a browser, is always accepted)"
+        },
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "host names the HTTP API and WebSocket answer to (the Host header, against DNS "
+            "rebinding), comma-separated, '*' = any; default: the loopback names and --host (any when "
+            "--host is 0.0.0.0 or ::)"
         },
     )
     ws_auth_timeout_s: float = field(
@@ -187,8 +198,9 @@ class GatewaySettings(ValidatedSettings):
         for name in ("detokenizer_context_ids", "max_in_flight", "max_prompt_tokens", "retry_after_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
-        if self.upstream_wait_s < 0:
-            raise ValueError("upstream_wait_s must be >= 0")
+        for name in ("upstream_wait_s", "readyz_cache_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.ws_max_in_flight < 0:
             raise ValueError("ws_max_in_flight must be >= 0")
         for name in (

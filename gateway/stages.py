@@ -13,9 +13,13 @@ picker forget what that replica reported.
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import grpc
 
 from gateway.events import GenerateInput
 from gateway.routing import Picker
@@ -31,6 +35,11 @@ from services.common.pb import (
     tokenizer_pb2,
     tokenizer_pb2_grpc,
 )
+
+log = logging.getLogger(__name__)
+
+# The status of a unary call whose replica went away while it ran: worth one more try elsewhere.
+REPLICA_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 EngineLink = StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut]
 DetokLink = StreamLink[
@@ -87,6 +96,8 @@ class Stages:
         self._on_engine_out = on_engine_out
         self._on_detok_out = on_detok_out
         self._on_broken = on_broken
+        self._ready_check: asyncio.Future[dict[str, list[bool]]] | None = None
+        self._ready_checked_at = -math.inf
 
     # ----- picking
 
@@ -163,7 +174,9 @@ class Stages:
         self, request_id: str, inp: GenerateInput, deadline: float, options: TokenizeOptions | None = None
     ) -> list[int]:
         """The prompt's ids from a tokenizer replica (in turn), within `deadline` (`time.monotonic()`).
-        Raises AioRpcError."""
+        A call that fails because its replica went away (UNAVAILABLE, or CANCELLED: a draining
+        replica cancels what is still running when its grace ends) is made once more, on another
+        replica when one is ready. Raises AioRpcError."""
         if inp.messages is not None:
             chat = common_pb2.Conversation(messages=inp.messages)
             message = tokenizer_pb2.TokenizeRequest(
@@ -176,12 +189,21 @@ class Stages:
                 message.add_special_tokens = options.add_special_tokens
             if options.add_generation_prompt is not None:
                 message.add_generation_prompt = options.add_generation_prompt
-        wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
-        address = await self.tokenizers.pick_ready(wait_s)
-        timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
-        stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
-        reply = await stub.Tokenize(message, timeout=timeout)
-        return list(reply.ids)
+        failed: str | None = None
+        while True:
+            wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
+            address = await self.tokenizers.pick_ready(wait_s, avoid=failed)
+            timeout = max(0.001, min(self._settings.tokenize_timeout_s, deadline - time.monotonic()))
+            stub = tokenizer_pb2_grpc.TokenizerStub(self.tokenizers.channels[address])
+            try:
+                reply = await stub.Tokenize(message, timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                if failed is not None or exc.code() not in REPLICA_GONE:
+                    raise
+                failed = self.tokenizers.replica_of(address)
+                log.info("request %s: tokenizer %s: %s; retrying", request_id, address, exc.code().name)
+                continue
+            return list(reply.ids)
 
     async def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
         """The text of `ids` from a detokenizer replica (in turn). Raises AioRpcError."""
@@ -191,18 +213,30 @@ class Stages:
         reply = await stub.Decode(request, timeout=self._settings.tokenize_timeout_s)
         return reply.text
 
-    async def check_ready(self) -> dict[str, bool]:
-        """Health of every upstream replica: "kind address" → SERVING."""
+    async def check_ready(self) -> dict[str, list[bool]]:
+        """Health of every upstream replica by stage: kind → SERVING per replica, in the stage's order
+        of replicas. One fan-out of health checks at a time, and at most one per `readyz_cache_s`:
+        callers within that time of the latest share its answer."""
+        now = time.monotonic()
+        checking = self._ready_check
+        if checking is None or (
+            checking.done() and now - self._ready_checked_at >= self._settings.readyz_cache_s
+        ):
+            self._ready_checked_at = now
+            checking = self._ready_check = asyncio.ensure_future(self._check_every_replica())
+        return await asyncio.shield(checking)
+
+    async def _check_every_replica(self) -> dict[str, list[bool]]:
         timeout = self._settings.health_timeout_s
         stages = (self.tokenizers, self.engines, self.detokenizers)
         results = await asyncio.gather(*(replicas.check_health(timeout) for replicas in stages))
         return {
-            f"{replicas.kind} {address}": ok
-            for replicas, result in zip(stages, results, strict=True)
-            for address, ok in result.items()
+            replicas.kind: list(result.values()) for replicas, result in zip(stages, results, strict=True)
         }
 
     async def close(self) -> None:
+        if self._ready_check is not None:
+            self._ready_check.cancel()
         links: list[EngineLink | DetokLink] = [*self._engine_links.values(), *self._detok_links.values()]
         self._engine_links.clear()
         self._detok_links.clear()

@@ -48,6 +48,7 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 
 DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
+MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
 RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
 
 
@@ -111,6 +112,11 @@ class Replicas:
     leaves the rotation at once; its channel is closed once it is no longer connected, calls in flight
     there (streams included) given up to RETIRE_GRACE_S to finish. Over TLS, the certificate of a resolved
     replica must name the host of its endpoint.
+
+    Health: every member's grpc.health.v1 status is watched (one `Watch` call per member, reopened
+    whenever its channel is READY again). A member whose status is known and not SERVING (a replica
+    draining, or an engine whose loop failed) gets no new work until it reports SERVING; a member
+    not yet heard from, or whose server has no health service, counts by its channel alone.
     """
 
     def __init__(
@@ -143,6 +149,8 @@ class Replicas:
         self._refresher: asyncio.Task[None] | None = None
         self._first_resolve: asyncio.Task[None] | None = None
         self._last_resolve = -math.inf
+        self._serving: dict[str, bool] = {}  # member key → its latest health status is SERVING
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # member key → its health watch
         self._set_members()
         self._start_resolving()
 
@@ -174,19 +182,28 @@ class Replicas:
         return key.rpartition("#")[0] if self._per_replica > 1 else key
 
     def _set_members(self) -> None:
-        """Opens channels for new members, retires those no longer given; wakes `pick_ready`."""
+        """Opens channels for new members (one that cannot be opened is no member until it can),
+        retires those no longer given; wakes `pick_ready`."""
         keys = {key: target for target in self._targets() for key in self._keys(target)}
-        for key, target in keys.items():
+        for key, target in list(keys.items()):
             self._retiring.discard(key)
             if key not in self.channels:
-                self.channels[key] = self._open(target)
+                try:
+                    self.channels[key] = self._open(target)
+                except OSError as exc:  # e.g. the TLS files cannot be read now: tried again next time
+                    log.error("%s: cannot open a channel to %s: %s", self.kind, target, exc)
+                    del keys[key]
         self._retiring.update(key for key in self.channels if key not in keys)
         if tuple(keys) != self.addresses:
             if self.addresses:
                 log.info("%s replicas: %s", self.kind, ", ".join(keys))
             self.addresses = tuple(keys)
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wakes every `pick_ready` waiting for a member (the members or a health status changed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _sweep(self) -> None:
         """Closes the channels of retired members that are not connected (a replica gone, or one that
@@ -197,6 +214,7 @@ class Replicas:
             if channel.get_state() != grpc.ChannelConnectivity.READY:
                 self._retiring.discard(key)
                 del self.channels[key]
+                self._stop_watching(key)
                 closing = asyncio.get_running_loop().create_task(channel.close(RETIRE_GRACE_S))
                 self._closing[closing] = channel
                 closing.add_done_callback(lambda task: self._closing.pop(task, None))
@@ -209,9 +227,10 @@ class Replicas:
                 continue
             try:
                 ips = await self._resolve(endpoint.host, endpoint.port)
-            except OSError as exc:
-                log.warning("%s: cannot resolve %s (%s); keeping its last replicas", self.kind,
-                            endpoint.target, exc)
+            except (OSError, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
+                log.warning(
+                    "%s: cannot resolve %s (%s); keeping its last replicas", self.kind, endpoint.target, exc
+                )
                 continue
             if ips:
                 self._resolved[endpoint] = tuple(host_port(ip, endpoint.port) for ip in ips)
@@ -229,7 +248,7 @@ class Replicas:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return
-        self._first_resolve = loop.create_task(self.refresh())
+        self._first_resolve = loop.create_task(self._refresh_logged())
         self._refresher = loop.create_task(self._refresh_forever())
 
     def _resolving(self) -> bool:
@@ -245,10 +264,15 @@ class Replicas:
     async def _refresh_forever(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("%s: re-resolution failed", self.kind)
+            await self._refresh_logged()
+
+    async def _refresh_logged(self) -> None:
+        """`refresh`, an unexpected failure logged, never raised: the members stay as they were, and a
+        later pick or the periodic re-resolution tries again."""
+        try:
+            await self.refresh()
+        except Exception:
+            log.exception("%s: resolution failed", self.kind)
 
     # ----- choice
 
@@ -265,10 +289,64 @@ class Replicas:
         members = self.addresses
         if self._resolving():
             members = tuple(a for a in members if not a.startswith(DNS_SCHEME))
-        return [a for a in members if self.channels[a].get_state(try_to_connect=True) == ready]
+        self._watch_members()
+        return [
+            a
+            for a in members
+            if self.channels[a].get_state(try_to_connect=True) == ready and self._serving.get(a, True)
+        ]
 
-    async def pick_ready(self, timeout_s: float, prompt_ids: Sequence[int] = ()) -> str:
-        """The member for the next piece of work among those whose channel is READY, by the picker.
+    # ----- health
+
+    def _watch_members(self) -> None:
+        """Starts a health watch for every member that has none (once an event loop runs)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for key in self.addresses:
+            if key not in self._watchers:
+                self._watchers[key] = loop.create_task(self._watch(key), name=f"{self.kind}-health-watch")
+
+    def _stop_watching(self, key: str) -> None:
+        watcher = self._watchers.pop(key, None)
+        if watcher is not None:
+            watcher.cancel()
+        self._serving.pop(key, None)
+
+    async def _watch(self, key: str) -> None:
+        """Follows one member's health status for as long as it is a member: a `Watch` call each time
+        its channel is READY; the status is unknown between calls. Ends when the server has no health
+        service (the member then counts by its channel alone)."""
+        channel = self.channels[key]
+        request = health_pb2.HealthCheckRequest(service="")
+        serving = health_pb2.HealthCheckResponse.SERVING
+        while True:
+            await channel.channel_ready()
+            call = health_pb2_grpc.HealthStub(channel).Watch(request)
+            try:
+                async for reply in call:
+                    self._set_serving(key, reply.status == serving)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._serving.pop(key, None)
+                    return
+            finally:
+                call.cancel()
+            self._serving.pop(key, None)
+            await asyncio.sleep(MIN_WATCH_GAP_S)  # a call that ends at once while READY must not spin
+
+    def _set_serving(self, key: str, serving: bool) -> None:
+        if self._serving.get(key) != serving:
+            log.info("%s %s: %s", self.kind, key, "SERVING" if serving else "not serving")
+            self._serving[key] = serving
+            self._wake()
+
+    async def pick_ready(
+        self, timeout_s: float, prompt_ids: Sequence[int] = (), *, avoid: str | None = None
+    ) -> str:
+        """The member for the next piece of work among those whose channel is READY, by the picker,
+        other than a member of the replica `avoid` when another one is READY.
         When none is (the stage is starting or restarting), resolves the names again and waits up to
         `timeout_s` for the first to become READY; when none does, `pick`: a call there fails at once
         with UNAVAILABLE. Returns at once when a member is READY."""
@@ -278,9 +356,10 @@ class Replicas:
         while True:
             ready = self.connected()
             if ready:
-                return self.picker.pick(ready, prompt_ids)
+                others = [key for key in ready if self.replica_of(key) != avoid]
+                return self.picker.pick(others or ready, prompt_ids)
             if self._first_resolve is not None and loop.time() - self._last_resolve >= MIN_RESOLVE_GAP_S:
-                await self.refresh()
+                await self._refresh_logged()
                 continue
             left = deadline - loop.time()
             if left <= 0:
@@ -288,8 +367,14 @@ class Replicas:
             await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
 
     async def _any_ready(self, timeout_s: float) -> None:
-        """Returns when a member's channel becomes READY, the members change, or after `timeout_s`."""
-        waiters = [asyncio.ensure_future(self.channels[key].channel_ready()) for key in self.addresses]
+        """Returns when a member's channel becomes READY, the members or a member's health change, or
+        after `timeout_s`."""
+        ready = grpc.ChannelConnectivity.READY
+        waiters = [
+            asyncio.ensure_future(self.channels[key].channel_ready())
+            for key in self.addresses
+            if self.channels[key].get_state() != ready
+        ]
         waiters.append(asyncio.ensure_future(self._changed.wait()))
         try:
             await asyncio.wait(waiters, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -317,9 +402,11 @@ class Replicas:
         return dict(zip(first, results, strict=True))
 
     async def close(self) -> None:
-        for task in (self._refresher, self._first_resolve):
+        for task in (self._refresher, self._first_resolve, *self._watchers.values()):
             if task is not None:
                 task.cancel()
+        await asyncio.gather(*self._watchers.values(), return_exceptions=True)
+        self._watchers.clear()
         for closing, channel in list(self._closing.items()):
             closing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -359,6 +446,7 @@ class StreamLink(Generic[Item, In, Out]):
         self._on_broken = on_broken
         self._queue: asyncio.Queue[Item | None] = asyncio.Queue()
         self._flushed = asyncio.Event()
+        self._requests_ended = False
         self._call = open_call(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read(), name=f"{kind}-link-reader")
 
@@ -372,13 +460,21 @@ class StreamLink(Generic[Item, In, Out]):
         waiting up to `flush_timeout_s` for that, then cancels the call and the reader."""
         if self.alive:
             self.alive = False
-            self._queue.put_nowait(None)
+            self._end_requests()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._flushed.wait(), flush_timeout_s)
         self._call.cancel()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+
+    def _end_requests(self) -> None:
+        """Lets the request iterator end (once): after what is queued, or at once when the call is over.
+        gRPC stops consuming it only when it cancels a call still running: an iterator left waiting
+        on a call that ended by itself would keep gRPC's consumer task pending for good."""
+        if not self._requests_ended:
+            self._requests_ended = True
+            self._queue.put_nowait(None)
 
     async def _requests(self) -> AsyncIterator[In]:
         while True:
@@ -412,6 +508,7 @@ class StreamLink(Generic[Item, In, Out]):
         was_alive = self.alive
         self.alive = False
         self._call.cancel()
+        self._end_requests()
         if was_alive:
             log.warning("%s stream to %s broke: %s", self.kind, self.address, reason)
             self._on_broken(self, reason)

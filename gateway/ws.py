@@ -12,8 +12,9 @@ for an id not in flight (already ended, or never started) is ignored: its genera
 have, its own terminal frame. Closing the socket cancels every generation of that socket.
 
 A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused
-before the socket opens (HTTP 403). A client that stops reading is closed once one write has waited
-`send_timeout_s`, and its generations are cancelled.
+before the socket opens (HTTP 403). A client that stops reading is cut off once one write has waited
+`send_timeout_s`: its generations are cancelled and its connection dropped at once (the transport
+aborted, so nothing it left unread is kept for it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from gateway import params
 from gateway.auth import ApiKeys, origin_allowed
 from gateway.events import Delta, Done, Failed, GenerateInput, Generation
 from gateway.observability import TRACE_KEYS, trace_context_from
+from gateway.openai_api import DROP_CONNECTION
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -219,7 +221,8 @@ class SocketSession:
             await self._on_message(message)
 
     async def _end(self) -> None:
-        """Cancels what the socket still runs; after a send timeout, closes it if it can."""
+        """Cancels what the socket still runs; after a send timeout, drops the connection (aborts its
+        transport) where the server allows, else closes it if it can."""
         self._closed = True
         for generation in list(self._in_flight.values()):
             generation.cancel()
@@ -229,8 +232,12 @@ class SocketSession:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._send_timed_out:
-            # The close frame waits behind what the client has not read: it goes out only if the client
-            # reads again soon. Either way the server closes the connection once this returns.
+            drop = self._ws.scope.get(DROP_CONNECTION)
+            if drop is not None:
+                # A close frame would wait behind what the client has not read, and the server's
+                # buffer would hold the connection until it drains: drop it at once instead.
+                drop()
+                return
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self._settings.send_timeout_s):
                     await self._ws.close(CLOSE_POLICY_VIOLATION, "send timed out")

@@ -15,7 +15,8 @@ once every replica is healthy.
 
 A child that dies is restarted, as compose's `restart:` or Kubernetes would, whether it had served or
 was still starting: the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each
-restart in the window, at most 8 s), and starts it again; the other children keep running untouched. A
+restart in the window, at most 8 s, for a run that never served: a crash loop; 0.5 s after a run that
+had served), and starts it again; the other children keep running untouched. A
 child that dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds
 (default 60) makes the launcher give up: it stops every child and exits 1 naming it. The ready line
 waits until every child has answered SERVING once; if that takes longer than `--startup-timeout`, the
@@ -25,7 +26,8 @@ Liveness: every child's grpc.health.v1 status is asked about once a second (the 
 port), each check given `--health-timeout-s`. A child that has served and then answers anything but
 SERVING, or nothing at all (a hung or SIGSTOPped process), for longer than `--unhealthy-restart-s`
 (default 10) is restarted: SIGTERM (and SIGCONT, so a stopped process can act on it), SIGKILL after
-KILL_GRACE_S, then the restart policy as for a death. An engine whose step loop failed stays alive and
+KILL_GRACE_S, then the restart policy as for a death. So is a restarted child that has not answered
+SERVING within `--startup-timeout` of its restart. An engine whose step loop failed stays alive and
 NOT_SERVING (services/engine/server.py), so this is what replaces it.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
@@ -78,7 +80,7 @@ STOP_GRACE_S = 10.0
 UNHEALTHY_RESTART_S = 10.0  # a served child not SERVING this long is restarted
 HEALTH_TIMEOUT_S = 2.0  # one health check's deadline
 HEALTH_INTERVAL_S = 1.0  # how often a serving child is asked
-KILL_GRACE_S = 3.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
+KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 WATCH_INTERVAL_S = 0.2
@@ -107,8 +109,9 @@ class Child:
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a dead child is started again: after `initial_backoff_s`, doubling with each restart of
-    that child within the last `window_s` seconds, at most `max_backoff_s`; never more than
-    `max_restarts` times within `window_s` seconds."""
+    that child within the last `window_s` seconds, at most `max_backoff_s`, unless the run that died
+    had served (it came up: no crash loop to slow down, so `initial_backoff_s`); never more than
+    `max_restarts` times within `window_s` seconds, served or not."""
 
     max_restarts: int = 5
     window_s: float = 60.0
@@ -123,15 +126,15 @@ class RestartTracker:
     policy: RestartPolicy
     restarts: deque[float] = field(default_factory=deque)
 
-    def on_exit(self, now: float) -> float | None:
-        """The child died at `now` (monotonic seconds): the delay before starting it again, or None
-        when it already had `max_restarts` restarts within the window (give up). A returned delay
-        counts as a restart at `now`."""
+    def on_exit(self, now: float, served: bool = False) -> float | None:
+        """The child died at `now` (monotonic seconds), after its run had answered SERVING or not: the
+        delay before starting it again, or None when it already had `max_restarts` restarts within
+        the window (give up). A returned delay counts as a restart at `now`."""
         while self.restarts and now - self.restarts[0] >= self.policy.window_s:
             self.restarts.popleft()
         if len(self.restarts) >= self.policy.max_restarts:
             return None
-        delay = self.policy.initial_backoff_s * 2 ** len(self.restarts)
+        delay = self.policy.initial_backoff_s * (1 if served else 2 ** len(self.restarts))
         self.restarts.append(now)
         return min(delay, self.policy.max_backoff_s)
 
@@ -525,6 +528,7 @@ class _Run:
 
     pid: int
     started: float
+    restarted: bool = False  # started by the watcher, after the first start-up
     served: bool = False
     last_serving: float = 0.0
     kill_at: float | None = None
@@ -534,9 +538,10 @@ class Watcher:
     """Restarts children that die or stay unhealthy, under one `RestartPolicy` per child (pure: the
     caller passes the time and the health checks' answers).
 
-    A child whose latest run has answered SERVING (`on_health`) and then not for `unhealthy_restart_s`
-    gets SIGTERM, and SIGKILL after KILL_GRACE_S; every death, whether the run had served or was still
-    starting, goes through the restart policy."""
+    A child whose latest run has answered SERVING (`on_health`) and then not for `unhealthy_restart_s`,
+    or whose restarted run has not answered SERVING within `startup_timeout_s` of its start, gets
+    SIGTERM, and SIGKILL after KILL_GRACE_S; every death, whether the run had served or was still
+    starting, goes through the restart policy. (The first start-up's own limit is `_watch`'s.)"""
 
     def __init__(
         self,
@@ -544,11 +549,13 @@ class Watcher:
         policy: RestartPolicy,
         *,
         unhealthy_restart_s: float = UNHEALTHY_RESTART_S,
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
         now: float | None = None,
     ) -> None:
         self.supervisor = supervisor
         self.policy = policy
         self.unhealthy_restart_s = unhealthy_restart_s
+        self.startup_timeout_s = startup_timeout_s
         self.trackers = {child.name: RestartTracker(policy) for child in supervisor.children}
         self.due: dict[str, float] = {}  # child name → monotonic time of its next start
         started = time.monotonic() if now is None else now
@@ -578,13 +585,13 @@ class Watcher:
             if child.name in self.due and self.due[child.name] <= now:
                 del self.due[child.name]
                 self.supervisor.start_child(child)
-                self.runs[child.name] = _Run(self.supervisor.procs[child.name].pid, now)
+                self.runs[child.name] = _Run(self.supervisor.procs[child.name].pid, now, restarted=True)
         return None
 
     def _schedule_restart(self, name: str, code: int, now: float) -> bool:
         """False when the policy gives up on `name`."""
         when = "" if self.runs[name].served else " during start-up"
-        delay = self.trackers[name].on_exit(now)
+        delay = self.trackers[name].on_exit(now, self.runs[name].served)
         if delay is None:
             print(
                 f"sluice up: {name} exited with {describe_exit(code)}{when} after {self.policy.max_restarts} "
@@ -604,7 +611,8 @@ class Watcher:
         return True
 
     def _check_alive(self, name: str, now: float) -> None:
-        """SIGTERM to a served child silent or not SERVING for too long; SIGKILL once its grace is out."""
+        """SIGTERM to a served child silent or not SERVING for too long, or to a restarted one that has
+        not served within the start-up timeout; SIGKILL once its grace is out."""
         run = self.runs[name]
         if run.kill_at is not None:
             if now >= run.kill_at:
@@ -617,14 +625,14 @@ class Watcher:
                 run.kill_at = math.inf
             return
         if run.served and now - run.last_serving > self.unhealthy_restart_s:
-            print(
-                f"sluice up: {name} has not answered SERVING for {now - run.last_serving:.1f}s; "
-                "stopping it to restart it",
-                file=sys.stderr,
-                flush=True,
-            )
-            self.supervisor.terminate(name)
-            run.kill_at = now + KILL_GRACE_S
+            why = f"has not answered SERVING for {now - run.last_serving:.1f}s"
+        elif not run.served and run.restarted and now - run.started > self.startup_timeout_s:
+            why = f"has not answered SERVING {now - run.started:.1f}s after its restart"
+        else:
+            return
+        print(f"sluice up: {name} {why}; stopping it to restart it", file=sys.stderr, flush=True)
+        self.supervisor.terminate(name)
+        run.kill_at = now + KILL_GRACE_S
 
 
 Probe = Callable[[Child], Awaitable[bool]]
@@ -742,7 +750,12 @@ async def _run(args: argparse.Namespace) -> int:
     supervisor.start()
     try:
         policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
-        watcher = Watcher(supervisor, policy, unhealthy_restart_s=args.unhealthy_restart_s)
+        watcher = Watcher(
+            supervisor,
+            policy,
+            unhealthy_restart_s=args.unhealthy_restart_s,
+            startup_timeout_s=args.startup_timeout,
+        )
         probe = health_probe(args.host, stage_tls(os.environ), args.health_timeout_s)
         checks = HealthChecks(supervisor, watcher, probe)
         return await _watch(watcher, checks, stop, args.startup_timeout, lambda: _print_ready(args, model))

@@ -193,7 +193,7 @@ async def test_the_gateway_serves_through_mutual_tls_stages(pki: Pki, tiny_model
                 text += frame["text"]
         assert frame["type"] == "done" and frame["usage"]["completion_tokens"] == 6, frame
         assert text
-        assert not any((await anonymous.check_ready()).values())
+        assert not any(any(serving) for serving in (await anonymous.check_ready()).values())
     finally:
         await anonymous.close()
         await gateway.stop(0.5)

@@ -361,3 +361,39 @@ async def _kill_under_load(pipeline: Pipeline, stage: str) -> None:
 @pytest.mark.parametrize("stage", ["tokenizer", "engine", "detokenizer"])
 def test_a_killed_stage_fails_only_its_requests_and_is_restarted(pipeline: Pipeline, stage: str) -> None:
     asyncio.run(_kill_under_load(pipeline, stage))
+
+
+def test_a_restarted_child_that_never_serves_is_killed_and_restarted(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A restart whose new run never answers SERVING (hung in start-up, stopped) is not left alone once
+    the stack is up: past the start-up timeout it gets SIGTERM, SIGKILL after the grace, and restarts."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, POLICY, unhealthy_restart_s=10.0, startup_timeout_s=30.0, now=0.0)
+    for name in ("tokenizer", "engine"):
+        watcher.on_health(name, supervisor.procs[name].pid, True, 1.0)
+    supervisor.kill("engine")
+    assert watcher.check(2.0) is None
+    assert watcher.check(2.5) is None  # restarted at 2.5
+    engine = supervisor.procs["engine"]
+    assert watcher.check(32.5) is None and engine.signals == []  # within its start-up timeout
+    assert watcher.check(32.6) is None
+    assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
+    assert "engine has not answered SERVING 30.1s after its restart" in capsys.readouterr().err
+    assert watcher.check(32.6 + launcher.KILL_GRACE_S) is None
+    assert engine.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
+    supervisor.kill("engine")
+    assert watcher.check(40.0) is None
+    assert watcher.check(41.0) is None
+    assert supervisor.starts.count("engine") == 3
+
+
+def test_a_child_that_had_served_is_restarted_without_growing_backoff() -> None:
+    """The backoff slows a crash loop (runs that never come up); a run that had served and then died
+    (killed, or stopped for not serving) is started again after the initial delay, however many
+    restarts the window holds, and still counts toward giving up."""
+    tracker = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
+    assert [tracker.on_exit(float(t), served=True) for t in range(4)] == [0.5] * 4
+    assert tracker.on_exit(4.0, served=True) is None
+    crashing = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
+    assert [crashing.on_exit(float(t), served=t == 2) for t in range(4)] == [0.5, 1.0, 0.5, 4.0]

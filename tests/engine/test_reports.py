@@ -11,7 +11,7 @@ from prometheus_client import generate_latest
 
 from services.common.block_keys import chain_hashes
 from services.common.metrics import EngineMetrics
-from services.engine.core.async_engine import AsyncEngine, Report, ReportFeed
+from services.engine.core.async_engine import AsyncEngine, EngineLoad, Report, ReportFeed
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.observability import EngineObserver
@@ -152,3 +152,17 @@ def test_engines_export_the_gauges_inference_routers_read() -> None:
     assert info == 1
     text = generate_latest(metrics.registry).decode()
     assert 'vllm:num_requests_waiting{model_name="m"} 1.0' in text
+
+
+async def test_changes_made_between_the_snapshot_and_its_hand_out_are_not_lost() -> None:
+    """A store and an eviction published after the snapshot was taken, before the consumer read it,
+    come in the next report: the mirror ends up exactly like the cache."""
+    feed = ReportFeed(asyncio.get_running_loop())
+    load = EngineLoad(0, 0, 1, 12, 0, 4, True)
+    feed._start([b"a", b"b"], load)  # the loop thread's pass: the snapshot
+    feed._publish({b"c": True, b"a": False}, load)  # the loop thread's next step, before the read
+    mirror = Mirror(feed)
+    assert (await mirror.take()).snapshot
+    second = await mirror.take()
+    assert (second.snapshot, second.stored, second.removed) == (False, [b"c"], [b"a"])
+    assert mirror.keys == {b"b", b"c"}

@@ -172,3 +172,29 @@ def test_launch_on_the_test_device_matches_the_cpu() -> None:
         assert got_lps[i].top_ids == want_lps[i].top_ids
         assert got_lps[i].top_logprobs == pytest.approx(want_lps[i].top_logprobs, abs=1e-4)
     assert got_lps[1] is not None and len(got_lps[1].top_ids) == 1
+
+
+def test_a_tiny_positive_temperature_is_greedy() -> None:
+    """Dividing the logits by 1e-40 would overflow them to inf (NaN probabilities, token 0): any
+    temperature below GREEDY_BELOW takes the argmax, with and without a penalty in the batch."""
+    x = logits(3, seed=7)
+    x[:, 0] = -50.0  # token 0 is never the argmax
+    params = [
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1e-6, seed=3),
+        SamplingParams(temperature=1e-40, presence_penalty=0.5),
+    ]
+    out = Sampler(torch.device("cpu"), seed=1).sample(x, [req(p) for p in params])
+    assert out.token_ids == x.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [1e-40, 0.0, 1e6])
+def test_a_repetition_penalty_outside_its_range_is_refused_by_name(penalty: float) -> None:
+    with pytest.raises(ValueError, match=r"repetition_penalty must be between 0\.01 and 10"):
+        SamplingParams(repetition_penalty=penalty).validate()
+
+
+def test_the_penalty_bounds_pass_as_the_wire_carries_them() -> None:
+    """0.01 and 10 as float32 (the protobuf's type) are inside the range."""
+    for bound in (0.01, 10.0):
+        SamplingParams(repetition_penalty=float(torch.tensor(bound, dtype=torch.float32))).validate()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.common.grpc_server import bind, new_server
+from services.common.grpc_server import ServiceHealth, bind, new_server
 from services.common.pb import (
     common_pb2,
     detokenizer_pb2,
@@ -46,17 +46,21 @@ def encode(text: str) -> list[int]:
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     """While `gate` is set and not open, Tokenize calls wait for it (`arrived` is set as each one
-    starts waiting)."""
+    starts waiting). Each status in `fail_next` fails one Tokenize call, in order (the list may be
+    shared by several fakes)."""
 
     def __init__(self) -> None:
         self.requests: list[tokenizer_pb2.TokenizeRequest] = []
         self.gate: asyncio.Event | None = None
         self.arrived = asyncio.Event()
+        self.fail_next: list[grpc.StatusCode] = []
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         self.requests.append(request)
+        if self.fail_next:
+            await context.abort(self.fail_next.pop(0), "tokenizer going away")
         if self.gate is not None:
             self.arrived.set()
             await self.gate.wait()
@@ -336,6 +340,7 @@ class FakeUpstreams:
     detokenizer: FakeDetokenizer
     servers: dict[str, grpc.aio.Server]
     addresses: dict[str, str]
+    health: dict[str, ServiceHealth]
 
     async def stop(self, name: str | None = None) -> None:
         for key, server in self.servers.items():
@@ -348,6 +353,7 @@ async def start_upstreams() -> FakeUpstreams:
     tokenizer, engine, detokenizer = FakeTokenizer(), FakeEngine(), FakeDetokenizer()
     servers: dict[str, grpc.aio.Server] = {}
     addresses: dict[str, str] = {}
+    healths: dict[str, ServiceHealth] = {}
     adders = {
         "tokenizer": ("sluice.v1.Tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server, tokenizer),
         "engine": ("sluice.v1.Engine", engine_pb2_grpc.add_EngineServicer_to_server, engine),
@@ -365,4 +371,5 @@ async def start_upstreams() -> FakeUpstreams:
         await health.set_serving(True)
         servers[name] = server
         addresses[name] = f"127.0.0.1:{port}"
-    return FakeUpstreams(tokenizer, engine, detokenizer, servers, addresses)
+        healths[name] = health
+    return FakeUpstreams(tokenizer, engine, detokenizer, servers, addresses, healths)

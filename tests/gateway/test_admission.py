@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import grpc
 import httpx
@@ -12,10 +14,12 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from gateway import routing
 from gateway.server import GatewayHandle
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.common.block_keys import chain_hashes
+from services.common.pb import common_pb2, engine_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, recv, send
-from tests.gateway.fakes import MODEL, FakeUpstreams, expected_text
+from tests.gateway.fakes import MODEL, FakeUpstreams, expected_text, start_upstreams
 
 MakeGateway = Callable[..., Awaitable[GatewayHandle]]
 LONG = 10**6
@@ -159,3 +163,47 @@ async def test_api_keys_on_grpc(make_gateway: MakeGateway) -> None:
         ):
             text += response.delta.text
         assert text == expected_text(2)
+
+
+async def test_a_prompt_past_the_context_length_is_refused_before_it_is_hashed(
+    make_gateway: MakeGateway, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Routing hashes a prompt's blocks on the event loop: a prompt longer than the model's context
+    length (the fake's 4096) is refused before any block is hashed, and one within it hashes at most
+    the context length's blocks."""
+    second = await start_upstreams()
+    report = engine_pb2.EngineReport(
+        snapshot=True, prefix_caching=True, load=engine_pb2.EngineLoad(block_size=16)
+    )
+    upstreams.engine.report = second.engine.report = report
+    hashed: list[int] = []
+
+    def counting(ids: Sequence[int], block_size: int, *args: Any) -> list[bytes]:
+        hashed.append(len(ids) // block_size)
+        return chain_hashes(ids, block_size, *args)
+
+    monkeypatch.setattr(routing, "chain_hashes", counting)
+    server = await make_gateway(engine=(upstreams.addresses["engine"], second.addresses["engine"]))
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+            engines = server.core._stages.engines
+            async with asyncio.timeout(WAIT_S):
+                while len(engines.connected()) < 2:
+                    await asyncio.sleep(0.01)
+                warm = await http.post(
+                    "/v1/completions", json={"model": MODEL, "prompt": "w", "max_tokens": 1}
+                )
+                assert warm.status_code == 200  # each engine now has a link, and reports
+                while len(engines.picker._views) < 2:
+                    await asyncio.sleep(0.01)
+            big = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (1 << 20)})
+            assert hashed == []
+            fits = await http.post(
+                "/v1/completions", json={"model": MODEL, "prompt": "b" * 4000, "max_tokens": 2}
+            )
+    finally:
+        await second.stop()
+    assert big.status_code == 400, big.text
+    assert "more than the 4096 allowed" in big.json()["error"]["message"]
+    assert fits.status_code == 200, fits.text
+    assert hashed and max(hashed) <= 4096 // 16

@@ -77,7 +77,8 @@ def check_valid(sampling: common_pb2.SamplingParams, stopping: common_pb2.Stoppi
     assert 0 <= sampling.temperature <= params.MAX_TEMPERATURE
     assert 0 <= sampling.top_p <= 1 and 0 <= sampling.min_p <= 1 and sampling.top_k >= 0
     assert -2 <= sampling.presence_penalty <= 2 and -2 <= sampling.frequency_penalty <= 2
-    assert 0 <= sampling.repetition_penalty <= 10
+    penalty = sampling.repetition_penalty
+    assert penalty == 0 or params.MIN_REPETITION_PENALTY <= round(penalty, 6) <= params.MAX_REPETITION_PENALTY
     assert 0 <= stopping.max_new_tokens <= params.MAX_INT32  # 0: the rest of the context
     assert 0 <= stopping.min_new_tokens <= (stopping.max_new_tokens or params.MAX_INT32)
     assert len(sampling.logit_bias) <= params.MAX_LOGIT_BIAS

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
 from gateway.server import GatewayHandle
+from gateway.upstream import Replicas
 from tests.gateway.conftest import WAIT_S, dead_address
 from tests.gateway.fakes import MODEL, FakeUpstreams
 
@@ -24,34 +26,63 @@ async def test_healthz(http: httpx.AsyncClient) -> None:
     assert response.json() == {"status": "ok"}
 
 
-async def test_readyz_follows_the_upstreams(http: httpx.AsyncClient, upstreams: FakeUpstreams) -> None:
-    response = await http.get("/readyz")
-    assert response.status_code == 200
-    assert all(response.json()["upstreams"].values())
-    assert len(response.json()["upstreams"]) == 3
-    await upstreams.stop("engine")
-    response = await http.get("/readyz")
-    assert response.status_code == 503
-    upstream_state = response.json()["upstreams"]
-    assert upstream_state[f"engine {upstreams.addresses['engine']}"] is False
-    assert upstream_state[f"tokenizer {upstreams.addresses['tokenizer']}"] is True
-
-
-async def test_readyz_needs_one_serving_replica_of_every_stage(
-    make_gateway, upstreams: FakeUpstreams
-) -> None:  # type: ignore[no-untyped-def]
-    """Readiness is "every stage can serve": one engine replica of two down leaves the gateway ready."""
-    dead = dead_address()
-    server = await make_gateway(engine=(dead, upstreams.addresses["engine"]))
+async def test_readyz_follows_the_upstreams(make_gateway, upstreams: FakeUpstreams) -> None:  # type: ignore[no-untyped-def]
+    server = await make_gateway(readyz_cache_s=0.0)
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
         response = await http.get("/readyz")
         assert response.status_code == 200
-        assert response.json()["stages"] == {"tokenizer": True, "engine": True, "detokenizer": True}
-        assert response.json()["upstreams"][f"engine {dead}"] is False
+        assert response.json()["stages"]["engine"] == {"ready": True, "serving": 1, "replicas": [True]}
         await upstreams.stop("engine")
         response = await http.get("/readyz")
     assert response.status_code == 503
-    assert response.json()["stages"] == {"tokenizer": True, "engine": False, "detokenizer": True}
+    stages = response.json()["stages"]
+    assert stages["engine"] == {"ready": False, "serving": 0, "replicas": [False]}
+    assert stages["tokenizer"]["ready"] is True
+
+
+async def test_readyz_needs_one_serving_replica_of_every_stage_and_names_no_address(
+    make_gateway, upstreams: FakeUpstreams
+) -> None:  # type: ignore[no-untyped-def]
+    """Readiness is "every stage can serve": one engine replica of two down leaves the gateway ready.
+    The body counts replicas by stage and names no internal address."""
+    dead = dead_address()
+    server = await make_gateway(engine=(dead, upstreams.addresses["engine"]), readyz_cache_s=0.0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+        response = await http.get("/readyz")
+        assert response.status_code == 200
+        assert {kind: stage["ready"] for kind, stage in response.json()["stages"].items()} == {
+            "tokenizer": True,
+            "engine": True,
+            "detokenizer": True,
+        }
+        assert response.json()["stages"]["engine"] == {"ready": True, "serving": 1, "replicas": [False, True]}
+        assert "127.0.0.1" not in response.text
+        await upstreams.stop("engine")
+        response = await http.get("/readyz")
+    assert response.status_code == 503
+    assert response.json()["stages"]["engine"]["ready"] is False
+    assert "127.0.0.1" not in response.text
+
+
+async def test_readyz_checks_the_upstreams_at_most_once_per_cache_period(
+    make_gateway, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Anyone may ask /readyz as often as they like: the health fan-out runs once per `readyz_cache_s`
+    (concurrent and later askers within it share its answer)."""
+    server = await make_gateway(readyz_cache_s=3600.0)
+    checks: list[str] = []
+    real = Replicas.check_health
+
+    async def counting(self: Replicas, timeout_s: float) -> dict[str, bool]:
+        checks.append(self.kind)
+        return await real(self, timeout_s)
+
+    monkeypatch.setattr(Replicas, "check_health", counting)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+        replies = await asyncio.gather(*(http.get("/readyz") for _ in range(5)))
+        replies.append(await http.get("/readyz"))
+    assert [r.status_code for r in replies] == [200] * 6
+    assert sorted(checks) == ["detokenizer", "engine", "tokenizer"]
 
 
 async def test_models(http: httpx.AsyncClient) -> None:
@@ -96,7 +127,11 @@ async def test_chat_page_is_self_contained_and_speaks_the_protocol(http: httpx.A
     ],
 )
 async def test_a_browser_page_of_another_origin_may_not_drive_the_http_api(
-    make_gateway, upstreams: FakeUpstreams, origin: str | None, allowed: tuple[str, ...], status: int  # type: ignore[no-untyped-def]
+    make_gateway,
+    upstreams: FakeUpstreams,
+    origin: str | None,
+    allowed: tuple[str, ...],
+    status: int,  # type: ignore[no-untyped-def]
 ) -> None:
     gateway = await make_gateway(allowed_origins=allowed)
     base = f"http://127.0.0.1:{gateway.port}"

@@ -32,6 +32,7 @@ REFUSED = [
     ({"top_k": -5}, "top_k must be between -1 and"),
     ({"presence_penalty": 3}, "presence_penalty must be between -2 and 2"),
     ({"repetition_penalty": 11}, "repetition_penalty must be between 0 and 10"),
+    ({"repetition_penalty": 1e-40}, "repetition_penalty must be 0 (off) or between 0.01 and 10"),
     ({"top_p": 1.5}, "top_p must be greater than 0 and at most 1"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens (5) must not exceed max_tokens (4)"),
     ({"stop": ["ok", LONG_STOP]}, f"at most {params.MAX_STOP_CHARS} characters"),

@@ -7,11 +7,13 @@ import asyncio
 import socket
 from typing import Any
 
+import grpc
 import pytest
 from websockets.asyncio.client import connect
 
 from gateway.server import create_server
-from gateway.upstream import Replicas, resolve_host
+from gateway.upstream import Replicas, StreamLink, resolve_host
+from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, gateway_settings, send
 from tests.gateway.fakes import FakeUpstreams
 from tests.gateway.test_replicas import FakeDns
@@ -70,3 +72,31 @@ async def test_a_broken_replica_link_is_dropped(upstreams: FakeUpstreams) -> Non
                 await asyncio.sleep(0.01)
     finally:
         await server.stop(0.5)
+
+
+async def test_a_link_whose_call_breaks_leaves_no_task_pending(upstreams: FakeUpstreams) -> None:
+    """gRPC consumes a link's request iterator in a task of its own and stops it only when it cancels a
+    call still running: when the replica ends the call, the link ends the iterator, so that task ends
+    (else it is destroyed pending, and its generator's aclose() fails, when the link is collected)."""
+    broken = asyncio.Event()
+    async with grpc.aio.insecure_channel(upstreams.addresses["engine"]) as channel:
+        link: StreamLink[engine_pb2.EngineIn, engine_pb2.EngineIn, engine_pb2.EngineOut] = StreamLink(
+            kind="engine",
+            address=upstreams.addresses["engine"],
+            open_call=engine_pb2_grpc.EngineStub(channel).Stream,
+            merge=lambda items: items,
+            on_message=lambda link, out: None,
+            on_broken=lambda link, reason: broken.set(),
+        )
+        submit = engine_pb2.GenerateRequest(
+            request_id="a", prompt_ids=[1], stopping=common_pb2.StoppingParams(max_new_tokens=10**6)
+        )
+        link.send(engine_pb2.EngineIn(submit=submit))
+        await asyncio.wait_for(upstreams.engine.submitted.wait(), WAIT_S)
+        upstreams.engine.kill_streams()
+        await asyncio.wait_for(broken.wait(), WAIT_S)
+        poller = link._call._async_request_poller
+        await asyncio.wait([poller], timeout=WAIT_S)  # not wait_for: that would cancel it when late
+        ended = poller.done()
+        await link.close()
+    assert ended

@@ -556,3 +556,26 @@ async def test_a_client_that_stops_reading_is_timed_out_and_its_generation_cance
     async with connect(ws_url(server)) as other:
         await send(other, {"type": "generate", "id": "ok", "prompt": "x", "params": {"max_tokens": 2}})
         assert (await collect(other, {"ok"}))["ok"]["end"]["type"] == "done"
+
+
+async def test_a_client_that_stops_reading_is_cut_off_at_once(
+    make_gateway: MakeGateway, upstreams: FakeUpstreams
+) -> None:
+    """After the send timeout the gateway drops the connection (aborts its transport): while the client
+    still reads nothing, the server holds no connection for it and nothing is in flight."""
+    upstreams.engine.step_s = 0
+    server = await make_gateway(send_timeout_s=0.5)
+    server.server._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    connections = server.server._http.server_state.connections
+    client = await RawClient.open(server.port)
+    try:
+        assert len(connections) == 1
+        frame = {"type": "generate", "id": "stuck", "prompt": "x", "params": {"max_tokens": LONG}}
+        await client.send_text(json.dumps(frame))
+        await wait_for(upstreams.engine.aborted)
+        async with asyncio.timeout(WAIT_S):
+            while connections:
+                await asyncio.sleep(0.01)
+        assert server.core.in_flight == 0
+    finally:
+        client.close()

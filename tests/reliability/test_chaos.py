@@ -326,7 +326,7 @@ class Schedule:
         """The replica is back: a new process after a kill or a failed loop, resumed or replaced after a
         stop; SERVING; and /readyz names it serving."""
         port = self.ports[fault.target]
-        key = f"{fault.target.rsplit('-', 1)[0]} 127.0.0.1:{port}"
+        stage, number = fault.target.rsplit("-", 1)  # `engine-2`: the second of the gateway's engines
 
         def back() -> bool:
             replaced = self.pipeline.pids().get(fault.target) != fault.pid
@@ -334,7 +334,7 @@ class Schedule:
 
         def seen() -> bool:
             body = readyz(self.pipeline)
-            return body is not None and bool(body["upstreams"].get(key))
+            return body is not None and body["stages"][stage]["replicas"][int(number) - 1]
 
         for condition in (back, lambda: serving(port), seen):
             while not await asyncio.to_thread(condition):
@@ -370,9 +370,15 @@ class Schedule:
 # ----- afterwards
 
 
-async def engine_figures(port: int) -> engine_pb2.StatsResponse:
+async def engine_figures(port: int) -> engine_pb2.StatsResponse | None:
+    """The engine's Stats; None while it cannot answer (the last fault's replica still restarting)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        return await engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=10.0)
+        try:
+            return await engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest(), timeout=10.0)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return None
 
 
 def gateway_in_flight(pipeline: Pipeline) -> float:
@@ -383,14 +389,18 @@ def gateway_in_flight(pipeline: Pipeline) -> float:
 
 
 async def quiet(pipeline: Pipeline, ports: dict[str, int]) -> dict[str, Any]:
-    """Polls until every engine runs and waits for nothing with its free list full and the gateway has
-    nothing in flight; returns the last figures (`quiet`: whether that happened within QUIET_WITHIN_S)."""
+    """Polls until every engine answers, runs and waits for nothing with its free list full and the
+    gateway has nothing in flight; returns the last figures (`quiet`: whether that happened within
+    QUIET_WITHIN_S). An engine still restarting after the last fault is polled until it answers."""
     deadline = time.monotonic() + QUIET_WITHIN_S
     while True:
         engines = {}
         for name, port in ports.items():
             if name.startswith("engine"):
                 stats = await engine_figures(port)
+                if stats is None:
+                    engines[name] = {"unreachable": True}
+                    continue
                 engines[name] = {
                     "running": stats.running,
                     "waiting": stats.waiting,
@@ -399,7 +409,10 @@ async def quiet(pipeline: Pipeline, ports: dict[str, int]) -> dict[str, Any]:
                 }
         in_flight = await asyncio.to_thread(gateway_in_flight, pipeline)
         idle = in_flight == 0 and all(
-            e["running"] == 0 and e["waiting"] == 0 and e["free_blocks"] == e["num_blocks"]
+            not e.get("unreachable")
+            and e["running"] == 0
+            and e["waiting"] == 0
+            and e["free_blocks"] == e["num_blocks"]
             for e in engines.values()
         )
         if idle or time.monotonic() > deadline:

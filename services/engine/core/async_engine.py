@@ -125,8 +125,8 @@ class ReportFeed:
         if load is None:
             return None
         if self._snapshot is not None:
+            # Changes published after the snapshot was taken stay queued for the next report.
             stored, self._snapshot = self._snapshot, None
-            self._changes.clear()
             self._sent_load = load
             return Report(load, True, stored, [])
         if not self._changes and load == self._sent_load:
@@ -142,6 +142,7 @@ class ReportFeed:
     def _start(self, cached: list[bytes], load: EngineLoad) -> None:
         with self._lock:
             self._snapshot, self._load = cached, load
+            self._changes.clear()  # everything before the snapshot is in it
         self._wake()
 
     def _publish(self, changes: dict[bytes, bool], load: EngineLoad) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,6 +13,11 @@ if TYPE_CHECKING:
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100.0
+GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (dividing by it overflows the logits)
+# A smaller repetition penalty (or a larger than the max) makes the logits overflow. The minimum is
+# 0.01 as the wire's float32 carries it (a little below 0.01), so that 0.01 sent as float32 passes.
+MIN_REPETITION_PENALTY = struct.unpack("f", struct.pack("f", 0.01))[0]
+MAX_REPETITION_PENALTY = 10.0
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -24,9 +30,11 @@ _FLOAT_FIELDS = (
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen. `temperature == 0` is greedy; the filters apply only when sampling.
+    """How the next token is chosen. A temperature below `GREEDY_BELOW` (0 included) is greedy; the
+    filters apply only when sampling.
 
-    Penalties follow the usual conventions: `repetition_penalty` (> 0, 1 = off) divides positive and
+    Penalties follow the usual conventions: `repetition_penalty` (`MIN_REPETITION_PENALTY` to
+    `MAX_REPETITION_PENALTY`, 1 = off) divides positive and
     multiplies negative logits of every token seen in the prompt or output; `presence_penalty` and
     `frequency_penalty` subtract from the logits of tokens in the output (once, and once per occurrence).
     `seed` gives the request its own random generator: the same seed gives the same output whatever else
@@ -66,8 +74,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be between {MIN_REPETITION_PENALTY:g} and "
+                f"{MAX_REPETITION_PENALTY:g}, got {self.repetition_penalty:g}"
+            )
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -90,7 +101,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:
