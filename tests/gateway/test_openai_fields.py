@@ -76,7 +76,8 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "verbosity": {"verbosity": "low"},
     "web_search_options": {"web_search_options": {}},
 }
-COMPLETIONS_SAMPLES = {"logprobs": {"logprobs": 2}, "best_of": {"best_of": 2, "n": 2}}  # where the completions field differs
+# Where the completions field differs.
+COMPLETIONS_SAMPLES = {"logprobs": {"logprobs": 2}, "best_of": {"best_of": 2, "n": 2}}
 
 # Fields the gateway implements, per endpoint, and what it does with each. Every other field is refused.
 _COMMON = {
