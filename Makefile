@@ -21,6 +21,7 @@ up: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # The chat page's browser test drives Debian's chromium; installed here when missing (needs root).
 browser:

@@ -31,8 +31,14 @@ class RequestTrace:
     """Timing and spans of one generation; every method is cheap and safe to call in any order
     (a request may fail at any point), and `finish` runs once."""
 
-    def __init__(self, metrics: GatewayMetrics, request_id: str, api: str,
-                 trace_context: Mapping[str, str], attributes: Mapping[str, object]) -> None:
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        request_id: str,
+        api: str,
+        trace_context: Mapping[str, str],
+        attributes: Mapping[str, object],
+    ) -> None:
         self.metrics = metrics
         self.api = api or "internal"
         self.arrival = time.monotonic()
@@ -51,8 +57,9 @@ class RequestTrace:
                 local = trace.get_current_span().get_span_context().is_valid
                 parent, kind = None, (SpanKind.INTERNAL if local else SpanKind.SERVER)
             own = {"sluice.request_id": request_id, "sluice.api": self.api, "gen_ai.operation.name": "chat"}
-            self.span = _tracer.start_span("sluice.gateway.generate", context=parent, kind=kind,
-                                           attributes={**own, **attributes})
+            self.span = _tracer.start_span(
+                "sluice.gateway.generate", context=parent, kind=kind, attributes={**own, **attributes}
+            )
 
     def set_attribute(self, key: str, value: str | int | float) -> None:
         if self.span is not None:
@@ -79,12 +86,16 @@ class RequestTrace:
             return {}, {}
         parent = trace.set_span_in_context(self.span)
         rpc = {"rpc.system": "grpc"}
-        self.detok_span = _tracer.start_span("sluice.v1.Detokenizer/Stream", context=parent,
-                                             kind=SpanKind.CLIENT, attributes=rpc)
-        self.engine_span = _tracer.start_span("sluice.v1.Engine/Stream", context=parent,
-                                              kind=SpanKind.CLIENT, attributes=rpc)
-        return (telemetry.inject(ctx=trace.set_span_in_context(self.detok_span)),
-                telemetry.inject(ctx=trace.set_span_in_context(self.engine_span)))
+        self.detok_span = _tracer.start_span(
+            "sluice.v1.Detokenizer/Stream", context=parent, kind=SpanKind.CLIENT, attributes=rpc
+        )
+        self.engine_span = _tracer.start_span(
+            "sluice.v1.Engine/Stream", context=parent, kind=SpanKind.CLIENT, attributes=rpc
+        )
+        return (
+            telemetry.inject(ctx=trace.set_span_in_context(self.detok_span)),
+            telemetry.inject(ctx=trace.set_span_in_context(self.engine_span)),
+        )
 
     def on_chunk(self, batch_size: int) -> None:
         """Token ids arrived from the engine (in a step of `batch_size` requests, 0 if unknown)."""

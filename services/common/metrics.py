@@ -52,12 +52,70 @@ from services.common import errors
 log = logging.getLogger(__name__)
 
 # Bucket upper bounds, seconds unless named otherwise.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-               0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
-REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0,
-                   120.0, 240.0, 480.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
+REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 CPU_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -86,48 +144,86 @@ class EngineMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.ttft = Histogram("sluice_time_to_first_token_seconds", "Arrival at the engine to first token.",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "Time between successive output tokens "
-                             "of a request.", buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "Arrival at the engine to finish.",
-                             buckets=REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram("sluice_request_queue_time_seconds", "Arrival to first schedule.",
-                                    buckets=REQUEST_BUCKETS, registry=r)
-        self.prefill_time = Histogram("sluice_request_prefill_time_seconds", "First schedule to first token.",
-                                      buckets=REQUEST_BUCKETS, registry=r)
-        self.decode_time = Histogram("sluice_request_decode_time_seconds", "First token to finish.",
-                                     buckets=REQUEST_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "sluice_time_to_first_token_seconds",
+            "Arrival at the engine to first token.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "sluice_inter_token_latency_seconds",
+            "Time between successive output tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sluice_e2e_request_latency_seconds",
+            "Arrival at the engine to finish.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "sluice_request_queue_time_seconds",
+            "Arrival to first schedule.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "sluice_request_prefill_time_seconds",
+            "First schedule to first token.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.decode_time = Histogram(
+            "sluice_request_decode_time_seconds",
+            "First token to finish.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("sluice_requests_running", "Requests in the running batch.", registry=r)
         self.waiting = Gauge("sluice_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).",
-                              registry=r)
-        self.prompt_tokens = Counter("sluice_prompt_tokens", "Prompt tokens of finished requests.",
-                                     registry=r)
+        self.kv_usage = Gauge(
+            "sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "sluice_prompt_tokens", "Prompt tokens of finished requests.", registry=r
+        )
         self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter("sluice_requests", "Finished requests by finish reason.",
-                                ["finish_reason"], registry=r)
+        self.requests = Counter(
+            "sluice_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
         for reason in errors.FINISH_REASONS:
             self.requests.labels(reason)
-        self.prefix_queries = Counter("sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix "
-                                      "cache.", registry=r)
-        self.prefix_hits = Counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                   registry=r)
-        self.preemptions = Counter("sluice_preemptions", "Requests preempted (KV blocks freed, recomputed "
-                                   "later).", registry=r)
-        self.batch_size = Histogram("sluice_batch_size", "Requests in one engine step.",
-                                    buckets=COUNT_BUCKETS, registry=r)
-        self.step_tokens = Histogram("sluice_step_tokens", "Tokens computed in one engine step.",
-                                     buckets=COUNT_BUCKETS, registry=r)
-        self.step_duration = Histogram("sluice_step_duration_seconds", "Wall time of one engine step.",
-                                       buckets=STEP_BUCKETS, registry=r)
-        self.spec_proposed = Counter("sluice_spec_proposed_tokens", "Speculative draft tokens verified.",
-                                     registry=r)
-        self.spec_accepted = Counter("sluice_spec_accepted_tokens", "Speculative draft tokens accepted.",
-                                     registry=r)
-        self.spec_accepted_length = Histogram("sluice_spec_accepted_length", "Tokens emitted by one "
-                                              "verification of a request's drafts (accepted drafts + 1).",
-                                              buckets=SPEC_LENGTH_BUCKETS, registry=r)
+        self.prefix_queries = Counter(
+            "sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
+        self.preemptions = Counter(
+            "sluice_preemptions", "Requests preempted (KV blocks freed, recomputed later).", registry=r
+        )
+        self.batch_size = Histogram(
+            "sluice_batch_size", "Requests in one engine step.", buckets=COUNT_BUCKETS, registry=r
+        )
+        self.step_tokens = Histogram(
+            "sluice_step_tokens", "Tokens computed in one engine step.", buckets=COUNT_BUCKETS, registry=r
+        )
+        self.step_duration = Histogram(
+            "sluice_step_duration_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
+        )
+        self.spec_proposed = Counter(
+            "sluice_spec_proposed_tokens", "Speculative draft tokens verified.", registry=r
+        )
+        self.spec_accepted = Counter(
+            "sluice_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r
+        )
+        self.spec_accepted_length = Histogram(
+            "sluice_spec_accepted_length",
+            "Tokens emitted by one verification of a request's drafts (accepted drafts + 1).",
+            buckets=SPEC_LENGTH_BUCKETS,
+            registry=r,
+        )
 
 
 class TokenizerMetrics(ServiceMetrics):
@@ -137,10 +233,15 @@ class TokenizerMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.duration = Histogram("sluice_tokenize_duration_seconds", "Tokenize request, arrival to ids.",
-                                  buckets=CPU_STAGE_BUCKETS, registry=r)
-        self.batch_size = Histogram("sluice_tokenize_batch_size", "Requests in one encode batch.",
-                                    buckets=COUNT_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "sluice_tokenize_duration_seconds",
+            "Tokenize request, arrival to ids.",
+            buckets=CPU_STAGE_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "sluice_tokenize_batch_size", "Requests in one encode batch.", buckets=COUNT_BUCKETS, registry=r
+        )
 
 
 class DetokenizerMetrics(ServiceMetrics):
@@ -150,10 +251,15 @@ class DetokenizerMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.duration = Histogram("sluice_detokenize_duration_seconds", "Detokenize work, arrival to text.",
-                                  buckets=CPU_STAGE_BUCKETS, registry=r)
-        self.batch_size = Histogram("sluice_detokenize_batch_size", "Jobs in one decode batch.",
-                                    buckets=COUNT_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "sluice_detokenize_duration_seconds",
+            "Detokenize work, arrival to text.",
+            buckets=CPU_STAGE_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "sluice_detokenize_batch_size", "Jobs in one decode batch.", buckets=COUNT_BUCKETS, registry=r
+        )
 
 
 class GatewayMetrics(ServiceMetrics):
@@ -163,15 +269,32 @@ class GatewayMetrics(ServiceMetrics):
     def __init__(self) -> None:
         super().__init__()
         r = self.registry
-        self.requests = Counter("sluice_gateway_requests", "Requests answered, by API and outcome.",
-                                ["api", "outcome"], registry=r)
+        self.requests = Counter(
+            "sluice_gateway_requests",
+            "Requests answered, by API and outcome.",
+            ["api", "outcome"],
+            registry=r,
+        )
         self.in_flight = Gauge("sluice_gateway_requests_in_flight", "Requests in progress.", registry=r)
-        self.ttft = Histogram("sluice_gateway_time_to_first_token_seconds", "Request arrival at the gateway "
-                              "to first text sent.", buckets=TTFT_BUCKETS, registry=r)
-        self.e2e = Histogram("sluice_gateway_e2e_request_latency_seconds", "Request arrival at the gateway "
-                             "to its end.", buckets=REQUEST_BUCKETS, registry=r)
-        self.stage_duration = Histogram("sluice_gateway_stage_duration_seconds", "Time spent in each "
-                                        "upstream stage.", ["stage"], buckets=TTFT_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "sluice_gateway_time_to_first_token_seconds",
+            "Request arrival at the gateway to first text sent.",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "sluice_gateway_e2e_request_latency_seconds",
+            "Request arrival at the gateway to its end.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.stage_duration = Histogram(
+            "sluice_gateway_stage_duration_seconds",
+            "Time spent in each upstream stage.",
+            ["stage"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         for stage in GATEWAY_STAGES:
             self.stage_duration.labels(stage)
 
@@ -231,8 +354,11 @@ def maybe_serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Me
 def exposed_names() -> set[str]:
     """Every sample name the services expose (e.g. `sluice_batch_size_bucket`, `sluice_requests_total`),
     for checking dashboards and alerts against the code."""
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",)}
+    suffixes = {
+        "counter": ("_total", "_created"),
+        "histogram": ("_bucket", "_sum", "_count", "_created"),
+        "gauge": ("",),
+    }
     names: set[str] = set()
     for cls in (EngineMetrics, TokenizerMetrics, DetokenizerMetrics, GatewayMetrics):
         for family in cls().registry.collect():

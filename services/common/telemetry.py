@@ -64,8 +64,11 @@ def exporters_from_env(env: Mapping[str, str], *, console: bool = False) -> list
 
 
 def _otlp_exporter(env: Mapping[str, str]) -> Any:
-    protocol = (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-                or "grpc").strip().lower()
+    protocol = (
+        (env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+        .strip()
+        .lower()
+    )
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     elif protocol == "http/protobuf":
@@ -195,9 +198,14 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
             behavior = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                                  attributes=attributes, record_exception=False,
-                                                  set_status_on_exception=False) as span:
+                with tracer.start_as_current_span(
+                    name,
+                    context=parent,
+                    kind=SpanKind.SERVER,
+                    attributes=attributes,
+                    record_exception=False,
+                    set_status_on_exception=False,
+                ) as span:
                     try:
                         async for response in behavior(request, context):
                             yield response
@@ -206,15 +214,22 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
                         raise
 
             return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
 
         behavior = handler.unary_unary
 
         async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            with tracer.start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                              attributes=attributes, record_exception=False,
-                                              set_status_on_exception=False) as span:
+            with tracer.start_as_current_span(
+                name,
+                context=parent,
+                kind=SpanKind.SERVER,
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
                 try:
                     return await behavior(request, context)
                 except BaseException as exc:
@@ -222,8 +237,10 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
                     raise
 
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            unary_unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
 
 def _finish_server_error(span: Span, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -260,10 +277,13 @@ class _UnaryUnaryClient(grpc.aio.UnaryUnaryClientInterceptor):
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
         if method.startswith(_UNTRACED_PREFIXES):
             return await continuation(details, request)
-        with self.tracer.start_as_current_span(method.lstrip("/"), kind=SpanKind.CLIENT,
-                                               attributes=_rpc_attributes(method),
-                                               record_exception=False,
-                                               set_status_on_exception=False) as span:
+        with self.tracer.start_as_current_span(
+            method.lstrip("/"),
+            kind=SpanKind.CLIENT,
+            attributes=_rpc_attributes(method),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
             call = await continuation(_with_context(details), request)
             try:
                 await call

@@ -87,8 +87,11 @@ def _uses(decoder: object, kind: str) -> bool:
 
 def _gpt2_char_bytes() -> dict[str, int]:
     """The byte-level alphabet: the printable character that stands for each byte (GPT-2's table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -177,7 +180,7 @@ class Vocabulary:
         text = self.decode([anchor_id, token_id])
         if not text.startswith(anchor_text):
             return self.decode([token_id]).encode()
-        return text[len(anchor_text):].encode()
+        return text[len(anchor_text) :].encode()
 
     @functools.cached_property
     def _piece_table(self) -> list[bytes] | None:
@@ -261,18 +264,18 @@ class WindowSource:
         self._ids.extend(ids)
         if self._ids[-1] in self._byte_ids:
             return ""
-        text = self._decode(self._ids[self._prefix_offset:])
+        text = self._decode(self._ids[self._prefix_offset :])
         if text.endswith(REPLACEMENT):
             stable = len(text.rstrip(REPLACEMENT))
             if stable <= self._emitted:
                 return ""
-            delta = text[self._emitted:stable]
+            delta = text[self._emitted : stable]
             self._emitted = stable
             return delta
         if len(text) <= self._emitted:
             return ""
-        delta = text[self._emitted:]
-        self._emitted = len(self._decode(self._ids[self._read_offset:]))
+        delta = text[self._emitted :]
+        self._emitted = len(self._decode(self._ids[self._read_offset :]))
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         if self._prefix_offset >= TRIM_AT:
@@ -282,8 +285,8 @@ class WindowSource:
         return delta
 
     def flush(self) -> str:
-        text = self._decode(self._ids[self._prefix_offset:])
-        tail = text[self._emitted:]
+        text = self._decode(self._ids[self._prefix_offset :])
+        tail = text[self._emitted :]
         self._ids.clear()
         self._prefix_offset = self._read_offset = self._emitted = 0
         return tail
@@ -363,7 +366,7 @@ class DecodeState:
             self._held = ""
             return buf[: start + len(stop)] if self._include_stop else buf[:start]
         keep = stop_prefix_len(buf, self._stops, self._max_stop_len)
-        self._held = buf[len(buf) - keep:]
+        self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
 
 
@@ -460,8 +463,9 @@ class Session:
             unknown = Final(request_id, error=f"close for unknown request {request_id!r}")
             return Output("", 0, self._finish(unknown))
         text = state.close()
-        final = Final(request_id, stopped=state.stopped, stop=state.stop or "",
-                      num_ids_consumed=state.num_ids_consumed)
+        final = Final(
+            request_id, stopped=state.stopped, stop=state.stop or "", num_ids_consumed=state.num_ids_consumed
+        )
         return Output(text, state.num_ids_consumed, self._finish(final))
 
     def _finish(self, final: Final) -> Final:

@@ -60,9 +60,13 @@ def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> 
         elif kind == "start":
             start = entry.start
             request_id, text, num_ids = start.request_id, "", 0
-            final = session.start(request_id, prompt_ids=start.prompt_ids,
-                                  skip_special_tokens=start.skip_special_tokens, stop=start.stop,
-                                  include_stop_str_in_output=start.include_stop_str_in_output)
+            final = session.start(
+                request_id,
+                prompt_ids=start.prompt_ids,
+                skip_special_tokens=start.skip_special_tokens,
+                stop=start.stop,
+                include_stop_str_in_output=start.include_stop_str_in_output,
+            )
         elif kind == "close":
             request_id = entry.close.request_id
             text, num_ids, final = session.close(request_id)
@@ -137,8 +141,9 @@ class RequestSpans:
                 kind = entry.WhichOneof("kind")
                 if kind == "start":
                     start = entry.start
-                    span = self.tracer.start_span(self.name, context=telemetry.extract(start.trace_context),
-                                                  kind=trace.SpanKind.SERVER)
+                    span = self.tracer.start_span(
+                        self.name, context=telemetry.extract(start.trace_context), kind=trace.SpanKind.SERVER
+                    )
                     span.set_attribute("sluice.request_id", start.request_id)
                     previous = self.open.pop(start.request_id, None)
                     if previous is not None:
@@ -170,15 +175,23 @@ class RequestSpans:
 
 
 class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
-    def __init__(self, vocab: Vocabulary, metrics: DetokenizerMetrics, *, max_batch_size: int,
-                 remember_finished: int, read_ahead: int) -> None:
+    def __init__(
+        self,
+        vocab: Vocabulary,
+        metrics: DetokenizerMetrics,
+        *,
+        max_batch_size: int,
+        remember_finished: int,
+        read_ahead: int,
+    ) -> None:
         self.vocab = vocab
         self.remember_finished = remember_finished
         self.read_ahead = read_ahead
         self.metrics = metrics
         self.tracer = telemetry.get_tracer(__name__)
-        self.batcher: MicroBatcher[Job, Any] = MicroBatcher(self._run_jobs, max_batch=max_batch_size,
-                                                            name="detokenize")
+        self.batcher: MicroBatcher[Job, Any] = MicroBatcher(
+            self._run_jobs, max_batch=max_batch_size, name="detokenize"
+        )
 
     def _run_jobs(self, jobs: list[Job]) -> list[Any]:
         self.metrics.batch_size.observe(len(jobs))

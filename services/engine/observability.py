@@ -53,16 +53,24 @@ class RouterGauges:
         self, registry: CollectorRegistry, model_name: str, block_size: int, num_blocks: int
     ) -> None:
         labels = ["model_name"]
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels,
-                             registry=registry).labels(model_name)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", labels,
-                             registry=registry).labels(model_name)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%.", labels,
-                              registry=registry).labels(model_name)
-        self.kv_usage_legacy = Gauge("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (older name).",
-                                     labels, registry=registry).labels(model_name)
-        info = Gauge("vllm:cache_config_info", "KV cache shape: tokens per block, blocks in the pool.",
-                     ["model_name", "block_size", "num_gpu_blocks"], registry=registry)
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=registry
+        ).labels(model_name)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=registry
+        ).labels(model_name)
+        self.kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%.", labels, registry=registry
+        ).labels(model_name)
+        self.kv_usage_legacy = Gauge(
+            "vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (older name).", labels, registry=registry
+        ).labels(model_name)
+        info = Gauge(
+            "vllm:cache_config_info",
+            "KV cache shape: tokens per block, blocks in the pool.",
+            ["model_name", "block_size", "num_gpu_blocks"],
+            registry=registry,
+        )
         info.labels(model_name, str(block_size), str(num_blocks)).set(1)
 
     def update(self, waiting: int, running: int, kv_usage: float) -> None:

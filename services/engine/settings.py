@@ -25,8 +25,10 @@ class EngineSettings(StageTlsSettings):
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
     threads: int = field(
         default=0,
-        metadata={"help": "torch intra-op threads on CPU (0 = torch's default: one per core; sluice up "
-                  "gives one less than the cores)"},
+        metadata={
+            "help": "torch intra-op threads on CPU (0 = torch's default: one per core; sluice up "
+            "gives one less than the cores)"
+        },
     )
     dtype: str = field(
         default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA) | float32 | bfloat16 | float16"}
@@ -41,26 +43,34 @@ class EngineSettings(StageTlsSettings):
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
     kv_cache_gb: float = field(
         default=0.0,
-        metadata={"help": "KV pool budget in GiB; 0 = automatic: 0.5 on CPU, on CUDA gpu_memory_utilization "
-                  "of the memory free after loading the model and a warm-up forward (kv_sizing.py)"},
+        metadata={
+            "help": "KV pool budget in GiB; 0 = automatic: 0.5 on CPU, on CUDA gpu_memory_utilization "
+            "of the memory free after loading the model and a warm-up forward (kv_sizing.py)"
+        },
     )
     gpu_memory_utilization: float = field(
         default=0.9,
-        metadata={"help": "CUDA, automatic KV size: fraction of the memory free after the warm-up forward "
-                  "that the KV pool takes (0 < f <= 1)"},
+        metadata={
+            "help": "CUDA, automatic KV size: fraction of the memory free after the warm-up forward "
+            "that the KV pool takes (0 < f <= 1)"
+        },
     )
     num_kv_blocks: int = field(
         default=0, metadata={"help": "KV pool size in blocks; 0 = from the memory budget"}
     )
     attention_backend: str = field(
         default="auto",
-        metadata={"help": "decode attention: auto (triton on CUDA, torch elsewhere) | torch (gather + SDPA) "
-                  "| triton (the paged kernel; on CPU only under TRITON_INTERPRET=1, for tests)"},
+        metadata={
+            "help": "decode attention: auto (triton on CUDA, torch elsewhere) | torch (gather + SDPA) "
+            "| triton (the paged kernel; on CPU only under TRITON_INTERPRET=1, for tests)"
+        },
     )
     cuda_graphs: str = field(
         default="on",
-        metadata={"help": "on | off: on CUDA, replay decode-only steps from CUDA graphs captured at start-up "
-                  "for batch sizes 1, 2, 4, 8, ... up to max_num_seqs (ignored on CPU)"},
+        metadata={
+            "help": "on | off: on CUDA, replay decode-only steps from CUDA graphs captured at start-up "
+            "for batch sizes 1, 2, 4, 8, ... up to max_num_seqs (ignored on CPU)"
+        },
     )
     async_scheduling: str = field(
         default="auto",
@@ -68,10 +78,12 @@ class EngineSettings(StageTlsSettings):
     )
     speculative: str = field(
         default="off",
-        metadata={"help": "off | ngram: propose tokens by matching the request's last n-gram against its own "
-                  "prompt and output, and verify them in one forward; requests with a grammar (structured "
-                  "outputs) never get drafts; off (the only off switch) ignores the other speculative "
-                  "settings"},
+        metadata={
+            "help": "off | ngram: propose tokens by matching the request's last n-gram against its own "
+            "prompt and output, and verify them in one forward; requests with a grammar (structured "
+            "outputs) never get drafts; off (the only off switch) ignores the other speculative "
+            "settings"
+        },
     )
     num_speculative_tokens: int = field(
         default=4, metadata={"help": "speculative: most tokens proposed per request and step"}
@@ -82,13 +94,17 @@ class EngineSettings(StageTlsSettings):
     )
     speculative_disable_batch_size: int = field(
         default=4,
-        metadata={"help": "speculative: no proposals in a step with more running requests than this (a full "
-                  "batch has no compute to spare); >= 1: speculative=off turns speculation off"},
+        metadata={
+            "help": "speculative: no proposals in a step with more running requests than this (a full "
+            "batch has no compute to spare); >= 1: speculative=off turns speculation off"
+        },
     )
     speculative_min_acceptance: float = field(
         default=0.3,
-        metadata={"help": "speculative: a request accepting less than this share of its drafts (over windows "
-                  "of 8) stops proposing for 16 output tokens, doubling while it stays below"},
+        metadata={
+            "help": "speculative: a request accepting less than this share of its drafts (over windows "
+            "of 8) stops proposing for 16 output tokens, doubling while it stays below"
+        },
     )
     quantization: str = field(
         default="none",

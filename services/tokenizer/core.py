@@ -113,8 +113,15 @@ def _tool_call(raw: Any, where: str) -> dict[str, Any]:
     return call
 
 
-def chat_message(role: str, content: str | None, *, name: str = "", tool_call_id: str = "",
-                 tool_calls_json: str = "", where: str = "message") -> dict[str, Any]:
+def chat_message(
+    role: str,
+    content: str | None,
+    *,
+    name: str = "",
+    tool_call_id: str = "",
+    tool_calls_json: str = "",
+    where: str = "message",
+) -> dict[str, Any]:
     """One message of an OpenAI chat history in the form chat templates read (transformers'
     convention). `content` None stays None (null) only on an assistant turn that calls tools; elsewhere
     it is "". `name`, `tool_call_id` and `tool_calls` appear only when given. `tool_calls_json` is the
@@ -190,8 +197,13 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -273,8 +285,13 @@ class TokenizerCore:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The conversation (template messages, see `chat_message`) and its `tools` rendered with the
         model's chat template. Raises InvalidInput when the model has none, the conversation is empty,
         or the template rejects it (its own exception, or a value it cannot combine, such as a null
@@ -316,8 +333,9 @@ class TokenizerCore:
         if truncation.side == "right":
             return Encoded(ids[:limit], True)
         what = "max_tokens" if truncation.max_tokens else "the model's context length"
-        raise InvalidInput(f"input is {len(ids)} tokens, more than {limit} ({what}); shorten it or ask "
-                           "for truncation")
+        raise InvalidInput(
+            f"input is {len(ids)} tokens, more than {limit} ({what}); shorten it or ask for truncation"
+        )
 
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
         """Token ids of each text (in the caller's order)."""
@@ -360,4 +378,3 @@ class TokenizerCore:
         if not job.text:
             raise InvalidInput("empty input: give a non-empty text or a chat")
         return job.text, job.add_special_tokens
-

@@ -33,8 +33,14 @@ _SIDES = {
 
 def _message(m: common_pb2.ChatMessage, where: str) -> dict[str, Any]:
     content = m.content if m.HasField("content") else None
-    return chat_message(m.role, content, name=m.name, tool_call_id=m.tool_call_id,
-                        tool_calls_json=m.tool_calls_json, where=where)
+    return chat_message(
+        m.role,
+        content,
+        name=m.name,
+        tool_call_id=m.tool_call_id,
+        tool_calls_json=m.tool_calls_json,
+        where=where,
+    )
 
 
 def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
@@ -49,8 +55,12 @@ def job_from_request(request: tokenizer_pb2.TokenizeRequest) -> TokenizeJob:
     kind = request.WhichOneof("input")
     if kind == "chat":
         messages = [_message(m, f"chat.messages[{i}]") for i, m in enumerate(request.chat.messages)]
-        return TokenizeJob(messages=messages, tools=parse_tools(request.tools_json),
-                           add_generation_prompt=add_prompt, truncation=truncation)
+        return TokenizeJob(
+            messages=messages,
+            tools=parse_tools(request.tools_json),
+            add_generation_prompt=add_prompt,
+            truncation=truncation,
+        )
     if kind == "text":
         return TokenizeJob(text=request.text, add_special_tokens=add_special, truncation=truncation)
     raise InvalidInput("empty input: set text or chat")
@@ -99,9 +109,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         """One request of a TokenizeStream: its span continues the request's own trace context."""
         if not telemetry.tracing_enabled():
             return await self._tokenize(request)
-        with self.tracer.start_as_current_span("sluice.v1.Tokenizer/TokenizeStream",
-                                               context=telemetry.extract(request.trace_context),
-                                               kind=trace.SpanKind.SERVER):
+        with self.tracer.start_as_current_span(
+            "sluice.v1.Tokenizer/TokenizeStream",
+            context=telemetry.extract(request.trace_context),
+            kind=trace.SpanKind.SERVER,
+        ):
             return await self._tokenize(request)
 
     async def Tokenize(
@@ -111,8 +123,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         if isinstance(result, InvalidInput):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         assert isinstance(result, Encoded)
-        return tokenizer_pb2.TokenizeResponse(request_id=request.request_id, ids=result.ids,
-                                              truncated=result.truncated)
+        return tokenizer_pb2.TokenizeResponse(
+            request_id=request.request_id, ids=result.ids, truncated=result.truncated
+        )
 
     async def TokenizeStream(
         self,
@@ -131,8 +144,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             if isinstance(result, InvalidInput):
                 done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, error=str(result)))
             else:
-                done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, ids=result.ids,
-                                                               truncated=result.truncated))
+                done.put_nowait(
+                    tokenizer_pb2.TokenizeResponse(request_id=rid, ids=result.ids, truncated=result.truncated)
+                )
 
         async def read_all() -> None:
             try:
@@ -162,8 +176,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             model=core.model_name,
             vocab_size=core.vocab_size,
             context_length=core.context_length,
-            special_tokens=[tokenizer_pb2.SpecialToken(name=t.name, text=t.text, id=t.id)
-                            for t in core.special_tokens],
+            special_tokens=[
+                tokenizer_pb2.SpecialToken(name=t.name, text=t.text, id=t.id) for t in core.special_tokens
+            ],
             eos_token_ids=core.eos_token_ids,
             has_chat_template=core.chat_template is not None,
         )

@@ -59,9 +59,12 @@ def _paragraphs(text: str) -> list[str]:
 
 def _is_prose(paragraph: str) -> bool:
     lines = paragraph.splitlines()
-    return (not any(line[:1].isspace() for line in lines)
-            and not any(mark in paragraph for mark in ("::", ">>>", "***", "|", "+--", "==="))
-            and paragraph[:1].isalpha() and paragraph.rstrip()[-1:] in ".:!?)")
+    return (
+        not any(line[:1].isspace() for line in lines)
+        and not any(mark in paragraph for mark in ("::", ">>>", "***", "|", "+--", "==="))
+        and paragraph[:1].isalpha()
+        and paragraph.rstrip()[-1:] in ".:!?)"
+    )
 
 
 def prose_paragraphs(text: str) -> list[str]:
@@ -76,7 +79,7 @@ def _answer(paragraphs: list[str]) -> str:
     if len(text) <= _MAX_ANSWER_CHARS and text.endswith("."):
         return text
     end = text.rfind(". ", 0, _MAX_ANSWER_CHARS + 1)  # the period at index < _MAX_ANSWER_CHARS
-    return text[:end + 1] if end > 0 else ""
+    return text[: end + 1] if end > 0 else ""
 
 
 def pydoc_topic_texts() -> list[tuple[str, str]]:
@@ -101,8 +104,11 @@ def stdlib_docstrings() -> list[tuple[str, str]]:
             continue
         module = path.stem
         nodes: list[tuple[str, ast.AST]] = [(module, tree)]
-        nodes += [(f"{module}.{n.name}", n) for n in tree.body
-                  if isinstance(n, ast.ClassDef | ast.FunctionDef) and not n.name.startswith("_")]
+        nodes += [
+            (f"{module}.{n.name}", n)
+            for n in tree.body
+            if isinstance(n, ast.ClassDef | ast.FunctionDef) and not n.name.startswith("_")
+        ]
         for name, node in nodes:
             doc = ast.get_docstring(node)  # type: ignore[arg-type]
             if doc and len(doc) >= _MIN_PARAGRAPH_CHARS:
@@ -111,17 +117,46 @@ def stdlib_docstrings() -> list[tuple[str, str]]:
 
 
 _MULTIBYTE_WORDS = (
-    "café", "naïve", "façade", "Zürich", "São Paulo", "crème brûlée", "jalapeño", "Ångström", "Øresund",
-    "smörgåsbord", "déjà vu", "Kraków", "Dvořák", "İstanbul", "Straße", "œuvre", "piñata", "über",
-    "Ελληνικά", "Москва", "привет мир", "日本語のテキスト", "東京", "こんにちは世界", "中文文本",
-    "你好，世界", "北京", "한국어", "안녕하세요", "สวัสดี", "नमस्ते", "مرحبا", "שלום",
+    "café",
+    "naïve",
+    "façade",
+    "Zürich",
+    "São Paulo",
+    "crème brûlée",
+    "jalapeño",
+    "Ångström",
+    "Øresund",
+    "smörgåsbord",
+    "déjà vu",
+    "Kraków",
+    "Dvořák",
+    "İstanbul",
+    "Straße",
+    "œuvre",
+    "piñata",
+    "über",
+    "Ελληνικά",
+    "Москва",
+    "привет мир",
+    "日本語のテキスト",
+    "東京",
+    "こんにちは世界",
+    "中文文本",
+    "你好，世界",
+    "北京",
+    "한국어",
+    "안녕하세요",
+    "สวัสดี",
+    "नमस्ते",
+    "مرحبا",
+    "שלום",
 )
 _EMOJI = ("😀", "🎉", "🐍", "🚀", "❤️", "👍🏽", "👩‍💻", "👨‍👩‍👧‍👦", "🇯🇵", "🇫🇷", "✨", "🔥", "🌍", "☕", "🍣")
 _COMBINING = ("e\u0301", "a\u0300", "o\u0308", "n\u0303", "c\u0327", "u\u030a", "i\u0302", "z\u030c")
 _TEMPLATES = (
     "The word {w} is written with characters outside ASCII {e}.",
     "In {w}, people say hello {e} and the text stays valid UTF-8.",
-    "A string like \"{w}\" has more bytes than characters {e}.",
+    'A string like "{w}" has more bytes than characters {e}.',
     "She wrote {w} and {w2} in the same line {e}{e2}.",
     "Combining marks such as {c} and {c2} decompose accented letters.",
     "{w} {e} {w2}",
@@ -134,17 +169,26 @@ def multibyte_texts(n: int = 400, seed: int = 0) -> list[str]:
     lines = []
     for _ in range(n):
         template = rng.choice(_TEMPLATES)
-        lines.append(template.format(
-            w=rng.choice(_MULTIBYTE_WORDS), w2=rng.choice(_MULTIBYTE_WORDS),
-            e=rng.choice(_EMOJI), e2=rng.choice(_EMOJI),
-            c=rng.choice(_COMBINING), c2=rng.choice(_COMBINING),
-        ))
-    return ["\n".join(lines[i:i + 8]) for i in range(0, len(lines), 8)]
+        lines.append(
+            template.format(
+                w=rng.choice(_MULTIBYTE_WORDS),
+                w2=rng.choice(_MULTIBYTE_WORDS),
+                e=rng.choice(_EMOJI),
+                e2=rng.choice(_EMOJI),
+                c=rng.choice(_COMBINING),
+                c2=rng.choice(_COMBINING),
+            )
+        )
+    return ["\n".join(lines[i : i + 8]) for i in range(0, len(lines), 8)]
 
 
 _QUESTIONS = (
-    "What is {t}?", "Tell me about {t}.", "Explain {t} in Python.", "How does {t} work?",
-    "Can you describe {t}?", "What should I know about {t}?",
+    "What is {t}?",
+    "Tell me about {t}.",
+    "Explain {t} in Python.",
+    "How does {t} work?",
+    "Can you describe {t}?",
+    "What should I know about {t}?",
 )
 _SYSTEM = "You are a helpful assistant that answers questions about Python."
 
@@ -160,8 +204,10 @@ def conversations(seed: int = 0) -> list[tuple[tuple[str, str], ...]]:
         answer = _answer(prose_paragraphs(text))
         if not answer:
             continue
-        turns: tuple[tuple[str, str], ...] = (("user", rng.choice(_QUESTIONS).format(t=topic)),
-                                              ("assistant", answer))
+        turns: tuple[tuple[str, str], ...] = (
+            ("user", rng.choice(_QUESTIONS).format(t=topic)),
+            ("assistant", answer),
+        )
         if rng.random() < 0.25:
             turns = (("system", _SYSTEM), *turns)
         convs.append(turns)

@@ -52,7 +52,7 @@ CHAT_TEMPLATE = (
     "{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
     "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
     "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% set content = message['content'] | default('', true) %}"
@@ -119,8 +119,14 @@ def train_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
 def tokenizer_config(model_max_length: int) -> dict[str, object]:
     """Contents of `tokenizer_config.json` (special tokens, chat template, class)."""
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, t in enumerate(SPECIAL_TOKENS)
     }
     return {

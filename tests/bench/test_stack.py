@@ -70,10 +70,18 @@ def test_peer_server_answers_a_streaming_completion(tiny_model_dir: Path) -> Non
     with PeerServer(str(tiny_model_dir)) as peer:
         pid = peer.proc.pid if peer.proc else 0
         assert peer.model == str(tiny_model_dir.resolve())
-        body = json.dumps({"model": peer.model, "prompt": "the old house", "max_tokens": 8, "stream": True,
-                           "temperature": 0}).encode()
-        request = urllib.request.Request(f"{peer.openai_url}/completions", body,
-                                         {"Content-Type": "application/json"})
+        body = json.dumps(
+            {
+                "model": peer.model,
+                "prompt": "the old house",
+                "max_tokens": 8,
+                "stream": True,
+                "temperature": 0,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            f"{peer.openai_url}/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=120) as resp:
             events = [line[6:] for line in resp.read().splitlines() if line.startswith(b"data: ")]
         chunks = [json.loads(e) for e in events if e != b"[DONE]"]

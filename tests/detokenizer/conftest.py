@@ -19,7 +19,6 @@ from tests.tokenizer.conftest import model_dir
 __all__ = ["model_dir"]
 
 
-
 @pytest.fixture(scope="session")
 def tokenizer(model_dir: Path) -> Tokenizer:
     return Tokenizer.from_file(str(model_dir / "tokenizer.json"))

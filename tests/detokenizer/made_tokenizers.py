@@ -38,12 +38,22 @@ def _byte_level_json() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=420,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     # Added tokens outside the byte alphabet, as real models have (e.g. "<tool_call>", "\n\n").
-    tok.add_tokens([AddedToken("\n\n", normalized=False), AddedToken("<tool_call>", normalized=False),
-                    AddedToken("héllo wörld", normalized=False)])
+    tok.add_tokens(
+        [
+            AddedToken("\n\n", normalized=False),
+            AddedToken("<tool_call>", normalized=False),
+            AddedToken("héllo wörld", normalized=False),
+        ]
+    )
     return tok.to_str()
 
 
@@ -52,16 +62,27 @@ def _sentencepiece_json(metaspace_decoder: bool) -> str:
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
     if metaspace_decoder:
-        tok.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme="always"),
-                                         decoders.ByteFallback(), decoders.Fuse()])
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Metaspace(replacement="▁", prepend_scheme="always"),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+            ]
+        )
     else:
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
     # A fixed alphabet (ASCII letters, digits, a little punctuation): everything else is byte fallback.
     alphabet = sorted(set(string.ascii_letters + string.digits + ".,:()#*▁"))
-    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=alphabet, limit_alphabet=len(alphabet),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
+        show_progress=False,
+    )
     tok.train_from_iterator(_corpus(), trainer=trainer)
     data = json.loads(tok.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]

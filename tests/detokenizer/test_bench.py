@@ -11,8 +11,10 @@ from sluice.bench import detokenizer as bench
 
 def test_bench_runs_and_writes_json(model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "detok.json"
-    assert bench.main(["--model", str(model_dir), "--concurrency", "1,8", "--lengths", "16",
-                       "--json", str(out)]) == 0
+    assert (
+        bench.main(["--model", str(model_dir), "--concurrency", "1,8", "--lengths", "16", "--json", str(out)])
+        == 0
+    )
     data = json.loads(out.read_text())
     cells = data["cells"]
     assert [(c["length"], c["concurrency"]) for c in cells] == [(16, 1), (16, 8)]

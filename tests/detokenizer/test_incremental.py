@@ -45,7 +45,7 @@ def expected_text(v: Vocabulary, context: Sequence[int], generated: Sequence[int
         ctx, prefix = [], ""
     full = tok.decode(ctx + list(generated), skip_special_tokens=skip)
     assert full.startswith(prefix)
-    return full[len(prefix):]
+    return full[len(prefix) :]
 
 
 def settled_text(v: Vocabulary, context: Sequence[int], generated: Sequence[int], skip: bool) -> str:
@@ -62,7 +62,7 @@ def chunked(ids: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     for size in sizes:
         if i >= len(ids):
             break
-        out.append(list(ids[i:i + size]))
+        out.append(list(ids[i : i + size]))
         i += size
     if i < len(ids):
         out.append(list(ids[i:]))
@@ -125,17 +125,26 @@ def test_stop_strings(kind: str) -> None:
     v = vocab(kind)
 
     @PROPERTY
-    @given(case(kind), st.lists(st.tuples(st.integers(0, 60), st.integers(1, 4)), min_size=1, max_size=3),
-           st.booleans(), st.text(min_size=1, max_size=3))
-    def check(c: tuple[list[int], list[int], list[int], bool], cuts: list[tuple[int, int]], include: bool,
-              random_stop: str) -> None:
+    @given(
+        case(kind),
+        st.lists(st.tuples(st.integers(0, 60), st.integers(1, 4)), min_size=1, max_size=3),
+        st.booleans(),
+        st.text(min_size=1, max_size=3),
+    )
+    def check(
+        c: tuple[list[int], list[int], list[int], bool],
+        cuts: list[tuple[int, int]],
+        include: bool,
+        random_stop: str,
+    ) -> None:
         context, generated, sizes, skip = c
         full = expected_text(v, context, generated, skip)
         # Stops taken from the text itself (so they match, often across token boundaries), plus one random.
-        stops = [full[a:a + n] for a, n in cuts if full[a:a + n]] + [random_stop]
+        stops = [full[a : a + n] for a, n in cuts if full[a : a + n]] + [random_stop]
         stops = [s for s in stops if REPLACEMENT not in s]
-        state = DecodeState(v, prompt_ids=context, skip_special_tokens=skip, stop=stops,
-                            include_stop_str_in_output=include)
+        state = DecodeState(
+            v, prompt_ids=context, skip_special_tokens=skip, stop=stops, include_stop_str_in_output=include
+        )
         out = "".join(run(state, chunked(generated, sizes)))
         ref = reference_stop(full, stops)
         if ref is None:
@@ -147,8 +156,14 @@ def test_stop_strings(kind: str) -> None:
         assert out == (full[:end] if include else full[:start])
         # The id that completed the stop: the first prefix of the ids whose settled text reaches `end`;
         # the last id when only the close settles it.
-        consumed = next((k for k in range(1, len(generated) + 1)
-                         if len(settled_text(v, context, generated[:k], skip)) >= end), len(generated))
+        consumed = next(
+            (
+                k
+                for k in range(1, len(generated) + 1)
+                if len(settled_text(v, context, generated[:k], skip)) >= end
+            ),
+            len(generated),
+        )
         assert state.num_ids_consumed == consumed
 
     check()
@@ -170,7 +185,7 @@ def test_emoji_and_cjk_never_split() -> None:
 def test_leading_space_uses_context() -> None:
     v = vocab("sentencepiece")
     prompt = v.tokenizer.encode("Say hello", add_special_tokens=False).ids
-    gen = v.tokenizer.encode("Say hello world", add_special_tokens=False).ids[len(prompt):]
+    gen = v.tokenizer.encode("Say hello world", add_special_tokens=False).ids[len(prompt) :]
     with_context = DecodeState(v, prompt_ids=prompt)
     assert "".join(run(with_context, [[i] for i in gen])) == " world"
     no_context = DecodeState(v)

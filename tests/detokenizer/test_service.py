@@ -86,7 +86,7 @@ async def test_multiplexed_stream_is_exact(served: Served, tokenizer: Tokenizer)
         for rid, seq in ids.items():
             if pos[rid] < len(seq):
                 n = rng.randint(1, 3)
-                step.append(chunk(rid, seq[pos[rid]:pos[rid] + n]))
+                step.append(chunk(rid, seq[pos[rid] : pos[rid] + n]))
                 pos[rid] += n
         outs.append(await client.send(*step))
     outs.append(await client.send(*(close(rid) for rid in ids)))
@@ -101,8 +101,11 @@ async def test_multiplexed_stream_is_exact(served: Served, tokenizer: Tokenizer)
 async def test_stop_string_final_and_late_chunks(served: Served, tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("one two three. four five", add_special_tokens=False).ids
     client = MuxClient(served)
-    outs = [await client.send(start("a", stop=["three."], include_stop_str_in_output=True),
-                              start("b", stop=["r fi", "zz"]))]
+    outs = [
+        await client.send(
+            start("a", stop=["three."], include_stop_str_in_output=True), start("b", stop=["r fi", "zz"])
+        )
+    ]
     for i in ids:
         outs.append(await client.send(chunk("a", [i]), chunk("b", [i])))
     outs.append(await client.send(close("a"), close("b"), chunk("zzz", [5])))
@@ -124,7 +127,7 @@ async def test_per_request_stream(served: Served, tokenizer: Tokenizer) -> None:
     async def entries() -> AsyncIterator[pb.DetokenizeInEntry]:
         yield start("x", prompt_ids=[1])
         for i in range(0, len(ids), 2):
-            yield chunk("x", ids[i:i + 2])
+            yield chunk("x", ids[i : i + 2])
         yield close("x")
 
     out = [e async for e in served.stub.DetokenizeStream(entries())]
@@ -146,8 +149,13 @@ async def test_256_concurrent_per_request_streams(served: Served, tokenizer: Tok
                 yield chunk(f"r{i}", [token])
             yield close(f"r{i}")
 
-        return "".join([e.delta.text async for e in served.stub.DetokenizeStream(entries())
-                        if e.WhichOneof("kind") == "delta"])
+        return "".join(
+            [
+                e.delta.text
+                async for e in served.stub.DetokenizeStream(entries())
+                if e.WhichOneof("kind") == "delta"
+            ]
+        )
 
     assert await asyncio.gather(*(one(i) for i in range(256))) == texts
 

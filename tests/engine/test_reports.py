@@ -132,9 +132,7 @@ def test_engines_export_the_gauges_inference_routers_read() -> None:
     """vLLM's names, as the Gateway API Inference Extension's endpoint picker scrapes them."""
     core, _ = fake_engine(12, block_size=4, max_num_seqs=1)
     metrics = EngineMetrics()
-    core.observer = EngineObserver(
-        metrics, stats=core.recorder, model_name="m"
-    )
+    core.observer = EngineObserver(metrics, stats=core.recorder, model_name="m")
     for rid in ("a", "b"):
         core.add_request(rid, [1, 2, 3, 4, 5], SamplingParams(), StoppingParams(max_new_tokens=3))
     core.step()

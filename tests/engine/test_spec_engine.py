@@ -340,9 +340,7 @@ def test_stats_and_metrics_count_what_the_proposer_produced() -> None:
     proposer = OracleProposer(k=3, wrong=mixed)
     engine, _ = spec_engine(proposer)
     metrics = EngineMetrics()
-    engine.observer = EngineObserver(
-        metrics, stats=engine.recorder, model_name="fake"
-    )
+    engine.observer = EngineObserver(metrics, stats=engine.recorder, model_name="fake")
     items = fake_workload(seed=8, n=6)
     outs = run(engine, items)
     for _, rid, prompt, stopping in items:

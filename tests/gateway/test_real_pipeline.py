@@ -122,8 +122,14 @@ async def _ws_close(stack: Stack) -> None:
 
 
 async def _sse_drop(stack: Stack) -> None:
-    body = {"model": stack.model, "prompt": "Once upon", "max_tokens": LONG, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": stack.model,
+        "prompt": "Once upon",
+        "max_tokens": LONG,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     url = f"http://127.0.0.1:{stack.gateway.port}/v1/completions"
     async with httpx.AsyncClient(timeout=WAIT_S) as http, http.stream("POST", url, json=body) as response:
         assert response.status_code == 200
@@ -138,8 +144,13 @@ async def _sse_drop(stack: Stack) -> None:
 
 
 async def _http_drop(stack: Stack) -> None:
-    body = {"model": stack.model, "prompt": "Once upon", "max_tokens": LONG, "temperature": 0,
-            "ignore_eos": True}
+    body = {
+        "model": stack.model,
+        "prompt": "Once upon",
+        "max_tokens": LONG,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
     url = f"http://127.0.0.1:{stack.gateway.port}/v1/completions"
     async with httpx.AsyncClient(timeout=WAIT_S) as http:
         task = asyncio.ensure_future(http.post(url, json=body))

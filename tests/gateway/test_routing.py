@@ -122,7 +122,6 @@ def test_at_high_load_the_guard_allows_a_fraction_more_and_no_further() -> None:
     assert r.pick([A, B], [*SHARED, 2]) == B
 
 
-
 @pytest.mark.parametrize(("load_a", "chosen"), [(4, A), (5, B)])
 def test_at_low_load_the_absolute_margin_applies(load_a: int, chosen: str) -> None:
     r = router("prefix_affinity", Counter({A: load_a, B: 0}), margin=4, margin_ratio=0.25)

@@ -45,8 +45,14 @@ MESSAGES = [
 
 def test_directory_has_the_hugging_face_files(tiny_model_dir: Path) -> None:
     names = {p.name for p in tiny_model_dir.iterdir()}
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json", tiny.MARKER} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        tiny.MARKER,
+    } <= names
     config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert (config["bos_token"], config["eos_token"], config["pad_token"]) == (BOS, IM_END, "<pad>")
@@ -57,8 +63,13 @@ def test_directory_has_the_hugging_face_files(tiny_model_dir: Path) -> None:
 def test_loads_with_auto_classes_and_runs(tiny_model_dir: Path) -> None:
     config = AutoConfig.from_pretrained(tiny_model_dir)
     assert config.model_type == "llama"
-    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.intermediate_size) == (64, 2, 4, 2, 128)
+    assert (
+        config.hidden_size,
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.intermediate_size,
+    ) == (64, 2, 4, 2, 128)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     assert type(model).__name__ == "LlamaForCausalLM"
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -117,15 +128,17 @@ def test_generation_eos_ids_are_valid_and_end_the_turn(tiny_model_dir: Path) -> 
 
 
 @pytest.mark.parametrize(("arch", "cls"), [("qwen2", "Qwen2ForCausalLM"), ("mistral", "MistralForCausalLM")])
-def test_other_architectures_load_and_generate(tiny_model_dir_factory: TinyModelFactory, arch: str,
-                                               cls: str) -> None:
+def test_other_architectures_load_and_generate(
+    tiny_model_dir_factory: TinyModelFactory, arch: str, cls: str
+) -> None:
     path = tiny_model_dir_factory(arch)
     assert AutoConfig.from_pretrained(path).model_type == arch
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     assert type(model).__name__ == cls
     tok = AutoTokenizer.from_pretrained(path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                  return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_tensors="pt"
+    )
     out = model.generate(**ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] <= ids["input_ids"].shape[1] + 4
 

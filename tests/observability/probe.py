@@ -41,10 +41,20 @@ async def probe(tokenizer: str, detokenizer: str, traceparent: str) -> int:
             start.trace_context.update(telemetry.inject())
             messages = [
                 detokenizer_pb2.DetokenizeIn(entries=[detokenizer_pb2.DetokenizeInEntry(start=start)]),
-                detokenizer_pb2.DetokenizeIn(entries=[detokenizer_pb2.DetokenizeInEntry(
-                    chunk=detokenizer_pb2.DetokenizeChunk(request_id="d1", token_ids=list(reply.ids)))]),
-                detokenizer_pb2.DetokenizeIn(entries=[detokenizer_pb2.DetokenizeInEntry(
-                    close=detokenizer_pb2.DetokenizeClose(request_id="d1"))]),
+                detokenizer_pb2.DetokenizeIn(
+                    entries=[
+                        detokenizer_pb2.DetokenizeInEntry(
+                            chunk=detokenizer_pb2.DetokenizeChunk(request_id="d1", token_ids=list(reply.ids))
+                        )
+                    ]
+                ),
+                detokenizer_pb2.DetokenizeIn(
+                    entries=[
+                        detokenizer_pb2.DetokenizeInEntry(
+                            close=detokenizer_pb2.DetokenizeClose(request_id="d1")
+                        )
+                    ]
+                ),
             ]
             async for _ in stub_d.Stream(iter(messages)):
                 pass

@@ -30,8 +30,12 @@ def free_port() -> int:
 def otel_env(endpoint: str) -> dict[str, str]:
     """The environment of a traced child: export to `endpoint` over OTLP/gRPC, flush within 100 ms."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-    return {**env, "PYTHONUNBUFFERED": "1", "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-            "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    return {
+        **env,
+        "PYTHONUNBUFFERED": "1",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }
 
 
 @dataclass
@@ -63,8 +67,18 @@ def _pump(service: Service) -> None:
 
 def start_service(name: str, model_dir: Path, env: Mapping[str, str], *flags: str) -> Service:
     """`sluice serve NAME --model DIR --port 0 FLAGS`; returns once it is serving (its port known)."""
-    cmd = [sys.executable, "-m", "sluice.cli", "serve", name, "--model", str(model_dir), "--port", "0",
-           *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "serve",
+        name,
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env))
     service = Service(proc)
     threading.Thread(target=_pump, args=(service,), daemon=True).start()

@@ -69,21 +69,23 @@ def flatten(request: trace_service_pb2.ExportTraceServiceRequest) -> list[Receiv
         service = str(_attributes(resource_spans.resource.attributes).get("service.name", ""))
         for scope_spans in resource_spans.scope_spans:
             for span in scope_spans.spans:
-                spans.append(ReceivedSpan(
-                    service=service,
-                    name=span.name,
-                    kind=KIND_NAMES.get(span.kind, str(span.kind)),
-                    trace_id=span.trace_id.hex(),
-                    span_id=span.span_id.hex(),
-                    parent_span_id=span.parent_span_id.hex(),
-                    start_ns=span.start_time_unix_nano,
-                    end_ns=span.end_time_unix_nano,
-                    attributes=_attributes(span.attributes),
-                    events=[(e.name, e.time_unix_nano, _attributes(e.attributes)) for e in span.events],
-                    links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
-                    status_code=span.status.code,
-                    status_message=span.status.message,
-                ))
+                spans.append(
+                    ReceivedSpan(
+                        service=service,
+                        name=span.name,
+                        kind=KIND_NAMES.get(span.kind, str(span.kind)),
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        start_ns=span.start_time_unix_nano,
+                        end_ns=span.end_time_unix_nano,
+                        attributes=_attributes(span.attributes),
+                        events=[(e.name, e.time_unix_nano, _attributes(e.attributes)) for e in span.events],
+                        links=[(link.trace_id.hex(), link.span_id.hex()) for link in span.links],
+                        status_code=span.status.code,
+                        status_message=span.status.message,
+                    )
+                )
     return spans
 
 
@@ -91,8 +93,9 @@ class _Collector(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, receiver: TraceReceiver) -> None:
         self.receiver = receiver
 
-    def Export(self, request: trace_service_pb2.ExportTraceServiceRequest,
-               context: grpc.ServicerContext) -> trace_service_pb2.ExportTraceServiceResponse:
+    def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
         self.receiver._add(flatten(request))
         return trace_service_pb2.ExportTraceServiceResponse()
 

@@ -15,8 +15,7 @@ GREEDY = SamplingParams()
 def observed(num_blocks: int = 64, **settings: object) -> tuple[LLMEngine, EngineMetrics, FakeRunner]:
     engine, runner = fake_engine(num_blocks, **settings)
     metrics = EngineMetrics()
-    engine.observer = EngineObserver(metrics, stats=engine.recorder,
-                                     model_name="fake", step_sample_rate=1.0)
+    engine.observer = EngineObserver(metrics, stats=engine.recorder, model_name="fake", step_sample_rate=1.0)
     return engine, metrics, runner
 
 

@@ -38,8 +38,16 @@ async def _metrics(server: GatewayHandle) -> dict[str, float]:
 async def test_metrics_count_websocket_generations(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
     server, _ = gateway
     async with connect(f"ws://127.0.0.1:{server.port}/v1/ws") as ws:
-        await send(ws, {"type": "generate", "id": "a", "prompt": "Once", "params": {"max_tokens": 5},
-                        "traceparent": TRACEPARENT})
+        await send(
+            ws,
+            {
+                "type": "generate",
+                "id": "a",
+                "prompt": "Once",
+                "params": {"max_tokens": 5},
+                "traceparent": TRACEPARENT,
+            },
+        )
         await send(ws, {"type": "generate", "id": "b", "prompt": "Upon", "params": {"max_tokens": 3}})
         results = await collect(ws, {"a", "b"})
     assert {r["end"]["finish_reason"] for r in results.values()} == {"length"}
@@ -50,8 +58,10 @@ async def test_metrics_count_websocket_generations(gateway: tuple[GatewayHandle,
     assert samples["sluice_gateway_requests_in_flight"] == 0
     for stage in ("tokenize", "engine_first_token", "detokenize"):
         assert samples[f'sluice_gateway_stage_duration_seconds_count{{stage="{stage}"}}'] == 2, stage
-    assert samples["sluice_gateway_e2e_request_latency_seconds_sum"] >= \
-        samples["sluice_gateway_time_to_first_token_seconds_sum"]
+    assert (
+        samples["sluice_gateway_e2e_request_latency_seconds_sum"]
+        >= samples["sluice_gateway_time_to_first_token_seconds_sum"]
+    )
 
 
 async def test_bad_traceparent_field_is_refused(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
@@ -67,9 +77,11 @@ async def test_bad_traceparent_field_is_refused(gateway: tuple[GatewayHandle, Fa
 async def test_openai_requests_are_counted_by_api(gateway: tuple[GatewayHandle, FakeUpstreams]) -> None:
     server, _ = gateway
     async with httpx.AsyncClient(timeout=10) as client:
-        reply = await client.post(f"http://127.0.0.1:{server.port}/v1/completions",
-                                  json={"prompt": "Once", "max_tokens": 4},
-                                  headers={"traceparent": TRACEPARENT})
+        reply = await client.post(
+            f"http://127.0.0.1:{server.port}/v1/completions",
+            json={"prompt": "Once", "max_tokens": 4},
+            headers={"traceparent": TRACEPARENT},
+        )
     assert reply.status_code == 200, reply.text
     samples = await _metrics(server)
     assert samples['sluice_gateway_requests_total{api="completions",outcome="length"}'] == 1

@@ -31,8 +31,10 @@ def services(receiver: TraceReceiver, tiny_model_dir: Path) -> Iterator[dict[str
     try:
         for name in ("tokenizer", "detokenizer"):
             metrics_port = free_port()
-            started[name] = (start_service(name, tiny_model_dir, env, "--metrics-port", str(metrics_port)),
-                             metrics_port)
+            started[name] = (
+                start_service(name, tiny_model_dir, env, "--metrics-port", str(metrics_port)),
+                metrics_port,
+            )
         yield started
     finally:
         for service, _ in started.values():
@@ -46,18 +48,31 @@ def probed(
     """Runs the probe once; returns its token count and the spans of its trace once all arrived."""
     tok, detok = services["tokenizer"][0].port, services["detokenizer"][0].port
     done = subprocess.run(
-        [sys.executable, "-m", "tests.observability.probe", f"127.0.0.1:{tok}", f"127.0.0.1:{detok}",
-         TRACEPARENT],
-        env=otel_env(receiver.endpoint), capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "tests.observability.probe",
+            f"127.0.0.1:{tok}",
+            f"127.0.0.1:{detok}",
+            TRACEPARENT,
+        ],
+        env=otel_env(receiver.endpoint),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     count = int(done.stdout.strip().rpartition("ids=")[2])
 
     def complete(spans: list[ReceivedSpan]) -> bool:
         names = {(s.service, s.name) for s in spans if s.trace_id == TRACE_ID}
-        return {("sluice-tokenizer", "sluice.v1.Tokenizer/TokenizeStream"),
-                ("sluice-detokenizer", "sluice.v1.Detokenizer/Stream"),
-                ("sluice-gateway", "probe")} <= names and sum(
-            1 for s in spans if s.name == "sluice.v1.Tokenizer/Tokenize" and s.kind == "SERVER") >= 2
+        return {
+            ("sluice-tokenizer", "sluice.v1.Tokenizer/TokenizeStream"),
+            ("sluice-detokenizer", "sluice.v1.Detokenizer/Stream"),
+            ("sluice-gateway", "probe"),
+        } <= names and sum(
+            1 for s in spans if s.name == "sluice.v1.Tokenizer/Tokenize" and s.kind == "SERVER"
+        ) >= 2
 
     spans = receiver.wait_for(complete, timeout_s=60)
     return count, [s for s in spans if s.trace_id == TRACE_ID]
@@ -75,8 +90,9 @@ def test_unary_call_continues_the_client_span(probed: tuple[int, list[ReceivedSp
     assert root.parent_span_id == PARENT_ID
     clients = [s for s in spans if s.service == "sluice-gateway" and s.kind == "CLIENT"]
     assert len(clients) == 2 and all(c.parent_span_id == root.span_id for c in clients)
-    servers = [s for s in spans
-               if s.service == "sluice-tokenizer" and s.name == "sluice.v1.Tokenizer/Tokenize"]
+    servers = [
+        s for s in spans if s.service == "sluice-tokenizer" and s.name == "sluice.v1.Tokenizer/Tokenize"
+    ]
     assert sorted(s.parent_span_id for s in servers) == sorted(c.span_id for c in clients)
     good = next(s for s in servers if s.attributes.get("sluice.request_id") == "unary")
     assert good.kind == "SERVER"
@@ -87,9 +103,14 @@ def test_unary_call_continues_the_client_span(probed: tuple[int, list[ReceivedSp
 
 def test_errors_set_the_span_status(probed: tuple[int, list[ReceivedSpan]]) -> None:
     _, spans = probed
-    bad_server = _one(spans, service="sluice-tokenizer", name="sluice.v1.Tokenizer/Tokenize",
-                      parent_span_id=next(s.parent_span_id for s in spans
-                                          if s.attributes.get("sluice.request_id") == "bad"))
+    bad_server = _one(
+        spans,
+        service="sluice-tokenizer",
+        name="sluice.v1.Tokenizer/Tokenize",
+        parent_span_id=next(
+            s.parent_span_id for s in spans if s.attributes.get("sluice.request_id") == "bad"
+        ),
+    )
     assert bad_server.status_code == 2 and "INVALID_ARGUMENT" in bad_server.status_message
     bad_client = next(s for s in spans if s.span_id == bad_server.parent_span_id)
     assert bad_client.kind == "CLIENT" and bad_client.status_code == 2
@@ -113,8 +134,9 @@ def test_health_checks_are_not_traced(
     assert not [s for s in receiver.snapshot() if "grpc.health" in s.name]
 
 
-def test_metrics_count_the_requests(probed: tuple[int, list[ReceivedSpan]],
-                                    services: dict[str, tuple[Service, int]]) -> None:
+def test_metrics_count_the_requests(
+    probed: tuple[int, list[ReceivedSpan]], services: dict[str, tuple[Service, int]]
+) -> None:
     tok = scrape(f"http://127.0.0.1:{services['tokenizer'][1]}/metrics")
     # Tokenize twice (one invalid) and one TokenizeStream request.
     assert tok["sluice_tokenize_duration_seconds_count"] == 3

@@ -23,8 +23,9 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
         ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317", "OTEL_SDK_DISABLED": "true"}, True, []),
     ],
 )
-def test_exporters_follow_the_standard_variables(env: dict[str, str], console: bool,
-                                                 expected: list[str]) -> None:
+def test_exporters_follow_the_standard_variables(
+    env: dict[str, str], console: bool, expected: list[str]
+) -> None:
     assert telemetry.exporters_from_env(env, console=console) == expected
 
 
@@ -54,13 +55,23 @@ def test_extract_reads_a_traceparent() -> None:
 
 
 ISSUE_NAMES = {
-    "sluice_time_to_first_token_seconds_bucket", "sluice_inter_token_latency_seconds_bucket",
-    "sluice_e2e_request_latency_seconds_bucket", "sluice_request_queue_time_seconds_bucket",
-    "sluice_requests_running", "sluice_requests_waiting", "sluice_kv_cache_usage_ratio",
-    "sluice_prompt_tokens_total", "sluice_generation_tokens_total", "sluice_requests_total",
-    "sluice_prefix_cache_queries_total", "sluice_prefix_cache_hits_total", "sluice_preemptions_total",
-    "sluice_batch_size_bucket", "sluice_step_duration_seconds_bucket",
-    "sluice_tokenize_duration_seconds_bucket", "sluice_detokenize_duration_seconds_bucket",
+    "sluice_time_to_first_token_seconds_bucket",
+    "sluice_inter_token_latency_seconds_bucket",
+    "sluice_e2e_request_latency_seconds_bucket",
+    "sluice_request_queue_time_seconds_bucket",
+    "sluice_requests_running",
+    "sluice_requests_waiting",
+    "sluice_kv_cache_usage_ratio",
+    "sluice_prompt_tokens_total",
+    "sluice_generation_tokens_total",
+    "sluice_requests_total",
+    "sluice_prefix_cache_queries_total",
+    "sluice_prefix_cache_hits_total",
+    "sluice_preemptions_total",
+    "sluice_batch_size_bucket",
+    "sluice_step_duration_seconds_bucket",
+    "sluice_tokenize_duration_seconds_bucket",
+    "sluice_detokenize_duration_seconds_bucket",
 }
 
 
@@ -101,9 +112,13 @@ def test_observe_many_equals_observe_one_by_one() -> None:
     metrics.observe_many(many.itl, [])
 
     def samples(m: metrics.EngineMetrics) -> dict[tuple[str, str], float]:
-        return {(s.name, s.labels.get("le", "")): s.value
-                for family in m.registry.collect() if family.name == "sluice_inter_token_latency_seconds"
-                for s in family.samples if not s.name.endswith("_created")}
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for family in m.registry.collect()
+            if family.name == "sluice_inter_token_latency_seconds"
+            for s in family.samples
+            if not s.name.endswith("_created")
+        }
 
     assert samples(many) == samples(one)
     assert samples(many)[("sluice_inter_token_latency_seconds_count", "")] == len(values)

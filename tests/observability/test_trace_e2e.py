@@ -60,8 +60,9 @@ def traced_pipeline(receiver: TraceReceiver, tiny_model_dir: Path) -> Iterator[t
             patch.delenv(key)
         patch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         patch.setenv("SLUICE_TRACE_STEP_SAMPLE_RATE", "1.0")
-        running = start_pipeline(tiny_model_dir, "--otlp-endpoint", receiver.endpoint,
-                                 "--metrics-base-port", str(metrics_base))
+        running = start_pipeline(
+            tiny_model_dir, "--otlp-endpoint", receiver.endpoint, "--metrics-base-port", str(metrics_base)
+        )
     yield running, metrics_base
     code = running.stop()
     assert code == 0, running.output()
@@ -85,11 +86,17 @@ def chats(traced_pipeline: tuple[Pipeline, int]) -> dict[str, dict[str, Any]]:
     """Three chats: `traced` with the given traceparent, then two more on one socket."""
     pipeline, _ = traced_pipeline
     params = {"max_tokens": MAX_TOKENS, "temperature": 0.7, "top_p": 0.9}
-    traced = {"type": "generate", "id": "traced", "messages": [{"role": "user", "content": "hello"}],
-              "params": params, "traceparent": TRACEPARENT}
+    traced = {
+        "type": "generate",
+        "id": "traced",
+        "messages": [{"role": "user", "content": "hello"}],
+        "params": params,
+        "traceparent": TRACEPARENT,
+    }
     done = asyncio.run(_chat(pipeline.ws_url, [traced]))
-    others = [{"type": "generate", "id": f"more{i}", "prompt": f"Once upon {i}", "params": params}
-              for i in range(2)]
+    others = [
+        {"type": "generate", "id": f"more{i}", "prompt": f"Once upon {i}", "params": params} for i in range(2)
+    ]
     done.update(asyncio.run(_chat(pipeline.ws_url, others)))
     return done
 
@@ -97,8 +104,12 @@ def chats(traced_pipeline: tuple[Pipeline, int]) -> dict[str, dict[str, Any]]:
 def _complete(spans: list[ReceivedSpan]) -> bool:
     mine = [s for s in spans if s.trace_id == TRACE_ID]
     names = {s.name for s in mine}
-    return {s.service for s in mine} == SERVICES and {"queue", "prefill", "decode",
-                                                      "sluice.gateway.generate"} <= names
+    return {s.service for s in mine} == SERVICES and {
+        "queue",
+        "prefill",
+        "decode",
+        "sluice.gateway.generate",
+    } <= names
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +192,9 @@ def test_engine_steps_are_traced_and_linked(trace: list[ReceivedSpan], receiver:
     assert all(s.attributes["sluice.batch_size"] >= 1 for s in linked)
 
 
-def test_every_service_exports_its_metrics(chats: dict[str, dict[str, Any]],
-                                           traced_pipeline: tuple[Pipeline, int]) -> None:
+def test_every_service_exports_its_metrics(
+    chats: dict[str, dict[str, Any]], traced_pipeline: tuple[Pipeline, int]
+) -> None:
     pipeline, base = traced_pipeline
     prompt = sum(d["usage"]["prompt_tokens"] for d in chats.values())
     completion = sum(d["usage"]["completion_tokens"] for d in chats.values())

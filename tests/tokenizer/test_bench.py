@@ -10,8 +10,23 @@ from sluice.bench import tokenizer as bench
 
 def test_bench_runs_and_writes_json(model_dir: Path, tmp_path: Path, capsys: object) -> None:
     out = tmp_path / "tok.json"
-    assert bench.main(["--model", str(model_dir), "--concurrency", "1,4", "--lengths", "16",
-                       "--seconds", "0.2", "--json", str(out)]) == 0
+    assert (
+        bench.main(
+            [
+                "--model",
+                str(model_dir),
+                "--concurrency",
+                "1,4",
+                "--lengths",
+                "16",
+                "--seconds",
+                "0.2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     data = json.loads(out.read_text())
     cells = data["cells"]
     assert [(c["length"], c["concurrency"]) for c in cells] == [(16, 1), (16, 4)]

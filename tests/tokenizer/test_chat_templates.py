@@ -49,31 +49,44 @@ NAMESPACE_LOOPCONTROLS = """{%- set ns = namespace(count=0) -%}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Why is the sky blue?  "},
-     {"role": "assistant", "content": "Rayleigh scattering."}, {"role": "user", "content": "世界 😀"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  Why is the sky blue?  "},
+        {"role": "assistant", "content": "Rayleigh scattering."},
+        {"role": "user", "content": "世界 😀"},
+    ],
     [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate("abcde")],
 ]
 
 NS_CONVERSATIONS = [
-    [{"role": "user", "content": " x "}, {"role": "skip", "content": "hidden"},
-     {"role": "assistant", "content": "y\n"}],
+    [
+        {"role": "user", "content": " x "},
+        {"role": "skip", "content": "hidden"},
+        {"role": "assistant", "content": "y\n"},
+    ],
     [{"role": "user", "content": str(i)} for i in range(6)],
 ]
 
 
-@pytest.mark.parametrize(("template", "conversations"), [
-    (LLAMA2_STYLE, CONVERSATIONS), (NAMESPACE_LOOPCONTROLS, NS_CONVERSATIONS)], ids=["llama2", "namespace"])
-def test_matches_transformers(model_dir: Path, tmp_path: Path, template: str,
-                              conversations: list[list[dict[str, str]]]) -> None:
+@pytest.mark.parametrize(
+    ("template", "conversations"),
+    [(LLAMA2_STYLE, CONVERSATIONS), (NAMESPACE_LOOPCONTROLS, NS_CONVERSATIONS)],
+    ids=["llama2", "namespace"],
+)
+def test_matches_transformers(
+    model_dir: Path, tmp_path: Path, template: str, conversations: list[list[dict[str, str]]]
+) -> None:
     path = variant_dir(model_dir, tmp_path / "m", chat_template=template)
     core = TokenizerCore(path)
     hf = AutoTokenizer.from_pretrained(path)
     for messages in conversations:
         for add_generation_prompt in (True, False):
-            want_text = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                               tokenize=False)
-            want_ids = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                              tokenize=True, return_dict=False)
+            want_text = hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            want_ids = hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+            )
             text = core.render_chat(messages, add_generation_prompt=add_generation_prompt)
             assert text == want_text
             assert core.encode(text, add_special_tokens=False) == list(want_ids)
@@ -82,8 +95,9 @@ def test_matches_transformers(model_dir: Path, tmp_path: Path, template: str,
 def test_template_exception_is_invalid_input(model_dir: Path, tmp_path: Path) -> None:
     core = TokenizerCore(variant_dir(model_dir, tmp_path / "m", chat_template=LLAMA2_STYLE))
     with pytest.raises(InvalidInput, match="roles must alternate"):
-        core.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}],
-                         add_generation_prompt=True)
+        core.render_chat(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], add_generation_prompt=True
+        )
 
 
 def test_chat_template_jinja_file_wins(model_dir: Path, tmp_path: Path) -> None:

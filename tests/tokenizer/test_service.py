@@ -69,8 +69,9 @@ async def test_chat_matches_apply_chat_template(
 ) -> None:
     hf = AutoTokenizer.from_pretrained(model_dir)
     messages = [{"role": r, "content": c} for r, c in turns]
-    expected = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                      return_dict=False)
+    expected = hf.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+    )
     reply = await served.stub.Tokenize(
         tokenizer_pb2.TokenizeRequest(chat=chat(turns), add_generation_prompt=add_generation_prompt)
     )
@@ -90,18 +91,26 @@ async def test_validation(served: Served) -> None:
     stub = served.stub
     await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="")), "empty")
     await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest()), "empty")
-    await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=common_pb2.Conversation())),
-                         "no messages")
+    await expect_invalid(
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=common_pb2.Conversation())), "no messages"
+    )
     long_text = "word " * 3000
-    n = len((await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=long_text, max_tokens=2048,
-                                                                truncation_side=1))).ids)
+    n = len(
+        (
+            await stub.Tokenize(
+                tokenizer_pb2.TokenizeRequest(text=long_text, max_tokens=2048, truncation_side=1)
+            )
+        ).ids
+    )
     assert n == 2048
     details = await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=long_text)), "2048")
     assert "context length" in details
-    await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="a b c d e", max_tokens=3)),
-                         "more than 3")
-    await expect_invalid(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="hi", max_tokens=4096)),
-                         "4096", "2048")
+    await expect_invalid(
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="a b c d e", max_tokens=3)), "more than 3"
+    )
+    await expect_invalid(
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="hi", max_tokens=4096)), "4096", "2048"
+    )
     # The service is still fine after bad requests.
     assert (await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="ok"))).ids
 
@@ -109,15 +118,24 @@ async def test_validation(served: Served) -> None:
 async def test_truncation_sides(served: Served) -> None:
     text = "one two three four five six seven eight nine ten"
     full = list((await served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text))).ids)
-    left = await served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(
-        text=text, max_tokens=4, truncation_side=tokenizer_pb2.TRUNCATION_SIDE_LEFT))
-    right = await served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(
-        text=text, max_tokens=4, truncation_side=tokenizer_pb2.TRUNCATION_SIDE_RIGHT))
+    left = await served.stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(
+            text=text, max_tokens=4, truncation_side=tokenizer_pb2.TRUNCATION_SIDE_LEFT
+        )
+    )
+    right = await served.stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(
+            text=text, max_tokens=4, truncation_side=tokenizer_pb2.TRUNCATION_SIDE_RIGHT
+        )
+    )
     assert left.truncated and right.truncated
     assert list(left.ids) == full[-4:]
     assert list(right.ids) == full[:4]
-    fits = await served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(
-        text=text, max_tokens=len(full), truncation_side=tokenizer_pb2.TRUNCATION_SIDE_LEFT))
+    fits = await served.stub.Tokenize(
+        tokenizer_pb2.TokenizeRequest(
+            text=text, max_tokens=len(full), truncation_side=tokenizer_pb2.TRUNCATION_SIDE_LEFT
+        )
+    )
     assert list(fits.ids) == full and not fits.truncated
 
 
@@ -126,19 +144,26 @@ async def test_no_chat_template(model_dir: Path, tmp_path: Path) -> None:
     async for s in serve(plain):
         info = await s.stub.Info(tokenizer_pb2.InfoRequest())
         assert not info.has_chat_template
-        await expect_invalid(s.stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat([("user", "hi")]))),
-                             "no chat template")
+        await expect_invalid(
+            s.stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat([("user", "hi")]))), "no chat template"
+        )
         assert (await s.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="hi"))).ids
 
 
 async def test_template_errors_are_invalid_argument(model_dir: Path, tmp_path: Path) -> None:
-    strict = variant_dir(model_dir, tmp_path / "strict", chat_template=(
-        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}"))
+    strict = variant_dir(
+        model_dir,
+        tmp_path / "strict",
+        chat_template=(
+            "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
+            "{% endif %}{{ m['content'] }}{% endfor %}"
+        ),
+    )
     async for s in serve(strict):
         await expect_invalid(
             s.stub.Tokenize(tokenizer_pb2.TokenizeRequest(chat=chat([("system", "x"), ("user", "y")]))),
-            "no system turns")
+            "no system turns",
+        )
 
 
 async def test_stream_answers_every_request(served: Served, model_dir: Path) -> None:
@@ -164,8 +189,10 @@ async def test_concurrent_calls(served: Served, model_dir: Path) -> None:
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     texts = [f"concurrent request {i}: " + "lorem ipsum " * (i % 5) for i in range(64)]
     replies = await asyncio.gather(
-        *(served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(request_id=str(i), text=t))
-          for i, t in enumerate(texts))
+        *(
+            served.stub.Tokenize(tokenizer_pb2.TokenizeRequest(request_id=str(i), text=t))
+            for i, t in enumerate(texts)
+        )
     )
     assert [r.request_id for r in replies] == [str(i) for i in range(64)]
     assert [list(r.ids) for r in replies] == [e.ids for e in tok.encode_batch(texts)]

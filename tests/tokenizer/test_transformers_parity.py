@@ -44,8 +44,9 @@ def _qwen2_edited(factory: TinyModelFactory, dst: Path) -> Path:
 
 
 @pytest.fixture(params=["llama", "qwen2", "mistral", "qwen2-edited-pre-tokenizer"])
-def arch_dir(request: pytest.FixtureRequest, tiny_model_dir_factory: TinyModelFactory,
-             tmp_path: Path) -> Path:
+def arch_dir(
+    request: pytest.FixtureRequest, tiny_model_dir_factory: TinyModelFactory, tmp_path: Path
+) -> Path:
     if request.param == "qwen2-edited-pre-tokenizer":
         return _qwen2_edited(tiny_model_dir_factory, tmp_path / "qwen2-edited")
     return tiny_model_dir_factory(arch=request.param)
@@ -73,8 +74,9 @@ def test_chat_ids_equal_auto_tokenizer(arch_dir: Path) -> None:
     assert _ids(core.tokenize_many([TokenizeJob(messages=MESSAGES)])) == [list(want)]
 
 
-def test_edited_pre_tokenizer_changes_the_raw_file_ids(tiny_model_dir_factory: TinyModelFactory,
-                                                       tmp_path: Path) -> None:
+def test_edited_pre_tokenizer_changes_the_raw_file_ids(
+    tiny_model_dir_factory: TinyModelFactory, tmp_path: Path
+) -> None:
     """The edited directory is a real case: its raw `tokenizer.json` and transformers disagree."""
     path = _qwen2_edited(tiny_model_dir_factory, tmp_path / "qwen2-edited")
     raw = Tokenizer.from_file(str(path / "tokenizer.json"))

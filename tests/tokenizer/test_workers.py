@@ -19,10 +19,28 @@ from services.common.pb import detokenizer_pb2, detokenizer_pb2_grpc, tokenizer_
 
 
 def start(name: str, model_dir: Path, workers: int) -> tuple[subprocess.Popen[str], int]:
-    cmd = [sys.executable, "-m", "sluice.cli", "serve", name, "--model", str(model_dir), "--port", "0",
-           "--workers", str(workers), "--grace-s", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "sluice.cli",
+        "serve",
+        name,
+        "--model",
+        str(model_dir),
+        "--port",
+        "0",
+        "--workers",
+        str(workers),
+        "--grace-s",
+        "2",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     ports = []
     for line in proc.stdout:
@@ -64,12 +82,14 @@ async def test_two_workers_share_the_port(model_dir: Path, name: str) -> None:
             async with grpc.aio.insecure_channel(address, options=options) as channel:
                 if name == "tokenizer":
                     reply = await tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(
-                        tokenizer_pb2.TokenizeRequest(text="hello world"))
+                        tokenizer_pb2.TokenizeRequest(text="hello world")
+                    )
                     assert reply.ids[0] == 1 and len(reply.ids) > 1
                 else:
                     ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode("hello world").ids
                     reply = await detokenizer_pb2_grpc.DetokenizerStub(channel).Decode(
-                        detokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True))
+                        detokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=True)
+                    )
                     assert reply.text == "hello world"
     finally:
         if proc.poll() is None:
