@@ -401,11 +401,11 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
         with bar:
             await _launch(client, config, requests, records, bar.update)
         duration = time.perf_counter() - start
-        cpu = time.process_time() - cpu
+        client_cpu_s = time.process_time() - cpu
         for request, record in zip(requests, records, strict=True):
             if record.ok:
                 record.valid = check_output(request, record.text, record.tool_calls)
-        return ServeResult(config, records, duration, started_at, cpu)
+        return ServeResult(config, records, duration, started_at, client_cpu_s)
     finally:
         await client.close()
 
@@ -434,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report throughput and latency percentiles.",
     )
     add = parser.add_argument
-    add("--api", choices=APIS, default="openai", help="which API to drive (default openai)")
-    about = "openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
+    about = "which API to drive (default openai: completions; openai-chat: chat completions)"
+    add("--api", choices=APIS, default="openai", help=about)
+    about = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
     add("--url", help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
     add("--model", help="openai model name (default: the first of GET /v1/models)")
     about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
