@@ -1,8 +1,11 @@
 """`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
 and the figures of a run: records, summary, table, JSON, plots. Latencies are over the requests that
 succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
-gap between chunks that carried text. Exit status 0 when some request completed, 1 when every one failed or
-the server could not be reached, 2 on bad arguments.
+gap between chunks that carried text. With `--structured` or `--tools` every request carries a constraint
+or tools (`serve_data.with_structure`) and the summary adds how many completed outputs were valid
+(`serve_data.check_output`, run after the measured run so that checking costs it nothing). Exit status
+0 when some request completed, 1 when every one failed or the server could not be reached, 2 on bad
+arguments.
 """
 
 from __future__ import annotations
@@ -33,10 +36,20 @@ from sluice.bench.common import (
     write_json,
 )
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
-from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
+from sluice.bench.serve_data import (
+    STRUCTURED_KINDS,
+    BenchRequest,
+    ToolCall,
+    check_output,
+    jsonl_requests,
+    shared_prefix_requests,
+    synthetic_requests,
+    with_structure,
+)
 
 DEFAULT_URLS = {
     "openai": "http://127.0.0.1:8000/v1",
+    "openai-chat": "http://127.0.0.1:8000/v1",
     "ws": "ws://127.0.0.1:8000/v1/ws",
     "grpc": "127.0.0.1:50050",
 }
@@ -45,10 +58,11 @@ DEFAULT_NUM_REQUESTS = 64
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How one run drives the server. `url`: grpc "host:port"; ws "ws://host:port/v1/ws"; openai
-    "http://host:port/v1"."""
+    """How one run drives the server. `url`: grpc "host:port"; ws "ws://host:port/v1/ws"; openai and
+    openai-chat "http://host:port/v1". `structured` and `tools` say what the workload's requests carry
+    (the requests themselves hold it: serve_data.with_structure)."""
 
-    api: str  # "grpc" | "ws" | "openai"
+    api: str  # "grpc" | "ws" | "openai" | "openai-chat"
     url: str
     model: str | None = None  # openai "model" field; None = first of GET /v1/models
     request_rate: float = math.inf  # requests/s, Poisson arrivals (inf = all at t=0)
@@ -62,6 +76,8 @@ class ServeConfig:
     slo_tpot_ms: float | None = None
     request_timeout_s: float = 600.0
     progress: bool = True  # tqdm bar on stderr (requests done)
+    structured: str | None = None  # one of serve_data.STRUCTURED_KINDS
+    tools: bool = False
 
 
 PERCENTILES = (50, 90, 99)
@@ -78,7 +94,9 @@ METRICS = (  # summary key, short name, table heading
 class RequestRecord:
     """What happened to one request. Times in seconds; `start` counts from the run's start (when the
     request was sent, after any concurrency limit let it go); `ttft_s` and `e2e_s` from `start`;
-    `itl_s` are the gaps between consecutive chunks that carried text or tokens."""
+    `itl_s` are the gaps between consecutive chunks that carried text or tokens. `text` and `tool_calls`
+    are the answer's; `valid` whether they satisfy the request's constraint or tools (None: nothing to
+    check, or the request failed)."""
 
     ok: bool = False
     error: str = ""
@@ -88,6 +106,9 @@ class RequestRecord:
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    valid: bool | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -140,6 +161,7 @@ class ServeResult:
         if slo_ttft is not None or slo_tpot is not None:
             goodput = sum(meets_slos(r, slo_ttft, slo_tpot) for r in ok) / duration
         errors = Counter(r.error for r in self.records if not r.ok)
+        checked = [r.valid for r in ok if r.valid is not None]
         return {
             "completed": len(ok),
             "failed": len(self.records) - len(ok),
@@ -157,6 +179,8 @@ class ServeResult:
             "goodput": goodput,
             "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
             "client_cpu_s": self.client_cpu_s,
+            "valid_outputs": sum(checked) if checked else None,
+            "valid_fraction": sum(checked) / len(checked) if checked else None,
             "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
         }
 
@@ -183,6 +207,9 @@ def format_summary(result: ServeResult) -> str:
         _line("Mean concurrency:", s["mean_concurrency"], ".2f"),
         _line("Load generator CPU (s):", s["client_cpu_s"], ".2f"),
     ]
+    if s["valid_fraction"] is not None:
+        what = "tool calls" if result.config.tools else f"{result.config.structured} outputs"
+        lines.append(_line(f"Valid {what} (fraction):", s["valid_fraction"], ".3f"))
     if s["goodput"] is not None:
         slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
         lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]
@@ -304,7 +331,7 @@ async def _send_one(
         record.start = clock.t0 - t0
         try:
             async with asyncio.timeout(timeout_s):
-                usage = await client.send(request, clock)
+                reply = await client.send(request, clock)
         except TimeoutError:
             record.error = f"no complete answer within {timeout_s:g} s"
         except RequestFailed as exc:
@@ -313,6 +340,7 @@ async def _send_one(
             record.error = f"{type(exc).__name__}: {exc}"
         else:
             record.ok = True
+            record.text, record.tool_calls, usage = reply.text, reply.tool_calls, reply.usage
             record.output_tokens = usage.completion_tokens if usage is not None else clock.chunks
             record.prompt_tokens = usage.prompt_tokens if usage is not None else request.prompt_len
         record.e2e_s = time.perf_counter() - clock.t0
@@ -373,7 +401,11 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
         with bar:
             await _launch(client, config, requests, records, bar.update)
         duration = time.perf_counter() - start
-        return ServeResult(config, records, duration, started_at, time.process_time() - cpu)
+        client_cpu_s = time.process_time() - cpu
+        for request, record in zip(requests, records, strict=True):
+            if record.ok:
+                record.valid = check_output(request, record.text, record.tool_calls)
+        return ServeResult(config, records, duration, started_at, client_cpu_s)
     finally:
         await client.close()
 
@@ -402,8 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
         "report throughput and latency percentiles.",
     )
     add = parser.add_argument
-    add("--api", choices=APIS, default="openai", help="which API to drive (default openai)")
-    about = "openai http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
+    about = "which API to drive (default openai: completions; openai-chat: chat completions)"
+    add("--api", choices=APIS, default="openai", help=about)
+    about = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
     add("--url", help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
     add("--model", help="openai model name (default: the first of GET /v1/models)")
     about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
@@ -423,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_count(parser, "--num-prefixes", 4, "shared-prefix: tenants (shared contexts)")
     add_count(parser, "--suffix-len", 32, "shared-prefix: words of each request's own part")
     add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
+    about = "every request constrains its output (fixed constraints, rotated); outputs are checked"
+    add("--structured", choices=STRUCTURED_KINDS, help=about)
+    about = 'openai-chat: every request sends two tools with tool_choice "required"; calls are checked'
+    add("--tools", action="store_true", help=about)
     add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
     add("--slo", type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
     add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
@@ -439,10 +476,19 @@ def _check(args: argparse.Namespace) -> None:
     """Raises ValueError on option values the parser's types let through."""
     if args.num_warmup < 0 or args.sigma < 0 or args.temperature < 0:
         raise ValueError("--num-warmup, --sigma and --temperature must not be negative")
+    if args.tools and args.api != "openai-chat":
+        raise ValueError(f"--tools needs chat completions: use --api openai-chat, not {args.api}")
+    if args.tools and args.structured is not None:
+        raise ValueError("--tools and --structured cannot be combined: the required call is the constraint")
 
 
 def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    """The requests the options describe. Raises ValueError (and OSError for an unreadable file)."""
+    """The requests the options describe, with their constraints or tools. Raises ValueError (and
+    OSError for an unreadable file)."""
+    return with_structure(_prompts(args), args.structured, args.tools)
+
+
+def _prompts(args: argparse.Namespace) -> list[BenchRequest]:
     num = args.num_requests
     if args.dataset == "synthetic":
         lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
@@ -457,7 +503,17 @@ def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    same = ("api", "model", "request_rate", "burstiness", "max_concurrency", "num_warmup", "temperature")
+    same = (
+        "api",
+        "model",
+        "request_rate",
+        "burstiness",
+        "max_concurrency",
+        "num_warmup",
+        "temperature",
+        "structured",
+        "tools",
+    )
     slo = args.slo or {}
     return ServeConfig(
         **{name: getattr(args, name) for name in same},

@@ -1,6 +1,8 @@
-"""The API clients of `sluice bench serve` (OpenAI streaming completions, WebSocket `/v1/ws`, gRPC
-`Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried text on the
-request's `ChunkClock` and returns the server's usage; the run loop times, counts and handles errors.
+"""The API clients of `sluice bench serve` (OpenAI streaming completions or chat completions, WebSocket
+`/v1/ws`, gRPC `Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried
+text on the request's `ChunkClock`, sends the request's output constraint or tools in its API's form,
+and returns the answer's text, tool calls and the server's usage; the run loop times, counts, checks
+and handles errors.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -16,10 +18,10 @@ import grpc
 from websockets.asyncio.client import connect
 
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
-from sluice.bench.serve_data import BenchRequest
+from sluice.bench.serve_data import BenchRequest, Constraint, ToolCall
 
 CONNECT_TIMEOUT_S = 10.0
-APIS = ("openai", "ws", "grpc")
+APIS = ("openai", "openai-chat", "ws", "grpc")
 
 
 class RequestFailed(Exception):
@@ -30,6 +32,16 @@ class RequestFailed(Exception):
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+
+
+@dataclass
+class Reply:
+    """A completed answer: the server's usage (None when it sent none), the generated text (chat: the
+    message's content) and the tool calls read from it (chat with tools only)."""
+
+    usage: Usage | None
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class ChunkClock:
@@ -60,17 +72,17 @@ class Client(Protocol):
     async def open(self) -> None:
         """Checks that the server answers (and resolves what the client needs); raises RequestFailed."""
 
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Usage | None:
-        """Streams one request to its end; the usage the server reported, or None. Raises RequestFailed
-        (or the transport's own exception) when the request did not complete."""
+    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
+        """Streams one request to its end and returns its answer. Raises RequestFailed (or the
+        transport's own exception) when the request did not complete."""
 
     async def close(self) -> None: ...
 
 
 def make_client(api: str, url: str, *, model: str | None, ignore_eos: bool, temperature: float) -> Client:
     """The client of `api` (one of APIS) for the server at `url`."""
-    if api == "openai":
-        return OpenAIClient(url, model, ignore_eos, temperature)
+    if api in ("openai", "openai-chat"):
+        return OpenAIClient(url, model, ignore_eos, temperature, chat=api == "openai-chat")
     if api == "ws":
         return WebSocketClient(url, ignore_eos, temperature)
     if api == "grpc":
@@ -79,25 +91,70 @@ def make_client(api: str, url: str, *, model: str | None, ignore_eos: bool, temp
 
 
 def _length_params(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-    """max_tokens, and with ignore_eos the vLLM extensions that make it the exact output length."""
+    """max_tokens, and with ignore_eos the vLLM extensions that make it the exact output length (a
+    constrained output still ends where its grammar ends)."""
     if ignore_eos:
         return {"max_tokens": request.output_len, "ignore_eos": True, "min_tokens": request.output_len}
     return {"max_tokens": request.output_len}
+
+
+def _constraint_fields(constraint: Constraint | None) -> dict[str, Any]:
+    """The constraint as OpenAI body (or WebSocket params) fields: OpenAI's strict `response_format`
+    for a JSON schema, vLLM's `structured_outputs` for a regex or a choice."""
+    if constraint is None:
+        return {}
+    if constraint.kind == "json_schema":
+        schema = {"name": constraint.name, "schema": constraint.spec, "strict": True}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    return {"structured_outputs": {constraint.kind: constraint.spec}}
 
 
 def _usage(raw: dict[str, Any]) -> Usage:
     return Usage(int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0)))
 
 
-class OpenAIClient:
-    """`POST {url}/completions` with `stream: true` and usage in the last chunk, over one aiohttp session
-    whose connector never throttles (no connection limit). `model` None: the first of `GET {url}/models`."""
+class _StreamedAnswer:
+    """An answer put together from the chunks of its (first) choice: the text (completions: `text`;
+    chat: `delta.content`) and a chat's tool calls (by `index`: the first delta of a call brings its
+    name, every delta a fragment of its arguments)."""
 
-    def __init__(self, url: str, model: str | None, ignore_eos: bool, temperature: float) -> None:
+    def __init__(self, chat: bool) -> None:
+        self._chat = chat
+        self._text: list[str] = []
+        self._calls: dict[int, tuple[str, list[str]]] = {}
+
+    def feed(self, choice: dict[str, Any]) -> bool:
+        """Takes one chunk's choice; whether it carried text (content, reasoning or a call)."""
+        if not self._chat:
+            self._text.append(choice.get("text") or "")
+            return bool(choice.get("text"))
+        delta = choice.get("delta") or {}
+        self._text.append(delta.get("content") or "")
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            _, fragments = self._calls.setdefault(int(call["index"]), (function.get("name") or "", []))
+            fragments.append(function.get("arguments") or "")
+        return bool(delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"))
+
+    def reply(self, usage: Usage | None) -> Reply:
+        calls = [ToolCall(name, "".join(parts)) for _, (name, parts) in sorted(self._calls.items())]
+        return Reply(usage, "".join(self._text), calls)
+
+
+class OpenAIClient:
+    """`POST {url}/completions` (or, with `chat`, `{url}/chat/completions` with the prompt as one user
+    message) with `stream: true` and usage in the last chunk, over one aiohttp session whose connector
+    never throttles (no connection limit). `model` None: the first of `GET {url}/models`. A request's
+    tools go with `tool_choice: "required"` and `parallel_tool_calls: false` (one call per answer)."""
+
+    def __init__(
+        self, url: str, model: str | None, ignore_eos: bool, temperature: float, *, chat: bool = False
+    ) -> None:
         self._url = url.rstrip("/")
         self._model = model
         self._ignore_eos = ignore_eos
         self._temperature = temperature
+        self._chat = chat
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
@@ -121,39 +178,51 @@ class OpenAIClient:
             raise RequestFailed(f"GET {self._url}/models: the server lists no model")
         return str(models[0]["id"])
 
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Usage | None:
-        assert self._session is not None
+    def _body(self, request: BenchRequest) -> dict[str, Any]:
         body = {
             "model": self._model,
-            "prompt": request.prompt,
             "temperature": self._temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
             **_length_params(request, self._ignore_eos),
+            **_constraint_fields(request.constraint),
         }
-        async with self._session.post(f"{self._url}/completions", json=body) as resp:
+        if not self._chat:
+            return {**body, "prompt": request.prompt}
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+        if request.tools:
+            body.update(tools=list(request.tools), tool_choice="required", parallel_tool_calls=False)
+        return body
+
+    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
+        assert self._session is not None
+        endpoint = "chat/completions" if self._chat else "completions"
+        async with self._session.post(f"{self._url}/{endpoint}", json=self._body(request)) as resp:
             if resp.status != 200:
                 raise RequestFailed(f"HTTP {resp.status}: {_error_message(await resp.text())}")
             usage, finished = None, False
+            answer = _StreamedAnswer(self._chat)
             async for line in resp.content:
                 if not line.startswith(b"data: "):
                     continue  # blank separators and keep-alive comments
                 payload = line[6:].strip()
                 if payload == b"[DONE]":
-                    return usage
+                    finished = True
+                    break
                 chunk = json.loads(payload)
                 if "error" in chunk:
                     raise RequestFailed(_error_message(payload))
                 choices = chunk.get("choices")
                 if choices:
-                    if choices[0].get("text"):
+                    if answer.feed(choices[0]):
                         clock.chunk()
                     finished = finished or bool(choices[0].get("finish_reason"))
                 if chunk.get("usage"):  # its own chunk (OpenAI, sluice) or the last choice's (some servers)
                     usage = _usage(chunk["usage"])
-        if finished:  # servers that close the stream after the finish reason, without [DONE]
-            return usage
-        raise RequestFailed("the stream ended before a finish reason or [DONE]")
+        # Servers that close the stream after the finish reason, without [DONE], are served too.
+        if not finished:
+            raise RequestFailed("the stream ended before a finish reason or [DONE]")
+        return answer.reply(usage)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -186,20 +255,26 @@ class WebSocketClient:
         except (OSError, TimeoutError) as exc:
             raise RequestFailed(f"cannot reach {self._url}: {exc or type(exc).__name__}") from None
 
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Usage | None:
-        params = {"temperature": self._temperature, **_length_params(request, self._ignore_eos)}
+    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
+        params = {
+            "temperature": self._temperature,
+            **_length_params(request, self._ignore_eos),
+            **_constraint_fields(request.constraint),
+        }
         frame = {"type": "generate", "id": "r", "prompt": request.prompt, "params": params}
+        text: list[str] = []
         async with self._connect() as ws:
             await ws.send(json.dumps(frame))
             async for raw in ws:
                 message = json.loads(raw)
                 kind = message["type"]
                 if kind == "delta":
+                    text.append(message["text"])
                     clock.chunk()
                 elif kind == "done":
                     if message["finish_reason"] == "cancelled":
                         raise RequestFailed("cancelled by the server")
-                    return _usage(message["usage"])
+                    return Reply(_usage(message["usage"]), "".join(text))
                 elif kind == "error":
                     raise RequestFailed(f"{message['code']}: {message['message']}")
         raise RequestFailed("the socket closed before the done frame")
@@ -214,7 +289,7 @@ class GrpcClient:
     def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
         self._url = url
         self._ignore_eos = ignore_eos
-        self._sampling = common_pb2.SamplingParams(temperature=temperature)
+        self._temperature = temperature
         self._channel: grpc.aio.Channel | None = None
         self._stub: gateway_pb2_grpc.GatewayStub | None = None
 
@@ -234,7 +309,16 @@ class GrpcClient:
             within = f"no connection within {CONNECT_TIMEOUT_S:g} s"
             raise RequestFailed(f"cannot reach {self._url}: {within}") from None
 
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Usage | None:
+    def _sampling(self, constraint: Constraint | None) -> common_pb2.SamplingParams:
+        sampling = common_pb2.SamplingParams(temperature=self._temperature)
+        if constraint is not None:
+            strict = constraint.kind == "json_schema"
+            sampling.structured.CopyFrom(
+                common_pb2.StructuredOutput(kind=constraint.kind, text=constraint.text, strict=strict)
+            )
+        return sampling
+
+    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
         n = request.output_len
         stopping = common_pb2.StoppingParams(
             max_new_tokens=n, min_new_tokens=n if self._ignore_eos else 0, ignore_eos=self._ignore_eos
@@ -242,19 +326,21 @@ class GrpcClient:
         assert self._stub is not None
         call = self._stub.Generate(
             gateway_pb2.PublicGenerateRequest(
-                prompt=request.prompt, sampling=self._sampling, stopping=stopping
+                prompt=request.prompt, sampling=self._sampling(request.constraint), stopping=stopping
             )
         )
+        text: list[str] = []
         try:
             async for reply in call:
                 if reply.WhichOneof("kind") == "delta":
                     if reply.delta.text:
+                        text.append(reply.delta.text)
                         clock.chunk()
                     continue
                 if reply.final.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
                     raise RequestFailed("cancelled by the server")
                 usage = reply.final.usage
-                return Usage(usage.prompt_tokens, usage.completion_tokens)
+                return Reply(Usage(usage.prompt_tokens, usage.completion_tokens), "".join(text))
         except grpc.aio.AioRpcError as exc:
             raise RequestFailed(f"{exc.code().name}: {exc.details()}") from None
         finally:
