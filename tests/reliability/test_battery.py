@@ -396,7 +396,7 @@ HTTP_CASES = [
     case("http-1000-stop-strings", Http(CMPL, completion(stop=MANY_STOPS), param="stop")),
     case("http-stop-string-too-long", Http(CMPL, completion(stop=["x" * 300]), param="stop")),
     case("http-n-129", Http(CMPL, completion(n=129), param="n")),
-    case("http-tools", Http(CHAT, chat(tools=[{"type": "function"}]), param="tools")),
+    case("http-tools", Http(CHAT, chat(tools=[{"type": "function"}]), param="tools[0].function")),
     case("http-unknown-model",
          Http(CMPL, completion(model="no-such-model"), status=404, param="model", code="model_not_found")),
     case("http-prompt-over-context",
