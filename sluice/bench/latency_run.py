@@ -105,15 +105,19 @@ def repetitive(
     """`count` user turns asking to repeat a document: a held-out seed and the model's own greedy continuation
     of it (`continue_greedy` runs the model); the answer starts with the seed."""
     seeds = seed_texts(encode, count, seed)
-    continuations = continue_greedy([[BOS_ID, *s] for s in seeds], output_len)
     instruction = encode("Repeat the following text exactly.\n\n")
+    # The continuation is the model's own answer to the request with the seed alone as the document, so
+    # that the answer to the full document, copied or freely continued, is (nearly) the same text.
+    asked = [[*_user_turn(encode, [*instruction, *s]), *s] for s in seeds]
+    continuations = continue_greedy(asked, output_len)
     requests = []
     for s, c in zip(seeds, continuations, strict=True):
         prompt = [*_user_turn(encode, [*instruction, *s, *c]), *s]
         requests.append(LatencyRequest(tuple(prompt), output_len))
     how = (
         f"a user turn asks to repeat a document: {SEED_TOKENS} tokens of a held-out paragraph and the "
-        f"model's own greedy continuation of them ({output_len} tokens); the answer starts with the "
+        f"model's own greedy answer to that request with those tokens alone ({output_len} tokens); the "
+        "answer starts with the "
         f"paragraph's {SEED_TOKENS} tokens; greedy, {output_len} tokens per request"
     )
     return LatencyWorkload(REPETITIVE, tuple(requests), how)
