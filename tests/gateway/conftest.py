@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+import httpx
+import openai
 import pytest
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -68,6 +70,20 @@ async def make_gateway(upstreams: FakeUpstreams) -> AsyncIterator[Callable[..., 
     yield make
     for server in servers:
         await server.stop(0.1)
+
+
+@pytest.fixture
+async def client(gateway: GatewayHandle) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
+    ) as oai:
+        yield oai
+
+
+@pytest.fixture
+async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as raw:
+        yield raw
 
 
 @pytest.fixture

@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 
-from gateway.server import GatewayHandle
 from gateway.upstream import Replicas
 from tests.gateway.conftest import WAIT_S, dead_address
 from tests.gateway.fakes import MODEL, FakeUpstreams
-
-
-@pytest.fixture
-async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as client:
-        yield client
 
 
 async def test_healthz(http: httpx.AsyncClient) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator
 
 import httpx
 import openai
@@ -19,20 +18,6 @@ from tests.gateway.fakes import MODEL, OUTPUT, FakeUpstreams, encode, expected_t
 LONG = 10**6
 CHAT_PROMPT = "user: hi\nassistant: "
 MESSAGES = [{"role": "user", "content": "hi"}]
-
-
-@pytest.fixture
-async def client(gateway: GatewayHandle) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
-    ) as oai:
-        yield oai
-
-
-@pytest.fixture
-async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as raw:
-        yield raw
 
 
 async def test_chat_completion(client: openai.AsyncOpenAI, upstreams: FakeUpstreams) -> None:

@@ -5,7 +5,6 @@ context length in /v1/models and the default max tokens."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -17,22 +16,8 @@ from websockets.asyncio.client import connect
 from gateway import observability, pipeline
 from gateway.server import GatewayHandle
 from services.common.pb import gateway_pb2, gateway_pb2_grpc
-from tests.gateway.conftest import WAIT_S, collect, send
+from tests.gateway.conftest import collect, send
 from tests.gateway.fakes import BOS, MODEL, PROMPT_LOGPROB, FakeUpstreams, encode, expected_text
-
-
-@pytest.fixture
-async def client(gateway: GatewayHandle) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(
-        base_url=f"http://127.0.0.1:{gateway.port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S
-    ) as oai:
-        yield oai
-
-
-@pytest.fixture
-async def http(gateway: GatewayHandle) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gateway.port}", timeout=WAIT_S) as raw:
-        yield raw
 
 
 async def sse_chunks(http: httpx.AsyncClient, body: dict[str, Any]) -> list[dict[str, Any]]:
