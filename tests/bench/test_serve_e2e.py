@@ -42,17 +42,11 @@ def pipeline(always_eos_model: Path) -> Iterator[Pipeline]:
     assert running.stop() == 0, running.output()
 
 
-def _url(pipeline: Pipeline, api: str) -> str:
-    if api == "grpc":
-        return f"127.0.0.1:{pipeline.grpc_base_port}"
-    return pipeline.ws_url if api == "ws" else f"http://127.0.0.1:{pipeline.http_port}/v1"
-
-
 @pytest.mark.parametrize("api", ["openai", "ws", "grpc"])
 def test_fixed_length_workload_through_each_api(pipeline: Pipeline, api: str, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     argv = [
-        "--api", api, "--url", _url(pipeline, api), "--num-requests", str(NUM), "--sigma", "0",
+        "--api", api, "--url", pipeline.api_url(api), "--num-requests", str(NUM), "--sigma", "0",
         "--output-len", str(OUTPUT_LEN), "--input-len", "12", "--max-concurrency", "4", "--num-warmup", "1",
         "--slo", "ttft=60000", "--no-progress", "--json", str(out), "--plot", str(tmp_path / "plots"),
     ]  # fmt: skip

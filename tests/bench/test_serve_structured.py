@@ -31,15 +31,9 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
     assert running.stop() == 0, running.output()
 
 
-def _url(pipeline: Pipeline, api: str) -> str:
-    if api == "grpc":
-        return f"127.0.0.1:{pipeline.grpc_base_port}"
-    return pipeline.ws_url if api == "ws" else f"http://127.0.0.1:{pipeline.http_port}/v1"
-
-
 def _run(pipeline: Pipeline, api: str, out: Path, *flags: str) -> dict:
     argv = [
-        "--api", api, "--url", _url(pipeline, api), "--num-requests", str(NUM), "--sigma", "0",
+        "--api", api, "--url", pipeline.api_url(api), "--num-requests", str(NUM), "--sigma", "0",
         "--output-len", str(OUTPUT_LEN), "--input-len", "8", "--no-progress", "--json", str(out), *flags,
     ]  # fmt: skip
     assert serve.main(argv) == 0

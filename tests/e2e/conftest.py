@@ -71,6 +71,12 @@ class Pipeline:
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
 
+    def api_url(self, api: str) -> str:
+        """Where a client of `api` (openai, openai-chat, ws or grpc) reaches the pipeline."""
+        if api == "grpc":
+            return f"127.0.0.1:{self.grpc_base_port}"
+        return self.ws_url if api == "ws" else f"{self.http_url}/v1"
+
     def output(self) -> str:
         return "".join(self.lines)
 
