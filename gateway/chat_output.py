@@ -9,13 +9,12 @@ arrives, the merged deltas are the same.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gateway.reasoning import ReasoningStream
+from gateway.reasoning import ReasoningDelta, ReasoningStream
 from gateway.tool_calls import (
     ParsedDelta,
     ToolCall,
-    ToolCallDelta,
     ToolCallStream,
     finish_reason,
     merge,
@@ -26,16 +25,14 @@ REASONING_PARSERS = ("think",)
 
 
 @dataclass
-class ChatDelta:
+class ChatDelta(ParsedDelta):
     """One step of output: reasoning text, content text and tool-call deltas (OpenAI's streaming
     shape), any of them empty."""
 
     reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.tool_calls)
+        return bool(self.reasoning) or super().__bool__()
 
 
 class ChatOutput:
@@ -53,35 +50,30 @@ class ChatOutput:
 
     def feed(self, text: str) -> ChatDelta:
         """Takes the next text delta; returns what can be emitted now."""
-        if self._reasoning is None:
-            return self._content(text, "", final=False)
-        split = self._reasoning.feed(text)
-        return self._content(split.content, split.reasoning, final=False)
+        split = ReasoningDelta(content=text) if self._reasoning is None else self._reasoning.feed(text)
+        return self._content(split, final=False)
 
     def finish(self) -> ChatDelta:
         """The end of the text: emits what was held back. Call once, after the last `feed`."""
-        if self._reasoning is None:
-            return self._content("", "", final=True)
-        split = self._reasoning.finish()
-        return self._content(split.content, split.reasoning, final=True)
+        return self._content(
+            ReasoningDelta() if self._reasoning is None else self._reasoning.finish(), final=True
+        )
 
     def parse(self, text: str) -> tuple[str, str, list[ToolCall]]:
         """One-shot: (reasoning, content, calls) of a whole text (on a fresh instance)."""
         first, last = self.feed(text), self.finish()
-        content, calls = merge(
-            [ParsedDelta(first.content, first.tool_calls), ParsedDelta(last.content, last.tool_calls)]
-        )
+        content, calls = merge([first, last])
         return first.reasoning + last.reasoning, content, calls
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's finish reason: `tool_calls` for an output that ended by itself with calls."""
         return reason if self._tools is None else finish_reason(reason, self._tools)
 
-    def _content(self, text: str, reasoning: str, *, final: bool) -> ChatDelta:
+    def _content(self, split: ReasoningDelta, *, final: bool) -> ChatDelta:
         if self._tools is None:
-            return ChatDelta(reasoning, text)
-        parsed = self._tools.feed(text)
+            return ChatDelta(split.content, reasoning=split.reasoning)
+        parsed = self._tools.feed(split.content)
         if final:
             last = self._tools.finish()
             parsed = ParsedDelta(parsed.content + last.content, parsed.tool_calls + last.tool_calls)
-        return ChatDelta(reasoning, parsed.content, parsed.tool_calls)
+        return ChatDelta(parsed.content, parsed.tool_calls, split.reasoning)

@@ -35,7 +35,7 @@ from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.structured import structured_output
-from gateway.tool_calls import ToolRequest, tool_request
+from gateway.tool_calls import ToolRequest, merge, tool_request
 from services.common import errors
 from services.common.pb import common_pb2
 
@@ -72,20 +72,20 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
+# A pipeline failure's code → the HTTP status, OpenAI error type and code of its answer.
+_FAILURE_ANSWERS = {
+    errors.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    errors.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    errors.UNAVAILABLE: (503, "service_unavailable", errors.UNAVAILABLE),
+    errors.DEADLINE_EXCEEDED: (504, "timeout_error", errors.DEADLINE_EXCEEDED),
+}
+
+
 def failure_error(failure: Failed, settings: GatewaySettings) -> ApiError:
-    """The HTTP answer to a pipeline failure."""
-    if failure.code == errors.INVALID_ARGUMENT:
-        return ApiError(400, failure.message)
-    if failure.code == errors.RESOURCE_EXHAUSTED:
-        headers = {"Retry-After": str(settings.retry_after_s)}
-        return ApiError(
-            429, failure.message, type_="rate_limit_error", code="rate_limit_exceeded", headers=headers
-        )
-    if failure.code == errors.UNAVAILABLE:
-        return ApiError(503, failure.message, type_="service_unavailable", code=failure.code)
-    if failure.code == errors.DEADLINE_EXCEEDED:
-        return ApiError(504, failure.message, type_="timeout_error", code=failure.code)
-    return ApiError(500, failure.message, type_="server_error", code="internal_error")
+    """The HTTP answer to a pipeline failure (a 429 with `Retry-After`)."""
+    status, kind, code = _FAILURE_ANSWERS.get(failure.code, (500, "server_error", "internal_error"))
+    headers = {"Retry-After": str(settings.retry_after_s)} if status == 429 else None
+    return ApiError(status, failure.message, type_=kind, code=code, headers=headers)
 
 
 def decode_error(exc: grpc.aio.AioRpcError) -> ApiError:
@@ -264,6 +264,11 @@ def _choice_inputs(
     return tuple(inputs)
 
 
+# One step of a choice's output: what it shows (completions: its text as content), its logprobs, its
+# finish reason (None until the last).
+Part = tuple[ChatDelta, dict[str, Any] | None, str | None]
+
+
 @dataclass
 class _Renderer:
     """Builds OpenAI response objects for one choice of a request. `echo` is the text that starts the
@@ -357,20 +362,27 @@ class _Renderer:
             "text_offset": offsets,
         }
 
-    def choice(self, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None) -> dict[str, Any]:
-        index = self.index
-        if not self.parsed.chat:
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if self.parsed.stream:
-            delta = {"content": text} if text else {}
-            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        message = {"role": "assistant", "content": text}
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+    async def on_delta(self, delta: Delta) -> list[Part]:
+        """The parts of the choice a delta brings: none while it shows nothing (text held back)."""
+        text, logprobs = self.text(delta), await self.logprobs(delta)
+        out = ChatDelta(text) if self.output is None else self.output.feed(text)
+        return [(out, logprobs, None)] if out or logprobs else []
 
-    def chat_chunk(
-        self, out: ChatDelta, logprobs: dict[str, Any] | None, finish_reason: str | None
-    ) -> dict[str, Any]:
-        """A streamed chat choice: the delta's reasoning_content, content and tool_calls, those not empty."""
+    def on_done(self, done: Done) -> list[Part]:
+        """The parts that end the choice: completions, the rest of the text (an echo not yet given)
+        with the finish reason; chat, what the chat output held back, if any, then the finish reason."""
+        if self.output is None:
+            return [(ChatDelta(self.text(None)), None, self.finish(done))]
+        held = self.output.finish()
+        last: Part = (ChatDelta(), None, self.output.finish_reason(done.finish_reason))
+        return [(held, None, None), last] if held else [last]
+
+    def chunk(self, part: Part) -> dict[str, Any]:
+        """A part as a streamed chunk: chat, the delta's reasoning_content, content and tool_calls,
+        those not empty."""
+        out, logprobs, finish_reason = part
+        if self.output is None:
+            return self.envelope([self.choice("text", out.content, logprobs, finish_reason)])
         delta: dict[str, Any] = {}
         if out.reasoning:
             delta["reasoning_content"] = out.reasoning
@@ -378,49 +390,40 @@ class _Renderer:
             delta["content"] = out.content
         if out.tool_calls:
             delta["tool_calls"] = [call.to_openai() for call in out.tool_calls]
-        return {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return self.envelope([self.choice("delta", delta, logprobs, finish_reason)])
 
-    async def chunk(self, event: Delta) -> dict[str, Any] | None:
-        """The streamed chunk of a delta, or None when it has nothing to show yet (text held back)."""
-        text, logprobs = self.text(event), await self.logprobs(event)
+    def whole_choice(self, parts: list[Part]) -> dict[str, Any]:
+        """The whole choice, the fold of its parts. Chat: content null when it is empty and there are
+        tool calls; reasoning_content with the reasoning parser on; tool_calls when there are calls."""
+        content, calls = merge(out for out, _, _ in parts)
+        logprobs = None
+        if self.parsed.logprobs is not None:
+            logprobs = _merge_logprobs([lp for _, lp, _ in parts if lp is not None], self.parsed.chat)
+        finish_reason = parts[-1][2]
         if self.output is None:
-            choice = self.choice(text, logprobs, None) if text or logprobs else None
-        else:
-            out = self.output.feed(text)
-            choice = self.chat_chunk(out, logprobs, None) if out or logprobs else None
-        return None if choice is None else self.envelope([choice])
-
-    def last_chunks(self, done: Done) -> list[dict[str, Any]]:
-        """The chunks that end a stream: what the chat output held back, if any, then the finish reason."""
-        if self.output is None:
-            return [self.envelope([self.choice(self.text(None), None, self.finish(done))])]
-        held = self.output.finish()
-        reason = self.output.finish_reason(done.finish_reason)
-        chunks = [self.chat_chunk(held, None, None)] if held else []
-        return [self.envelope([c]) for c in [*chunks, self.chat_chunk(ChatDelta(), None, reason)]]
-
-    def whole_choice(self, text: str, logprobs: dict[str, Any] | None, done: Done) -> dict[str, Any]:
-        """The whole choice for its `text`. Chat with an output splitter: content null when it is empty
-        and there are tool calls; reasoning_content with the reasoning parser on; tool_calls when there
-        are calls; finish_reason `tool_calls` for an output that ended with calls."""
-        if self.output is None:
-            return self.choice(text, logprobs, self.finish(done))
-        reasoning, content, calls = self.output.parse(text)
+            return self.choice("text", content, logprobs, finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if self.output.splits_reasoning:
-            message["reasoning_content"] = reasoning or None
+            message["reasoning_content"] = "".join(out.reasoning for out, _, _ in parts) or None
         if calls:
             message["tool_calls"] = [call.to_openai() for call in calls]
-        reason = self.output.finish_reason(done.finish_reason)
-        return {"index": self.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return self.choice("message", message, logprobs, finish_reason)
+
+    def choice(
+        self, key: str, value: Any, logprobs: dict[str, Any] | None, reason: str | None
+    ) -> dict[str, Any]:
+        """A choice object: its `text`, `delta` or `message` under `key`."""
+        return {"index": self.index, key: value, "logprobs": logprobs, "finish_reason": reason}
 
 
-def _usage(ends: list[Done], parsed: ParsedRequest) -> dict[str, Any]:
-    """The usage of a request's choices: completion tokens summed over every choice (none when
-    scoring only); prompt and cached tokens once per prompt, those of its first choice."""
-    firsts = ends[:: parsed.n]
+def _usage(ends: list[Done | None], parsed: ParsedRequest) -> dict[str, Any]:
+    """The usage of a request's choices, every one ended: completion tokens summed over every choice
+    (none when scoring only); prompt and cached tokens once per prompt, those of its first choice."""
+    every = [end for end in ends if end is not None]
+    assert len(every) == len(ends), "every choice ended"
+    firsts = every[:: parsed.n]
     prompt_tokens = sum(done.prompt_tokens for done in firsts)
-    completion_tokens = 0 if parsed.scoring else sum(done.completion_tokens for done in ends)
+    completion_tokens = 0 if parsed.scoring else sum(done.completion_tokens for done in every)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -575,51 +578,56 @@ class OpenAIHandlers:
                 503, "engine unavailable", type_="service_unavailable", code="unavailable"
             ) from None
 
+    async def _parts(
+        self,
+        item: tuple[int, Event] | None,
+        choices: _Choices,
+        renderers: list[_Renderer],
+        ends: list[Done | None],
+        keepalive_s: float | None,
+    ) -> AsyncIterator[tuple[int, Part] | Failed | None]:
+        """Each choice's parts (with its index) as its events come, from `item` (the first event, when
+        already read) on, each choice's end recorded in `ends`; None after `keepalive_s` without an
+        event; a failure, which ends them."""
+        while item is not None or choices.open:
+            if item is None:
+                try:
+                    item = await asyncio.wait_for(choices.next(), keepalive_s)
+                except TimeoutError:
+                    yield None
+                    continue
+            (index, event), item = item, None
+            failure = _as_failure(event)
+            if failure is not None:
+                yield failure
+                return
+            if isinstance(event, Delta):
+                parts = await renderers[index].on_delta(event)
+            else:
+                assert isinstance(event, Done)
+                ends[index] = event
+                parts = renderers[index].on_done(event)
+            for part in parts:
+                yield index, part
+
     async def _complete(
         self, request: Request, choices: _Choices, renderers: list[_Renderer]
     ) -> JSONResponse:
         watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(request, choices.cancel))
         try:
-            texts: list[list[str]] = [[] for _ in renderers]
-            logprob_parts: list[list[dict[str, Any]]] = [[] for _ in renderers]
+            parts: list[list[Part]] = [[] for _ in renderers]
             ends: list[Done | None] = [None] * len(renderers)
-            while choices.open:
-                index, event = await choices.next()
-                failure = _as_failure(event)
-                if failure is not None:
-                    return failure_error(failure, self._settings).response()
-                renderer = renderers[index]
-                if isinstance(event, Delta):
-                    texts[index].append(renderer.text(event))
-                    part = await renderer.logprobs(event)
-                    if part is not None:
-                        logprob_parts[index].append(part)
-                else:
-                    assert isinstance(event, Done)
-                    texts[index].append(renderer.text(None))
-                    ends[index] = event
-            return JSONResponse(self._completion_body(renderers, texts, logprob_parts, ends))
+            async for item in self._parts(None, choices, renderers, ends, None):
+                if isinstance(item, Failed):
+                    return failure_error(item, self._settings).response()
+                assert item is not None
+                parts[item[0]].append(item[1])
+            body = renderers[0].envelope([r.whole_choice(p) for r, p in zip(renderers, parts, strict=True)])
+            body["usage"] = _usage(ends, renderers[0].parsed)
+            return JSONResponse(body)
         finally:
             watcher.cancel()
             choices.cancel()
-
-    @staticmethod
-    def _completion_body(
-        renderers: list[_Renderer],
-        texts: list[list[str]],
-        logprob_parts: list[list[dict[str, Any]]],
-        ends: list[Done | None],
-    ) -> dict[str, Any]:
-        parsed = renderers[0].parsed
-        done = [end for end in ends if end is not None]
-        assert len(done) == len(renderers), "every choice ended"
-        wanted = parsed.logprobs is not None
-        body = renderers[0].envelope([
-            renderer.whole_choice("".join(text), _merge_logprobs(parts, parsed.chat) if wanted else None, end)
-            for renderer, text, parts, end in zip(renderers, texts, logprob_parts, done, strict=True)
-        ])  # fmt: skip
-        body["usage"] = _usage(done, parsed)
-        return body
 
     async def _stream(
         self, request: Request, choices: _Choices, renderers: list[_Renderer]
@@ -653,40 +661,21 @@ class OpenAIHandlers:
         try:
             if parsed.chat:
                 for renderer in renderers:
-                    opening = {"index": renderer.index, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}  # fmt: skip
+                    opening = renderer.choice("delta", {"role": "assistant", "content": ""}, None, None)
                     yield _sse_data(renderer.envelope([opening]))
-            item = first
-            while True:
+            async for item in self._parts(first, choices, renderers, ends, self._settings.sse_keepalive_s):
                 if item is None:
-                    if not choices.open:
-                        break
-                    try:
-                        item = await asyncio.wait_for(choices.next(), self._settings.sse_keepalive_s)
-                    except TimeoutError:
-                        yield KEEPALIVE
-                        continue
-                index, event = item
-                item = None
-                failure = _as_failure(event)
-                if failure is not None:
-                    yield _sse_data(failure_error(failure, self._settings).body())
+                    yield KEEPALIVE
+                elif isinstance(item, Failed):
+                    yield _sse_data(failure_error(item, self._settings).body())
                     break
-                renderer = renderers[index]
-                if isinstance(event, Delta):
-                    chunk = await renderer.chunk(event)
-                    if chunk is not None:
-                        yield _sse_data(chunk)
-                    continue
-                assert isinstance(event, Done)
-                ends[index] = event
-                for chunk in renderer.last_chunks(event):
-                    yield _sse_data(chunk)
-            done = [end for end in ends if end is not None]
-            if len(done) == len(renderers) and parsed.include_usage:
-                usage_chunk = renderers[0].envelope([])
-                usage_chunk["usage"] = _usage(done, parsed)
-                yield _sse_data(usage_chunk)
+                else:
+                    yield _sse_data(renderers[item[0]].chunk(item[1]))
+            else:
+                if parsed.include_usage:
+                    usage_chunk = renderers[0].envelope([])
+                    usage_chunk["usage"] = _usage(ends, parsed)
+                    yield _sse_data(usage_chunk)
             yield DONE
         finally:
             watcher.cancel()
