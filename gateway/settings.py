@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.settings import ValidatedSettings
+from services.common.settings import ValidatedSettings, check_bounds, check_choices
 
 ROUTING_POLICIES = ("round_robin", "least_load", "prefix_affinity")
 
@@ -166,12 +166,8 @@ class GatewaySettings(ValidatedSettings):
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
-        self._validate_endpoints()
-        self._validate_limits()
-        self._validate_routing_and_tls()
-        self._validate_parsers()
-
-    def _validate_endpoints(self) -> None:
+        from gateway.chat_output import REASONING_PARSERS
+        from gateway.tool_calls import PARSERS
         from gateway.upstream import Endpoint
 
         for name in ("tokenizer", "engine", "detokenizer"):
@@ -182,56 +178,23 @@ class GatewaySettings(ValidatedSettings):
                     Endpoint.parse(address)
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
-
-    def _validate_limits(self) -> None:
-        if self.resolve_interval_s <= 0:
-            raise ValueError("resolve_interval_s must be > 0")
-        if self.channels_per_replica < 1:
-            raise ValueError("channels_per_replica must be >= 1")
-        if self.default_temperature < 0:
-            raise ValueError("default_temperature must be >= 0")
-        for name in ("request_timeout_s", "tokenize_timeout_s", "health_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.grace_s < 0:
-            raise ValueError("grace_s must be >= 0")
-        for name in ("detokenizer_context_ids", "max_in_flight", "max_prompt_tokens", "retry_after_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        for name in ("upstream_wait_s", "readyz_cache_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.ws_max_in_flight < 0:
-            raise ValueError("ws_max_in_flight must be >= 0")
-        for name in (
-            "max_body_bytes",
-            "max_ws_frame_bytes",
-            "ws_ping_interval_s",
-            "sse_keepalive_s",
-            "ws_auth_timeout_s",
-            "send_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-
-    def _validate_routing_and_tls(self) -> None:
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {self.routing!r}")
-        if self.routing_margin < 0:
-            raise ValueError("routing_margin must be >= 0")
-        if not self.routing_margin_ratio >= 0:
-            raise ValueError("routing_margin_ratio must be >= 0")
+        check_bounds(self, _BOUNDS)
+        check_choices(self, (("routing", ROUTING_POLICIES), ("tool_call_parser", tuple(PARSERS))))
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ValueError("tls_cert_file needs tls_ca_file")
-
-    def _validate_parsers(self) -> None:
-        from gateway.chat_output import REASONING_PARSERS
-        from gateway.tool_calls import PARSERS
-
-        if self.tool_call_parser not in PARSERS:
-            choices = ", ".join(PARSERS)
-            raise ValueError(f"tool_call_parser must be one of {choices}, got {self.tool_call_parser!r}")
         if self.reasoning_parser not in ("", *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or empty")
+
+
+# The numeric settings' bounds (`check_bounds`).
+_BOUNDS = (
+    (">", 0, ("resolve_interval_s", "request_timeout_s", "tokenize_timeout_s", "health_timeout_s")),
+    (">", 0, ("max_body_bytes", "max_ws_frame_bytes", "ws_ping_interval_s", "sse_keepalive_s")),
+    (">", 0, ("ws_auth_timeout_s", "send_timeout_s")),
+    (">=", 1, ("channels_per_replica",)),
+    (">=", 0, ("default_temperature", "grace_s", "detokenizer_context_ids", "max_in_flight")),
+    (">=", 0, ("max_prompt_tokens", "retry_after_s", "upstream_wait_s", "readyz_cache_s")),
+    (">=", 0, ("ws_max_in_flight", "routing_margin", "routing_margin_ratio")),
+)

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -97,6 +97,25 @@ def load_settings(
         return cls(**values)
     except ValueError as exc:  # the class's validate(), run once, when it is built
         parser.error(str(exc))
+
+
+def check_bounds(settings: object, bounds: Iterable[tuple[str, float, Iterable[str]]]) -> None:
+    """Raises ValueError naming the first field of `settings` off its bound: each entry of `bounds` is
+    (">" or ">=", the bound, the names of the fields it applies to). NaN is off every bound."""
+    for op, bound, names in bounds:
+        for name in names:
+            value = getattr(settings, name)
+            if not (value > bound if op == ">" else value >= bound):
+                raise ValueError(f"{name} must be {op} {bound:g}")
+
+
+def check_choices(settings: object, choices: Iterable[tuple[str, Sequence[str]]]) -> None:
+    """Raises ValueError naming the first field of `settings` whose value is not among its choices:
+    each entry of `choices` is (the field's name, the values it may take)."""
+    for name, allowed in choices:
+        value = getattr(settings, name)
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
