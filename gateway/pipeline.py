@@ -34,9 +34,8 @@ Invariants:
 - admission (tokenize, pick, submit) ends its request on any error, never leaving it to its timeout.
 
 This module is the per-request state machine, with its single exit `_finish`. The links to the stages
-(replicas, pickers, the multiplexed calls) are `gateway.stages.Stages`; the cached look-ups (model
-info, token pieces) `gateway.lookups.Lookups`; the events and the handle the edges read
-`gateway.events`.
+(replicas, pickers, the multiplexed calls) and the cached look-ups (model info, token pieces) are
+`gateway.stages.Stages`; the events and the handle the edges read `gateway.events`.
 """
 
 from __future__ import annotations
@@ -62,7 +61,6 @@ from gateway.events import (
     engine_failure,
     tokenizer_failure,
 )
-from gateway.lookups import Lookups
 from gateway.observability import RequestTrace
 from gateway.settings import GatewaySettings
 from gateway.stages import DetokLink, EngineLink, Stages, TokenizeOptions
@@ -136,7 +134,6 @@ class Pipeline:
             on_detok_out=self._on_detok_out,
             on_broken=self._on_broken,
         )
-        self._lookups = Lookups(self._stages, settings)
         self._requests: dict[str, _Request] = {}
         self._prefix = secrets.token_hex(4)
         self._counter = itertools.count(1)
@@ -181,8 +178,8 @@ class Pipeline:
         }
         if inp.stopping.max_new_tokens:  # else set once the prompt's length is known
             attributes["gen_ai.request.max_tokens"] = inp.stopping.max_new_tokens
-        if self._lookups.info is not None:
-            attributes["gen_ai.request.model"] = self._lookups.info.model
+        if self._stages.info is not None:
+            attributes["gen_ai.request.model"] = self._stages.info.model
         if inp.user:
             attributes["user.id"] = inp.user
         if inp.request_id:  # the span is named by the client's id; the stages' spans by the gateway's
@@ -231,15 +228,15 @@ class Pipeline:
 
     async def model_info(self) -> tokenizer_pb2.InfoResponse:
         """The tokenizer's Info (model name, context length), fetched once. Raises AioRpcError."""
-        return await self._lookups.model_info()
+        return await self._stages.model_info()
 
     async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
-        """Each token id on its own, for logprobs (`Lookups.token_pieces`). Raises AioRpcError."""
-        return await self._lookups.token_pieces(ids)
+        """Each token id on its own, for logprobs (`Stages.token_pieces`). Raises AioRpcError."""
+        return await self._stages.token_pieces(ids)
 
     async def max_model_len(self) -> int:
-        """The engines' context length (`Lookups.max_model_len`). Raises AioRpcError."""
-        return await self._lookups.max_model_len()
+        """The engines' context length (`Stages.max_model_len`). Raises AioRpcError."""
+        return await self._stages.max_model_len()
 
     async def tokenize(self, inp: GenerateInput, options: TokenizeOptions) -> list[int]:
         """The ids of `inp`'s prompt or messages, tokenized with `options`, outside any generation.
@@ -273,9 +270,9 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             self._finish(request, tokenizer_failure(exc))
             return
-        if self._lookups.info is None:  # fetched once, from a tokenizer that just answered
+        if self._stages.info is None:  # fetched once, from a tokenizer that just answered
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._lookups.model_info()
+                await self._stages.model_info()
         if request.finished:
             return
         request.trace.tokenized(len(ids))
@@ -286,8 +283,8 @@ class Pipeline:
         max_new_tokens = await self._max_new_tokens(request, len(ids))
         if request.finished or max_new_tokens is None:
             return
-        if self._lookups.info is not None:
-            request.trace.set_attribute("gen_ai.request.model", self._lookups.info.model)
+        if self._stages.info is not None:
+            request.trace.set_attribute("gen_ai.request.model", self._stages.info.model)
         wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
         detok = await self._stages.detokenizers.pick_ready(wait_until - time.monotonic())
         engine = await self._stages.pick_engine(ids, wait_until - time.monotonic())
@@ -314,7 +311,7 @@ class Pipeline:
         if asked:
             return asked
         try:
-            limit = await self._lookups.max_model_len()
+            limit = await self._stages.max_model_len()
         except grpc.aio.AioRpcError as exc:
             log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
             self._finish(request, Failed(UNAVAILABLE, "engine unavailable"))
@@ -329,7 +326,7 @@ class Pipeline:
         the model's context length once the tokenizer's Info is known), or None."""
         if not ids:
             return Failed(INVALID_ARGUMENT, "the prompt is empty")
-        info = self._lookups.info
+        info = self._stages.info
         cap = self._settings.max_prompt_tokens or (info.context_length if info is not None else 0)
         if cap and len(ids) > cap:
             return Failed(INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens, more than the {cap} allowed")

@@ -3,7 +3,10 @@
 tokenizer and detokenizer, the `routing` policy for engines), and one long-lived multiplexed call
 (`StreamLink`) per engine and detokenizer member. No request state lives here: the pipeline owns the
 requests, and gets every message read on a link (`on_engine_out`, `on_detok_out`) and every broken
-link (`on_broken`).
+link (`on_broken`). Besides generations, the stages answer look-ups, each cached: the model's `Info`
+from a tokenizer and the engines' context length from an engine's `Stats` (each fetched once), and token
+pieces from a detokenizer's vocabulary (for logprobs; at most `TOKEN_PIECE_CACHE` entries, cleared when
+full).
 
 Every connected engine replica gets a link as soon as a request is routed, so each reports its load
 and prefix cache (`EngineReport`), which the engines' picker mirrors; a broken engine link makes the
@@ -18,10 +21,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
-from gateway.events import GenerateInput
+from gateway.events import GenerateInput, TokenPiece
 from gateway.routing import Picker
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
@@ -46,6 +50,7 @@ DetokLink = StreamLink[
     detokenizer_pb2.DetokenizeInEntry, detokenizer_pb2.DetokenizeIn, detokenizer_pb2.DetokenizeOut
 ]
 OnBroken = Callable[[EngineLink | DetokLink, str], None]
+TOKEN_PIECE_CACHE = 200_000  # token id → piece entries kept for logprobs
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ class TokenizeOptions:
 
     add_special_tokens: bool | None = None  # text only: bos and the like
     add_generation_prompt: bool | None = None  # messages only: the assistant turn's opening
+
+
+def _one_message(entries: list[detokenizer_pb2.DetokenizeInEntry]) -> list[detokenizer_pb2.DetokenizeIn]:
+    """The detokenizer link's writes: the entries queued since the last one, in one message."""
+    return [detokenizer_pb2.DetokenizeIn(entries=entries)]
 
 
 class Stages:
@@ -70,34 +80,27 @@ class Stages:
     ) -> None:
         self._settings = settings
         tls = ChannelTls.from_settings(settings)
-        per_replica, interval = settings.channels_per_replica, settings.resolve_interval_s
-        self.tokenizers = Replicas(
-            "tokenizer",
-            settings.tokenizer,
-            tls,
-            channels_per_replica=per_replica,
-            resolve_interval_s=interval,
-        )
+        interval = settings.resolve_interval_s
         engine_picker = Picker(
             settings.routing, self.engine_load, settings.routing_margin, settings.routing_margin_ratio
         )
         self.engines = Replicas(
             "engine", settings.engine, tls, picker=engine_picker, resolve_interval_s=interval
         )
-        self.detokenizers = Replicas(
-            "detokenizer",
-            settings.detokenizer,
-            tls,
-            channels_per_replica=per_replica,
-            resolve_interval_s=interval,
-        )
+        pooled = {"channels_per_replica": settings.channels_per_replica, "resolve_interval_s": interval}
+        self.tokenizers = Replicas("tokenizer", settings.tokenizer, tls, **pooled)
+        self.detokenizers = Replicas("detokenizer", settings.detokenizer, tls, **pooled)
         self._engine_links: dict[str, EngineLink] = {}
         self._detok_links: dict[str, DetokLink] = {}
+        self._links = {"engine": self._engine_links, "detokenizer": self._detok_links}  # by kind
         self._on_engine_out = on_engine_out
         self._on_detok_out = on_detok_out
         self._on_broken = on_broken
         self._ready_check: asyncio.Future[dict[str, list[bool]]] | None = None
         self._ready_checked_at = -math.inf
+        self.info: tokenizer_pb2.InfoResponse | None = None  # the model's, once fetched (`model_info`)
+        self._max_model_len = 0
+        self._token_pieces: dict[int, TokenPiece] = {}
 
     # ----- picking
 
@@ -124,34 +127,25 @@ class Stages:
 
     def engine_link(self, address: str) -> EngineLink:
         """The live link to an engine member, opened if need be."""
-        link = self._engine_links.get(address)
-        if link is None or not link.alive:
-            stub = engine_pb2_grpc.EngineStub(self.engines.channels[address])
-            link = StreamLink(
-                kind="engine",
-                address=address,
-                open_call=stub.Stream,
-                merge=lambda items: items,
-                on_message=self._on_engine_message,
-                on_broken=self._on_link_broken,
-            )
-            self._engine_links[address] = link
-        return link
+        return self._link(self.engines, address, engine_pb2_grpc.EngineStub, list, self._on_engine_message)
 
     def detok_link(self, address: str) -> DetokLink:
         """The live link to a detokenizer member, opened if need be."""
-        link = self._detok_links.get(address)
+        stub = detokenizer_pb2_grpc.DetokenizerStub
+        return self._link(self.detokenizers, address, stub, _one_message, self._on_detok_out)
+
+    def _link(self, replicas: Replicas, address: str, stub: Any, merge: Any, on_message: Any) -> Any:
+        links = self._links[replicas.kind]
+        link = links.get(address)
         if link is None or not link.alive:
-            stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[address])
-            link = StreamLink(
-                kind="detokenizer",
+            link = links[address] = StreamLink(
+                kind=replicas.kind,
                 address=address,
-                open_call=stub.Stream,
-                merge=lambda entries: [detokenizer_pb2.DetokenizeIn(entries=entries)],
-                on_message=self._on_detok_out,
+                open_call=stub(replicas.channels[address]).Stream,
+                merge=merge,
+                on_message=on_message,
                 on_broken=self._on_link_broken,
             )
-            self._detok_links[address] = link
         return link
 
     def _on_engine_message(self, link: EngineLink, out: engine_pb2.EngineOut) -> None:
@@ -161,11 +155,11 @@ class Stages:
 
     def _on_link_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
         # A broken link leaves its map, so a retired replica's link and report mirror do not stay behind.
-        if link.kind == "engine" and self._engine_links.get(link.address) is link:
-            del self._engine_links[link.address]
-            self.engines.picker.forget(link.address)
-        if link.kind == "detokenizer" and self._detok_links.get(link.address) is link:
-            del self._detok_links[link.address]
+        links = self._links[link.kind]
+        if links.get(link.address) is link:
+            del links[link.address]
+            if link.kind == "engine":
+                self.engines.picker.forget(link.address)
         self._on_broken(link, reason)
 
     # ----- unary calls
@@ -207,11 +201,52 @@ class Stages:
 
     async def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
         """The text of `ids` from a detokenizer replica (in turn). Raises AioRpcError."""
-        address = await self.detokenizers.pick_ready(self._settings.upstream_wait_s)
-        stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[address])
+        stub = await self._ready_stub(self.detokenizers, detokenizer_pb2_grpc.DetokenizerStub)
         request = detokenizer_pb2.DecodeRequest(ids=ids, skip_special_tokens=skip_special_tokens)
         reply = await stub.Decode(request, timeout=self._settings.tokenize_timeout_s)
         return reply.text
+
+    async def model_info(self) -> tokenizer_pb2.InfoResponse:
+        """The tokenizer's Info (model name, context length), fetched once (then `info`). Raises
+        AioRpcError."""
+        if self.info is None:
+            stub = await self._ready_stub(self.tokenizers, tokenizer_pb2_grpc.TokenizerStub)
+            self.info = await stub.Info(
+                tokenizer_pb2.InfoRequest(), timeout=self._settings.tokenize_timeout_s
+            )
+        return self.info
+
+    async def max_model_len(self) -> int:
+        """The engines' context length (prompt and output tokens of one request), from the `Stats` of
+        a connected engine replica, fetched once: every replica serves the same model with the same
+        settings. Raises AioRpcError."""
+        if not self._max_model_len:
+            stub = await self._ready_stub(self.engines, engine_pb2_grpc.EngineStub)
+            stats = await stub.Stats(engine_pb2.StatsRequest(), timeout=self._settings.tokenize_timeout_s)
+            self._max_model_len = stats.max_model_len
+        return self._max_model_len
+
+    async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
+        """Each token id on its own (special tokens kept), for logprobs: its text and bytes, from the
+        detokenizer's vocabulary in one call for the ids not yet cached. Raises AioRpcError."""
+        missing = sorted({i for i in ids if i not in self._token_pieces})
+        if missing:
+            stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[self.detokenizers.pick()])
+            reply = await stub.TokenPieces(
+                detokenizer_pb2.TokenPiecesRequest(ids=missing), timeout=self._settings.tokenize_timeout_s
+            )
+            if len(reply.pieces) != len(missing):
+                raise RuntimeError(f"detokenizer gave {len(reply.pieces)} pieces for {len(missing)} ids")
+            if len(self._token_pieces) + len(missing) > TOKEN_PIECE_CACHE:
+                self._token_pieces.clear()
+            self._token_pieces.update(
+                (i, TokenPiece(p.text, p.bytes)) for i, p in zip(missing, reply.pieces, strict=True)
+            )
+        return [self._token_pieces[i] for i in ids]
+
+    async def _ready_stub(self, replicas: Replicas, stub: Any) -> Any:
+        """A `stub` on a member of `replicas` that is ready, waiting up to `upstream_wait_s` for one."""
+        return stub(replicas.channels[await replicas.pick_ready(self._settings.upstream_wait_s)])
 
     async def check_ready(self) -> dict[str, list[bool]]:
         """Health of every upstream replica by stage: kind → SERVING per replica, in the stage's order
