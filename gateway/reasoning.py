@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tool_calls import tag_prefix_len
+from gateway.tool_calls import emittable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -74,12 +74,7 @@ class ReasoningStream:
             self._piece(self._buf[:at].rstrip())
             self._buf = self._buf[at + len(tag) :]
             self._inside, self._after_tag = not self._inside, True
-        if final:
-            self._piece(self._buf)
-            self._buf = ""
-            return
-        held = tag_prefix_len(self._buf, tag)
-        emit = len(self._buf[: len(self._buf) - held].rstrip())  # trailing whitespace may precede a tag
+        emit = emittable(self._buf, tag, final=final)
         self._piece(self._buf[:emit])
         self._buf = self._buf[emit:]
 

@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from gateway.params import ParamError, parse_json_field
-from gateway.tool_calls import TOOL_NAME, check_schema
+from gateway.tool_calls import check_schema, named_schema_fields
 from services.common.pb import common_pb2
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -117,22 +117,12 @@ def _json_schema(value: Any, label: str) -> common_pb2.StructuredOutput:
     if not isinstance(value, dict):
         raise ParamError(label, f"{label} must be an object with a name and a schema")
     _only(value, {"name", "schema", "strict", "description"}, label)
-    name = value.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise ParamError(
-            f"{label}.name", f"{label}.name must be 1 to 64 letters, digits, underscores or dashes"
-        )
-    description = value.get("description")
-    if description is not None and not isinstance(description, str):
-        raise ParamError(f"{label}.description", f"{label}.description must be a string")
-    strict = value.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ParamError(f"{label}.strict", f"{label}.strict must be true or false")
+    _, _, strict = named_schema_fields(value, label)
     schema = value.get("schema")
     if schema is None:
         return common_pb2.StructuredOutput(kind="json_object")
     spec = _schema_spec(schema, f"{label}.schema")
-    spec.strict = strict is True
+    spec.strict = strict
     return spec
 
 

@@ -298,6 +298,13 @@ def tag_prefix_len(text: str, tag: str) -> int:
     return 0
 
 
+def emittable(text: str, tag: str, *, final: bool) -> int:
+    """How much of `text`, which holds no whole `tag`, may go out as it is now: all of it at the end
+    (`final`); else all but a possible start of `tag` and the whitespace before it (whitespace that
+    touches a tag goes out on neither side)."""
+    return len(text) if final else len(text[: len(text) - tag_prefix_len(text, tag)].rstrip())
+
+
 class _Call:
     """A call being read: its object, its text so far (content if it turns out to have no name) and
     its index once its name is known."""
@@ -319,19 +326,31 @@ class ToolCallStream(abc.ABC):
         self._new_id = new_id
         self._count = 0
         self._out = ParsedDelta()
+        self._buf = ""  # received, not yet emitted or read into a call
+        self._call: _Call | None = None
 
     @property
     def called(self) -> bool:
         """Whether a tool call has begun (the finish reason is then `tool_calls`)."""
         return self._count > 0
 
-    @abc.abstractmethod
     def feed(self, text: str) -> ParsedDelta:
         """Takes the next text delta; returns what can be emitted now."""
+        self._buf += text
+        self._advance(final=False)
+        return self._take()
 
-    @abc.abstractmethod
     def finish(self) -> ParsedDelta:
         """The end of the text: emits what was held back. Call once, after the last `feed`."""
+        self._advance(final=True)
+        if self._call is not None:  # the text ended inside a call
+            self._close(self._call)
+            self._call = None
+        return self._take()
+
+    @abc.abstractmethod
+    def _advance(self, *, final: bool) -> None:
+        """Reads the buffer as far as it can be read now; all of it when `final` (the text ended)."""
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         """One-shot: the content and calls of a whole text (on a fresh instance)."""
@@ -380,28 +399,16 @@ class HermesToolCalls(ToolCallStream):
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(new_id)
-        self._buf = ""  # received, not yet emitted or read into a call
-        self._call: _Call | None = None
         self._after_block = False  # the current content piece follows a block
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
-        self._advance(final=False)
-        return self._take()
-
-    def finish(self) -> ParsedDelta:
-        self._advance(final=True)
-        if self._call is not None:
-            self._close(self._call)
-            self._call = None
-        return self._take()
 
     def _advance(self, *, final: bool) -> None:
         while True:
             if self._call is None:
                 start = self._buf.find(OPEN_TAG)
-                if start < 0:
-                    self._content_part(final=final)
+                if start < 0:  # emits all but what may still precede a block
+                    emit = emittable(self._buf, OPEN_TAG, final=final)
+                    self._piece(self._buf[:emit])
+                    self._buf = self._buf[emit:]
                     return
                 self._piece(self._buf[:start].rstrip())
                 self._buf = self._buf[start + len(OPEN_TAG) :]
@@ -425,17 +432,6 @@ class HermesToolCalls(ToolCallStream):
         self._call.obj.feed(text)  # what follows the object, up to the closing tag, is ignored
         self._progress(self._call)
 
-    def _content_part(self, *, final: bool) -> None:
-        """Emits the buffer (no opening tag in it) but for what may still precede a block."""
-        if final:
-            self._piece(self._buf)
-            self._buf = ""
-            return
-        held = tag_prefix_len(self._buf, OPEN_TAG)
-        emit = len(self._buf[: len(self._buf) - held].rstrip())
-        self._piece(self._buf[:emit])
-        self._buf = self._buf[emit:]
-
     def _piece(self, text: str) -> None:
         if self._after_block:
             text = text.lstrip()
@@ -452,24 +448,7 @@ class Llama3JsonToolCalls(ToolCallStream):
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(new_id)
-        self._buf = ""
         self._mode = "start"  # start, call, between, content or drop
-        self._call: _Call | None = None
-
-    def feed(self, text: str) -> ParsedDelta:
-        self._buf += text
-        self._advance(final=False)
-        return self._take()
-
-    def finish(self) -> ParsedDelta:
-        self._advance(final=True)
-        if self._mode == "start":
-            self._content(self._buf)
-        elif self._mode == "call":
-            assert self._call is not None
-            self._close(self._call)
-        self._buf, self._call = "", None
-        return self._take()
 
     def _advance(self, *, final: bool) -> None:
         while self._buf:
@@ -493,16 +472,13 @@ class Llama3JsonToolCalls(ToolCallStream):
             text = text[len(PYTHON_TAG) :].lstrip()
         elif PYTHON_TAG.startswith(text):
             text = ""
-        if not text:
-            return False if not final else self._to_content()
-        if not text.startswith("{"):
-            return self._to_content()
-        opening = self._buf[: len(self._buf) - len(text)]
-        self._call, self._buf, self._mode = _Call(opening), text, "call"
-        return True
-
-    def _to_content(self) -> bool:
-        self._mode = "content"
+        if not text and not final:
+            return False
+        if text.startswith("{"):
+            opening = self._buf[: len(self._buf) - len(text)]
+            self._call, self._buf, self._mode = _Call(opening), text, "call"
+        else:
+            self._mode = "content"
         return True
 
     def _read_call(self) -> None:
@@ -667,22 +643,26 @@ def _tool(item: Any, where: str) -> Tool:
     function = item.get("function")
     if not isinstance(function, dict):
         raise ParamError(f"{where}.function", f"{where}.function must be an object")
-    name = function.get("name")
-    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-        raise ParamError(
-            f"{where}.function.name",
-            f"{where}.function.name must be 1 to 64 letters, digits, underscores or dashes",
-        )
-    description = function.get("description")
-    if description is not None and not isinstance(description, str):
-        raise ParamError(f"{where}.function.description", f"{where}.function.description must be a string")
-    strict = function.get("strict")
-    if strict is not None and not isinstance(strict, bool):
-        raise ParamError(f"{where}.function.strict", f"{where}.function.strict must be true or false")
+    name, description, strict = named_schema_fields(function, f"{where}.function")
     parameters = function.get("parameters")
     if parameters is not None:
         _check_parameters(parameters, f"{where}.function.parameters")
-    return Tool(name, description, parameters, strict is True)
+    return Tool(name, description, parameters, strict)
+
+
+def named_schema_fields(obj: dict[str, Any], where: str) -> tuple[str, str | None, bool]:
+    """The `name` (1 to 64 letters, digits, `_` or `-`), `description` (a string, optional) and
+    `strict` (a boolean, default false) of a tool's function or a response format's json_schema.
+    Raises ParamError naming the field."""
+    name = obj.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+        raise ParamError(
+            f"{where}.name", f"{where}.name must be 1 to 64 letters, digits, underscores or dashes"
+        )
+    for key, kind, words in (("description", str, "a string"), ("strict", bool, "true or false")):
+        if obj.get(key) is not None and not isinstance(obj[key], kind):
+            raise ParamError(f"{where}.{key}", f"{where}.{key} must be {words}")
+    return name, obj.get("description"), obj.get("strict") is True
 
 
 def validate_tool_choice(raw: Any, tools: list[Tool]) -> tuple[str, str]:
