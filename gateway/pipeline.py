@@ -92,6 +92,7 @@ class _Request:
     id: str
     input: GenerateInput
     slot: EventSlot
+    trace: RequestTrace
     prompt_tokens: int = 0
     num_generated: int = 0  # token ids received from the engine
     engine_link: EngineLink | None = None
@@ -109,7 +110,6 @@ class _Request:
     deadline: float = 0.0  # time.monotonic()
     engine_tries: int = 0  # engine replicas the request was submitted to
     timer: asyncio.TimerHandle | None = None
-    trace: RequestTrace | None = None
 
     @property
     def keep_ids(self) -> bool:
@@ -151,14 +151,12 @@ class Pipeline:
         """Starts one generation at once (tokenizing runs in the background) and returns its handle."""
         given = (inp.prompt, inp.messages, inp.prompt_ids)
         assert sum(x is not None for x in given) == 1, "exactly one of prompt, messages and prompt_ids"
-        request = _Request(id=f"{self._prefix}-{next(self._counter)}", input=inp, slot=EventSlot())
+        request_id = f"{self._prefix}-{next(self._counter)}"
+        request = _Request(request_id, inp, EventSlot(), self._start_trace(request_id, inp))
         generation = Generation(request.id, request.slot, lambda: self.cancel(request))
-        request.trace = self._start_trace(request)
         refusal = self._refusal()
         if refusal is not None:
-            request.finished = True
-            request.trace.finish(refusal.code, error=refusal.message)
-            request.slot.finish(refusal)
+            self._finish(request, refusal)
             return generation
         self._requests[request.id] = request
         self._idle.clear()
@@ -170,8 +168,7 @@ class Pipeline:
         request.admit_task = loop.create_task(self._admit(request, time.monotonic() + timeout))
         return generation
 
-    def _start_trace(self, request: _Request) -> RequestTrace:
-        inp = request.input
+    def _start_trace(self, request_id: str, inp: GenerateInput) -> RequestTrace:
         attributes: dict[str, object] = {
             "gen_ai.request.temperature": inp.sampling.temperature,
             "gen_ai.request.top_p": inp.sampling.top_p,
@@ -183,8 +180,8 @@ class Pipeline:
         if inp.user:
             attributes["user.id"] = inp.user
         if inp.request_id:  # the span is named by the client's id; the stages' spans by the gateway's
-            attributes["sluice.upstream_request_id"] = request.id
-        trace_id = inp.request_id or request.id
+            attributes["sluice.upstream_request_id"] = request_id
+        trace_id = inp.request_id or request_id
         return RequestTrace(self.metrics, trace_id, inp.api, inp.trace_context, attributes)
 
     def _refusal(self) -> Failed | None:
@@ -264,7 +261,6 @@ class Pipeline:
                 self._finish(request, Failed(INTERNAL, "internal error while admitting the request"))
 
     async def _admit_steps(self, request: _Request, deadline: float) -> None:
-        assert request.trace is not None
         try:
             ids = await self._prompt_ids(request, deadline)
         except grpc.aio.AioRpcError as exc:
@@ -300,7 +296,6 @@ class Pipeline:
         """The request's prompt ids: as given, else from the tokenizer. Raises AioRpcError."""
         if request.input.prompt_ids is not None:
             return list(request.input.prompt_ids)
-        assert request.trace is not None
         with request.trace.active():
             return await self._stages.tokenize(request.id, request.input, deadline)
 
@@ -317,7 +312,6 @@ class Pipeline:
             self._finish(request, Failed(UNAVAILABLE, "engine unavailable"))
             return None
         max_new_tokens = params.max_new_tokens(asked, prompt_tokens, limit)
-        assert request.trace is not None
         request.trace.set_attribute("gen_ai.request.max_tokens", max_new_tokens)
         return max_new_tokens
 
@@ -347,7 +341,6 @@ class Pipeline:
         ends the request itself if the gateway's own timer cannot."""
         request.prompt_tokens = len(ids)
         request.deadline = deadline
-        assert request.trace is not None
         detok_context, engine_context = request.trace.submit_contexts()
         detok = self._stages.detok_link(detok_address)
         engine = self._stages.engine_link(engine_address)
@@ -404,7 +397,7 @@ class Pipeline:
         request = self._requests.get(chunk.request_id)
         if request is None or request.engine_done or request.detok_link is None:
             return
-        if not request.num_generated and request.trace is not None:
+        if not request.num_generated:
             request.trace.on_chunk(batch_size)
         if not request.prompt_out and request.input.sampling.HasField("prompt_logprobs"):
             request.prompt_out = True
@@ -430,8 +423,7 @@ class Pipeline:
         ):
             return
         request.engine_final = final
-        if request.trace is not None:
-            request.trace.engine_done(final.error)
+        request.trace.engine_done(final.error)
         if not _finish_reason(final):
             self._finish(request, engine_failure(request.id, final.error))
             return
@@ -453,8 +445,7 @@ class Pipeline:
         if request is None or request.detok_done:
             return
         request.detok_done = True
-        if request.trace is not None:
-            request.trace.detok_done(final.error)
+        request.trace.detok_done(final.error)
         if final.error:
             self._finish(request, Failed(INTERNAL, f"detokenizer: {final.error}"))
         elif final.stopped:
@@ -483,8 +474,7 @@ class Pipeline:
             ids, request.held_ids = request.held_ids[:num_ids], request.held_ids[num_ids:]
             logprobs, request.held_logprobs = request.held_logprobs[:num_ids], request.held_logprobs[num_ids:]
         if text or ids:
-            if request.trace is not None:
-                request.trace.on_text()
+            request.trace.on_text()
             request.slot.push(text, ids, logprobs)
 
     def _on_broken(self, link: EngineLink | DetokLink, reason: str) -> None:
@@ -547,15 +537,14 @@ class Pipeline:
             if not request.detok_done and not request.detok_closed:
                 close = detokenizer_pb2.DetokenizeClose(request_id=request.id)
                 detok.send(detokenizer_pb2.DetokenizeInEntry(close=close))
-        if request.trace is not None:
-            if isinstance(event, Done):
-                request.trace.finish(
-                    event.finish_reason,
-                    finish_reason=event.finish_reason,
-                    output_tokens=event.completion_tokens,
-                )
-            else:
-                request.trace.finish(event.code, error=event.message)
+        if isinstance(event, Done):
+            request.trace.finish(
+                event.finish_reason,
+                finish_reason=event.finish_reason,
+                output_tokens=event.completion_tokens,
+            )
+        else:
+            request.trace.finish(event.code, error=event.message)
         request.slot.finish(event)
         if not self._requests:
             self._idle.set()
