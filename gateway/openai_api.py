@@ -93,8 +93,14 @@ def decode_error(exc: grpc.aio.AioRpcError) -> ApiError:
     else 503."""
     if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
         return ApiError(400, f"detokenizer: {exc.details()}")
-    log.warning("decode failed: %s: %s", exc.code().name, exc.details())
-    return ApiError(503, "detokenizer unavailable", type_="service_unavailable", code="unavailable")
+    return unavailable("detokenizer", "decode", exc)
+
+
+def unavailable(stage: str, call: str, exc: grpc.aio.AioRpcError) -> ApiError:
+    """The HTTP answer (503) to a `call` that failed on a `stage`; the log has the details (addresses
+    included), the client only the stage's name."""
+    log.warning("%s failed: %s: %s", call, exc.code().name, exc.details())
+    return ApiError(503, f"{stage} unavailable", type_="service_unavailable", code="unavailable")
 
 
 def requested_model(body: dict[str, Any]) -> str | None:
@@ -560,9 +566,7 @@ class OpenAIHandlers:
             try:
                 served = (await self._pipeline.model_info()).model
             except grpc.aio.AioRpcError as exc:
-                log.warning("model info from the tokenizer failed: %s: %s", exc.code().name, exc.details())
-                message, kind = "tokenizer unavailable", "service_unavailable"
-                raise ApiError(503, message, type_=kind, code="unavailable") from None
+                raise unavailable("tokenizer", "model info from the tokenizer", exc) from None
         if asked is not None and asked != served:
             raise ApiError(404, f"the model '{asked}' does not exist; this server serves '{served}'",
                            param="model", code="model_not_found")  # fmt: skip
@@ -573,10 +577,7 @@ class OpenAIHandlers:
         try:
             return await self._pipeline.max_model_len()
         except grpc.aio.AioRpcError as exc:
-            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
-            raise ApiError(
-                503, "engine unavailable", type_="service_unavailable", code="unavailable"
-            ) from None
+            raise unavailable("engine", "engine stats", exc) from None
 
     async def _parts(
         self,
