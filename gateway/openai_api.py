@@ -166,7 +166,9 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     for name in _UNSUPPORTED:
         if body.get(name):
             raise ParamError(name, f"'{name}' is not supported")
-    _refuse_unsupported(body, chat)
+    for name in _UNSUPPORTED_CHAT if chat else ("tools", "tool_choice", "parallel_tool_calls"):
+        if body.get(name) is not None:  # tools are chat's
+            raise ParamError(name, f"'{name}' is not supported")
     if chat and body.get("echo"):
         raise ParamError("echo", "'echo' is not supported on chat completions")
     echo = not chat and bool(params.boolean(body, "echo"))
@@ -194,14 +196,6 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
     sources = [dataclasses.replace(source, **extra) for source in sources]
     inputs = _choice_inputs(sources, sampling, stopping, n)
     return ParsedRequest(chat, inputs, model, stream, include_usage, logprobs, n, echo, scoring, tools)
-
-
-def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    """Fields the gateway does not implement, refused when given: OpenAI chat's (`_UNSUPPORTED_CHAT`),
-    and tools on completions."""
-    for name in _UNSUPPORTED_CHAT if chat else ("tools", "tool_choice", "parallel_tool_calls"):
-        if body.get(name) is not None:
-            raise ParamError(name, f"'{name}' is not supported")
 
 
 def _constraints(body: dict[str, Any], sampling: common_pb2.SamplingParams, chat: bool) -> ToolRequest | None:

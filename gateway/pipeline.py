@@ -57,7 +57,6 @@ from gateway.events import (
     Failed,
     GenerateInput,
     Generation,
-    TokenPiece,
     engine_failure,
     tokenizer_failure,
 )
@@ -73,7 +72,7 @@ from services.common.errors import (
     UNAVAILABLE,
 )
 from services.common.metrics import GatewayMetrics
-from services.common.pb import common_pb2, detokenizer_pb2, engine_pb2, tokenizer_pb2
+from services.common.pb import common_pb2, detokenizer_pb2, engine_pb2
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +139,12 @@ class Pipeline:
         self._idle = asyncio.Event()
         self._idle.set()
         self._draining = False
+        # What the edges ask the stages besides generations (see `Stages`; each raises AioRpcError).
+        self.check_ready = self._stages.check_ready
+        self.model_info = self._stages.model_info
+        self.max_model_len = self._stages.max_model_len
+        self.token_pieces = self._stages.token_pieces
+        self.decode = self._stages.decode
 
     # ----- public interface
 
@@ -219,31 +224,11 @@ class Pipeline:
         self.end_all()
         await self._stages.close()
 
-    async def check_ready(self) -> dict[str, list[bool]]:
-        """Health of every upstream replica by stage (`Stages.check_ready`)."""
-        return await self._stages.check_ready()
-
-    async def model_info(self) -> tokenizer_pb2.InfoResponse:
-        """The tokenizer's Info (model name, context length), fetched once. Raises AioRpcError."""
-        return await self._stages.model_info()
-
-    async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
-        """Each token id on its own, for logprobs (`Stages.token_pieces`). Raises AioRpcError."""
-        return await self._stages.token_pieces(ids)
-
-    async def max_model_len(self) -> int:
-        """The engines' context length (`Stages.max_model_len`). Raises AioRpcError."""
-        return await self._stages.max_model_len()
-
     async def tokenize(self, inp: GenerateInput, options: TokenizeOptions) -> list[int]:
         """The ids of `inp`'s prompt or messages, tokenized with `options`, outside any generation.
         Raises AioRpcError."""
         deadline = time.monotonic() + self._settings.tokenize_timeout_s
         return await self._stages.tokenize(f"{self._prefix}-t{next(self._counter)}", inp, deadline, options)
-
-    async def decode(self, ids: list[int], *, skip_special_tokens: bool) -> str:
-        """The text of `ids` from a detokenizer replica. Raises AioRpcError."""
-        return await self._stages.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ----- admission
 

@@ -115,7 +115,7 @@ class Picker:
         self.policy = policy
         self.margin = margin
         self.margin_ratio = margin_ratio
-        self._in_flight = in_flight or _nothing_in_flight
+        self._in_flight = in_flight or (lambda address: 0)
         self._views: dict[str, ReplicaView] = {}
         self._turn = itertools.count()
 
@@ -176,10 +176,6 @@ class Picker:
         view = self._views.get(address)
         if view is not None and view.block_size in keys_by_size:
             view.expect(keys_by_size[view.block_size], time.monotonic())
-
-
-def _nothing_in_flight(address: str) -> int:
-    return 0
 
 
 def prompt_keys(prompt_ids: Sequence[int], block_size: int) -> list[BlockHash]:
