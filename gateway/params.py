@@ -192,10 +192,19 @@ def stop_token_ids(raw: Any, label: str) -> list[int]:
         raise ParamError(label, f"{label} must be a list of token ids")
     if len(raw) > MAX_STOP_TOKEN_IDS:
         raise ParamError(label, f"{label} takes at most {MAX_STOP_TOKEN_IDS} ids")
-    for token_id in raw:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT32:
-            raise ParamError(label, f"{label} must hold integers from 0 to {MAX_INT32}")
-    return raw
+    return list(_ids(raw, label))
+
+
+def prompt_or_messages(obj: dict[str, Any]) -> tuple[str | None, tuple[common_pb2.ChatMessage, ...] | None]:
+    """(prompt, messages) of an object that must give exactly one of a string `prompt` and chat
+    `messages` (`chat_messages`); the other is None."""
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
+    if "messages" in obj:
+        return None, chat_messages(obj["messages"], "messages")
+    if not isinstance(obj["prompt"], str):
+        raise ParamError("prompt", "'prompt' must be a string")
+    return obj["prompt"], None
 
 
 def chat_role(role: Any, where: str) -> str:
@@ -363,9 +372,12 @@ def token_ids(raw: Any, label: str) -> tuple[int, ...]:
     outside the vocabulary)."""
     if not isinstance(raw, list) or not raw:
         raise ParamError(label, f"{label} must be a non-empty list of token ids")
-    for token_id in raw:
-        if isinstance(token_id, bool) or not isinstance(token_id, int) or not 0 <= token_id <= MAX_INT32:
-            raise ParamError(label, f"{label} must hold integers from 0 to {MAX_INT32}")
+    return _ids(raw, label)
+
+
+def _ids(raw: list[Any], label: str) -> tuple[int, ...]:
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_INT32 for i in raw):
+        raise ParamError(label, f"{label} must hold integers from 0 to {MAX_INT32}")
     return tuple(raw)
 
 

@@ -37,19 +37,15 @@ TOKENIZE_KEYS = {"model", "prompt", "messages", "add_special_tokens", "add_gener
 def tokenize_request(body: dict[str, Any]) -> tuple[GenerateInput, TokenizeOptions]:
     """The input and tokenizer options of a `/tokenize` body. Raises ParamError."""
     params.only_keys(body, TOKENIZE_KEYS, "the request")
-    if ("prompt" in body) == ("messages" in body):
-        raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
     special = params.boolean(body, "add_special_tokens")
     generation_prompt = params.boolean(body, "add_generation_prompt")
-    if "prompt" in body:
-        if not isinstance(body["prompt"], str):
-            raise ParamError("prompt", "'prompt' must be a string")
+    prompt, messages = params.prompt_or_messages(body)
+    if prompt is not None:
         if generation_prompt is not None:
             raise ParamError("add_generation_prompt", "'add_generation_prompt' applies to 'messages' only")
-        return GenerateInput(prompt=body["prompt"]), TokenizeOptions(add_special_tokens=special)
+        return GenerateInput(prompt=prompt), TokenizeOptions(add_special_tokens=special)
     if special:
         raise ParamError("add_special_tokens", "'add_special_tokens' applies to 'prompt' only")
-    messages = params.chat_messages(body["messages"], "messages")
     return GenerateInput(messages=messages), TokenizeOptions(add_generation_prompt=generation_prompt)
 
 

@@ -39,7 +39,6 @@ from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.structured import STRUCTURED_KEYS, structured_output
 from services.common import errors
-from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
@@ -120,17 +119,7 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     for key in TRACE_KEYS:
         if key in frame and not isinstance(frame[key], str):
             raise ParamError(key, f"'{key}' must be a string (W3C trace context)")
-    has_prompt, has_messages = "prompt" in frame, "messages" in frame
-    if has_prompt == has_messages:
-        raise ParamError(None, "give exactly one of 'prompt' and 'messages'")
-    prompt: str | None = None
-    messages: tuple[common_pb2.ChatMessage, ...] | None = None
-    if has_prompt:
-        prompt = frame["prompt"]
-        if not isinstance(prompt, str):
-            raise ParamError("prompt", "'prompt' must be a string")
-    else:
-        messages = params.chat_messages(frame["messages"], "messages")
+    prompt, messages = params.prompt_or_messages(frame)
     given = frame.get("params", {})
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
