@@ -40,22 +40,14 @@ class ApiKeys:
         """True when keys are off, or `presented` is one of them."""
         if not self._keys:
             return True
-        if not presented:
-            return False
-        candidate = presented.encode()
-        matched = False
-        for key in self._keys:
-            matched |= hmac.compare_digest(candidate, key)
-        return matched
+        candidate = (presented or "").encode()
+        matches = [hmac.compare_digest(candidate, key) for key in self._keys]  # every key compared
+        return bool(presented) and any(matches)
 
     def check_bearer(self, header: str | None) -> bool:
         """Checks an `Authorization: Bearer KEY` header value (the scheme is case-insensitive)."""
-        if not self._keys:
-            return True
-        if not header:
-            return False
-        scheme, _, token = header.strip().partition(" ")
-        return scheme.lower() == "bearer" and self.check(token.strip())
+        scheme, _, token = (header or "").strip().partition(" ")
+        return not self._keys or (scheme.lower() == "bearer" and self.check(token.strip()))
 
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -332,10 +332,16 @@ class Pipeline:
         request.detok_link, request.engine_link = detok, engine
         detok.request_ids.add(request.id)
         engine.request_ids.add(request.id)
-        detok.send(
-            detokenizer_pb2.DetokenizeInEntry(start=self._detokenize_start(request, ids, detok_context))
+        inp, context = request.input, self._settings.detokenizer_context_ids
+        start = detokenizer_pb2.DetokenizeStart(  # the last prompt ids as context, the stop strings
+            request_id=request.id,
+            prompt_ids=ids[-context:] if context else [],
+            skip_special_tokens=inp.skip_special_tokens,
+            stop=list(inp.stopping.stop),
+            include_stop_str_in_output=inp.stopping.include_stop_str_in_output,
+            trace_context=detok_context,
         )
-        inp = request.input
+        detok.send(detokenizer_pb2.DetokenizeInEntry(start=start))
         stopping = common_pb2.StoppingParams()
         stopping.CopyFrom(inp.stopping)
         stopping.max_new_tokens = max_new_tokens
@@ -347,20 +353,6 @@ class Pipeline:
             trace_context=engine_context,
         )
         self._send_submit(request, engine)
-
-    def _detokenize_start(
-        self, request: _Request, ids: list[int], trace_context: dict[str, str]
-    ) -> detokenizer_pb2.DetokenizeStart:
-        """The detokenizer's state for a request: the last prompt ids as context, its stop strings."""
-        inp, context = request.input, self._settings.detokenizer_context_ids
-        return detokenizer_pb2.DetokenizeStart(
-            request_id=request.id,
-            prompt_ids=ids[-context:] if context else [],
-            skip_special_tokens=inp.skip_special_tokens,
-            stop=list(inp.stopping.stop),
-            include_stop_str_in_output=inp.stopping.include_stop_str_in_output,
-            trace_context=trace_context,
-        )
 
     def _send_submit(self, request: _Request, engine: EngineLink) -> None:
         """Submits the request on `engine` with the time left until its deadline."""

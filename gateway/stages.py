@@ -16,6 +16,7 @@ picker forget what that replica reported.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -171,18 +172,13 @@ class Stages:
         A call that fails because its replica went away (UNAVAILABLE, or CANCELLED: a draining
         replica cancels what is still running when its grace ends) is made once more, on another
         replica when one is ready. Raises AioRpcError."""
+        given = {k: v for k, v in dataclasses.asdict(options or TokenizeOptions()).items() if v is not None}
         if inp.messages is not None:
             chat = common_pb2.Conversation(messages=inp.messages)
-            message = tokenizer_pb2.TokenizeRequest(
-                request_id=request_id, chat=chat, tools_json=inp.tools_json
-            )
+            given.update(chat=chat, tools_json=inp.tools_json)
         else:
-            message = tokenizer_pb2.TokenizeRequest(request_id=request_id, text=inp.prompt)
-        if options is not None:
-            if options.add_special_tokens is not None:
-                message.add_special_tokens = options.add_special_tokens
-            if options.add_generation_prompt is not None:
-                message.add_generation_prompt = options.add_generation_prompt
+            given.update(text=inp.prompt)
+        message = tokenizer_pb2.TokenizeRequest(request_id=request_id, **given)
         failed: str | None = None
         while True:
             wait_s = min(self._settings.upstream_wait_s, deadline - time.monotonic())
