@@ -116,10 +116,6 @@ class RequestTrace:
         if self.first_chunk:
             self.metrics.stage_duration.labels("detokenize").observe(self.first_text - self.first_chunk)
 
-    @property
-    def traced(self) -> bool:
-        return self.span is not None
-
     def engine_done(self, error: str = "") -> None:
         self.engine_span = _end(self.engine_span, error)
 
