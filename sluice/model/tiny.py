@@ -50,7 +50,7 @@ RECIPE_VERSION = 4
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
-_SIZES = (
+SIZES = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -58,8 +58,8 @@ _SIZES = (
     "intermediate_size",
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    "test": dict(zip(_SIZES, (64, 2, 4, 2, 128), strict=True)),
-    "chat": {**dict(zip(_SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
+    "test": dict(zip(SIZES, (64, 2, 4, 2, 128), strict=True)),
+    "chat": {**dict(zip(SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
 }
 _COMMON: dict[str, Any] = {
     "vocab_size": DEFAULT_VOCAB_SIZE,
