@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, Self
 
 import psutil
 
@@ -261,11 +261,6 @@ def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def _get_json(url: str, timeout_s: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.load(resp)
-
-
 class PeerServer(_Started):
     """`transformers serve` on a local model directory (offline, in the sluice services' environment):
     ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
@@ -307,7 +302,8 @@ class PeerServer(_Started):
 
         def listed() -> bool:
             with contextlib.suppress(OSError, TimeoutError, ValueError):
-                models = _get_json(f"{self.openai_url}/models")["data"]
+                with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2.0) as resp:
+                    models = json.load(resp)["data"]
                 if models:
                     self.model = str(models[0]["id"])
                 return True
