@@ -272,7 +272,13 @@ def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple
     return np.arange(bins) * bin_s, counts / bin_s
 
 
-def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
+def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
+    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
+    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
+    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
+    completed = sum(r.ok for r in result.records)
+    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
+    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
     fig = figure(10, 7, dpi=110)
     series = zip(fig.subplots(2, 2).flat, CDF_NAMES, latency_series(result.records).values(), strict=True)
     for ax, name, values in series:
@@ -281,10 +287,7 @@ def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
             ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
         ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
         ax.grid(alpha=0.3)
-    save_figure(fig, path, title)
-
-
-def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
+    save_figure(fig, cdf, title)
     starts, rates = tokens_per_second(result.records)
     fig = figure(8, 4.5, dpi=110)
     ax = fig.subplots()
@@ -292,18 +295,7 @@ def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
         ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
     ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
     ax.grid(alpha=0.3)
-    save_figure(fig, path, title)
-
-
-def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
-    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
-    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
-    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    completed = sum(r.ok for r in result.records)
-    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
-    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
-    _plot_cdfs(cdf, result, title)
-    _plot_throughput(throughput, result, title)
+    save_figure(fig, throughput, title)
     return [cdf, throughput]
 
 
