@@ -209,8 +209,8 @@ class EngineSpec:
     threads: int = 0
 
 
-def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> Any:
-    """EngineSettings of `variant` for requests of these total lengths (prompt + output) at most
+def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
+    """The engine of `variant` for requests of these total lengths (prompt + output) at most
     `max_num_seqs` at once; the pool also holds each request's drafts."""
     overrides = {**VARIANTS[variant]}
     if variant == "ngram":
@@ -218,11 +218,7 @@ def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_
     drafts = int(overrides.get("num_speculative_tokens", drv.NUM_SPECULATIVE_TOKENS))
     fixed = {"threads": spec.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
     model = (spec.model_dir, spec.device, spec.dtype)
-    return drv.engine_settings(*model, lengths, extra=drafts + 1, **fixed, **overrides)
-
-
-def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
-    return drv.make_engine(engine_settings(spec, variant, lengths, max_num_seqs))
+    return drv.make_engine(drv.engine_settings(*model, lengths, extra=drafts + 1, **fixed, **overrides))
 
 
 def _add(engine: LLMEngine, rid: str, req: LatencyRequest) -> None:
