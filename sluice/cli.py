@@ -29,16 +29,7 @@ SERVICES = {
     "gateway": "gateway.server",
 }
 MODELS = {"tiny": "sluice.model.tiny"}
-BENCHMARKS = {
-    "engine": "sluice.bench.engine",
-    "tokenizer": "sluice.bench.tokenizer",
-    "detokenizer": "sluice.bench.detokenizer",
-    "serve": "sluice.bench.serve",
-    "pipeline": "sluice.bench.pipeline",
-    "compare": "sluice.bench.compare",
-    "routing": "sluice.bench.routing",
-    "latency": "sluice.bench.latency",
-}
+BENCHMARKS = ("engine", "tokenizer", "detokenizer", "serve", "pipeline", "compare", "routing", "latency")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _health(args)
     if args.command == "model":
         return _hand_over(MODELS[args.kind], rest)
-    return _hand_over(BENCHMARKS[args.name], rest)
+    return _hand_over(f"sluice.bench.{args.name}", rest)  # `sluice bench NAME` runs sluice/bench/NAME.py
 
 
 if __name__ == "__main__":

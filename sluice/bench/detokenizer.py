@@ -5,7 +5,6 @@ checked against the full decode (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import time
@@ -16,7 +15,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from sluice.bench.common import write_json
-from sluice.bench.tokenizer import channels, corpus_ids, model_dir, parser, service, uvloop_run
+from sluice.bench.tokenizer import Service, channels, corpus_ids, parser, run_cells, uvloop_run
 
 HEADLINE_CONCURRENCY = 256
 CONTEXT_IDS = 4
@@ -142,33 +141,24 @@ def inprocess(tokenizer: Tokenizer, seqs: list[list[int]]) -> tuple[float, float
     return tokens / (time.perf_counter() - start), (time.process_time() - cpu) * 1e6 / tokens
 
 
-def run(args: argparse.Namespace) -> list[Cell]:
-    cells = []
-    with model_dir(args.model) as path:
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        with service("detokenizer", path, args.workers) as svc:
-            for length in args.lengths:
-                for concurrency in args.concurrency:
-                    seqs = workload(tokenizer, length, concurrency)
-                    tokens = length * concurrency
-                    cpu = svc.cpu_s()
-                    mux_tps, texts = uvloop_run(mux(svc.address, seqs))  # type: ignore[misc]
-                    mux_cpu = (svc.cpu_s() - cpu) * 1e6 / tokens
-                    check(tokenizer, seqs, texts, "mux")
-                    cpu = svc.cpu_s()
-                    req_tps, texts = uvloop_run(per_request(svc.address, seqs))  # type: ignore[misc]
-                    req_cpu = (svc.cpu_s() - cpu) * 1e6 / tokens
-                    check(tokenizer, seqs, texts, "per-request")
-                    base, base_cpu = inprocess(tokenizer, seqs)
-                    cell = Cell(length, concurrency, mux_tps, req_tps, base, base_cpu, mux_cpu, req_cpu)
-                    cells.append(cell)
-                    print(
-                        f"{length:>7} {concurrency:>5} {mux_tps:>12,.0f} {mux_cpu:>8.2f} {req_tps:>16,.0f} "
-                        f"{req_cpu:>8.2f} {base:>16,.0f} {base_cpu:>8.2f} {mux_tps / base:>7.2f} "
-                        f"{req_tps / base:>7.2f}",
-                        flush=True,
-                    )
-    return cells
+def measure_cell(tokenizer: Tokenizer, svc: Service, length: int, concurrency: int) -> tuple[Cell, str]:
+    """The cell's figures through the multiplexed stream, per-request streams and in-process, every text
+    checked; the service's CPU per token over each of its two runs."""
+    seqs = workload(tokenizer, length, concurrency)
+    figures = []
+    for mode, through in (("mux", mux), ("per-request", per_request)):
+        cpu = svc.cpu_s()
+        tps, texts = uvloop_run(through(svc.address, seqs))  # type: ignore[misc]
+        figures.append((tps, (svc.cpu_s() - cpu) * 1e6 / (length * concurrency)))
+        check(tokenizer, seqs, texts, mode)
+    (mux_tps, mux_cpu), (req_tps, req_cpu) = figures
+    base, base_cpu = inprocess(tokenizer, seqs)
+    cell = Cell(length, concurrency, mux_tps, req_tps, base, base_cpu, mux_cpu, req_cpu)
+    row = (
+        f"{length:>7} {concurrency:>5} {mux_tps:>12,.0f} {mux_cpu:>8.2f} {req_tps:>16,.0f} {req_cpu:>8.2f} "
+        f"{base:>16,.0f} {base_cpu:>8.2f} {mux_tps / base:>7.2f} {req_tps / base:>7.2f}"
+    )
+    return cell, row
 
 
 def main(argv: list[str]) -> int:
@@ -179,7 +169,7 @@ def main(argv: list[str]) -> int:
         f"{'us/tok':>8} {'in-process tok/s':>16} {'us/tok':>8} {'mux/in':>7} {'req/in':>7}"
     )
     print("(us/tok: CPU microseconds per token, of the service processes or of this process)")
-    cells = run(args)
+    cells = run_cells(args, "detokenizer", measure_cell)
     at_headline = [c for c in cells if c.concurrency == HEADLINE_CONCURRENCY]
     best = max(at_headline, key=lambda c: c.length, default=None)
     if best is not None:

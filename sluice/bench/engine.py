@@ -214,7 +214,10 @@ def run_block(
     described = work.describe(args.prompt_len, args.output_len, args.seed)
     print(f"== {label}, {concurrency} requests at once: {described}")
     results, errors, skipped = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
-    check = check_greedy(ctx, work, results)
+    check, ref = None, results.get(report.REFERENCE)
+    if ref is not None:  # every method against the reference's own logits, scored after the timed runs
+        logits = reference_logits(ctx, work, ref.outputs)
+        check = report.check_greedy(results, logits, report.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
     return report.Block(label, concurrency, work, described, results, errors, skipped, check)
 
 
@@ -247,18 +250,6 @@ def run_decode(
         roof = report.decode_roofline(config, element, step.batch, step.mean_context, gbps)
         figures.append(report.DecodeFigure(step, roof, source))
     return figures, None
-
-
-def check_greedy(
-    ctx: BenchContext, work: Workload, results: dict[str, MethodResult]
-) -> report.GreedyCheck | None:
-    """Every method's greedy outputs against the reference's, judged by the reference's own logits (scored
-    after the timed runs); None when the reference did not run."""
-    ref = results.get(report.REFERENCE)
-    if ref is None:
-        return None
-    logits = reference_logits(ctx, work, ref.outputs)
-    return report.check_greedy(results, logits, report.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
 
 
 def _report(

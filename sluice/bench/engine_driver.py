@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ MAX_NUM_BATCHED_TOKENS = EngineSettings.max_num_batched_tokens
 NUM_SPECULATIVE_TOKENS = EngineSettings.num_speculative_tokens
 
 Progress = Callable[[int], None]  # called with the number of output tokens just delivered
-OnOutput = Callable[[Any, float], None]  # called with each request's output of a step and the time after it
 
 
 def on_cuda(device: str) -> bool:
@@ -119,9 +119,22 @@ def stop_after(n: int) -> StoppingParams:
     return StoppingParams(max_new_tokens=n, ignore_eos=True)
 
 
-def drain(engine: LLMEngine, on_output: OnOutput | None = None) -> None:
-    """Steps the engine until it has nothing left, handing each request's output of a step to `on_output`
-    with the time the step ended; waits out a forming batch (`idle_s`) instead of spinning. A failed
+@dataclass
+class Track:
+    """One request as the engine delivers it: when it was added and when its first token and its end came
+    (perf_counter seconds, the end of their step), and its tokens."""
+
+    added: float = 0.0
+    first: float | None = None
+    done: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+def drain(
+    engine: LLMEngine, tracks: Mapping[str, Track] | None = None, progress: Progress | None = None
+) -> None:
+    """Steps the engine until it has nothing left, filling in the track of each request in `tracks` (its
+    new tokens reported to `progress`); waits out a forming batch (`idle_s`) instead of spinning. A failed
     request raises RuntimeError."""
     while engine.has_unfinished_requests():
         time.sleep(engine.idle_s())
@@ -130,20 +143,16 @@ def drain(engine: LLMEngine, on_output: OnOutput | None = None) -> None:
         for out in outputs:
             if out.error is not None:
                 raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            if on_output is not None:
-                on_output(out, now)
-
-
-def collect(outputs: dict[str, list[int]], progress: Progress | None = None) -> OnOutput:
-    """An `on_output` that appends the new tokens of each request in `outputs` and reports them."""
-
-    def on_output(out: Any, now: float) -> None:
-        if out.request_id in outputs:
-            outputs[out.request_id].extend(out.new_token_ids)
+            track = tracks.get(out.request_id) if tracks else None
+            if track is None:
+                continue
+            if out.new_token_ids and track.first is None:
+                track.first = now
+            track.tokens.extend(out.new_token_ids)
             if progress is not None:
                 progress(len(out.new_token_ids))
-
-    return on_output
+            if out.finished:
+                track.done = now
 
 
 def warm_up(engine: LLMEngine, prompt: Sequence[int], tokens: int = 4) -> None:
@@ -162,12 +171,12 @@ def generate(
 ) -> tuple[list[list[int]], float]:
     """Adds every prompt at once (greedy, exactly its `max_new_tokens`), steps until all are done; returns
     each prompt's tokens in order and the seconds it took (device synced)."""
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    tracks = {f"r{i}": Track() for i in range(len(prompts))}
     with timed(device) as elapsed:
         for i, (prompt, n) in enumerate(zip(prompts, max_new_tokens, strict=True)):
             engine.add_request(f"r{i}", list(prompt), greedy(), stop_after(n))
-        drain(engine, collect(outputs, progress))
-    return [outputs[f"r{i}"] for i in range(len(prompts))], elapsed[0]
+        drain(engine, tracks, progress)
+    return [t.tokens for t in tracks.values()], elapsed[0]
 
 
 def spec_stats(engine: LLMEngine) -> dict[str, float]:

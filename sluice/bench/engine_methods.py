@@ -6,6 +6,7 @@ request), and runs a short warm-up outside the timed region.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from collections.abc import Iterator
@@ -156,35 +157,26 @@ def _generate(model: PreTrainedModel, batch: list[tuple[int, ...]], max_new_toke
     return out[:, width:].tolist()
 
 
-def run_hf_sequential(
-    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
+def run_hf_batches(
+    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress, batch_size: int = 1
 ) -> MethodResult:
-    """One `generate` call per request, in arrival order."""
-    _generate(model, [tuple(_warmup_prompt())], 4)
+    """Left-padded batches of `batch_size` in arrival order, each run to its longest request: one
+    `generate` call per request (hf-sequential), or batches of `STATIC_BATCH_SIZE` (hf-static)."""
+    _generate(model, [tuple(_warmup_prompt())] * min(2, batch_size), 4)
     outputs: list[list[int]] = []
     with timed(ctx.device) as elapsed:
-        for prompt, n in zip(work.prompts, work.max_new_tokens, strict=True):
-            outputs.append(_generate(model, [prompt], n)[0])
-            progress(n)
-    return MethodResult("hf-sequential", elapsed[0], _count(outputs), outputs)
-
-
-def run_hf_static(
-    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
-) -> MethodResult:
-    """Left-padded batches of `STATIC_BATCH_SIZE` in arrival order, each run to its longest request."""
-    _generate(model, [tuple(_warmup_prompt())] * 2, 4)
-    outputs: list[list[int]] = []
-    with timed(ctx.device) as elapsed:
-        for start in range(0, len(work), STATIC_BATCH_SIZE):
-            prompts = list(work.prompts[start : start + STATIC_BATCH_SIZE])
-            wanted = work.max_new_tokens[start : start + STATIC_BATCH_SIZE]
+        for start in range(0, len(work), batch_size):
+            prompts = list(work.prompts[start : start + batch_size])
+            wanted = work.max_new_tokens[start : start + batch_size]
             rows = _generate(model, prompts, max(wanted))
             outputs.extend(row[:n] for row, n in zip(rows, wanted, strict=True))
             progress(sum(wanted))
-    return MethodResult(
-        "hf-static", elapsed[0], _count(outputs), outputs, setting=f"batch {STATIC_BATCH_SIZE}"
-    )
+    name, setting = ("hf-sequential", "") if batch_size == 1 else ("hf-static", f"batch {batch_size}")
+    return MethodResult(name, elapsed[0], _count(outputs), outputs, setting=setting)
+
+
+run_hf_sequential = run_hf_batches
+run_hf_static = functools.partial(run_hf_batches, batch_size=STATIC_BATCH_SIZE)
 
 
 def reference_logits(ctx: BenchContext, work: Workload, outputs: list[list[int]]) -> Iterator[torch.Tensor]:

@@ -209,8 +209,8 @@ class EngineSpec:
     threads: int = 0
 
 
-def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> Any:
-    """EngineSettings of `variant` for requests of these total lengths (prompt + output) at most
+def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
+    """The engine of `variant` for requests of these total lengths (prompt + output) at most
     `max_num_seqs` at once; the pool also holds each request's drafts."""
     overrides = {**VARIANTS[variant]}
     if variant == "ngram":
@@ -218,36 +218,7 @@ def engine_settings(spec: EngineSpec, variant: str, lengths: Sequence[int], max_
     drafts = int(overrides.get("num_speculative_tokens", drv.NUM_SPECULATIVE_TOKENS))
     fixed = {"threads": spec.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
     model = (spec.model_dir, spec.device, spec.dtype)
-    return drv.engine_settings(*model, lengths, extra=drafts + 1, **fixed, **overrides)
-
-
-def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
-    return drv.make_engine(engine_settings(spec, variant, lengths, max_num_seqs))
-
-
-@dataclass
-class _Track:
-    added: float
-    first: float | None = None
-    done: float | None = None
-    tokens: list[int] = field(default_factory=list)
-
-
-def _drive(engine: LLMEngine, tracks: dict[str, _Track], progress: Progress) -> None:
-    """Steps the engine until it is empty, timing each tracked request's first token and end."""
-
-    def on_output(out: Any, now: float) -> None:
-        track = tracks.get(out.request_id)
-        if track is None:
-            return
-        if out.new_token_ids and track.first is None:
-            track.first = now
-        track.tokens.extend(out.new_token_ids)
-        progress(len(out.new_token_ids))
-        if out.finished:
-            track.done = now
-
-    drv.drain(engine, on_output)
+    return drv.make_engine(drv.engine_settings(*model, lengths, extra=drafts + 1, **fixed, **overrides))
 
 
 def _add(engine: LLMEngine, rid: str, req: LatencyRequest) -> None:
@@ -268,7 +239,7 @@ def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, toke
                 f"warmup{k}-{i}",
                 dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens)),
             )
-        _drive(engine, {}, lambda _: None)
+        drv.drain(engine)
 
 
 @dataclass
@@ -305,7 +276,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def _figures(
-    concurrency: int, tracks: list[_Track], wall_s: float, decode_s: float, engine: LLMEngine
+    concurrency: int, tracks: list[drv.Track], wall_s: float, decode_s: float, engine: LLMEngine
 ) -> RunFigures:
     assert all(t.first is not None and t.done is not None for t in tracks)
     return RunFigures(
@@ -325,12 +296,12 @@ def _figures(
 def run_batch1(engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress) -> RunFigures:
     """The workload's requests one at a time (see the module docstring)."""
     engine.reset_stats()
-    tracks: list[_Track] = []
+    tracks: list[drv.Track] = []
     for i, req in enumerate(workload.requests):
         drv.sync(device)
-        track = _Track(added=time.perf_counter())
+        track = drv.Track(added=time.perf_counter())
         _add(engine, f"b{i}", req)
-        _drive(engine, {f"b{i}": track}, progress)
+        drv.drain(engine, {f"b{i}": track}, progress)
         tracks.append(track)
     wall = sum(t.done - t.added for t in tracks)  # type: ignore[operator]
     decode = sum(t.done - t.first for t in tracks)  # type: ignore[operator]
@@ -344,10 +315,10 @@ def run_concurrent(
     engine.reset_stats()
     drv.sync(device)
     start = time.perf_counter()
-    tracks = {f"c{i}": _Track(added=start) for i in range(len(workload))}
+    tracks = {f"c{i}": drv.Track(added=start) for i in range(len(workload))}
     for i, req in enumerate(workload.requests):
         _add(engine, f"c{i}", req)
-    _drive(engine, tracks, progress)
+    drv.drain(engine, tracks, progress)
     ordered = [tracks[f"c{i}"] for i in range(len(workload))]
     end = max(t.done for t in ordered)  # type: ignore[type-var]
     first = min(t.first for t in ordered)  # type: ignore[type-var]

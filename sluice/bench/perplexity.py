@@ -108,6 +108,8 @@ def runner_logits(runner: ModelRunner, ids: Sequence[int], chunk: int) -> torch.
     attention: prefill chunks of `chunk` tokens, each attending to the KV the previous ones wrote to the
     pool. The sequence takes the pool's first blocks in order (slot p holds position p), so it must fit in
     the pool (ValueError otherwise); the runner's `_meta` builds the attention metadata as for a step."""
+    from services.engine.executor.attention import META_KWARG
+
     capacity = runner.num_blocks * runner.block_size
     if len(ids) > capacity:
         raise ValueError(f"a window of {len(ids)} tokens does not fit the runner's pool of {capacity} slots")
@@ -126,16 +128,10 @@ def runner_logits(runner: ModelRunner, ids: Sequence[int], chunk: int) -> torch.
             position_ids=positions[None],
             use_cache=False,
             logits_to_keep=0,
-            **{_meta_kwarg(): meta},
+            **{META_KWARG: meta},
         ).logits[0]
         out.append(logits.float().cpu())
     return torch.cat(out)
-
-
-def _meta_kwarg() -> str:
-    from services.engine.executor.attention import META_KWARG
-
-    return META_KWARG
 
 
 def nll_sum(logits: torch.Tensor, ids: Sequence[int]) -> float:

@@ -88,6 +88,7 @@ METRICS = (  # summary key, short name, table heading
     ("itl_ms", "ITL", "Inter-token Latency"),
     ("e2el_ms", "E2EL", "End-to-end Latency"),
 )
+CDF_NAMES = ("TTFT", "TPOT", "ITL", "E2E")  # the latency CDFs' axis names, in METRICS' order
 
 
 @dataclass
@@ -115,6 +116,17 @@ class RequestRecord:
         if self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def latency_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
+    """The latencies in seconds of the successful requests, by summary key (METRICS' order)."""
+    ok = [r for r in records if r.ok]
+    return {
+        "ttft_ms": [r.ttft_s for r in ok],
+        "tpot_ms": [t for r in ok if (t := r.tpot_s) is not None],
+        "itl_ms": [gap for r in ok for gap in r.itl_s],
+        "e2el_ms": [r.e2e_s for r in ok],
+    }
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
@@ -172,10 +184,7 @@ class ServeResult:
             "output_throughput": output_tokens / duration,
             "total_token_throughput": (prompt_tokens + output_tokens) / duration,
             "mean_concurrency": sum(r.e2e_s for r in ok) / duration,
-            "ttft_ms": latency_stats([r.ttft_s for r in ok]),
-            "tpot_ms": latency_stats([t for r in ok if (t := r.tpot_s) is not None]),
-            "itl_ms": latency_stats([gap for r in ok for gap in r.itl_s]),
-            "e2el_ms": latency_stats([r.e2e_s for r in ok]),
+            **{key: latency_stats(values) for key, values in latency_series(self.records).items()},
             "goodput": goodput,
             "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
             "client_cpu_s": self.client_cpu_s,
@@ -263,38 +272,6 @@ def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple
     return np.arange(bins) * bin_s, counts / bin_s
 
 
-def _latency_series(result: ServeResult) -> dict[str, list[float]]:
-    ok = [r for r in result.records if r.ok]
-    return {
-        "TTFT": [r.ttft_s for r in ok],
-        "TPOT": [t for r in ok if (t := r.tpot_s) is not None],
-        "ITL": [gap for r in ok for gap in r.itl_s],
-        "E2E": [r.e2e_s for r in ok],
-    }
-
-
-def _plot_cdfs(path: Path, result: ServeResult, title: str) -> None:
-    fig = figure(10, 7, dpi=110)
-    for ax, (name, values) in zip(fig.subplots(2, 2).flat, _latency_series(result).items(), strict=True):
-        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
-        if ms.size:
-            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
-        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
-        ax.grid(alpha=0.3)
-    save_figure(fig, path, title)
-
-
-def _plot_throughput(path: Path, result: ServeResult, title: str) -> None:
-    starts, rates = tokens_per_second(result.records)
-    fig = figure(8, 4.5, dpi=110)
-    ax = fig.subplots()
-    if starts.size:
-        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
-    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
-    ax.grid(alpha=0.3)
-    save_figure(fig, path, title)
-
-
 def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
     """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
     `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
@@ -302,8 +279,23 @@ def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> 
     completed = sum(r.ok for r in result.records)
     title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
     cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
-    _plot_cdfs(cdf, result, title)
-    _plot_throughput(throughput, result, title)
+    fig = figure(10, 7, dpi=110)
+    series = zip(fig.subplots(2, 2).flat, CDF_NAMES, latency_series(result.records).values(), strict=True)
+    for ax, name, values in series:
+        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
+        if ms.size:
+            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
+        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
+        ax.grid(alpha=0.3)
+    save_figure(fig, cdf, title)
+    starts, rates = tokens_per_second(result.records)
+    fig = figure(8, 4.5, dpi=110)
+    ax = fig.subplots()
+    if starts.size:
+        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
+    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
+    ax.grid(alpha=0.3)
+    save_figure(fig, throughput, title)
     return [cdf, throughput]
 
 
@@ -485,40 +477,27 @@ def _check(args: argparse.Namespace) -> None:
 def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
     """The requests the options describe, with their constraints or tools. Raises ValueError (and
     OSError for an unreadable file)."""
-    return with_structure(_prompts(args), args.structured, args.tools)
-
-
-def _prompts(args: argparse.Namespace) -> list[BenchRequest]:
     num = args.num_requests
     if args.dataset == "synthetic":
         lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
-        return synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
-    if args.dataset == "shared-prefix":
+        requests = synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
+    elif args.dataset == "shared-prefix":
         shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len")}
-        return shared_prefix_requests(
+        requests = shared_prefix_requests(
             num or DEFAULT_NUM_REQUESTS, args.seed, output_len=args.output_len or 64, **shape
         )
-    lines = jsonl_requests(Path(args.dataset))
-    return [lines[i % len(lines)] for i in range(num or len(lines))]
+    else:
+        lines = jsonl_requests(Path(args.dataset))
+        requests = [lines[i % len(lines)] for i in range(num or len(lines))]
+    return with_structure(requests, args.structured, args.tools)
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
-    same = (
-        "api",
-        "model",
-        "request_rate",
-        "burstiness",
-        "max_concurrency",
-        "num_warmup",
-        "temperature",
-        "structured",
-        "tools",
-    )
+    """The ServeConfig of the options: the fields of the same name as they are, the others derived."""
+    same = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name in vars(args)}
     slo = args.slo or {}
     return ServeConfig(
-        **{name: getattr(args, name) for name in same},
-        url=args.url or DEFAULT_URLS[args.api],
-        seed=args.seed,
+        **{**same, "url": args.url or DEFAULT_URLS[args.api]},
         ignore_eos=not args.no_ignore_eos,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),

@@ -11,7 +11,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import grpc
@@ -66,8 +66,14 @@ class ChunkClock:
         self.chunks += 1
 
 
-class Client(Protocol):
-    """One API's client, opened once per run and closed by the caller even when `open` failed."""
+class Client:
+    """One API's client, opened once per run and closed by the caller even when `open` failed; it
+    samples at `temperature` and, with `ignore_eos`, asks for exactly each request's output length."""
+
+    def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
+        self._url = url
+        self._ignore_eos = ignore_eos
+        self._temperature = temperature
 
     async def open(self) -> None:
         """Checks that the server answers (and resolves what the client needs); raises RequestFailed."""
@@ -75,8 +81,10 @@ class Client(Protocol):
     async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
         """Streams one request to its end and returns its answer. Raises RequestFailed (or the
         transport's own exception) when the request did not complete."""
+        raise NotImplementedError
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        return None
 
 
 def make_client(api: str, url: str, *, model: str | None, ignore_eos: bool, temperature: float) -> Client:
@@ -141,7 +149,7 @@ class _StreamedAnswer:
         return Reply(usage, "".join(self._text), calls)
 
 
-class OpenAIClient:
+class OpenAIClient(Client):
     """`POST {url}/completions` (or, with `chat`, `{url}/chat/completions` with the prompt as one user
     message) with `stream: true` and usage in the last chunk, over one aiohttp session whose connector
     never throttles (no connection limit). `model` None: the first of `GET {url}/models`. A request's
@@ -150,10 +158,8 @@ class OpenAIClient:
     def __init__(
         self, url: str, model: str | None, ignore_eos: bool, temperature: float, *, chat: bool = False
     ) -> None:
-        self._url = url.rstrip("/")
+        super().__init__(url.rstrip("/"), ignore_eos, temperature)
         self._model = model
-        self._ignore_eos = ignore_eos
-        self._temperature = temperature
         self._chat = chat
         self._session: aiohttp.ClientSession | None = None
 
@@ -237,13 +243,8 @@ def _error_message(body: str | bytes) -> str:
         return body.decode(errors="replace") if isinstance(body, bytes) else body
 
 
-class WebSocketClient:
+class WebSocketClient(Client):
     """One socket per request to `ws://host:port/v1/ws`: its handshake counts in the request's TTFT."""
-
-    def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
-        self._url = url
-        self._ignore_eos = ignore_eos
-        self._temperature = temperature
 
     def _connect(self) -> connect:
         return connect(self._url, compression=None, max_size=None, ping_interval=None, open_timeout=None)
@@ -279,17 +280,12 @@ class WebSocketClient:
                     raise RequestFailed(f"{message['code']}: {message['message']}")
         raise RequestFailed("the socket closed before the done frame")
 
-    async def close(self) -> None:
-        return None
 
-
-class GrpcClient:
+class GrpcClient(Client):
     """`sluice.v1.Gateway/Generate` calls on one channel to `host:port`."""
 
     def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
-        self._url = url
-        self._ignore_eos = ignore_eos
-        self._temperature = temperature
+        super().__init__(url, ignore_eos, temperature)
         self._channel: grpc.aio.Channel | None = None
         self._stub: gateway_pb2_grpc.GatewayStub | None = None
 

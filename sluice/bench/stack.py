@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,11 +22,11 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Self
+from typing import IO, Self
 
 import psutil
 
-from sluice.launcher import STOP_GRACE_S, Child, Supervisor, child_env, parse_args, plan_children
+from sluice.launcher import Child, Supervisor, child_env, parse_args, plan_children
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
@@ -35,6 +34,7 @@ POLL_S = 0.2
 # 60% of RAM. These sizes hold far more than a benchmark's requests (blocks of 256 tokens).
 PEER_CPU_CACHE_ARGS = ("--cb-num-blocks", "128", "--cb-max-batch-tokens", "512")
 _NO_TRACING = argparse.Namespace(otlp_endpoint="", trace_console=False)  # child_env's flags for the peer
+PEER = "transformers serve"  # the peer's name in errors
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -129,6 +129,17 @@ class _LoggedSupervisor(Supervisor):
         name, code = dead
         return _failure(name, f"exited with code {code} during start-up", self.log_path(name))
 
+    def wait_until(self, ready: Callable[[], bool], deadline: float, name: str, what: str) -> None:
+        """Polls `ready()` until it holds; raises `death()` when a child has exited, and RuntimeError
+        "`name` `what`" with its output once `deadline` (time.monotonic) has passed."""
+        while not ready():
+            failure = self.death()
+            if failure is not None:
+                raise failure
+            if time.monotonic() > deadline:
+                raise _failure(name, what, self.log_path(name))
+            time.sleep(POLL_S)
+
     def stop(self) -> None:
         super().stop()
         for log in self._logs:
@@ -136,10 +147,40 @@ class _LoggedSupervisor(Supervisor):
 
 
 class _Started:
-    """A server that a `with` block starts and stops, by the subclass's `start` and `stop`."""
+    """Children under a `_LoggedSupervisor` that a `with` block starts and stops: the subclass makes the
+    supervisor (`_supervise`, given the folder of the children's output files) and waits until they are
+    ready (`_wait_ready`)."""
 
-    start: Callable[[], None]
-    stop: Callable[[], None]
+    tmp_prefix = "sluice-stack-"
+    _supervisor: _LoggedSupervisor | None = None
+    _tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
+        raise NotImplementedError
+
+    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        """Starts the children and waits until they are ready; on failure stops them and raises."""
+        self._tmp = tempfile.TemporaryDirectory(prefix=self.tmp_prefix)
+        self._supervisor = self._supervise(Path(self._tmp.name))
+        try:
+            self._supervisor.start()
+            self._wait_ready(self._supervisor)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stops every child started (SIGTERM, SIGKILL after a grace period; idempotent) and removes
+        their output files."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
     def __enter__(self) -> Self:
         self.start()
@@ -175,27 +216,19 @@ class Stack(_Started):
             for offset, name in enumerate(names):
                 self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
         self.pids: dict[str, int] = {}
-        self._supervisor: _LoggedSupervisor | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def _with_engine_flags(self, child: Child) -> Child:
         if child.kind != "engine" or not self.options.engine_flags:
             return child
         return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
 
-    def start(self) -> None:
-        """Starts the four children and waits until they are ready; on failure stops them and raises."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-stack-")
-        self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
-        try:
-            self._supervisor.start()
-            self.pids = {name: proc.pid for name, proc in self._supervisor.procs.items()}
-            self._wait_ready(self._supervisor)
-        except BaseException:
-            self.stop()
-            raise
+    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
+        return _LoggedSupervisor(self._children, self._env, log_dir)
 
     def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
+        """Every child's gRPC health check, then the gateway's /readyz (every upstream SERVING as the
+        gateway sees it)."""
+        self.pids = {name: proc.pid for name, proc in supervisor.procs.items()}
         deadline = time.monotonic() + self.options.startup_timeout_s
         try:
             asyncio.run(supervisor.wait_all_healthy(self.options.host, self.options.startup_timeout_s))
@@ -206,27 +239,10 @@ class Stack(_Started):
             raise failure from exc
         except TimeoutError as exc:
             raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
-        self._wait_gateway_ready(supervisor, deadline)
-
-    def _wait_gateway_ready(self, supervisor: _LoggedSupervisor, deadline: float) -> None:
-        """Polls the gateway's /readyz (every upstream SERVING as the gateway sees it) until 200."""
-        while _http_status(f"{self.http_url}/readyz") != 200:
-            failure = supervisor.death()
-            if failure is not None:
-                raise failure
-            if time.monotonic() > deadline:
-                what = f"was not ready at {self.http_url}/readyz in time"
-                raise _failure("gateway", what, supervisor.log_path("gateway"))
-            time.sleep(POLL_S)
-
-    def stop(self) -> None:
-        """Stops every child this Stack started (idempotent) and removes their output files."""
-        if self._supervisor is not None:
-            self._supervisor.stop()
-            self._supervisor = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        ready = f"{self.http_url}/readyz"
+        supervisor.wait_until(
+            lambda: _http_status(ready) == 200, deadline, "gateway", f"was not ready at {ready} in time"
+        )
 
     def cpu_seconds(self) -> dict[str, float]:
         """User + system CPU seconds each service has used so far (with any worker processes it
@@ -245,16 +261,13 @@ def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def _get_json(url: str, timeout_s: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return json.load(resp)
-
-
 class PeerServer(_Started):
     """`transformers serve` on a local model directory (offline, in the sluice services' environment):
     ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
     `continuous_batching` bounds its KV cache on a CPU (PEER_CPU_CACHE_ARGS); `extra_args` come last and
     override. It rejects vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off."""
+
+    tmp_prefix = "sluice-peer-"
 
     def __init__(
         self,
@@ -274,67 +287,38 @@ class PeerServer(_Started):
         batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
         where = ("--host", host, "--port", str(self.port), "--log-level", "warning")
         self.args = (self.path, batching, *where, *_peer_device_args(continuous_batching), *extra_args)
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._log: IO[bytes] | None = None
 
     @property
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", *self.args]
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._supervisor.procs.get(PEER) if self._supervisor else None
 
-    def _log_path(self) -> Path:
-        assert self._tmp is not None
-        return Path(self._tmp.name) / "transformers-serve.log"
-
-    def start(self) -> None:
-        """Starts the server and waits for `GET /v1/models`; on failure stops it and raises."""
-        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-peer-")
-        self._log = self._log_path().open("wb")
+    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
         offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         env = child_env(_NO_TRACING, {**os.environ, **offline})
-        try:
-            self.proc = subprocess.Popen(self.command, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-            self._wait_models()
-        except BaseException:
-            self.stop()
-            raise
+        return _PeerSupervisor([Child(PEER, self.port, self.args)], env, log_dir)
 
-    def _wait_models(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.startup_timeout_s
-        while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise _failure(
-                    "transformers serve", f"exited with code {code} during start-up", self._log_path()
-                )
+    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
+        """Until `GET /v1/models` answers; the first model listed is the one requests name."""
+
+        def listed() -> bool:
             with contextlib.suppress(OSError, TimeoutError, ValueError):
-                listed = _get_json(f"{self.openai_url}/models")["data"]
-                if listed:
-                    self.model = str(listed[0]["id"])
-                return
-            if time.monotonic() > deadline:
-                what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
-                raise _failure("transformers serve", what, self._log_path())
-            time.sleep(POLL_S)
+                with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2.0) as resp:
+                    models = json.load(resp)["data"]
+                if models:
+                    self.model = str(models[0]["id"])
+                return True
+            return False
 
-    def stop(self) -> None:
-        """Stops the server (SIGTERM, SIGKILL after a grace period; idempotent) and removes its log."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-            self.proc = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
+        what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
+        supervisor.wait_until(listed, time.monotonic() + self.startup_timeout_s, PEER, what)
+
+
+class _PeerSupervisor(_LoggedSupervisor):
+    """Runs its one child as `transformers serve` with the child's flags."""
+
+    @staticmethod
+    def command(child: Child) -> list[str]:
+        return [sys.executable, "-m", "transformers.cli.transformers", "serve", *child.flags]
 
 
 def _peer_device_args(continuous_batching: bool) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from tokenizers import Tokenizer
@@ -122,6 +124,24 @@ def uvloop_run(coro: object) -> object:
     return uvloop.run(coro)  # type: ignore[arg-type]
 
 
+Measure = Callable[[Tokenizer, "Service", int, int], tuple[Any, str]]  # → the cell and its printed row
+
+
+def run_cells(args: argparse.Namespace, name: str, measure: Measure) -> list[Any]:
+    """Starts the `name` service on the model's tokenizer and calls `measure(tokenizer, service, length,
+    concurrency)` for every cell of `--lengths` × `--concurrency`, printing each cell's row as it ends."""
+    cells = []
+    with model_dir(args.model) as path:
+        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        with service(name, path, args.workers) as svc:
+            for length in args.lengths:
+                for concurrency in args.concurrency:
+                    cell, row = measure(tokenizer, svc, length, concurrency)
+                    cells.append(cell)
+                    print(row, flush=True)
+    return cells
+
+
 # ---- the tokenizer benchmark ---------------------------------------------------------------------
 
 
@@ -218,27 +238,20 @@ async def through_service(
     return tokens / elapsed, calls / elapsed, cpu * 1e6 / max(1, tokens)
 
 
-def run(args: argparse.Namespace) -> list[Cell]:
-    cells = []
-    with model_dir(args.model) as path:
-        tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        with service("tokenizer", path, args.workers) as svc:
-            for length in args.lengths:
-                texts = make_texts(tokenizer, length, max(args.concurrency) * 2)
-                for concurrency in args.concurrency:
-                    measured = through_service(svc, texts, concurrency, args.seconds, max(1, args.workers))
-                    tps, rps, cpu_us = uvloop_run(measured)  # type: ignore[misc]
-                    base, base_cpu = inprocess(tokenizer, texts, concurrency, args.seconds, fast=False)
-                    fast, _ = inprocess(tokenizer, texts, concurrency, args.seconds, fast=True)
-                    cell = Cell(length, concurrency, tps, rps, cpu_us, base, base_cpu, fast)
-                    cells.append(cell)
-                    print(
-                        f"{length:>7} {concurrency:>5} {tps:>14,.0f} {rps:>8,.0f} {cpu_us:>9.2f} "
-                        f"{base:>12,.0f} {base_cpu:>9.2f} {fast:>12,.0f} {cell.ratio:>7.2f} "
-                        f"{cell.ratio_fast:>7.2f} {cell.cpu_ratio:>7.2f}",
-                        flush=True,
-                    )
-    return cells
+def measure_cell(
+    args: argparse.Namespace, tokenizer: Tokenizer, svc: Service, length: int, concurrency: int
+) -> tuple[Cell, str]:
+    texts = make_texts(tokenizer, length, max(args.concurrency) * 2)
+    measured = through_service(svc, texts, concurrency, args.seconds, max(1, args.workers))
+    tps, rps, cpu_us = uvloop_run(measured)  # type: ignore[misc]
+    base, base_cpu = inprocess(tokenizer, texts, concurrency, args.seconds, fast=False)
+    fast, _ = inprocess(tokenizer, texts, concurrency, args.seconds, fast=True)
+    cell = Cell(length, concurrency, tps, rps, cpu_us, base, base_cpu, fast)
+    row = (
+        f"{length:>7} {concurrency:>5} {tps:>14,.0f} {rps:>8,.0f} {cpu_us:>9.2f} {base:>12,.0f} "
+        f"{base_cpu:>9.2f} {fast:>12,.0f} {cell.ratio:>7.2f} {cell.ratio_fast:>7.2f} {cell.cpu_ratio:>7.2f}"
+    )
+    return cell, row
 
 
 def parser(
@@ -268,7 +281,7 @@ def main(argv: list[str]) -> int:
         "(batch: in-process encode/encode_batch; fast: encode_batch_fast; cpu us/tok: CPU per token;\n"
         " ratio: service / batch tok/s; r.fast: service / fast; r.cpu: batch CPU / service CPU per token)"
     )
-    cells = run(args)
+    cells = run_cells(args, "tokenizer", functools.partial(measure_cell, args))
     wanted = (HEADLINE_LENGTH, HEADLINE_CONCURRENCY)
     head = next((c for c in cells if (c.length, c.concurrency) == wanted), None)
     if head is not None:

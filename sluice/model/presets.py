@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from sluice.model.tiny import ARCHS, written_whole
+from sluice.model.tiny import ARCHS, SIZES, written_whole
 
 PAD_ID = 0
 BOS_ID = 1
@@ -39,20 +39,13 @@ class Preset:
     parameters: int  # the real model's parameter count, as published (for the shape tests)
 
 
-def _shape(
-    hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int, tied: bool, positions: int
-) -> dict[str, Any]:
-    """The config fields of a Llama-like shape."""
-    return dict(
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        intermediate_size=mlp,
-        vocab_size=vocab,
-        tie_word_embeddings=tied,
-        max_position_embeddings=positions,
-    )
+SHAPE_FIELDS = (*SIZES, "vocab_size", "tie_word_embeddings", "max_position_embeddings")
+
+
+def _shape(*values: Any) -> dict[str, Any]:
+    """The config fields of a Llama-like shape: hidden, layers, heads, KV heads, MLP, vocab, tied,
+    positions."""
+    return dict(zip(SHAPE_FIELDS, values, strict=True))
 
 
 def _llama3(factor: float) -> dict[str, Any]:

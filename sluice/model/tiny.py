@@ -50,7 +50,7 @@ RECIPE_VERSION = 4
 DEFAULT_TRAIN_SECONDS = 150.0
 MARKER = "sluice-model.json"
 
-_SIZES = (
+SIZES = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
@@ -58,8 +58,8 @@ _SIZES = (
     "intermediate_size",
 )
 PRESETS: dict[str, dict[str, Any]] = {
-    "test": dict(zip(_SIZES, (64, 2, 4, 2, 128), strict=True)),
-    "chat": {**dict(zip(_SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
+    "test": dict(zip(SIZES, (64, 2, 4, 2, 128), strict=True)),
+    "chat": {**dict(zip(SIZES, (256, 4, 4, 2, 704), strict=True)), "vocab_size": 4096},
 }
 _COMMON: dict[str, Any] = {
     "vocab_size": DEFAULT_VOCAB_SIZE,
@@ -142,13 +142,20 @@ def make_tiny_model(
 @contextlib.contextmanager
 def written_whole(out_dir: Path) -> Iterator[Path]:
     """Yields a temporary directory beside `out_dir`; once the block has filled it, it replaces
-    `out_dir` (readable by all), and on any failure it is removed: `out_dir` is complete or untouched."""
+    `out_dir` (readable by all; a previous `out_dir` is moved aside first and deleted after), and on any
+    failure it is removed: `out_dir` is complete or untouched."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         yield tmp
-        _make_readable(tmp)
-        _replace_dir(tmp, out_dir)
+        tmp.chmod(0o755)  # `mkdtemp` and some writers create owner-only files
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}-{time.monotonic_ns()}")
+        if out_dir.exists():
+            out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -159,24 +166,6 @@ def _check_replaceable(out_dir: Path) -> None:
         out_dir.is_dir() and (not any(out_dir.iterdir()) or (out_dir / "config.json").exists())
     ):
         raise FileExistsError(f"{out_dir} exists and is neither empty nor a model directory")
-
-
-def _make_readable(path: Path) -> None:
-    """`mkdtemp` and some writers create owner-only files; a model directory is world-readable."""
-    path.chmod(0o755)
-    for f in path.iterdir():
-        f.chmod(0o644)
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move `src` to `dst`; a previous `dst` is moved aside first and deleted after."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}-{time.monotonic_ns()}")
-        dst.rename(old)
-    src.rename(dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write_marker(path: Path, recipe: dict[str, Any], report: TrainReport | None) -> None:
