@@ -132,3 +132,33 @@ class StageTlsSettings(ValidatedSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextStageSettings(StageTlsSettings):
+    """The fields the tokenizer's and the detokenizer's settings share (each gives `port` its own
+    default): the model, the address, the drain, the worker processes and their metrics ports."""
+
+    model: str = dataclasses.field(
+        default="", metadata={"help": "local Hugging Face model directory; empty = the embedded tiny model"}
+    )
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free port)"})
+    grace_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "seconds calls in flight get to finish on SIGTERM"}
+    )
+    workers: int = dataclasses.field(
+        default=1, metadata={"help": "processes sharing the port (SO_REUSEPORT)"}
+    )
+    metrics_port: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Prometheus /metrics HTTP port (0 = none); worker i of --workers serves on this port + i"
+        },
+    )
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        self.validate_tls()
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
