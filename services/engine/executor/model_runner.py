@@ -162,12 +162,9 @@ class ModelRunner:
         self.backend = resolve_backend(settings.attention_backend, self.device)
         if self.backend == "triton" and self.device.type == "cuda":
             self.backend = self._checked_kernel(settings.attention_backend)
-        cuda_graphs = settings.cuda_graphs
-        if cuda_graphs not in ("on", "off"):
-            raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
         if static_decode and self.backend != "triton":
             raise ValueError("static_decode needs the triton attention backend")
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = settings.cuda_graphs
         self.static_decode = static_decode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
@@ -289,7 +286,7 @@ class ModelRunner:
             assert self._static is not None
             try:
                 with torch.inference_mode():
-                    self._static.capture(self._forward_all)
+                    self._static.capture(self._forward)
             except Exception as exc:  # e.g. an operation of the model's code that cannot be captured
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs: capture failed, every step runs eagerly: %s", why)
@@ -350,7 +347,7 @@ class ModelRunner:
             )
             prev = (rows, src, prev_tokens) if pending and prev_tokens is not None else None
             blocks = [r.block_ids for r, _ in decodes]
-            all_logits = static.run(ids, pos, slots, blocks, prev, self._forward_all)
+            all_logits = static.run(ids, pos, slots, blocks, prev, self._forward)
             logits = all_logits.index_select(0, keep)
         else:
             extra = [row for _, _, rows in prompt_rows for row in rows]
@@ -413,8 +410,8 @@ class ModelRunner:
             [a for a, _ in pending],
             [b for _, b in pending],
         ]
-        ctx_blocks = [self._ctx_blocks(r.block_ids, r.num_computed_tokens + n) for r, n in prefills]
-        parts.extend(ctx_blocks)
+        # The blocks holding each prefill chunk's tokens and the context before them.
+        parts.extend(r.block_ids[: -(-(r.num_computed_tokens + n) // self.block_size)] for r, n in prefills)
         table = self._decode_table(decodes) if decodes else np.zeros((0, 0), dtype=np.int64)
         if decodes and not triton:
             parts.extend([table.reshape(-1), [r.num_computed_tokens + 1 for r, _ in decodes]])
@@ -437,26 +434,23 @@ class ModelRunner:
             assert prev_tokens is not None
             input_ids = input_ids.clone()
             input_ids[0, rows] = prev_tokens.index_select(0, src).to(input_ids.dtype)
-        with self._sdpa_backends():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=pos_t[None],
-                use_cache=False,
-                logits_to_keep=keep,
-                **{META_KWARG: meta},
-            )
-        return out.logits[0]  # (N, V) in packed order
+        return self._forward(input_ids, pos_t[None], meta, keep)  # (N, V) in packed order
 
-    def _forward_all(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: StepMeta
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: StepMeta,
+        keep: torch.Tensor | int = 0,
     ) -> torch.Tensor:
-        """The forward of a padded decode batch: logits (G, V) of every row (the shape a graph needs)."""
+        """The logits of the rows `keep`; by default those of every row, (G, V) for a padded decode batch
+        (the shape a graph needs)."""
         with self._sdpa_backends():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=0,
+                logits_to_keep=keep,
                 **{META_KWARG: meta},
             )
         return out.logits[0]
@@ -513,10 +507,6 @@ class ModelRunner:
             if p0 + n == r.num_tokens + drafts:
                 keep.extend((r, len(ids) - 1 - j) for j in range(drafts, -1, -1))
         return ids, pos, slots, keep
-
-    def _ctx_blocks(self, block_ids: list[int], length: int) -> list[int]:
-        """The blocks holding the first `length` tokens of a prefill with a cached context ([] without)."""
-        return block_ids[: -(-length // self.block_size)] if length else []
 
     def _meta(
         self,
