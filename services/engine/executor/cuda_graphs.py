@@ -31,13 +31,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with a graph: 1, 2, 4, 8, ... below `max_num_seqs`, and `max_num_seqs` itself."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    sizes = []
-    n = 1
-    while n < max_num_seqs:
-        sizes.append(n)
-        n *= 2
-    sizes.append(max_num_seqs)
-    return sizes
+    return [1 << i for i in range((max_num_seqs - 1).bit_length())] + [max_num_seqs]
 
 
 def padded_size(sizes: Sequence[int], rows: int) -> int:
