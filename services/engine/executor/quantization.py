@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -240,13 +241,13 @@ def _quantize_int8(model: nn.Module, device: torch.device) -> int:
     if not targets:
         return 0
     dtype = compute_dtype(targets[0][1].weight.dtype)
-    kernels: dict[str, int] = {}
+    kernels: Counter[str] = Counter()
     for name, linear in targets:
         qdata, scale = int8_per_channel(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach()
         kernel = few_row_kernel(device, dtype, linear.out_features, linear.in_features)
-        kernels[kernel] = kernels.get(kernel, 0) + 1
-        _set_module(model, name, Int8Linear(qdata, scale.to(dtype), bias, kernel))
+        kernels[kernel] += 1
+        model.set_submodule(name, Int8Linear(qdata, scale.to(dtype), bias, kernel))
     log.info(
         "int8 weight-only: %d linear layers; below %d rows %s; else %s after conversion",
         len(targets),
@@ -274,9 +275,3 @@ def _quantize_fp8(model: nn.Module) -> int:
     )
     log.info("fp8: %d linear layers, float8 e4m3 weights and per-row dynamic activations", count)
     return count
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
