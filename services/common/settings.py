@@ -49,10 +49,6 @@ def _convert(kind: Any, raw: str) -> Any:
     return kind(raw)
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """Adds one flag per dataclass field; the field's metadata `help` becomes the flag's help."""
     for field in dataclasses.fields(cls):
@@ -79,7 +75,7 @@ def load_settings(
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().split("\n")[0])
     add_arguments(cls, parser)
     namespace = parser.parse_args(list(argv or []))
-    hints = _field_types(cls)
+    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = getattr(namespace, field.name)

@@ -58,10 +58,8 @@ async def serve_workers(name: str, settings: Any, create_server: CreateServer) -
 
     def start_children(port: int) -> None:
         for index in range(1, settings.workers):
-            child_settings = dataclasses.replace(settings, port=port, workers=1)
-            metrics_port = getattr(settings, "metrics_port", 0)
-            if metrics_port > 0:
-                child_settings = dataclasses.replace(child_settings, metrics_port=metrics_port + index)
+            metrics_port = settings.metrics_port + index if settings.metrics_port > 0 else 0
+            child_settings = dataclasses.replace(settings, port=port, workers=1, metrics_port=metrics_port)
             child = context.Process(
                 target=_child_main, args=(name, child_settings, create_server, os.getpid()), daemon=False
             )
