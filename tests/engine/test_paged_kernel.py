@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from services.engine.executor.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
-from services.engine.executor.kernels import (
+from services.engine.executor.kernels.paged_attention import (
+    default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
     triton_usable,
 )
-from services.engine.executor.kernels.paged_attention import default_num_splits
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)

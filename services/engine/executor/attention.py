@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from services.engine.executor.kernels import paged_decode_attention
+from services.engine.executor.kernels.paged_attention import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
 META_KWARG = "sluice_step"

@@ -208,7 +208,7 @@ class ModelRunner:
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
-        from services.engine.executor.kernels import self_check
+        from services.engine.executor.kernels.paged_attention import self_check
 
         why = self_check(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
