@@ -152,12 +152,6 @@ def extract_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel
     return extract({key: value for key, value in metadata if isinstance(value, str)})
 
 
-def set_error(span: Span, exc: BaseException) -> None:
-    """Records `exc` on `span` and marks it failed."""
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
-
-
 def _set_grpc_code(span: Span, code: grpc.StatusCode | None, details: str | None = None) -> None:
     if code is None or code == grpc.StatusCode.OK:
         return
@@ -240,7 +234,8 @@ def _finish_server_error(span: Span, context: grpc.aio.ServicerContext, exc: Bas
     if code is not None:
         _set_grpc_code(span, code, context.details())
     else:
-        set_error(span, exc)
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -95,15 +95,6 @@ def triton_status(device: torch.device) -> tuple[bool, str]:
     return False, f"device {device} is not CUDA and TRITON_INTERPRET=1 is not set (it is {interp!r})"
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype: auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)."""
-    if name == "auto":
-        return dtype
-    if name == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
-
-
 def resolve_backend(name: str, device: torch.device) -> str:
     """The decode attention backend: "triton" or "torch". auto = triton on CUDA when usable, else torch;
     "triton" where the kernel cannot run raises ValueError saying why."""
@@ -153,7 +144,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, self.dtype)
+        # auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)
+        self.kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn}[settings.kv_cache_dtype]
         quantization = self.quantization = settings.quantization
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
         self.num_heads = int(config.num_attention_heads)

@@ -146,12 +146,8 @@ def check_quantization(method: str, device: torch.device) -> None:
     """Raises ValueError when `method` is unknown or cannot run on `device` (fp8 off a recent GPU)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "fp8":
-        check_fp8_device(device)
-
-
-def check_fp8_device(device: torch.device) -> None:
-    """Raises ValueError unless `device` is a CUDA GPU of compute capability 8.9 or newer."""
+    if method != "fp8":
+        return
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
         if capability >= FP8_MIN_CAPABILITY:
@@ -163,11 +159,6 @@ def check_fp8_device(device: torch.device) -> None:
         "quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
         f"this device is {where}"
     )
-
-
-def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The activations' dtype in the int8 matmuls: the model's half dtype, else bf16."""
-    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +231,9 @@ def _quantize_int8(model: nn.Module, device: torch.device) -> int:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not targets:
         return 0
-    dtype = compute_dtype(targets[0][1].weight.dtype)
+    # The activations' dtype in the int8 matmuls: the model's half dtype, else bf16.
+    model_dtype = targets[0][1].weight.dtype
+    dtype = model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     kernels: Counter[str] = Counter()
     for name, linear in targets:
         qdata, scale = int8_per_channel(linear.weight)
