@@ -8,6 +8,7 @@ calls' jobs; one call's messages are processed in order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from functools import partial
@@ -35,14 +36,6 @@ def _run_jobs(jobs: list[Job]) -> list[Any]:
         except Exception as exc:
             results.append(exc)
     return results
-
-
-def _set_final(out: detokenizer_pb2.DetokenizeFinal, final: Final) -> None:
-    out.request_id = final.request_id
-    out.stopped = final.stopped
-    out.stop = final.stop
-    out.num_ids_consumed = final.num_ids_consumed
-    out.error = final.error
 
 
 def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> detokenizer_pb2.DetokenizeOut:
@@ -79,7 +72,7 @@ def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> 
             delta.text = text
             delta.num_ids = num_ids
         if final is not None:
-            _set_final(add().final, final)
+            add().final.CopyFrom(detokenizer_pb2.DetokenizeFinal(**dataclasses.asdict(final)))
     return out
 
 
