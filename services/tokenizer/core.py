@@ -237,7 +237,11 @@ class TokenizerCore:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.context_length = self._context_length(model_config, tok_config)
         self.chat_template = _pick_chat_template(hf)
-        self.template_vars = self._template_vars(hf)
+        # The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
+        # `special_tokens_map`, as `apply_chat_template` passes it.
+        self.template_vars = {
+            name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)
+        }
         self.special_tokens = self._special_tokens()
         self.eos_token_ids = self._eos_ids(gen_config, model_config)
 
@@ -249,12 +253,6 @@ class TokenizerCore:
             if isinstance(value, int) and 0 < value < 10**8:
                 return value
         return 0
-
-    @staticmethod
-    def _template_vars(hf: PreTrainedTokenizerBase) -> dict[str, str]:
-        """The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
-        `special_tokens_map`, as `apply_chat_template` passes it."""
-        return {name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)}
 
     def _special_tokens(self) -> list[SpecialToken]:
         out: list[SpecialToken] = []

@@ -164,10 +164,13 @@ class Scheduler:
             self.bm.acquire(hit)
             req.block_ids = [*hit, *self.bm.allocate(need)]
             req.num_computed_tokens = computed
-            if not req.num_preemptions:  # a recompute finding its own blocks is no hit
+            # A prompt counts once, at its first admission: a recompute finding its own blocks is no hit
+            # (nor in the prefix-cache statistics).
+            if not req.num_preemptions:
                 req.num_cached_tokens = computed
+                if self.bm.enable_prefix_caching:
+                    self.bm.record_query(self._max_hit_blocks(req), len(hit))
             del self.waiting[i]
-            self._count_prefix_query(req, len(hit))
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -289,12 +292,6 @@ class Scheduler:
             parent = req.block_hashes[-1] if req.block_hashes else None
             tokens = req.token_ids[: n * self.block_size]
             req.block_hashes.extend(chain_hashes(tokens, self.block_size, len(req.block_hashes), parent))
-
-    def _count_prefix_query(self, req: Request, num_hit: int) -> None:
-        """Prefix-cache statistics count each prompt once, at its first admission: a recompute after
-        preemption finding its own earlier blocks is no hit."""
-        if self.bm.enable_prefix_caching and not req.num_preemptions:
-            self.bm.record_query(self._max_hit_blocks(req), num_hit)
 
     def _register_full_blocks(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching:
