@@ -52,15 +52,11 @@ class BadIds(ValueError):
 def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     """The stop string that completes first in `text` (smallest end; ties: earliest start), as
     (start index, stop string), or None."""
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop)
-        if start < 0:
-            continue
-        key = (start + len(stop), start, stop)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    return None if best is None else (best[1], best[2])
+    found = [(start + len(stop), start, stop) for stop in stops if (start := text.find(stop)) >= 0]
+    if not found:
+        return None
+    _, start, stop = min(found, key=lambda f: f[:2])
+    return start, stop
 
 
 def stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
