@@ -93,6 +93,14 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
+def _parse_json(text: str, what: str) -> Any:
+    """The JSON value of a field's text; InvalidInput naming the field when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidInput(f"{what} is not JSON: {exc}") from None
+
+
 def _tool_call(raw: Any, where: str) -> dict[str, Any]:
     """One OpenAI tool call as a template sees it: `function.arguments` decoded from its JSON text
     (empty or missing = `{}`)."""
@@ -101,10 +109,7 @@ def _tool_call(raw: Any, where: str) -> dict[str, Any]:
         raise InvalidInput(f"{where} must be an object with function.name")
     arguments = function.get("arguments")
     if isinstance(arguments, str) and arguments.strip():
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            raise InvalidInput(f"{where}.function.arguments is not JSON: {exc}") from None
+        arguments = _parse_json(arguments, f"{where}.function.arguments")
     elif arguments is None or arguments == "":
         arguments = {}
     call: dict[str, Any] = {"id": raw["id"]} if isinstance(raw.get("id"), str) else {}
@@ -129,10 +134,7 @@ def chat_message(
     message: dict[str, Any] = {"role": role}
     tool_calls: list[dict[str, Any]] = []
     if tool_calls_json:
-        try:
-            raw = json.loads(tool_calls_json)
-        except ValueError as exc:
-            raise InvalidInput(f"{where}.tool_calls is not JSON: {exc}") from None
+        raw = _parse_json(tool_calls_json, f"{where}.tool_calls")
         if not isinstance(raw, list):
             raise InvalidInput(f"{where}.tool_calls must be an array")
         tool_calls = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(raw)]
@@ -151,10 +153,7 @@ def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
     Raises InvalidInput unless it is an array of objects."""
     if not tools_json:
         return None
-    try:
-        tools = json.loads(tools_json)
-    except ValueError as exc:
-        raise InvalidInput(f"tools is not JSON: {exc}") from None
+    tools = _parse_json(tools_json, "tools")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidInput("tools must be an array of objects")
     return tools or None
