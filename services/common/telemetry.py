@@ -147,9 +147,7 @@ def extract(carrier: Mapping[str, str]) -> otel_context.Context:
 
 def extract_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel_context.Context:
     """The context in gRPC invocation metadata (keys are lower-case there)."""
-    if not metadata:
-        return otel_context.Context()
-    return extract({key: value for key, value in metadata if isinstance(value, str)})
+    return extract({key: value for key, value in metadata or () if isinstance(value, str)})
 
 
 def _set_grpc_code(span: Span, code: grpc.StatusCode | None, details: str | None = None) -> None:

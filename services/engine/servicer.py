@@ -116,11 +116,8 @@ def deadline_of(request: engine_pb2.GenerateRequest, call_remaining_s: float | N
 def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
     """The caller's W3C trace context for a request of this call: the current span's (the server
     interceptor continues the call's metadata when tracing is on), else the metadata's, if any."""
-    current = telemetry.inject()
-    if current:
-        return current
-    found = {k: v for k, v in (context.invocation_metadata() or ()) if k in TRACE_KEYS and isinstance(v, str)}
-    return found or None
+    metadata = context.invocation_metadata() or ()
+    return telemetry.inject() or {k: v for k, v in metadata if k in TRACE_KEYS and isinstance(v, str)} or None
 
 
 OutQueue = asyncio.Queue[engine_pb2.EngineOut | None]  # None: the call ends
