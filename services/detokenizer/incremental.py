@@ -68,10 +68,6 @@ def stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
     return 0
 
 
-def _decoder_json(tokenizer: Tokenizer) -> object:
-    return json.loads(tokenizer.to_str()).get("decoder")
-
-
 def _uses(decoder: object, kind: str) -> bool:
     """Whether a decoder (JSON) has a step of type `kind`, at any depth."""
     if isinstance(decoder, dict):
@@ -126,7 +122,7 @@ class Vocabulary:
         self.special_ids = frozenset(
             i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special
         )
-        decoder = _decoder_json(tokenizer)
+        decoder = json.loads(tokenizer.to_str()).get("decoder")
         self._byte_values: dict[int, int] = {}  # byte-fallback id → its byte
         if _uses(decoder, "ByteFallback"):
             vocab = tokenizer.get_vocab(with_added_tokens=False)

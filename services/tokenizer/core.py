@@ -206,10 +206,6 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 @functools.lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compiles a chat template in an environment configured like transformers'."""
@@ -218,7 +214,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
 
