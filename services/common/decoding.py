@@ -28,6 +28,12 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
 
 Behavior = Callable[..., Any]
+_HANDLERS = {  # (client streaming, server streaming) → gRPC's handler of that kind
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 def add_servicer(server: grpc.aio.Server, service: ServiceDescriptor, servicer: object) -> None:
@@ -47,21 +53,24 @@ def malformed(exc: DecodeError) -> str:
 def _method_handler(method: MethodDescriptor, behavior: Behavior) -> grpc.RpcMethodHandler:
     request_type = message_factory.GetMessageClass(method.input_type)
     serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
-    if method.client_streaming:
-        if method.server_streaming:
-            return grpc.stream_stream_rpc_method_handler(
-                _stream_stream(behavior, request_type), response_serializer=serialize
-            )
-        return grpc.stream_unary_rpc_method_handler(
-            _stream_unary(behavior, request_type), response_serializer=serialize
-        )
-    if method.server_streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            _unary_stream(behavior, request_type), response_serializer=serialize
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        _unary_unary(behavior, request_type), response_serializer=serialize
-    )
+
+    async def request(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The decoded request, or the iterator of a client stream's decoded requests."""
+        if method.client_streaming:
+            return _decoded(raw, request_type, context)
+        return await _decode(raw, request_type, context)
+
+    async def unary(raw: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await behavior(await request(raw, context), context)
+
+    async def stream(raw: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        # aclosing: when the call ends early, the servicer's own generator runs its cleanup at once.
+        async with contextlib.aclosing(behavior(await request(raw, context), context)) as responses:
+            async for response in responses:
+                yield response
+
+    make = _HANDLERS[method.client_streaming, method.server_streaming]
+    return make(stream if method.server_streaming else unary, response_serializer=serialize)
 
 
 async def _decode(raw: bytes, request_type: type[Message], context: grpc.aio.ServicerContext) -> Message:
@@ -84,40 +93,3 @@ async def _decoded(
             context.set_details(malformed(exc))
             return
         yield request
-
-
-def _unary_unary(behavior: Behavior, request_type: type[Message]) -> Behavior:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(await _decode(raw, request_type, context), context)
-
-    return handle
-
-
-def _unary_stream(behavior: Behavior, request_type: type[Message]) -> Behavior:
-    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        request = await _decode(raw, request_type, context)
-        # aclosing: when the call ends early, the servicer's own generator runs its cleanup at once.
-        async with contextlib.aclosing(behavior(request, context)) as responses:
-            async for response in responses:
-                yield response
-
-    return handle
-
-
-def _stream_unary(behavior: Behavior, request_type: type[Message]) -> Behavior:
-    async def handle(raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> Any:
-        return await behavior(_decoded(raw_requests, request_type, context), context)
-
-    return handle
-
-
-def _stream_stream(behavior: Behavior, request_type: type[Message]) -> Behavior:
-    async def handle(
-        raw_requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[Any]:
-        requests = _decoded(raw_requests, request_type, context)
-        async with contextlib.aclosing(behavior(requests, context)) as responses:
-            async for response in responses:
-                yield response
-
-    return handle

@@ -132,6 +132,17 @@ class ServiceMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         ProcessCollector(registry=self.registry)
 
+    def _histogram(
+        self, name: str, doc: str, buckets: Sequence[float], labels: Sequence[str] = ()
+    ) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, registry=self.registry)
+
 
 class EngineMetrics(ServiceMetrics):
     """Engine metrics. Per request: `queue_time`, `prefill_time`, `ttft`, `decode_time`, `e2e` once;
@@ -143,86 +154,55 @@ class EngineMetrics(ServiceMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
-        self.ttft = Histogram(
-            "sluice_time_to_first_token_seconds",
-            "Arrival at the engine to first token.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+        histogram, counter, gauge = self._histogram, self._counter, self._gauge
+        self.ttft = histogram(
+            "sluice_time_to_first_token_seconds", "Arrival at the engine to first token.", TTFT_BUCKETS
         )
-        self.itl = Histogram(
+        self.itl = histogram(
             "sluice_inter_token_latency_seconds",
             "Time between successive output tokens of a request.",
-            buckets=ITL_BUCKETS,
-            registry=r,
+            ITL_BUCKETS,
         )
-        self.e2e = Histogram(
-            "sluice_e2e_request_latency_seconds",
-            "Arrival at the engine to finish.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.e2e = histogram(
+            "sluice_e2e_request_latency_seconds", "Arrival at the engine to finish.", REQUEST_BUCKETS
         )
-        self.queue_time = Histogram(
-            "sluice_request_queue_time_seconds",
-            "Arrival to first schedule.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.queue_time = histogram(
+            "sluice_request_queue_time_seconds", "Arrival to first schedule.", REQUEST_BUCKETS
         )
-        self.prefill_time = Histogram(
-            "sluice_request_prefill_time_seconds",
-            "First schedule to first token.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.prefill_time = histogram(
+            "sluice_request_prefill_time_seconds", "First schedule to first token.", REQUEST_BUCKETS
         )
-        self.decode_time = Histogram(
-            "sluice_request_decode_time_seconds",
-            "First token to finish.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+        self.decode_time = histogram(
+            "sluice_request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS
         )
-        self.running = Gauge("sluice_requests_running", "Requests in the running batch.", registry=r)
-        self.waiting = Gauge("sluice_requests_waiting", "Requests waiting to be scheduled.", registry=r)
-        self.kv_usage = Gauge(
-            "sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", registry=r
-        )
-        self.prompt_tokens = Counter(
-            "sluice_prompt_tokens", "Prompt tokens of finished requests.", registry=r
-        )
-        self.generation_tokens = Counter("sluice_generation_tokens", "Tokens generated.", registry=r)
-        self.requests = Counter(
-            "sluice_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
-        )
+        self.running = gauge("sluice_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("sluice_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("sluice_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).")
+        self.prompt_tokens = counter("sluice_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("sluice_generation_tokens", "Tokens generated.")
+        self.requests = counter("sluice_requests", "Finished requests by finish reason.", ["finish_reason"])
         for reason in errors.FINISH_REASONS:
             self.requests.labels(reason)
-        self.prefix_queries = Counter(
-            "sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        self.prefix_queries = counter(
+            "sluice_prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
         )
-        self.prefix_hits = Counter(
-            "sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        self.prefix_hits = counter("sluice_prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter(
+            "sluice_preemptions", "Requests preempted (KV blocks freed, recomputed later)."
         )
-        self.preemptions = Counter(
-            "sluice_preemptions", "Requests preempted (KV blocks freed, recomputed later).", registry=r
+        self.batch_size = histogram("sluice_batch_size", "Requests in one engine step.", COUNT_BUCKETS)
+        self.step_tokens = histogram(
+            "sluice_step_tokens", "Tokens computed in one engine step.", COUNT_BUCKETS
         )
-        self.batch_size = Histogram(
-            "sluice_batch_size", "Requests in one engine step.", buckets=COUNT_BUCKETS, registry=r
+        self.step_duration = histogram(
+            "sluice_step_duration_seconds", "Wall time of one engine step.", STEP_BUCKETS
         )
-        self.step_tokens = Histogram(
-            "sluice_step_tokens", "Tokens computed in one engine step.", buckets=COUNT_BUCKETS, registry=r
-        )
-        self.step_duration = Histogram(
-            "sluice_step_duration_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
-        )
-        self.spec_proposed = Counter(
-            "sluice_spec_proposed_tokens", "Speculative draft tokens verified.", registry=r
-        )
-        self.spec_accepted = Counter(
-            "sluice_spec_accepted_tokens", "Speculative draft tokens accepted.", registry=r
-        )
-        self.spec_accepted_length = Histogram(
+        self.spec_proposed = counter("sluice_spec_proposed_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted = counter("sluice_spec_accepted_tokens", "Speculative draft tokens accepted.")
+        self.spec_accepted_length = histogram(
             "sluice_spec_accepted_length",
             "Tokens emitted by one verification of a request's drafts (accepted drafts + 1).",
-            buckets=SPEC_LENGTH_BUCKETS,
-            registry=r,
+            SPEC_LENGTH_BUCKETS,
         )
 
 
@@ -232,15 +212,11 @@ class TokenizerMetrics(ServiceMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
-        self.duration = Histogram(
-            "sluice_tokenize_duration_seconds",
-            "Tokenize request, arrival to ids.",
-            buckets=CPU_STAGE_BUCKETS,
-            registry=r,
+        self.duration = self._histogram(
+            "sluice_tokenize_duration_seconds", "Tokenize request, arrival to ids.", CPU_STAGE_BUCKETS
         )
-        self.batch_size = Histogram(
-            "sluice_tokenize_batch_size", "Requests in one encode batch.", buckets=COUNT_BUCKETS, registry=r
+        self.batch_size = self._histogram(
+            "sluice_tokenize_batch_size", "Requests in one encode batch.", COUNT_BUCKETS
         )
 
 
@@ -250,15 +226,11 @@ class DetokenizerMetrics(ServiceMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
-        self.duration = Histogram(
-            "sluice_detokenize_duration_seconds",
-            "Detokenize work, arrival to text.",
-            buckets=CPU_STAGE_BUCKETS,
-            registry=r,
+        self.duration = self._histogram(
+            "sluice_detokenize_duration_seconds", "Detokenize work, arrival to text.", CPU_STAGE_BUCKETS
         )
-        self.batch_size = Histogram(
-            "sluice_detokenize_batch_size", "Jobs in one decode batch.", buckets=COUNT_BUCKETS, registry=r
+        self.batch_size = self._histogram(
+            "sluice_detokenize_batch_size", "Jobs in one decode batch.", COUNT_BUCKETS
         )
 
 
@@ -268,32 +240,25 @@ class GatewayMetrics(ServiceMetrics):
 
     def __init__(self) -> None:
         super().__init__()
-        r = self.registry
-        self.requests = Counter(
-            "sluice_gateway_requests",
-            "Requests answered, by API and outcome.",
-            ["api", "outcome"],
-            registry=r,
+        self.requests = self._counter(
+            "sluice_gateway_requests", "Requests answered, by API and outcome.", ["api", "outcome"]
         )
-        self.in_flight = Gauge("sluice_gateway_requests_in_flight", "Requests in progress.", registry=r)
-        self.ttft = Histogram(
+        self.in_flight = self._gauge("sluice_gateway_requests_in_flight", "Requests in progress.")
+        self.ttft = self._histogram(
             "sluice_gateway_time_to_first_token_seconds",
             "Request arrival at the gateway to first text sent.",
-            buckets=TTFT_BUCKETS,
-            registry=r,
+            TTFT_BUCKETS,
         )
-        self.e2e = Histogram(
+        self.e2e = self._histogram(
             "sluice_gateway_e2e_request_latency_seconds",
             "Request arrival at the gateway to its end.",
-            buckets=REQUEST_BUCKETS,
-            registry=r,
+            REQUEST_BUCKETS,
         )
-        self.stage_duration = Histogram(
+        self.stage_duration = self._histogram(
             "sluice_gateway_stage_duration_seconds",
             "Time spent in each upstream stage.",
+            TTFT_BUCKETS,
             ["stage"],
-            buckets=TTFT_BUCKETS,
-            registry=r,
         )
         for stage in GATEWAY_STAGES:
             self.stage_duration.labels(stage)

@@ -49,10 +49,6 @@ def _convert(kind: Any, raw: str) -> Any:
     return kind(raw)
 
 
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
 def add_arguments(cls: type, parser: argparse.ArgumentParser) -> None:
     """Adds one flag per dataclass field; the field's metadata `help` becomes the flag's help."""
     for field in dataclasses.fields(cls):
@@ -79,7 +75,7 @@ def load_settings(
     parser = argparse.ArgumentParser(prog=prog, description=(cls.__doc__ or "").strip().split("\n")[0])
     add_arguments(cls, parser)
     namespace = parser.parse_args(list(argv or []))
-    hints = _field_types(cls)
+    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = getattr(namespace, field.name)
@@ -151,3 +147,33 @@ class StageTlsSettings(ValidatedSettings):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file needs tls_cert_file and tls_key_file (mutual TLS is TLS)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TextStageSettings(StageTlsSettings):
+    """The fields the tokenizer's and the detokenizer's settings share (each gives `port` its own
+    default): the model, the address, the drain, the worker processes and their metrics ports."""
+
+    model: str = dataclasses.field(
+        default="", metadata={"help": "local Hugging Face model directory; empty = the embedded tiny model"}
+    )
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free port)"})
+    grace_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "seconds calls in flight get to finish on SIGTERM"}
+    )
+    workers: int = dataclasses.field(
+        default=1, metadata={"help": "processes sharing the port (SO_REUSEPORT)"}
+    )
+    metrics_port: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Prometheus /metrics HTTP port (0 = none); worker i of --workers serves on this port + i"
+        },
+    )
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad value."""
+        self.validate_tls()
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")

@@ -24,9 +24,10 @@ metadata propagation, health and reflection left untraced, nothing installed whe
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -146,15 +147,7 @@ def extract(carrier: Mapping[str, str]) -> otel_context.Context:
 
 def extract_metadata(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel_context.Context:
     """The context in gRPC invocation metadata (keys are lower-case there)."""
-    if not metadata:
-        return otel_context.Context()
-    return extract({key: value for key, value in metadata if isinstance(value, str)})
-
-
-def set_error(span: Span, exc: BaseException) -> None:
-    """Records `exc` on `span` and marks it failed."""
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+    return extract({key: value for key, value in metadata or () if isinstance(value, str)})
 
 
 def _set_grpc_code(span: Span, code: grpc.StatusCode | None, details: str | None = None) -> None:
@@ -194,34 +187,8 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
         tracer = self.tracer
         name = method.lstrip("/")
 
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                with tracer.start_as_current_span(
-                    name,
-                    context=parent,
-                    kind=SpanKind.SERVER,
-                    attributes=attributes,
-                    record_exception=False,
-                    set_status_on_exception=False,
-                ) as span:
-                    try:
-                        async for response in behavior(request, context):
-                            yield response
-                    except BaseException as exc:
-                        _finish_server_error(span, context, exc)
-                        raise
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-
-        behavior = handler.unary_unary
-
-        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        @contextlib.contextmanager
+        def server_span(context: grpc.aio.ServicerContext) -> Iterator[None]:
             with tracer.start_as_current_span(
                 name,
                 context=parent,
@@ -231,16 +198,32 @@ class _ServerInterceptor(grpc.aio.ServerInterceptor):
                 set_status_on_exception=False,
             ) as span:
                 try:
-                    return await behavior(request, context)
+                    yield
                 except BaseException as exc:
                     _finish_server_error(span, context, exc)
                     raise
 
-        return grpc.unary_unary_rpc_method_handler(
-            unary_unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        serializers = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.response_streaming:
+            stream_behavior = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                with server_span(context):
+                    async for response in stream_behavior(request, context):
+                        yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, **serializers)
+
+        behavior = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            with server_span(context):
+                return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **serializers)
 
 
 def _finish_server_error(span: Span, context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -249,7 +232,8 @@ def _finish_server_error(span: Span, context: grpc.aio.ServicerContext, exc: Bas
     if code is not None:
         _set_grpc_code(span, code, context.details())
     else:
-        set_error(span, exc)
+        span.record_exception(exc)
+        span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
 
 
 def server_interceptors() -> list[grpc.aio.ServerInterceptor]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import importlib
 import multiprocessing
 import os
 import signal
@@ -20,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from services.common.grpc_server import ServerHandle
 
-# serve_one(settings, reuse_port=..., on_bound=..., stop_when=...) runs one process's server.
-ServeOne = Callable[..., Awaitable[None]]
-# create() builds and binds one process's server (its service's `create_server`).
-Create = Callable[[], Awaitable["ServerHandle[Any, Any]"]]
+# create_server(settings, reuse_port=...) builds and binds one process's server (its service's own).
+CreateServer = Callable[..., Awaitable["ServerHandle[Any, Any]"]]
 CHILD_JOIN_S = 30.0
 
 
-def _child_main(module_name: str, settings: Any, parent_pid: int) -> None:
+def _child_main(name: str, settings: Any, create_server: CreateServer, parent_pid: int) -> None:
     from services.common import grpc_server
 
-    module = importlib.import_module(module_name)
-    status = grpc_server.run(module.serve_one(settings, reuse_port=True, stop_when=_parent_gone(parent_pid)))
+    stop_when = _parent_gone(parent_pid)
+    status = grpc_server.run(
+        serve_worker(name, settings, create_server, reuse_port=True, stop_when=stop_when)
+    )
     if status:
         raise SystemExit(status)
 
@@ -48,23 +47,21 @@ async def signal_self_when(event: Awaitable[None]) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) -> None:
-    """Runs `serve_one` here, plus `settings.workers - 1` children of `module_name` (which must define
-    `serve_one`) on the port this process bound."""
+async def serve_workers(name: str, settings: Any, create_server: CreateServer) -> None:
+    """Serves `create_server`'s server here, plus `settings.workers - 1` children (processes that
+    build their own with it) on the port this process bound."""
     if settings.workers <= 1:
-        await serve_one(settings, reuse_port=False)
+        await serve_worker(name, settings, create_server, reuse_port=False)
         return
     context = multiprocessing.get_context("spawn")
     children: list[multiprocessing.process.BaseProcess] = []
 
     def start_children(port: int) -> None:
         for index in range(1, settings.workers):
-            child_settings = dataclasses.replace(settings, port=port, workers=1)
-            metrics_port = getattr(settings, "metrics_port", 0)
-            if metrics_port > 0:
-                child_settings = dataclasses.replace(child_settings, metrics_port=metrics_port + index)
+            metrics_port = settings.metrics_port + index if settings.metrics_port > 0 else 0
+            child_settings = dataclasses.replace(settings, port=port, workers=1, metrics_port=metrics_port)
             child = context.Process(
-                target=_child_main, args=(module_name, child_settings, os.getpid()), daemon=False
+                target=_child_main, args=(name, child_settings, create_server, os.getpid()), daemon=False
             )
             child.start()
             children.append(child)
@@ -77,26 +74,29 @@ async def serve_workers(settings: Any, module_name: str, serve_one: ServeOne) ->
         for child in children:
             await loop.run_in_executor(None, child.join, CHILD_JOIN_S)
 
-    await serve_one(settings, reuse_port=True, on_bound=start_children, on_drain=stop_children)
+    await serve_worker(
+        name, settings, create_server, reuse_port=True, on_bound=start_children, on_drain=stop_children
+    )
 
 
 async def serve_worker(
     name: str,
     settings: Any,
-    create: Create,
+    create_server: CreateServer,
     *,
+    reuse_port: bool,
     on_bound: Callable[[int], None] | None = None,
     on_drain: Callable[[], Awaitable[None]] | None = None,
     stop_when: Awaitable[None] | None = None,
 ) -> None:
-    """One process of a pool: sets up tracing (`OTEL_*`), builds the server with `create`, serves
+    """One process of a pool: sets up tracing (`OTEL_*`), builds the server with `create_server`, serves
     metrics when `settings.metrics_port` is set, and serves until SIGTERM/SIGINT (or until `stop_when`
     completes), then drains: the handle stops (its core released), the metrics endpoint closes,
     `on_drain` runs."""
     from services.common import grpc_server, metrics, telemetry
 
     telemetry.init_tracing(name)
-    handle = await create()
+    handle = await create_server(settings, reuse_port=reuse_port)
     endpoint = metrics.maybe_serve_metrics(handle.metrics.registry, settings.host, settings.metrics_port)
     if on_bound is not None:
         on_bound(handle.port)

@@ -52,15 +52,11 @@ class BadIds(ValueError):
 def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
     """The stop string that completes first in `text` (smallest end; ties: earliest start), as
     (start index, stop string), or None."""
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop)
-        if start < 0:
-            continue
-        key = (start + len(stop), start, stop)
-        if best is None or key[:2] < best[:2]:
-            best = key
-    return None if best is None else (best[1], best[2])
+    found = [(start + len(stop), start, stop) for stop in stops if (start := text.find(stop)) >= 0]
+    if not found:
+        return None
+    _, start, stop = min(found, key=lambda f: f[:2])
+    return start, stop
 
 
 def stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
@@ -70,10 +66,6 @@ def stop_prefix_len(text: str, stops: Sequence[str], max_len: int) -> int:
         if any(stop.startswith(tail) for stop in stops):
             return length
     return 0
-
-
-def _decoder_json(tokenizer: Tokenizer) -> object:
-    return json.loads(tokenizer.to_str()).get("decoder")
 
 
 def _uses(decoder: object, kind: str) -> bool:
@@ -130,7 +122,7 @@ class Vocabulary:
         self.special_ids = frozenset(
             i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special
         )
-        decoder = _decoder_json(tokenizer)
+        decoder = json.loads(tokenizer.to_str()).get("decoder")
         self._byte_values: dict[int, int] = {}  # byte-fallback id → its byte
         if _uses(decoder, "ByteFallback"):
             vocab = tokenizer.get_vocab(with_added_tokens=False)

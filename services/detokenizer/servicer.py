@@ -8,8 +8,10 @@ calls' jobs; one call's messages are processed in order.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import grpc
@@ -34,14 +36,6 @@ def _run_jobs(jobs: list[Job]) -> list[Any]:
         except Exception as exc:
             results.append(exc)
     return results
-
-
-def _set_final(out: detokenizer_pb2.DetokenizeFinal, final: Final) -> None:
-    out.request_id = final.request_id
-    out.stopped = final.stopped
-    out.stop = final.stop
-    out.num_ids_consumed = final.num_ids_consumed
-    out.error = final.error
 
 
 def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> detokenizer_pb2.DetokenizeOut:
@@ -78,7 +72,7 @@ def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> 
             delta.text = text
             delta.num_ids = num_ids
         if final is not None:
-            _set_final(add().final, final)
+            add().final.CopyFrom(detokenizer_pb2.DetokenizeFinal(**dataclasses.asdict(final)))
     return out
 
 
@@ -255,44 +249,41 @@ class DetokenizerServicer(detokenizer_pb2_grpc.DetokenizerServicer):
             if spans is not None:
                 spans.close()
 
-    async def Decode(
-        self, request: detokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
-    ) -> detokenizer_pb2.DecodeResponse:
-        ids, skip = list(request.ids), request.skip_special_tokens
+    async def _with_ids(
+        self, ids: list[int], use: Callable[[list[int]], T], context: grpc.aio.ServicerContext
+    ) -> T:
+        """`use(ids)` on the worker thread once the ids are checked against the vocabulary;
+        INVALID_ARGUMENT for an id outside it."""
 
-        def decode() -> str:
+        def job() -> T:
             self.vocab.check(ids)
-            return self.vocab.decode(ids, skip_special_tokens=skip)
+            return use(ids)
 
         began = time.monotonic()
-        result = await self.batcher.run(decode)
+        result = await self.batcher.run(job)
         self.metrics.duration.observe(time.monotonic() - began)
         if isinstance(result, BadIds):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
         if isinstance(result, Exception):
             raise result
-        return detokenizer_pb2.DecodeResponse(text=result)
+        return result
+
+    async def Decode(
+        self, request: detokenizer_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> detokenizer_pb2.DecodeResponse:
+        decode = partial(self.vocab.decode, skip_special_tokens=request.skip_special_tokens)
+        return detokenizer_pb2.DecodeResponse(text=await self._with_ids(list(request.ids), decode, context))
 
     async def TokenPieces(
         self, request: detokenizer_pb2.TokenPiecesRequest, context: grpc.aio.ServicerContext
     ) -> detokenizer_pb2.TokenPiecesResponse:
         """Each id's own bytes (`Vocabulary.piece`) and their text; INVALID_ARGUMENT for an id outside
         the vocabulary."""
-        ids = list(request.ids)
-
-        def pieces() -> list[bytes]:
-            self.vocab.check(ids)
-            return [self.vocab.piece(i) for i in ids]
-
-        began = time.monotonic()
-        result = await self.batcher.run(pieces)
-        self.metrics.duration.observe(time.monotonic() - began)
-        if isinstance(result, BadIds):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
-        if isinstance(result, Exception):
-            raise result
+        pieces = await self._with_ids(
+            list(request.ids), lambda ids: list(map(self.vocab.piece, ids)), context
+        )
         return detokenizer_pb2.TokenPiecesResponse(
-            pieces=[detokenizer_pb2.TokenPiece(text=b.decode("utf-8", "replace"), bytes=b) for b in result]
+            pieces=[detokenizer_pb2.TokenPiece(text=b.decode("utf-8", "replace"), bytes=b) for b in pieces]
         )
 
     def close(self) -> None:

@@ -52,19 +52,13 @@ class RouterGauges:
     def __init__(
         self, registry: CollectorRegistry, model_name: str, block_size: int, num_blocks: int
     ) -> None:
-        labels = ["model_name"]
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Requests waiting to be scheduled.", labels, registry=registry
-        ).labels(model_name)
-        self.running = Gauge(
-            "vllm:num_requests_running", "Requests in the running batch.", labels, registry=registry
-        ).labels(model_name)
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%.", labels, registry=registry
-        ).labels(model_name)
-        self.kv_usage_legacy = Gauge(
-            "vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (older name).", labels, registry=registry
-        ).labels(model_name)
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["model_name"], registry=registry).labels(model_name)
+
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV cache usage, 1 = 100%.")
+        self.kv_usage_legacy = gauge("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (older name).")
         info = Gauge(
             "vllm:cache_config_info",
             "KV cache shape: tokens per block, blocks in the pool.",

@@ -6,9 +6,10 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
@@ -17,6 +18,9 @@ from services.engine.core.grammar import GrammarSpec
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+Entry = TypeVar("Entry", engine_pb2.StepEntry, engine_pb2.GenerateResponse)
 
 
 def params_from_proto(
@@ -79,15 +83,23 @@ def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
     )
 
 
-def entries_to_proto(outputs: Iterable[RequestOutput]) -> list[engine_pb2.StepEntry]:
-    """One chunk per request that got tokens, then its final if it ended (same message)."""
-    entries: list[engine_pb2.StepEntry] = []
+def entries_to_proto(
+    outputs: Iterable[RequestOutput], entry: type[Entry] = engine_pb2.StepEntry
+) -> list[Entry]:
+    """One chunk per request that got tokens, then its final if it ended, each an `entry` (a Stream
+    message's StepEntry, or Generate's response)."""
+    entries: list[Entry] = []
     for out in outputs:
         if out.new_token_ids:
-            entries.append(engine_pb2.StepEntry(chunk=chunk_to_proto(out)))
+            entries.append(entry(chunk=chunk_to_proto(out)))
         if out.finished:
-            entries.append(engine_pb2.StepEntry(final=final_to_proto(out)))
+            entries.append(entry(final=final_to_proto(out)))
     return entries
+
+
+def fields_from(message: type[M], source: object) -> M:
+    """A `message` whose every field is the attribute of `source` of the same name."""
+    return message(**{field.name: getattr(source, field.name) for field in message.DESCRIPTOR.fields})
 
 
 TRACE_KEYS = ("traceparent", "tracestate")
@@ -104,31 +116,20 @@ def deadline_of(request: engine_pb2.GenerateRequest, call_remaining_s: float | N
 def trace_context(context: grpc.aio.ServicerContext) -> dict[str, str] | None:
     """The caller's W3C trace context for a request of this call: the current span's (the server
     interceptor continues the call's metadata when tracing is on), else the metadata's, if any."""
-    current = telemetry.inject()
-    if current:
-        return current
-    found = {k: v for k, v in (context.invocation_metadata() or ()) if k in TRACE_KEYS and isinstance(v, str)}
-    return found or None
+    metadata = context.invocation_metadata() or ()
+    return telemetry.inject() or {k: v for k, v in metadata if k in TRACE_KEYS and isinstance(v, str)} or None
 
 
 OutQueue = asyncio.Queue[engine_pb2.EngineOut | None]  # None: the call ends
 
 
 def report_to_proto(report: Report) -> engine_pb2.EngineReport:
-    load = report.load
     return engine_pb2.EngineReport(
-        load=engine_pb2.EngineLoad(
-            running=load.running,
-            waiting=load.waiting,
-            kv_blocks_used=load.kv_blocks_used,
-            kv_blocks_total=load.kv_blocks_total,
-            queued_prompt_tokens=load.queued_prompt_tokens,
-            block_size=load.block_size,
-        ),
+        load=fields_from(engine_pb2.EngineLoad, report.load),
         snapshot=report.snapshot,
         stored=report.stored,
         removed=report.removed,
-        prefix_caching=load.prefix_caching,
+        prefix_caching=report.load.prefix_caching,
     )
 
 
@@ -166,8 +167,9 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def _pump_outputs(self, caller: Caller, queue: OutQueue) -> None:
         while outputs := await caller.get():
-            out = engine_pb2.EngineOut(entries=entries_to_proto(outputs), batch_size=self._batch_size())
-            await queue.put(out)
+            # Requests in the engine's latest step (0 when unknown).
+            batch_size = getattr(self.engine.engine.observer, "last_batch_size", 0)
+            await queue.put(engine_pb2.EngineOut(entries=entries_to_proto(outputs), batch_size=batch_size))
         await queue.put(None)
 
     async def _pump_reports(self, feed: ReportFeed, queue: OutQueue) -> None:
@@ -175,10 +177,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             report = await feed.next()
             await queue.put(engine_pb2.EngineOut(report=report_to_proto(report)))
             await asyncio.sleep(self.report_interval_s)
-
-    def _batch_size(self) -> int:
-        """Requests in the engine's latest step (0 when unknown)."""
-        return getattr(self.engine.engine.observer, "last_batch_size", 0)
 
     async def _read(
         self,
@@ -190,7 +188,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "submit":
-                    self._submit(caller, message.submit, trace)
+                    request = message.submit
+                    try:
+                        self._submit(caller, request, trace, deadline_of(request, None))
+                    except ValueError as exc:
+                        caller.reject(request.request_id, str(exc))
                 elif kind == "abort":
                     caller.abort(message.abort.request_id)
         except asyncio.CancelledError:
@@ -201,22 +203,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             caller.close_input()
 
     def _submit(
-        self, caller: Caller, request: engine_pb2.GenerateRequest, trace: dict[str, str] | None
+        self,
+        caller: Caller,
+        request: engine_pb2.GenerateRequest,
+        trace: dict[str, str] | None,
+        deadline: float | None,
     ) -> None:
-        try:
-            sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
-            # A request's own context (multiplexed stream) wins over the call's.
-            own = dict(request.trace_context) if request.trace_context else None
-            caller.submit(
-                request.request_id,
-                list(request.prompt_ids),
-                sampling,
-                stopping,
-                trace_context=own or trace,
-                deadline=deadline_of(request, None),
-            )
-        except ValueError as exc:
-            caller.reject(request.request_id, str(exc))
+        """Submits `request` under its own trace context (a multiplexed stream's request), else `trace`
+        (the call's); raises ValueError for parameters the engine refuses."""
+        sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
+        trace = dict(request.trace_context) or trace
+        prompt = list(request.prompt_ids)
+        caller.submit(request.request_id, prompt, sampling, stopping, trace_context=trace, deadline=deadline)
 
     async def Generate(
         self, request: engine_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -226,38 +224,19 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         caller = self.engine.open_caller()
         try:
             try:
-                sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
-                caller.submit(
-                    request.request_id,
-                    list(request.prompt_ids),
-                    sampling,
-                    stopping,
-                    trace_context=dict(request.trace_context) or trace_context(context),
-                    deadline=deadline_of(request, context.time_remaining()),
+                self._submit(
+                    caller, request, trace_context(context), deadline_of(request, context.time_remaining())
                 )
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             caller.close_input()
             while outputs := await caller.get():
-                for out in outputs:
-                    if out.new_token_ids:
-                        yield engine_pb2.GenerateResponse(chunk=chunk_to_proto(out))
-                    if out.finished:
-                        yield engine_pb2.GenerateResponse(final=final_to_proto(out))
+                for response in entries_to_proto(outputs, engine_pb2.GenerateResponse):
+                    yield response
         finally:
             caller.close()
 
     async def Stats(
         self, request: engine_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.StatsResponse:
-        st = self.engine.stats()
-        return engine_pb2.StatsResponse(
-            running=st.running,
-            waiting=st.waiting,
-            num_blocks=st.num_blocks,
-            free_blocks=st.free_blocks,
-            block_size=st.block_size,
-            steps=st.steps,
-            model=st.model,
-            max_model_len=st.max_model_len,
-        )
+        return fields_from(engine_pb2.StatsResponse, self.engine.stats())

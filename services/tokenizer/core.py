@@ -93,6 +93,14 @@ def _as_id_list(value: Any) -> list[int]:
     return []
 
 
+def _parse_json(text: str, what: str) -> Any:
+    """The JSON value of a field's text; InvalidInput naming the field when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise InvalidInput(f"{what} is not JSON: {exc}") from None
+
+
 def _tool_call(raw: Any, where: str) -> dict[str, Any]:
     """One OpenAI tool call as a template sees it: `function.arguments` decoded from its JSON text
     (empty or missing = `{}`)."""
@@ -101,10 +109,7 @@ def _tool_call(raw: Any, where: str) -> dict[str, Any]:
         raise InvalidInput(f"{where} must be an object with function.name")
     arguments = function.get("arguments")
     if isinstance(arguments, str) and arguments.strip():
-        try:
-            arguments = json.loads(arguments)
-        except ValueError as exc:
-            raise InvalidInput(f"{where}.function.arguments is not JSON: {exc}") from None
+        arguments = _parse_json(arguments, f"{where}.function.arguments")
     elif arguments is None or arguments == "":
         arguments = {}
     call: dict[str, Any] = {"id": raw["id"]} if isinstance(raw.get("id"), str) else {}
@@ -129,10 +134,7 @@ def chat_message(
     message: dict[str, Any] = {"role": role}
     tool_calls: list[dict[str, Any]] = []
     if tool_calls_json:
-        try:
-            raw = json.loads(tool_calls_json)
-        except ValueError as exc:
-            raise InvalidInput(f"{where}.tool_calls is not JSON: {exc}") from None
+        raw = _parse_json(tool_calls_json, f"{where}.tool_calls")
         if not isinstance(raw, list):
             raise InvalidInput(f"{where}.tool_calls must be an array")
         tool_calls = [_tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(raw)]
@@ -151,10 +153,7 @@ def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
     Raises InvalidInput unless it is an array of objects."""
     if not tools_json:
         return None
-    try:
-        tools = json.loads(tools_json)
-    except ValueError as exc:
-        raise InvalidInput(f"tools is not JSON: {exc}") from None
+    tools = _parse_json(tools_json, "tools")
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise InvalidInput("tools must be an array of objects")
     return tools or None
@@ -207,10 +206,6 @@ def _tojson(
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 @functools.lru_cache(maxsize=8)
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compiles a chat template in an environment configured like transformers'."""
@@ -219,7 +214,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["namespace"] = _TemplateNamespace
     return env.from_string(source)
 
@@ -237,7 +232,11 @@ class TokenizerCore:
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.context_length = self._context_length(model_config, tok_config)
         self.chat_template = _pick_chat_template(hf)
-        self.template_vars = self._template_vars(hf)
+        # The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
+        # `special_tokens_map`, as `apply_chat_template` passes it.
+        self.template_vars = {
+            name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)
+        }
         self.special_tokens = self._special_tokens()
         self.eos_token_ids = self._eos_ids(gen_config, model_config)
 
@@ -249,12 +248,6 @@ class TokenizerCore:
             if isinstance(value, int) and 0 < value < 10**8:
                 return value
         return 0
-
-    @staticmethod
-    def _template_vars(hf: PreTrainedTokenizerBase) -> dict[str, str]:
-        """The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
-        `special_tokens_map`, as `apply_chat_template` passes it."""
-        return {name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)}
 
     def _special_tokens(self) -> list[SpecialToken]:
         out: list[SpecialToken] = []

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Any
-
 import grpc
 
 from services.common import decoding, grpc_server
@@ -13,7 +10,7 @@ from services.common.metrics import TokenizerMetrics
 from services.common.models import resolve_model_dir
 from services.common.pb import tokenizer_pb2
 from services.common.settings import load_settings
-from services.common.workers import serve_worker, serve_workers
+from services.common.workers import serve_workers
 from services.tokenizer.core import TokenizerCore
 from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
@@ -40,16 +37,6 @@ async def create_server(
     return ServerHandle(server, port, core, health, metrics, release)
 
 
-async def serve_one(settings: TokenizerSettings, *, reuse_port: bool, **hooks: Any) -> None:
-    """One process of the pool (`services/common/workers.py`); `hooks` are `serve_worker`'s."""
-    create = partial(create_server, settings, reuse_port=reuse_port)
-    await serve_worker("tokenizer", settings, create, **hooks)
-
-
-async def serve(settings: TokenizerSettings) -> None:
-    await serve_workers(settings, __name__, serve_one)
-
-
 def main(argv: list[str]) -> int:
     settings = load_settings(TokenizerSettings, argv, prog="sluice serve tokenizer")
-    return grpc_server.run(serve(settings))
+    return grpc_server.run(serve_workers("tokenizer", settings, create_server))

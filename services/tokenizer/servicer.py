@@ -79,6 +79,16 @@ def _annotate(
         span.set_attribute("sluice.truncated", result.truncated)
 
 
+def _response(
+    request: tokenizer_pb2.TokenizeRequest, result: Encoded | InvalidInput
+) -> tokenizer_pb2.TokenizeResponse:
+    if isinstance(result, InvalidInput):
+        return tokenizer_pb2.TokenizeResponse(request_id=request.request_id, error=str(result))
+    return tokenizer_pb2.TokenizeResponse(
+        request_id=request.request_id, ids=result.ids, truncated=result.truncated
+    )
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, core: TokenizerCore, metrics: TokenizerMetrics, *, max_batch_size: int) -> None:
         self.core = core
@@ -122,10 +132,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         result = await self._tokenize(request)
         if isinstance(result, InvalidInput):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(result))
-        assert isinstance(result, Encoded)
-        return tokenizer_pb2.TokenizeResponse(
-            request_id=request.request_id, ids=result.ids, truncated=result.truncated
-        )
+        return _response(request, result)
 
     async def TokenizeStream(
         self,
@@ -139,14 +146,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         tasks: set[asyncio.Task[None]] = set()
 
         async def one(request: tokenizer_pb2.TokenizeRequest) -> None:
-            result = await self._tokenize_in_stream(request)
-            rid = request.request_id
-            if isinstance(result, InvalidInput):
-                done.put_nowait(tokenizer_pb2.TokenizeResponse(request_id=rid, error=str(result)))
-            else:
-                done.put_nowait(
-                    tokenizer_pb2.TokenizeResponse(request_id=rid, ids=result.ids, truncated=result.truncated)
-                )
+            done.put_nowait(_response(request, await self._tokenize_in_stream(request)))
 
         async def read_all() -> None:
             try:

@@ -14,7 +14,7 @@ import services.engine.executor.kernels.paged_attention as paged
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.request import Request
 from services.engine.executor.cuda_graphs import StaticDecode
-from services.engine.executor.kernels import self_check
+from services.engine.executor.kernels.paged_attention import self_check
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
@@ -53,15 +53,13 @@ def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     r = runner(llama_dir)
-    import services.engine.executor.kernels as kernels
-
-    monkeypatch.setattr(kernels, "self_check", lambda *a: "RuntimeError: no kernel image")
+    monkeypatch.setattr(paged, "self_check", lambda *a: "RuntimeError: no kernel image")
     with caplog.at_level(logging.WARNING):
         assert r._checked_kernel("auto") == "torch"
     assert "fails its start-up check: RuntimeError: no kernel image" in caplog.text
     with pytest.raises(ValueError, match="triton: the kernel fails its start-up check: RuntimeError"):
         r._checked_kernel("triton")
-    monkeypatch.setattr(kernels, "self_check", lambda *a: None)
+    monkeypatch.setattr(paged, "self_check", lambda *a: None)
     assert r._checked_kernel("auto") == "triton"
 
 

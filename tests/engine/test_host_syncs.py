@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import services.engine.executor.attention as attention
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.request import Request
-from services.engine.executor.kernels import paged_decode_attention_reference
+from services.engine.executor.kernels.paged_attention import paged_decode_attention_reference
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.executor.sampler import Sampler
 from services.engine.settings import EngineSettings

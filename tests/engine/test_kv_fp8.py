@@ -22,7 +22,7 @@ from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.executor import kv_sizing
 from services.engine.executor.attention import DecodeGroup, StepMeta, paged_attention, write_kv
-from services.engine.executor.kernels import (
+from services.engine.executor.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
     triton_usable,

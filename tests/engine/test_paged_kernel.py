@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 from services.engine.executor.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
-from services.engine.executor.kernels import (
+from services.engine.executor.kernels.paged_attention import (
+    default_num_splits,
     paged_decode_attention,
     paged_decode_attention_reference,
     triton_usable,
 )
-from services.engine.executor.kernels.paged_attention import default_num_splits, paged_decode_attention_splits
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)
@@ -129,7 +129,7 @@ def test_split_context_matches_reference(h: int, hkv: int, d: int, bs: int, wind
     """Flash-decoding split (several programs per row, combined by a second kernel), as used for small
     batches on a GPU: rows shorter than the split count, a padding row and windows included."""
     c = make_case(h, hkv, d, bs, [*lens_for(bs), 2], torch.float32)
-    got = paged_decode_attention_splits(*c.args(), c.scale, window, num_splits=splits)
+    got = paged_decode_attention(*c.args(), c.scale, window, num_splits=splits)
     want = paged_decode_attention_reference(*c.args(), c.scale, window)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -63,13 +63,10 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def num_revived(self, blocks: Sequence[int]) -> int:
-        """How many of `blocks` are free now (acquiring them takes them off the free list)."""
-        return sum(1 for b in blocks if self.ref_counts[b] == 0)
-
     def can_allocate(self, num_new: int, hit_blocks: Sequence[int] = ()) -> bool:
-        """True when `num_new` fresh blocks can be allocated after `hit_blocks` are acquired."""
-        return num_new + (self.num_revived(hit_blocks) if hit_blocks else 0) <= len(self.free)
+        """True when `num_new` fresh blocks can be allocated after `hit_blocks` are acquired (those of them
+        that are free now leave the free list)."""
+        return num_new + sum(1 for b in hit_blocks if self.ref_counts[b] == 0) <= len(self.free)
 
     def acquire(self, blocks: Sequence[int]) -> None:
         """Takes one more reference on each cached block of a prefix hit."""

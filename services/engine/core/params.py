@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,14 +18,6 @@ GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (dividing by i
 # 0.01 as the wire's float32 carries it (a little below 0.01), so that 0.01 sent as float32 passes.
 MIN_REPETITION_PENALTY = struct.unpack("f", struct.pack("f", 0.01))[0]
 MAX_REPETITION_PENALTY = 10.0
-_FLOAT_FIELDS = (
-    "temperature",
-    "top_p",
-    "min_p",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-)
 
 
 @dataclass(frozen=True)
@@ -63,9 +55,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises ValueError with a clear message when a value is out of range."""
-        for name in _FLOAT_FIELDS:
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number")
+        for f in fields(self):
+            if f.type == "float" and not math.isfinite(getattr(self, f.name)):
+                raise ValueError(f"{f.name} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -164,10 +164,13 @@ class Scheduler:
             self.bm.acquire(hit)
             req.block_ids = [*hit, *self.bm.allocate(need)]
             req.num_computed_tokens = computed
-            if not req.num_preemptions:  # a recompute finding its own blocks is no hit
+            # A prompt counts once, at its first admission: a recompute finding its own blocks is no hit
+            # (nor in the prefix-cache statistics).
+            if not req.num_preemptions:
                 req.num_cached_tokens = computed
+                if self.bm.enable_prefix_caching:
+                    self.bm.record_query(self._max_hit_blocks(req), len(hit))
             del self.waiting[i]
-            self._count_prefix_query(req, len(hit))
             req.status = Status.RUNNING
             self.running.append(req)
             out.scheduled.append((req, n))
@@ -277,28 +280,18 @@ class Scheduler:
         """The cached blocks `req` would start from (a look-up only: a waiting request is looked up at
         every step until it is admitted). None for a request that asks for prompt logprobs: its whole
         prompt is computed, as they come from the prompt's rows."""
-        if not self.bm.enable_prefix_caching:
-            return []
-        if req.sampling.prompt_logprobs is not None:
+        if not self.bm.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return []
         max_blocks = self._max_hit_blocks(req)
-        if len(req.block_hashes) < max_blocks:
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.extend(
-                chain_hashes(
-                    req.token_ids[: max_blocks * self.block_size],
-                    self.block_size,
-                    len(req.block_hashes),
-                    parent,
-                )
-            )
+        self._hash_blocks(req, max_blocks)
         return self.bm.match_prefix(req.block_hashes[:max_blocks])
 
-    def _count_prefix_query(self, req: Request, num_hit: int) -> None:
-        """Prefix-cache statistics count each prompt once, at its first admission: a recompute after
-        preemption finding its own earlier blocks is no hit."""
-        if self.bm.enable_prefix_caching and not req.num_preemptions:
-            self.bm.record_query(self._max_hit_blocks(req), num_hit)
+    def _hash_blocks(self, req: Request, n: int) -> None:
+        """Extends `req.block_hashes` to its first `n` blocks."""
+        if len(req.block_hashes) < n:
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            tokens = req.token_ids[: n * self.block_size]
+            req.block_hashes.extend(chain_hashes(tokens, self.block_size, len(req.block_hashes), parent))
 
     def _register_full_blocks(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching:
@@ -306,13 +299,7 @@ class Scheduler:
         full = req.num_computed_tokens // self.block_size
         if full <= req.num_registered_blocks:
             return
-        if len(req.block_hashes) < full:
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            req.block_hashes.extend(
-                chain_hashes(
-                    req.token_ids[: full * self.block_size], self.block_size, len(req.block_hashes), parent
-                )
-            )
+        self._hash_blocks(req, full)
         for i in range(req.num_registered_blocks, full):
             self.bm.register(req.block_ids[i], req.block_hashes[i])
         req.num_registered_blocks = full

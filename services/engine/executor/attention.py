@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from services.engine.executor.kernels import paged_decode_attention
+from services.engine.executor.kernels.paged_attention import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
 META_KWARG = "sluice_step"
@@ -134,17 +134,13 @@ def paged_attention(
     window = int(kwargs.get("sliding_window") or 0)
     k_pool, v_pool = meta.kv[module.layer_idx]
     h, t, d = query.shape[1], query.shape[2], query.shape[3]
-    hkv = key.shape[1]
     k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
     v_new = value[0].transpose(0, 1)
     write_kv(k_pool, meta.slot_mapping, k_new)
     write_kv(v_pool, meta.slot_mapping, v_new)
     out = query.new_empty((t, h, d))
     q = query[0]  # (H, T, D)
-    if meta.backend == "triton":
-        _decode_triton(meta, q, k_pool, v_pool, out, scaling, window)
-    else:
-        _decode_torch(meta, q, k_pool, v_pool, out, scaling, window, hkv)
+    _decode(meta, q, k_pool, v_pool, out, scaling, window)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         out[rows] = _prefill(
@@ -153,7 +149,7 @@ def paged_attention(
     return out[None], None
 
 
-def _decode_triton(
+def _decode(
     meta: StepMeta,
     q: torch.Tensor,  # (H, T, D)
     k_pool: torch.Tensor,
@@ -162,40 +158,32 @@ def _decode_triton(
     scaling: float | None,
     window: int,
 ) -> None:
-    """The first `meta.num_decodes` rows through one paged-kernel call, written into `out` in place."""
-    nd = meta.num_decodes
-    if nd == 0:
-        return
-    if meta.block_tables is None or meta.seq_lens is None:
-        raise RuntimeError(
-            "the triton attention backend needs block_tables and seq_lens in the step metadata"
+    """The decode rows, written into `out` in place: backend "triton", the first `meta.num_decodes` rows
+    through one paged-kernel call; "torch", each DecodeGroup's rows with their K/V gathered from the
+    pool, one SDPA call per group."""
+    if meta.backend == "triton":
+        nd = meta.num_decodes
+        if nd == 0:
+            return
+        if meta.block_tables is None or meta.seq_lens is None:
+            raise RuntimeError(
+                "the triton attention backend needs block_tables and seq_lens in the step metadata"
+            )
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        paged_decode_attention(
+            q[:, :nd].transpose(0, 1),
+            k_pool,
+            v_pool,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.block_size,
+            scale,
+            window,
+            out=out[:nd],
         )
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    paged_decode_attention(
-        q[:, :nd].transpose(0, 1),
-        k_pool,
-        v_pool,
-        meta.block_tables,
-        meta.seq_lens,
-        meta.block_size,
-        scale,
-        window,
-        out=out[:nd],
-    )
-
-
-def _decode_torch(
-    meta: StepMeta,
-    q: torch.Tensor,  # (H, T, D)
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    out: torch.Tensor,  # (T, H, D)
-    scaling: float | None,
-    window: int,
-    hkv: int,
-) -> None:
-    """Each DecodeGroup's rows: K/V gathered from the pool, then one SDPA call per group."""
+        return
     h, d = q.shape[0], q.shape[2]
+    hkv = k_pool.shape[1]
     group = h // hkv
     for g in meta.decode_groups:
         rows, lmax = g.slots.shape

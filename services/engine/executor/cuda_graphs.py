@@ -31,13 +31,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     """Batch sizes with a graph: 1, 2, 4, 8, ... below `max_num_seqs`, and `max_num_seqs` itself."""
     if max_num_seqs < 1:
         raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-    sizes = []
-    n = 1
-    while n < max_num_seqs:
-        sizes.append(n)
-        n *= 2
-    sizes.append(max_num_seqs)
-    return sizes
+    return [1 << i for i in range((max_num_seqs - 1).bit_length())] + [max_num_seqs]
 
 
 def padded_size(sizes: Sequence[int], rows: int) -> int:
@@ -126,28 +120,15 @@ class StaticDecode:
         self.width = -(-max_model_len // block_size)
         self.scratch_slot = scratch_slot
         rows = self.max_rows
-        pin = self.cuda
-        self._host_long = torch.zeros((3, rows), dtype=torch.int64, pin_memory=pin)
-        self._host_lens = torch.zeros(rows, dtype=torch.int32, pin_memory=pin)
-        self._host_table = torch.zeros((rows, self.width), dtype=torch.int32, pin_memory=pin)
-        self._long_np = self._host_long.numpy()
-        self._lens_np = self._host_lens.numpy()
-        self._table_np = self._host_table.numpy()
-        if self.cuda:
-            self._dev_long = torch.zeros((3, rows), dtype=torch.int64, device=device)
-            self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
-            self.block_tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
-        else:
-            self._dev_long, self.seq_lens, self.block_tables = (
-                self._host_long,
-                self._host_lens,
-                self._host_table,
-            )
-        self.input_ids, self.positions, self.slot_mapping = (
-            self._dev_long[0],
-            self._dev_long[1],
-            self._dev_long[2],
-        )
+        # Host buffers (pinned on CUDA) and their device copies (the host buffers themselves on CPU): ids,
+        # positions and slots as one (3, rows) int64 tensor, sequence lengths, block tables.
+        shapes = (((3, rows), torch.int64), ((rows,), torch.int32), ((rows, self.width), torch.int32))
+        host = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for shape, dtype in shapes]
+        self._host_long, self._host_lens, self._host_table = host
+        self._long_np, self._lens_np, self._table_np = (t.numpy() for t in host)
+        dev = [torch.zeros_like(t, device=device) for t in host] if self.cuda else host
+        self._dev_long, self.seq_lens, self.block_tables = dev
+        self.input_ids, self.positions, self.slot_mapping = self._dev_long
         self.kv = kv
         self._event: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

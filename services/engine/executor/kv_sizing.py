@@ -55,14 +55,9 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
-def kv_dtype(runner: Any) -> torch.dtype:
-    """The dtype of `runner`'s KV pool: its `kv_dtype` (float8 with kv_cache_dtype fp8), else the model's."""
-    return getattr(runner, "kv_dtype", None) or runner.dtype
-
-
 def pool_block_bytes(runner: Any) -> int:
     """Bytes of one block of `runner`'s KV pool, in the pool's dtype (`kv_dtype`)."""
-    element = torch.tensor([], dtype=kv_dtype(runner)).element_size()
+    element = torch.tensor([], dtype=runner.kv_dtype).element_size()
     return block_bytes(runner.num_layers, runner.block_size, runner.num_kv_heads, runner.head_dim, element)
 
 

@@ -95,15 +95,6 @@ def triton_status(device: torch.device) -> tuple[bool, str]:
     return False, f"device {device} is not CUDA and TRITON_INTERPRET=1 is not set (it is {interp!r})"
 
 
-def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
-    """The KV pool's dtype: auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)."""
-    if name == "auto":
-        return dtype
-    if name == "fp8":
-        return torch.float8_e4m3fn
-    raise ValueError(f"kv_cache_dtype must be auto or fp8, got {name!r}")
-
-
 def resolve_backend(name: str, device: torch.device) -> str:
     """The decode attention backend: "triton" or "torch". auto = triton on CUDA when usable, else torch;
     "triton" where the kernel cannot run raises ValueError saying why."""
@@ -153,7 +144,8 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
-        self.kv_dtype = resolve_kv_dtype(settings.kv_cache_dtype, self.dtype)
+        # auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)
+        self.kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn}[settings.kv_cache_dtype]
         quantization = self.quantization = settings.quantization
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
         self.num_heads = int(config.num_attention_heads)
@@ -162,12 +154,9 @@ class ModelRunner:
         self.backend = resolve_backend(settings.attention_backend, self.device)
         if self.backend == "triton" and self.device.type == "cuda":
             self.backend = self._checked_kernel(settings.attention_backend)
-        cuda_graphs = settings.cuda_graphs
-        if cuda_graphs not in ("on", "off"):
-            raise ValueError(f"cuda_graphs must be on or off, got {cuda_graphs!r}")
         if static_decode and self.backend != "triton":
             raise ValueError("static_decode needs the triton attention backend")
-        self.cuda_graphs = cuda_graphs
+        self.cuda_graphs = settings.cuda_graphs
         self.static_decode = static_decode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
@@ -211,7 +200,7 @@ class ModelRunner:
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
-        from services.engine.executor.kernels import self_check
+        from services.engine.executor.kernels.paged_attention import self_check
 
         why = self_check(
             self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
@@ -289,7 +278,7 @@ class ModelRunner:
             assert self._static is not None
             try:
                 with torch.inference_mode():
-                    self._static.capture(self._forward_all)
+                    self._static.capture(self._forward)
             except Exception as exc:  # e.g. an operation of the model's code that cannot be captured
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs: capture failed, every step runs eagerly: %s", why)
@@ -350,7 +339,7 @@ class ModelRunner:
             )
             prev = (rows, src, prev_tokens) if pending and prev_tokens is not None else None
             blocks = [r.block_ids for r, _ in decodes]
-            all_logits = static.run(ids, pos, slots, blocks, prev, self._forward_all)
+            all_logits = static.run(ids, pos, slots, blocks, prev, self._forward)
             logits = all_logits.index_select(0, keep)
         else:
             extra = [row for _, _, rows in prompt_rows for row in rows]
@@ -413,8 +402,8 @@ class ModelRunner:
             [a for a, _ in pending],
             [b for _, b in pending],
         ]
-        ctx_blocks = [self._ctx_blocks(r.block_ids, r.num_computed_tokens + n) for r, n in prefills]
-        parts.extend(ctx_blocks)
+        # The blocks holding each prefill chunk's tokens and the context before them.
+        parts.extend(r.block_ids[: -(-(r.num_computed_tokens + n) // self.block_size)] for r, n in prefills)
         table = self._decode_table(decodes) if decodes else np.zeros((0, 0), dtype=np.int64)
         if decodes and not triton:
             parts.extend([table.reshape(-1), [r.num_computed_tokens + 1 for r, _ in decodes]])
@@ -437,26 +426,23 @@ class ModelRunner:
             assert prev_tokens is not None
             input_ids = input_ids.clone()
             input_ids[0, rows] = prev_tokens.index_select(0, src).to(input_ids.dtype)
-        with self._sdpa_backends():
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=pos_t[None],
-                use_cache=False,
-                logits_to_keep=keep,
-                **{META_KWARG: meta},
-            )
-        return out.logits[0]  # (N, V) in packed order
+        return self._forward(input_ids, pos_t[None], meta, keep)  # (N, V) in packed order
 
-    def _forward_all(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, meta: StepMeta
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        meta: StepMeta,
+        keep: torch.Tensor | int = 0,
     ) -> torch.Tensor:
-        """The forward of a padded decode batch: logits (G, V) of every row (the shape a graph needs)."""
+        """The logits of the rows `keep`; by default those of every row, (G, V) for a padded decode batch
+        (the shape a graph needs)."""
         with self._sdpa_backends():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=0,
+                logits_to_keep=keep,
                 **{META_KWARG: meta},
             )
         return out.logits[0]
@@ -513,10 +499,6 @@ class ModelRunner:
             if p0 + n == r.num_tokens + drafts:
                 keep.extend((r, len(ids) - 1 - j) for j in range(drafts, -1, -1))
         return ids, pos, slots, keep
-
-    def _ctx_blocks(self, block_ids: list[int], length: int) -> list[int]:
-        """The blocks holding the first `length` tokens of a prefill with a cached context ([] without)."""
-        return block_ids[: -(-length // self.block_size)] if length else []
 
     def _meta(
         self,

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -145,12 +146,8 @@ def check_quantization(method: str, device: torch.device) -> None:
     """Raises ValueError when `method` is unknown or cannot run on `device` (fp8 off a recent GPU)."""
     if method not in METHODS:
         raise ValueError(f"quantization must be one of {', '.join(METHODS)}, got {method!r}")
-    if method == "fp8":
-        check_fp8_device(device)
-
-
-def check_fp8_device(device: torch.device) -> None:
-    """Raises ValueError unless `device` is a CUDA GPU of compute capability 8.9 or newer."""
+    if method != "fp8":
+        return
     if device.type == "cuda" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability(device)
         if capability >= FP8_MIN_CAPABILITY:
@@ -162,11 +159,6 @@ def check_fp8_device(device: torch.device) -> None:
         "quantization fp8 needs a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper); "
         f"this device is {where}"
     )
-
-
-def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The activations' dtype in the int8 matmuls: the model's half dtype, else bf16."""
-    return model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
 
 
 def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,14 +231,16 @@ def _quantize_int8(model: nn.Module, device: torch.device) -> int:
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not targets:
         return 0
-    dtype = compute_dtype(targets[0][1].weight.dtype)
-    kernels: dict[str, int] = {}
+    # The activations' dtype in the int8 matmuls: the model's half dtype, else bf16.
+    model_dtype = targets[0][1].weight.dtype
+    dtype = model_dtype if model_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    kernels: Counter[str] = Counter()
     for name, linear in targets:
         qdata, scale = int8_per_channel(linear.weight)
         bias = None if linear.bias is None else linear.bias.detach()
         kernel = few_row_kernel(device, dtype, linear.out_features, linear.in_features)
-        kernels[kernel] = kernels.get(kernel, 0) + 1
-        _set_module(model, name, Int8Linear(qdata, scale.to(dtype), bias, kernel))
+        kernels[kernel] += 1
+        model.set_submodule(name, Int8Linear(qdata, scale.to(dtype), bias, kernel))
     log.info(
         "int8 weight-only: %d linear layers; below %d rows %s; else %s after conversion",
         len(targets),
@@ -274,9 +268,3 @@ def _quantize_fp8(model: nn.Module) -> int:
     )
     log.info("fp8: %d linear layers, float8 e4m3 weights and per-row dynamic activations", count)
     return count
-
-
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

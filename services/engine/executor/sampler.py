@@ -146,10 +146,7 @@ class Sampler:
         lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
         tokens = self._to_device(list(targets), torch.long)  # (R,)
         chosen = lp.gather(1, tokens[:, None])[:, 0]
-        top_vals, top_ids = lp.topk(k, dim=-1)  # (R, k)
-        parts = (tokens, chosen, top_ids.reshape(-1), top_vals.reshape(-1))
-        packed = torch.cat([t.to(torch.float64) for t in parts])
-        return SampleHandle(tokens, packed, n, _LogprobLayout(list(range(n)), k, [k] * n))
+        return _with_logprobs(tokens, lp, chosen, _LogprobLayout(list(range(n)), k, [k] * n))
 
     def verify(
         self, logits: torch.Tensor, reqs: Sequence[Request], drafts: Sequence[Sequence[int]]
@@ -226,8 +223,11 @@ class Sampler:
         lp_rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs > 0]
         if not lp_rows:
             return SampleHandle(tokens, tokens, n, None)
-        packed, layout = self._logprobs(raw, tokens, reqs, lp_rows)
-        return SampleHandle(tokens, packed, n, layout)
+        idx = self._to_device(lp_rows, torch.long)
+        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)  # (R, V)
+        chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
+        wanted = [reqs[i].sampling.logprobs for i in lp_rows]
+        return _with_logprobs(tokens, lp, chosen, _LogprobLayout(lp_rows, max(wanted), wanted))
 
     def _to_device(self, values: Sequence[float] | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor of host values on the sampler's device without a blocking copy (pinned staging
@@ -373,17 +373,13 @@ class Sampler:
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         return torch.empty_like(x).scatter_(1, order, sorted_x)
 
-    def _logprobs(
-        self, raw: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request], rows: list[int]
-    ) -> tuple[torch.Tensor, _LogprobLayout]:
-        """The packed result: float64 [sampled ids (N), chosen log-probs (R), top-k ids (R*k), top-k
-        log-probs (R*k)] (ids below 2**53 are exact), and where each part sits."""
-        idx = self._to_device(rows, torch.long)
-        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)  # (R, V)
-        chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0]
-        wanted = [reqs[i].sampling.logprobs for i in rows]
-        k = max(wanted)
-        top_vals, top_ids = lp.topk(k, dim=-1)
-        parts = (tokens, chosen, top_ids.reshape(-1), top_vals.reshape(-1))
-        packed = torch.cat([t.to(torch.float64) for t in parts])
-        return packed, _LogprobLayout(rows, k, wanted)
+
+def _with_logprobs(
+    tokens: torch.Tensor, lp: torch.Tensor, chosen: torch.Tensor, layout: _LogprobLayout
+) -> SampleHandle:
+    """The handle of `tokens` (N,) with the log-probabilities of rows `layout.rows` (`lp`, (R, V); `chosen`,
+    (R,) those of their tokens) and their top `layout.k`, packed as float64 [tokens (N), chosen (R), top-k
+    ids (R*k), top-k log-probs (R*k)] (ids below 2**53 are exact)."""
+    top_vals, top_ids = lp.topk(layout.k, dim=-1)
+    parts = (tokens, chosen, top_ids.reshape(-1), top_vals.reshape(-1))
+    return SampleHandle(tokens, torch.cat([t.to(torch.float64) for t in parts]), len(tokens), layout)

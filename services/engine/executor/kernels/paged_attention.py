@@ -211,36 +211,6 @@ def _check_shapes(
     return b, h, hkv, d
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_size: int,
-    scale: float,
-    sliding_window: int = 0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per row over its cached context, read through the block table.
-
-    query (B, H, D) after RoPE; k_pool / v_pool (num_slots, Hkv, D) with slot = block * block_size +
-    offset, in the query's dtype or float8 e4m3 (loaded and converted to fp32, scale 1.0);
-    block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
-    int32, the context length including the new token, whose K/V must already be in the pool (0 = a
-    padding row: its output is zeros and nothing of it is read); sliding_window 0 = none, else a row
-    sees the keys at positions > pos - window. Query head h uses KV head h // (H / Hkv). Returns (B, H,
-    D) in the query's dtype, written into `out` when given. Accumulates in fp32. Never synchronises
-    with the device, so it can be captured in a CUDA graph.
-    """
-    splits = default_num_splits(
-        query.shape[0], k_pool.shape[1], block_tables.shape[1] * block_size, query.device
-    )
-    return paged_decode_attention_splits(
-        query, k_pool, v_pool, block_tables, seq_lens, block_size, scale, sliding_window, out, splits
-    )
-
-
 @functools.cache
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -260,7 +230,7 @@ def default_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.de
     return max(1, min(16, -(-sms // programs), max_len // 256))
 
 
-def paged_decode_attention_splits(
+def paged_decode_attention(
     query: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
@@ -270,11 +240,27 @@ def paged_decode_attention_splits(
     scale: float,
     sliding_window: int = 0,
     out: torch.Tensor | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """`paged_decode_attention` with each row's visible context split over `num_splits` programs per
-    (row, KV head), whose partial softmax results a second kernel combines (num_splits 1: one kernel,
-    no partials). The result does not depend on `num_splits` beyond rounding."""
+    """Attention of one new token per row over its cached context, read through the block table.
+
+    query (B, H, D) after RoPE; k_pool / v_pool (num_slots, Hkv, D) with slot = block * block_size +
+    offset, in the query's dtype or float8 e4m3 (loaded and converted to fp32, scale 1.0);
+    block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
+    int32, the context length including the new token, whose K/V must already be in the pool (0 = a
+    padding row: its output is zeros and nothing of it is read); sliding_window 0 = none, else a row
+    sees the keys at positions > pos - window. Query head h uses KV head h // (H / Hkv). Returns (B, H,
+    D) in the query's dtype, written into `out` when given. Accumulates in fp32. Never synchronises
+    with the device, so it can be captured in a CUDA graph.
+
+    Each row's visible context is split over `num_splits` programs per (row, KV head), whose partial
+    softmax results a second kernel combines (1: one kernel, no partials; None: `default_num_splits`).
+    The result does not depend on `num_splits` beyond rounding.
+    """
+    if num_splits is None:
+        num_splits = default_num_splits(
+            query.shape[0], k_pool.shape[1], block_tables.shape[1] * block_size, query.device
+        )
     b, h, hkv, d = _check_shapes(query, k_pool, v_pool, block_tables, seq_lens)
     if out is None:
         out = torch.empty((b, h, d), dtype=query.dtype, device=query.device)
