@@ -17,21 +17,9 @@ import pytest
 
 from sluice.launcher import STAGES
 from tests.e2e.conftest import Pipeline, start_pipeline
-from tests.e2e.test_faults import WAIT_S, _others_unchanged, _recovered, _status
+from tests.e2e.test_faults import WAIT_S, _others_unchanged, _recovered, _status, standbys
 
 pytestmark = pytest.mark.e2e
-
-
-def standbys(pipeline: Pipeline) -> dict[str, list[psutil.Process]]:
-    """The launcher's standby processes by stage kind (`python -m sluice.launcher standby KIND FD`); one
-    handed over keeps that command line, but it is then a replica, with a start line of its own."""
-    found: dict[str, list[psutil.Process]] = {}
-    replicas = set(pipeline.pids().values())
-    for proc in psutil.Process(pipeline.proc.pid).children():
-        with_args = proc.cmdline()
-        if "sluice.launcher" in with_args and "standby" in with_args and proc.pid not in replicas:
-            found.setdefault(with_args[-2], []).append(proc)
-    return found
 
 
 def ready(standby: psutil.Process) -> bool:
