@@ -27,8 +27,20 @@ port), each check given `--health-timeout-s`. A child that has served and then a
 SERVING, or nothing at all (a hung or SIGSTOPped process), for longer than `--unhealthy-restart-s`
 (default 10) is restarted: SIGTERM (and SIGCONT, so a stopped process can act on it), SIGKILL after
 KILL_GRACE_S, then the restart policy as for a death. So is a restarted child that has not answered
-SERVING within `--startup-timeout` of its restart. An engine whose step loop failed stays alive and
-NOT_SERVING (services/engine/server.py), so this is what replaces it.
+SERVING within `--startup-timeout` of its restart. An engine whose step loop failed recovers in its
+own process, NOT_SERVING for a moment, within its budget (`loop_recoveries`); past it, it stays alive
+and NOT_SERVING for good (services/engine/server.py), so this is what replaces it.
+
+Warm standbys: a cold start pays the imports again (the engine's torch, torch._dynamo and transformers:
+about 4.5 s of its 5.4 s start on an idle 2-core machine, three times that on a loaded one), so with
+`--standby N` (default 1; 0 = off) the launcher keeps N standbys per stage kind: a `Standby` is a child
+(`python -m sluice.launcher standby KIND`) that imports what the service will, says so on a pipe and
+waits on its stdin. A restart of a replica hands the dead replica's arguments to a ready standby of its
+kind, which becomes it (the start line says "from a standby"; its pid is the standby's); with none
+ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
+only when every replica of that kind has answered SERVING (their imports never compete with a start).
+They count for nothing in health or readiness, print nothing unless they fail, get SIGTERM when the
+launcher dies (as children do) and are stopped with the children.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the

@@ -198,6 +198,25 @@ def test_a_served_child_that_stops_answering_is_terminated_then_killed_and_resta
     assert supervisor.procs["engine"].signals == []
 
 
+def test_standbys_are_started_only_for_kinds_whose_replicas_all_serve() -> None:
+    """A stage kind is settled (its standbys may start) when every replica of it has answered SERVING in
+    its current run; a dead one, due a restart or restarted and not serving yet, unsettles its kind. The
+    gateway has no standby."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine", "gateway"])
+    watcher = Watcher(supervisor, POLICY, now=0.0)
+    assert watcher.settled_kinds() == set()
+    for name in ("tokenizer", "engine", "gateway"):
+        watcher.on_health(name, supervisor.procs[name].pid, True, 1.0)
+    assert watcher.settled_kinds() == {"tokenizer", "engine"}
+    supervisor.kill("engine")
+    assert watcher.check(2.0) is None
+    assert watcher.settled_kinds() == {"tokenizer"}  # due a restart
+    assert watcher.check(2.5) is None and supervisor.starts.count("engine") == 2
+    assert watcher.settled_kinds() == {"tokenizer"}  # restarted, not serving yet
+    watcher.on_health("engine", supervisor.procs["engine"].pid, True, 3.0)
+    assert watcher.settled_kinds() == {"tokenizer", "engine"}
+
+
 class _Recorded(_Exited):
     """A stand-in that exits on SIGTERM and logs `(name, signal)` in a shared list."""
 
@@ -397,3 +416,11 @@ def test_a_child_that_had_served_is_restarted_without_growing_backoff() -> None:
     assert tracker.on_exit(4.0, served=True) is None
     crashing = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
     assert [crashing.on_exit(float(t), served=t == 2) for t in range(4)] == [0.5, 1.0, 0.5, 4.0]
+
+
+def test_standby_defaults_to_one_and_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.parse_args([]).standby == 1
+    assert launcher.parse_args(["--standby", "0"]).standby == 0
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--standby", "-1"])
+    assert "--standby must be at least 0" in capsys.readouterr().err
