@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.launcher import STAGES
 from tests.e2e.conftest import Pipeline, launch_pipeline, start_pipeline
-from tests.e2e.test_restart import _one_generation, _wait_ready
+from tests.e2e.test_restart import _one_generation, _wait_ready, standbys
 
 pytestmark = pytest.mark.e2e
 
@@ -64,18 +64,6 @@ async def _recovered(pipeline: Pipeline) -> None:
 def _others_unchanged(pipeline: Pipeline, before: dict[str, int], name: str) -> None:
     now = pipeline.pids()
     assert {k: v for k, v in now.items() if k != name} == {k: v for k, v in before.items() if k != name}
-
-
-def standbys(pipeline: Pipeline) -> dict[str, list[psutil.Process]]:
-    """The launcher's standby processes by stage kind (`python -m sluice.launcher standby KIND FD`); one
-    handed over keeps that command line, but it is then a replica, with a start line of its own."""
-    found: dict[str, list[psutil.Process]] = {}
-    replicas = set(pipeline.pids().values())
-    for proc in psutil.Process(pipeline.proc.pid).children():
-        with_args = proc.cmdline()
-        if "sluice.launcher" in with_args and "standby" in with_args and proc.pid not in replicas:
-            found.setdefault(with_args[-2], []).append(proc)
-    return found
 
 
 def test_an_engine_whose_loop_failed_recovers_then_past_its_budget_is_restarted(faulty: Pipeline) -> None:

@@ -17,7 +17,8 @@ import pytest
 
 from sluice.launcher import STAGES
 from tests.e2e.conftest import Pipeline, start_pipeline
-from tests.e2e.test_faults import WAIT_S, _others_unchanged, _recovered, _status, standbys
+from tests.e2e.test_faults import WAIT_S, _others_unchanged, _recovered, _status
+from tests.e2e.test_restart import standbys
 
 pytestmark = pytest.mark.e2e
 
