@@ -40,7 +40,8 @@ kind, which becomes it (the start line says "from a standby"; its pid is the sta
 ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
 only when every replica of that kind has answered SERVING (their imports never compete with a start).
 They count for nothing in health or readiness, print nothing unless they fail, get SIGTERM when the
-launcher dies (as children do) and are stopped with the children.
+launcher dies (as children do) and are stopped with the children. A standby that exits by itself (an
+import failing, say) turns standbys of its kind off, with a line saying so: no crash loop of spares.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
@@ -551,6 +552,8 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.standby = standby
         self.standbys: dict[str, list[Standby]] = {}
+        self._standby_off: set[str] = set()  # kinds whose standby failed
+        self._retired: list[Standby] = []  # stopped standbys, reaped by `stop`
         self._preexec = _parent_death_signal()
 
     def start(self) -> None:
@@ -575,13 +578,28 @@ class Supervisor:
         return [sys.executable, "-m", "sluice.cli", *child.argv]
 
     def top_up_standbys(self, kinds: set[str]) -> None:
-        """Starts standbys of each of `kinds` (stage kinds) up to `standby` of them; drops those that
-        exited (a standby never restarts by itself: the next top-up replaces it)."""
-        for kind in kinds:
+        """Starts standbys of each of `kinds` (stage kinds) up to `standby` of them. A standby that exits
+        by itself, or cannot be started, turns standbys of its kind off (no crash loop of spares): its
+        replicas restart cold from then on."""
+        for kind in kinds - self._standby_off:
             spares = self.standbys.setdefault(kind, [])
-            spares[:] = [spare for spare in spares if spare.poll() is not None]
-            while len(spares) < self.standby:
-                spares.append(Standby(kind, self.env, self._preexec))
+            try:
+                for spare in spares:
+                    if spare.poll() is None:
+                        raise OSError(f"it exited with {describe_exit(spare.proc.poll() or 0)}")
+                while len(spares) < self.standby:
+                    spares.append(Standby(kind, self.env, self._preexec))
+            except OSError as exc:
+                print(
+                    f"sluice up: a {kind} standby failed ({exc}); {kind} replicas restart cold from now on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._standby_off.add(kind)
+                for spare in spares:
+                    spare.stop()
+                self._retired += spares
+                self.standbys[kind] = []
 
     def _ready_standby(self, kind: str) -> Standby | None:
         """Takes a ready standby of `kind` out of the pool, or None (none, or none done importing)."""
@@ -638,8 +656,8 @@ class Supervisor:
         group gets SIGTERM, then SIGKILL once STOP_GRACE_S has passed."""
         gateway = [name for name in self.procs if name == "gateway"]
         stages = [name for name in self.procs if name != "gateway"]
-        spares = [spare for kind in self.standbys.values() for spare in kind]
-        self.standbys = {}
+        spares = [spare for kind in self.standbys.values() for spare in kind] + self._retired
+        self.standbys, self._retired = {}, []
         for spare in spares:
             spare.stop()
         for group in (gateway, stages):

@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import psutil
@@ -437,3 +437,42 @@ def test_standby_defaults_to_one_and_refuses_a_negative_count(capsys: pytest.Cap
     with pytest.raises(SystemExit):
         launcher.parse_args(["--standby", "-1"])
     assert "--standby must be at least 0" in capsys.readouterr().err
+
+
+class _FakeStandby:
+    """A stand-in for a `Standby`: `poll()` gives `state` (True ready, False importing, None exited)."""
+
+    made: ClassVar[list[_FakeStandby]] = []
+
+    def __init__(self, kind: str, env: dict[str, str], preexec: object) -> None:
+        self.kind, self.state, self.stopped = kind, False, False
+        self.proc = _Exited(pid=1000 + len(self.made), code=None)
+        self.made.append(self)
+
+    def poll(self) -> bool | None:
+        return self.state
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_standby_that_exits_by_itself_turns_its_kind_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Top-ups keep one standby per settled kind; one that exits (an import failing, say) is not
+    replaced, its kind restarts cold from then on, and the line says so; other kinds keep theirs."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    _FakeStandby.made = []
+    supervisor = Supervisor([Child(n, 0, ()) for n in ("tokenizer", "engine")], env={}, standby=1)
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert sorted(s.kind for s in _FakeStandby.made) == ["engine", "tokenizer"]
+    engine = supervisor.standbys["engine"][0]
+    engine.state, engine.proc.code = None, 1
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert supervisor.standbys["engine"] == [] and engine.stopped
+    assert "a engine standby failed (it exited with code 1); engine replicas restart cold" in (
+        capsys.readouterr().err
+    )
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert len(_FakeStandby.made) == 2 and len(supervisor.standbys["tokenizer"]) == 1
