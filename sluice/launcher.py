@@ -563,12 +563,12 @@ class Supervisor:
     def start_child(self, child: Child) -> None:
         """Starts (or starts again) one child, from a ready standby of its kind when there is one, and
         prints its pid. The child gets SIGTERM if the launcher dies (see `_parent_death_signal`)."""
-        standby = self._ready_standby(child.kind)
-        if standby is None:
+        standby, proc, how = self._ready_standby(child.kind), None, ""
+        if standby is not None:
+            with contextlib.suppress(OSError):  # it died since it said ready: a cold start then
+                proc, how = standby.hand_over(child.argv), " from a standby"
+        if proc is None:
             proc = subprocess.Popen(self.command(child), env=self.env, preexec_fn=self._preexec)
-            how = ""
-        else:
-            proc, how = standby.hand_over(child.argv), " from a standby"
         self.procs[child.name] = proc
         print(f"sluice up: {child.name} started (pid {proc.pid}){how}", flush=True)
 
@@ -591,7 +591,7 @@ class Supervisor:
                     spares.append(Standby(kind, self.env, self._preexec))
             except OSError as exc:
                 print(
-                    f"sluice up: a {kind} standby failed ({exc}); {kind} replicas restart cold from now on",
+                    f"sluice up: the {kind} standby failed ({exc}); {kind} replicas restart cold from now on",
                     file=sys.stderr,
                     flush=True,
                 )

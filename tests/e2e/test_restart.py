@@ -471,8 +471,42 @@ def test_a_standby_that_exits_by_itself_turns_its_kind_off(
     engine.state, engine.proc.code = None, 1
     supervisor.top_up_standbys({"tokenizer", "engine"})
     assert supervisor.standbys["engine"] == [] and engine.stopped
-    assert "a engine standby failed (it exited with code 1); engine replicas restart cold" in (
+    assert "the engine standby failed (it exited with code 1); engine replicas restart cold" in (
         capsys.readouterr().err
     )
     supervisor.top_up_standbys({"tokenizer", "engine"})
     assert len(_FakeStandby.made) == 2 and len(supervisor.standbys["tokenizer"]) == 1
+
+
+def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ready standby of the child's kind is handed the child's arguments; one still importing is
+    left alone; one whose hand-over fails (it died since it said ready) gives way to a cold start."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    _FakeStandby.made = []
+    handed: list[list[str]] = []
+    engine = Child("engine", 0, ("--port", "1"))
+    supervisor = Supervisor([engine], env={}, standby=1)
+    supervisor.top_up_standbys({"engine"})
+    spare = supervisor.standbys["engine"][0]
+    supervisor.start_child(engine)  # still importing: cold
+    assert supervisor.procs["engine"].pid == 7 and supervisor.standbys["engine"] == [spare]
+    spare.state = True
+    spare.hand_over = lambda argv: handed.append(argv) or spare.proc  # type: ignore[attr-defined]
+    supervisor.start_child(engine)
+    assert handed == [["serve", "engine", "--port", "1"]]
+    assert supervisor.procs["engine"] is spare.proc and supervisor.standbys["engine"] == []
+    supervisor.top_up_standbys({"engine"})
+    broken = supervisor.standbys["engine"][0]
+    broken.state = True
+
+    def hand_over(argv: list[str]) -> None:
+        raise BrokenPipeError("the standby is gone")
+
+    broken.hand_over = hand_over  # type: ignore[attr-defined]
+    supervisor.start_child(engine)
+    assert supervisor.procs["engine"].pid == 7
+    out = capsys.readouterr().out
+    assert out.count("engine started (pid 7)\n") == 2 and f"(pid {spare.proc.pid}) from a standby" in out
