@@ -34,10 +34,10 @@ async def create_server(settings: EngineSettings) -> ServerHandle[grpc.aio.Serve
     engine_metrics = metrics.EngineMetrics()
     engine = await AsyncEngine.build(lambda: _observed_engine(settings, engine_metrics))
     server, health = grpc_server.new_server([SERVICE_NAME])
-    _report_health(engine, health, engine_metrics, settings)
     # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
     decoding.add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(engine))
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
+    _report_health(engine, health, engine_metrics, settings, port)
 
     async def release() -> None:
         await asyncio.to_thread(engine.stop)
@@ -50,6 +50,7 @@ def _report_health(
     health: ServiceHealth,
     engine_metrics: metrics.EngineMetrics,
     settings: EngineSettings,
+    port: int,
 ) -> None:
     """Follows the engine's loop in the health service: NOT_SERVING while a failed loop is rebuilt,
     SERVING again once it serves (counted in `sluice_engine_loop_recoveries_total`), and NOT_SERVING for
@@ -63,7 +64,7 @@ def _report_health(
         "Failures of the engine's step loop recovered in-process (requests ended, model kept).",
         registry=engine_metrics.registry,
     )
-    where = f"engine on port {settings.port} (pid {os.getpid()})"
+    where = f"engine on port {port} (pid {os.getpid()})"
     budget = f"{settings.loop_recoveries} allowed within {settings.loop_recovery_window_s:g}s"
 
     async def apply(change: Callable[[], Awaitable[None]]) -> None:
