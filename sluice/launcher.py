@@ -27,8 +27,21 @@ port), each check given `--health-timeout-s`. A child that has served and then a
 SERVING, or nothing at all (a hung or SIGSTOPped process), for longer than `--unhealthy-restart-s`
 (default 10) is restarted: SIGTERM (and SIGCONT, so a stopped process can act on it), SIGKILL after
 KILL_GRACE_S, then the restart policy as for a death. So is a restarted child that has not answered
-SERVING within `--startup-timeout` of its restart. An engine whose step loop failed stays alive and
-NOT_SERVING (services/engine/server.py), so this is what replaces it.
+SERVING within `--startup-timeout` of its restart. An engine whose step loop failed recovers in its
+own process, NOT_SERVING for a moment, within its budget (`loop_recoveries`); past it, it stays alive
+and NOT_SERVING for good (services/engine/server.py), so this is what replaces it.
+
+Warm standbys: a cold start pays the imports again (the engine's torch, torch._dynamo and transformers:
+about 4.5 s of its 5.4 s start on an idle 2-core machine, three times that on a loaded one), so with
+`--standby N` (default 1; 0 = off) the launcher keeps N standbys per stage kind: a `Standby` is a child
+(`python -m sluice.launcher standby KIND`) that imports what the service will, says so on a pipe and
+waits on its stdin. A restart of a replica hands the dead replica's arguments to a ready standby of its
+kind, which becomes it (the start line says "from a standby"; its pid is the standby's); with none
+ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
+only when every replica of that kind has answered SERVING (their imports never compete with a start).
+They count for nothing in health or readiness, print nothing unless they fail, get SIGTERM when the
+launcher dies (as children do) and are stopped with the children. A standby that exits by itself (an
+import failing, say) turns standbys of its kind off, with a line saying so: no crash loop of spares.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
@@ -58,6 +71,8 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import importlib
+import json
 import math
 import os
 import signal
@@ -87,6 +102,19 @@ WATCH_INTERVAL_S = 0.2
 
 
 STAGES = ("tokenizer", "engine", "detokenizer")  # the order of their ports
+# What a standby imports before it waits: the service's modules and what its start-up imports later (for
+# the engine: the executor, hence torch, torch._dynamo through torch.nn.attention, and transformers).
+STANDBY_IMPORTS = {
+    "tokenizer": ("services.tokenizer.server",),
+    "engine": (
+        "services.engine.server",
+        "services.engine.executor.model_runner",
+        "services.engine.executor.sampler",
+        "services.engine.executor.grammar_mask",
+    ),
+    "detokenizer": ("services.detokenizer.server",),
+}
+STANDBY_DEFAULT = 1
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,11 @@ class Child:
     def kind(self) -> str:
         """The service this child runs: tokenizer, engine, detokenizer or gateway."""
         return self.service or self.name
+
+    @property
+    def argv(self) -> list[str]:
+        """The `sluice` command's arguments that run this child."""
+        return ["serve", self.kind, *self.flags]
 
 
 @dataclass(frozen=True)
@@ -226,7 +259,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="S",
         help="deadline of each health check of a child; no answer counts as not serving (default: 2)",
     )
+    add(
+        "--standby",
+        type=int,
+        default=STANDBY_DEFAULT,
+        metavar="N",
+        help="pre-started processes kept per stage kind, their imports done, each taking over the next "
+        "restart of a replica of its kind instead of a cold start (default: 1; 0 = cold restarts)",
+    )
     args = parser.parse_args(argv)
+    if args.standby < 0:
+        parser.error("--standby must be at least 0")
     for stage in STAGES:
         if getattr(args, f"{stage}s") < 1:
             parser.error(f"--{stage}s must be at least 1")
@@ -426,13 +469,91 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return set_signal
 
 
-class Supervisor:
-    """Owns the child processes: starts them, waits for health, stops them all exactly once."""
+class Standby:
+    """A pre-started process for one stage kind: `python -m sluice.launcher standby KIND FD` imports
+    STANDBY_IMPORTS[KIND], writes a line to the pipe FD (ready), then waits for one line on its stdin,
+    the JSON list of `sluice` arguments of the replica it is to become, and runs them in-process
+    (`hand_over`); end of input instead makes it exit 0. It prints nothing unless it fails, and gets
+    SIGTERM when the launcher dies, as the children do."""
 
-    def __init__(self, children: list[Child], env: dict[str, str] | None = None) -> None:
+    def __init__(self, kind: str, env: dict[str, str], preexec: Callable[[], None] | None) -> None:
+        self.kind = kind
+        ready_r, ready_w = os.pipe()
+        command = [sys.executable, "-m", "sluice.launcher", "standby", kind, str(ready_w)]
+        try:
+            self.proc = subprocess.Popen(
+                command, stdin=subprocess.PIPE, env=env, preexec_fn=preexec, pass_fds=(ready_w,)
+            )
+        finally:
+            os.close(ready_w)
+        os.set_blocking(ready_r, False)
+        self._ready_r: int | None = ready_r
+        self.ready = False
+
+    def poll(self) -> bool | None:
+        """True once its imports are done, False while they run, None when it has exited."""
+        if self.proc.poll() is not None:
+            self._close_pipe()
+            return None
+        if not self.ready and self._ready_r is not None:
+            with contextlib.suppress(BlockingIOError):
+                self.ready = bool(os.read(self._ready_r, 64))
+                self._close_pipe()
+        return self.ready
+
+    def hand_over(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """Makes the (ready) standby run `sluice ARGV`; returns its process, now the replica's."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(argv).encode() + b"\n")
+        self.proc.stdin.close()
+        return self.proc
+
+    def stop(self) -> None:
+        """Ends a standby that was not handed over: end of input, then SIGTERM (it may still import)."""
+        self._close_pipe()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def _close_pipe(self) -> None:
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
+
+
+def standby_main(argv: list[str]) -> int:
+    """The standby process (see `Standby`): `standby KIND READY_FD`."""
+    kind, ready_fd = argv[0], int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the launcher stops us
+    for module in STANDBY_IMPORTS[kind]:
+        importlib.import_module(module)
+    os.write(ready_fd, b"ready\n")
+    os.close(ready_fd)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    sys.stdin.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    from sluice.cli import main
+
+    return main(json.loads(line))
+
+
+class Supervisor:
+    """Owns the child processes: starts them, waits for health, stops them all exactly once. With
+    `standby` N, also keeps up to N `Standby` processes per stage kind (`top_up_standbys`): a start of a
+    child takes a ready one of its kind when there is one, else starts the child cold."""
+
+    def __init__(self, children: list[Child], env: dict[str, str] | None = None, standby: int = 0) -> None:
         self.children = children
         self.env = os.environ.copy() if env is None else env
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.standby = standby
+        self.standbys: dict[str, list[Standby]] = {}
+        self._standby_off: set[str] = set()  # kinds whose standby failed
+        self._retired: list[Standby] = []  # stopped standbys, reaped by `stop`
         self._preexec = _parent_death_signal()
 
     def start(self) -> None:
@@ -440,16 +561,54 @@ class Supervisor:
             self.start_child(child)
 
     def start_child(self, child: Child) -> None:
-        """Starts (or starts again) one child and prints its pid. The child gets SIGTERM if the
-        launcher dies (see `_parent_death_signal`)."""
-        proc = subprocess.Popen(self.command(child), env=self.env, preexec_fn=self._preexec)
+        """Starts (or starts again) one child, from a ready standby of its kind when there is one, and
+        prints its pid. The child gets SIGTERM if the launcher dies (see `_parent_death_signal`)."""
+        standby, proc, how = self._ready_standby(child.kind), None, ""
+        if standby is not None:
+            with contextlib.suppress(OSError):  # it died since it said ready: a cold start then
+                proc, how = standby.hand_over(child.argv), " from a standby"
+        if proc is None:
+            proc = subprocess.Popen(self.command(child), env=self.env, preexec_fn=self._preexec)
         self.procs[child.name] = proc
-        print(f"sluice up: {child.name} started (pid {proc.pid})", flush=True)
+        print(f"sluice up: {child.name} started (pid {proc.pid}){how}", flush=True)
 
     @staticmethod
     def command(child: Child) -> list[str]:
         """The command line that runs `child`."""
-        return [sys.executable, "-m", "sluice.cli", "serve", child.kind, *child.flags]
+        return [sys.executable, "-m", "sluice.cli", *child.argv]
+
+    def top_up_standbys(self, kinds: set[str]) -> None:
+        """Starts standbys of each of `kinds` (stage kinds) up to `standby` of them. A standby that exits
+        by itself, or cannot be started, turns standbys of its kind off (no crash loop of spares): its
+        replicas restart cold from then on."""
+        for kind in kinds - self._standby_off:
+            spares = self.standbys.setdefault(kind, [])
+            try:
+                for spare in spares:
+                    if spare.poll() is None:
+                        raise OSError(f"it exited with {describe_exit(spare.proc.poll() or 0)}")
+                while len(spares) < self.standby:
+                    spares.append(Standby(kind, self.env, self._preexec))
+            except OSError as exc:
+                print(
+                    f"sluice up: the {kind} standby failed ({exc}); {kind} replicas restart cold from now on",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                self._standby_off.add(kind)
+                for spare in spares:
+                    spare.stop()
+                self._retired += spares
+                self.standbys[kind] = []
+
+    def _ready_standby(self, kind: str) -> Standby | None:
+        """Takes a ready standby of `kind` out of the pool, or None (none, or none done importing)."""
+        spares = self.standbys.get(kind, [])
+        for spare in spares:
+            if spare.poll():
+                spares.remove(spare)
+                return spare
+        return None
 
     def dead_child(self) -> tuple[str, int] | None:
         dead = self.dead_children()
@@ -497,14 +656,23 @@ class Supervisor:
         group gets SIGTERM, then SIGKILL once STOP_GRACE_S has passed."""
         gateway = [name for name in self.procs if name == "gateway"]
         stages = [name for name in self.procs if name != "gateway"]
+        spares = [spare for kind in self.standbys.values() for spare in kind] + self._retired
+        self.standbys, self._retired = {}, []
+        for spare in spares:
+            spare.stop()
         for group in (gateway, stages):
             for name in group:
                 self.terminate(name)
             for name in group:
                 self._reap(name)
+        for spare in spares:
+            self._reap_process(spare.proc, f"the {spare.kind} standby")
 
     def _reap(self, name: str) -> None:
-        proc = self.procs[name]
+        self._reap_process(self.procs[name], name)
+
+    @staticmethod
+    def _reap_process(proc: subprocess.Popen[bytes], name: str) -> None:
         try:
             proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
@@ -571,6 +739,17 @@ class Watcher:
     def all_served(self) -> bool:
         """True once every child's current run has answered SERVING."""
         return all(run.served for run in self.runs.values())
+
+    def settled_kinds(self) -> set[str]:
+        """The stage kinds none of whose children is starting, due a restart or being stopped: every
+        current run has answered SERVING (standbys are started only then, so that their imports never
+        compete with a start)."""
+        busy = {
+            child.kind
+            for child in self.supervisor.children
+            if child.name in self.due or not self.runs[child.name].served or self.runs[child.name].kill_at
+        }
+        return {child.kind for child in self.supervisor.children if child.kind in STAGES} - busy
 
     def check(self, now: float) -> str | None:
         """Notes new deaths, stops unhealthy children and starts those whose backoff has passed;
@@ -711,6 +890,8 @@ async def _watch(
             if not ready and watcher.all_served():
                 ready = True
                 on_ready()
+            if ready:
+                watcher.supervisor.top_up_standbys(watcher.settled_kinds())
             if not ready and now > deadline:
                 late = ", ".join(name for name, run in watcher.runs.items() if not run.served)
                 print(f"sluice up: not healthy after {startup_timeout_s:.0f}s: {late}", file=sys.stderr)
@@ -742,7 +923,7 @@ async def _run(args: argparse.Namespace) -> int:
     warning = ephemeral_warning(planned_ports(args), ephemeral_ports())
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)
-    supervisor = Supervisor(children, child_env(args, os.environ.copy()))
+    supervisor = Supervisor(children, child_env(args, os.environ.copy()), standby=args.standby)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -766,3 +947,7 @@ async def _run(args: argparse.Namespace) -> int:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     return asyncio.run(_run(args))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["standby"]:
+    raise SystemExit(standby_main(sys.argv[2:]))

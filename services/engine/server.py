@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import signal
+from collections.abc import Awaitable, Callable
 
 import grpc
+from prometheus_client import Counter
 
 from services.common import decoding, grpc_server, metrics, telemetry
 from services.common.grpc_server import ServerHandle, ServiceHealth
@@ -32,10 +34,10 @@ async def create_server(settings: EngineSettings) -> ServerHandle[grpc.aio.Serve
     engine_metrics = metrics.EngineMetrics()
     engine = await AsyncEngine.build(lambda: _observed_engine(settings, engine_metrics))
     server, health = grpc_server.new_server([SERVICE_NAME])
-    _report_fatal(engine, health)
     # A corrupt request is INVALID_ARGUMENT (gRPC's own decoding answers UNKNOWN).
     decoding.add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(engine))
     port = grpc_server.bind(server, settings.host, settings.port, grpc_server.server_credentials(settings))
+    _report_health(engine, health, engine_metrics, settings, port)
 
     async def release() -> None:
         await asyncio.to_thread(engine.stop)
@@ -43,27 +45,62 @@ async def create_server(settings: EngineSettings) -> ServerHandle[grpc.aio.Serve
     return ServerHandle(server, port, engine, health, engine_metrics, release)
 
 
-def _report_fatal(engine: AsyncEngine, health: ServiceHealth) -> None:
-    """Marks the service NOT_SERVING for good if the engine's loop stops after an unrecoverable failure."""
+def _report_health(
+    engine: AsyncEngine,
+    health: ServiceHealth,
+    engine_metrics: metrics.EngineMetrics,
+    settings: EngineSettings,
+    port: int,
+) -> None:
+    """Follows the engine's loop in the health service: NOT_SERVING while a failed loop is rebuilt,
+    SERVING again once it serves (counted in `sluice_engine_loop_recoveries_total`), and NOT_SERVING for
+    good after a failure it cannot recover from (AsyncEngine's module docstring). The changes are applied
+    in order, one at a time."""
     loop = asyncio.get_running_loop()
+    order = asyncio.Lock()
     tasks: set[asyncio.Task[None]] = set()
+    recoveries = Counter(
+        "sluice_engine_loop_recoveries_total",
+        "Failures of the engine's step loop recovered in-process (requests ended, model kept).",
+        registry=engine_metrics.registry,
+    )
+    where = f"engine on port {port} (pid {os.getpid()})"
+    budget = f"{settings.loop_recoveries} allowed within {settings.loop_recovery_window_s:g}s"
 
-    def mark_failed() -> None:
-        task = loop.create_task(health.set_failed())
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+    async def apply(change: Callable[[], Awaitable[None]]) -> None:
+        async with order:
+            await change()
+
+    def later(change: Callable[[], Awaitable[None]]) -> None:
+        def schedule() -> None:
+            task = loop.create_task(apply(change))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody asks for health
+            loop.call_soon_threadsafe(schedule)
+
+    def on_failed(reason: str) -> None:
+        log.error("%s: step loop failed, rebuilding it: %s", where, reason)
+        later(lambda: health.set_serving(False))
+
+    def on_recovered(count: int) -> None:
+        recoveries.inc()
+        log.warning("%s: step loop recovered (recovery %d of %s)", where, count, budget)
+        later(lambda: health.set_serving(True))
 
     def on_fatal(reason: str) -> None:
-        log.error("engine unavailable: %s", reason)
-        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody asks for health
-            loop.call_soon_threadsafe(mark_failed)
+        log.error("%s: engine unavailable for good: %s", where, reason)
+        later(health.set_failed)
 
+    engine.on_recovery(on_failed, on_recovered)
     engine.on_fatal(on_fatal)
 
 
 def _install_fault_hook(engine: AsyncEngine) -> None:
-    """With SLUICE_FAULT_INJECTION=1 in the environment, SIGUSR1 makes the engine's loop fail as after an
-    unrecoverable failure: the process stays up, NOT_SERVING (docs/reliability.md, the chaos test)."""
+    """With SLUICE_FAULT_INJECTION=1 in the environment, SIGUSR1 makes the engine's loop fail (its
+    requests end `unavailable`): it recovers in-process within its budget, else the process stays up,
+    NOT_SERVING for good (docs/reliability.md, the chaos test)."""
     if os.environ.get("SLUICE_FAULT_INJECTION") == "1":
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.inject_fault)
 

@@ -128,6 +128,18 @@ class EngineSettings(StageTlsSettings):
     trace_step_sample_rate: float = field(
         default=0.0, metadata={"help": "share of engine steps traced, as spans linked to their requests"}
     )
+    loop_recoveries: int = field(
+        default=3,
+        metadata={
+            "help": "times the step loop may fail and be rebuilt in-process (its requests end unavailable, "
+            "the prefix cache is dropped, the model stays loaded) within loop_recovery_window_s; one "
+            "failure more, or a rebuild that fails, leaves the engine NOT_SERVING for good, for its "
+            "supervisor to restart (0: the first failure does)"
+        },
+    )
+    loop_recovery_window_s: float = field(
+        default=60.0, metadata={"help": "the window of loop_recoveries, in seconds"}
+    )
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
@@ -164,6 +176,10 @@ class EngineSettings(StageTlsSettings):
             raise ValueError("report_interval_ms must be >= 0")
         if not 0.0 <= self.trace_step_sample_rate <= 1.0:
             raise ValueError("trace_step_sample_rate must be between 0 and 1")
+        if self.loop_recoveries < 0:
+            raise ValueError("loop_recoveries must be >= 0")
+        if self.loop_recovery_window_s <= 0:
+            raise ValueError("loop_recovery_window_s must be > 0")
 
     def _validate_speculative(self) -> None:
         """Checked whether speculation is on or not, so that a setting is never wrong in one mode only.

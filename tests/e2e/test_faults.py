@@ -1,7 +1,8 @@
 """Faults that leave a stage's process alive, and deaths around start-up, under a real `sluice up`:
 
-- an engine whose step loop failed (the fault hook: SLUICE_FAULT_INJECTION=1 and SIGUSR1) stays up and
-  NOT_SERVING; the launcher's health checks find it and restart it;
+- an engine whose step loop failed (the fault hook: SLUICE_FAULT_INJECTION=1 and SIGUSR1) recovers in
+  its process, within its budget (loop_recoveries, 3 within 60 s); one failure more leaves it up and
+  NOT_SERVING for good, and the launcher's health checks find it and restart it;
 - a SIGSTOPped stage answers nothing; the launcher sends SIGTERM, then SIGKILL, and restarts it;
 - a stage killed after it served but before `sluice up` said ready is restarted, not a failed start-up;
 - children do not outlive a launcher killed with SIGKILL.
@@ -22,8 +23,9 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from sluice.launcher import STAGES
 from tests.e2e.conftest import Pipeline, launch_pipeline, start_pipeline
-from tests.e2e.test_restart import _one_generation, _wait_ready
+from tests.e2e.test_restart import _one_generation, _wait_ready, standbys
 
 pytestmark = pytest.mark.e2e
 
@@ -64,11 +66,22 @@ def _others_unchanged(pipeline: Pipeline, before: dict[str, int], name: str) -> 
     assert {k: v for k, v in now.items() if k != name} == {k: v for k, v in before.items() if k != name}
 
 
-def test_an_engine_whose_loop_failed_is_restarted(faulty: Pipeline) -> None:
+def test_an_engine_whose_loop_failed_recovers_then_past_its_budget_is_restarted(faulty: Pipeline) -> None:
+    """Three loop failures recover in the engine's own process (same pid, SERVING again, a generation
+    completes); the fourth within 60 s leaves it NOT_SERVING for good, and the launcher restarts it."""
     before = faulty.pids()
     engine = psutil.Process(before["engine"])
-    engine.send_signal(signal.SIGUSR1)
     address = f"127.0.0.1:{faulty.grpc_base_port + 2}"
+    for n in range(1, 4):
+        engine.send_signal(signal.SIGUSR1)
+        recovered = f"(pid {engine.pid}): step loop recovered (recovery {n} of 3 allowed within 60s)"
+        deadline = time.monotonic() + WAIT_S
+        while recovered not in faulty.output():
+            assert time.monotonic() < deadline and engine.is_running(), faulty.output()[-3000:]
+            time.sleep(0.05)
+        asyncio.run(_recovered(faulty))
+    assert faulty.pids() == before
+    engine.send_signal(signal.SIGUSR1)
     deadline = time.monotonic() + WAIT_S
     while (status := _status(address)) != "NOT_SERVING":  # alive and failed, until the launcher acts
         assert time.monotonic() < deadline and engine.is_running(), status
@@ -117,8 +130,12 @@ def test_a_stage_killed_before_up_is_ready_is_restarted_and_no_child_outlives_up
             r"tokenizer exited with code -9 \(SIGKILL\)( during start-up)?; restarting", running.output()
         )
         asyncio.run(_recovered(running))
-        children = psutil.Process(running.proc.pid).children()
-        assert len(children) == 4
+        deadline = time.monotonic() + WAIT_S
+        while standbys(running).keys() != set(STAGES):  # a standby per stage kind, after the ready line
+            assert time.monotonic() < deadline, running.output()
+            time.sleep(0.05)
+        children = psutil.Process(running.proc.pid).children()  # the replicas and the standbys
+        assert len([c for c in children if c.pid in running.pids().values()]) == 4
     except BaseException:
         running.stop(signal.SIGTERM)
         raise

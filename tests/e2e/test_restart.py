@@ -17,7 +17,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import psutil
@@ -198,6 +198,25 @@ def test_a_served_child_that_stops_answering_is_terminated_then_killed_and_resta
     assert supervisor.procs["engine"].signals == []
 
 
+def test_standbys_are_started_only_for_kinds_whose_replicas_all_serve() -> None:
+    """A stage kind is settled (its standbys may start) when every replica of it has answered SERVING in
+    its current run; a dead one, due a restart or restarted and not serving yet, unsettles its kind. The
+    gateway has no standby."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine", "gateway"])
+    watcher = Watcher(supervisor, POLICY, now=0.0)
+    assert watcher.settled_kinds() == set()
+    for name in ("tokenizer", "engine", "gateway"):
+        watcher.on_health(name, supervisor.procs[name].pid, True, 1.0)
+    assert watcher.settled_kinds() == {"tokenizer", "engine"}
+    supervisor.kill("engine")
+    assert watcher.check(2.0) is None
+    assert watcher.settled_kinds() == {"tokenizer"}  # due a restart
+    assert watcher.check(2.5) is None and supervisor.starts.count("engine") == 2
+    assert watcher.settled_kinds() == {"tokenizer"}  # restarted, not serving yet
+    watcher.on_health("engine", supervisor.procs["engine"].pid, True, 3.0)
+    assert watcher.settled_kinds() == {"tokenizer", "engine"}
+
+
 class _Recorded(_Exited):
     """A stand-in that exits on SIGTERM and logs `(name, signal)` in a shared list."""
 
@@ -323,6 +342,18 @@ async def _one_generation(url: str) -> dict[str, Any]:
         return (await _ends(ws, ["one"]))["one"]
 
 
+def standbys(pipeline: Pipeline) -> dict[str, list[psutil.Process]]:
+    """The launcher's standby processes by stage kind (`python -m sluice.launcher standby KIND FD`); one
+    handed over keeps that command line, but it is then a replica, with a start line of its own."""
+    found: dict[str, list[psutil.Process]] = {}
+    replicas = set(pipeline.pids().values())
+    for proc in psutil.Process(pipeline.proc.pid).children():
+        with_args = proc.cmdline()
+        if "sluice.launcher" in with_args and "standby" in with_args and proc.pid not in replicas:
+            found.setdefault(with_args[-2], []).append(proc)
+    return found
+
+
 def _kill(pid: int) -> None:
     victim = psutil.Process(pid)
     victim.send_signal(signal.SIGKILL)
@@ -352,8 +383,9 @@ async def _kill_under_load(pipeline: Pipeline, stage: str) -> None:
     assert after["type"] == "done" and after["usage"]["completion_tokens"] > 0, after
     now = pipeline.pids()
     assert now == {**before, stage: restarted}, pipeline.output()
-    children = psutil.Process(pipeline.proc.pid).children()
-    assert {child.pid for child in children} == set(now.values())
+    children = psutil.Process(pipeline.proc.pid).children()  # the replicas and the warm standbys
+    spares = {proc.pid for procs in standbys(pipeline).values() for proc in procs}
+    assert {child.pid for child in children} - spares == set(now.values())
     assert f"{stage} exited with code -9" in pipeline.output()
 
 
@@ -397,3 +429,84 @@ def test_a_child_that_had_served_is_restarted_without_growing_backoff() -> None:
     assert tracker.on_exit(4.0, served=True) is None
     crashing = RestartTracker(RestartPolicy(max_restarts=4, window_s=60.0))
     assert [crashing.on_exit(float(t), served=t == 2) for t in range(4)] == [0.5, 1.0, 0.5, 4.0]
+
+
+def test_standby_defaults_to_one_and_refuses_a_negative_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.parse_args([]).standby == 1
+    assert launcher.parse_args(["--standby", "0"]).standby == 0
+    with pytest.raises(SystemExit):
+        launcher.parse_args(["--standby", "-1"])
+    assert "--standby must be at least 0" in capsys.readouterr().err
+
+
+class _FakeStandby:
+    """A stand-in for a `Standby`: `poll()` gives `state` (True ready, False importing, None exited)."""
+
+    made: ClassVar[list[_FakeStandby]] = []
+
+    def __init__(self, kind: str, env: dict[str, str], preexec: object) -> None:
+        self.kind, self.state, self.stopped = kind, False, False
+        self.proc = _Exited(pid=1000 + len(self.made), code=None)
+        self.made.append(self)
+
+    def poll(self) -> bool | None:
+        return self.state
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def test_a_standby_that_exits_by_itself_turns_its_kind_off(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Top-ups keep one standby per settled kind; one that exits (an import failing, say) is not
+    replaced, its kind restarts cold from then on, and the line says so; other kinds keep theirs."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    _FakeStandby.made = []
+    supervisor = Supervisor([Child(n, 0, ()) for n in ("tokenizer", "engine")], env={}, standby=1)
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert sorted(s.kind for s in _FakeStandby.made) == ["engine", "tokenizer"]
+    engine = supervisor.standbys["engine"][0]
+    engine.state, engine.proc.code = None, 1
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert supervisor.standbys["engine"] == [] and engine.stopped
+    assert "the engine standby failed (it exited with code 1); engine replicas restart cold" in (
+        capsys.readouterr().err
+    )
+    supervisor.top_up_standbys({"tokenizer", "engine"})
+    assert len(_FakeStandby.made) == 2 and len(supervisor.standbys["tokenizer"]) == 1
+
+
+def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A ready standby of the child's kind is handed the child's arguments; one still importing is
+    left alone; one whose hand-over fails (it died since it said ready) gives way to a cold start."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    _FakeStandby.made = []
+    handed: list[list[str]] = []
+    engine = Child("engine", 0, ("--port", "1"))
+    supervisor = Supervisor([engine], env={}, standby=1)
+    supervisor.top_up_standbys({"engine"})
+    spare = supervisor.standbys["engine"][0]
+    supervisor.start_child(engine)  # still importing: cold
+    assert supervisor.procs["engine"].pid == 7 and supervisor.standbys["engine"] == [spare]
+    spare.state = True
+    spare.hand_over = lambda argv: handed.append(argv) or spare.proc  # type: ignore[attr-defined]
+    supervisor.start_child(engine)
+    assert handed == [["serve", "engine", "--port", "1"]]
+    assert supervisor.procs["engine"] is spare.proc and supervisor.standbys["engine"] == []
+    supervisor.top_up_standbys({"engine"})
+    broken = supervisor.standbys["engine"][0]
+    broken.state = True
+
+    def hand_over(argv: list[str]) -> None:
+        raise BrokenPipeError("the standby is gone")
+
+    broken.hand_over = hand_over  # type: ignore[attr-defined]
+    supervisor.start_child(engine)
+    assert supervisor.procs["engine"].pid == 7
+    out = capsys.readouterr().out
+    assert out.count("engine started (pid 7)\n") == 2 and f"(pid {spare.proc.pid}) from a standby" in out

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 import torch
 
-from services.engine.core.block_manager import BlockManager
 from services.engine.core.engine import LLMEngine
 from services.engine.core.request import PLACEHOLDER, Request
 from services.engine.settings import EngineSettings
@@ -33,7 +32,7 @@ class FakeRunner:
         self.eos_ids = frozenset([FAKE_EOS])
         self.max_position_embeddings = max_len
         self.last_forward_s = 0.0
-        self.block_manager: BlockManager | None = None
+        self.engine: LLMEngine | None = None  # the engine it runs for: its block manager is checked
         self.steps: list[list[tuple[str, int]]] = []
         self.fail_next = False
         self.fed_from_device = 0  # decode rows whose input token came from the previous step's ids
@@ -49,8 +48,8 @@ class FakeRunner:
         if self.fail_next:
             self.fail_next = False
             raise RuntimeError("injected failure")
-        bm = self.block_manager
-        assert bm is not None
+        assert self.engine is not None
+        bm = self.engine.block_manager
         self.steps.append([(r.request_id, n) for r, n in scheduled])
         self.drafts.append([(r.request_id, list(r.draft_ids)) for r, _ in scheduled if r.draft_ids])
         rows: list[list[torch.Tensor]] = []
@@ -88,7 +87,7 @@ class FakeRunner:
 def fake_engine(num_blocks: int = 64, **settings: object) -> tuple[LLMEngine, FakeRunner]:
     runner = FakeRunner(num_blocks)
     engine = LLMEngine(EngineSettings(**settings), runner=runner)  # type: ignore[arg-type]
-    runner.block_manager = engine.block_manager
+    runner.engine = engine
     return engine, runner
 
 

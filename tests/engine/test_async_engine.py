@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from services.common.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_class
-from services.engine.core.async_engine import AsyncEngine
+from services.engine.core.async_engine import AsyncEngine, Report
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.core.scheduler import SchedulerOutput
 from tests.engine.fakes import expected_output, fake_engine
@@ -236,9 +236,10 @@ async def test_a_step_failing_after_the_model_fails_only_that_steps_requests() -
 
 
 async def test_a_failing_fail_all_ends_every_caller_and_reports_the_failure() -> None:
-    """When failing a broken step's requests raises too, the loop cannot go on: every caller gets an
-    `unavailable` final at once, later submits too, and the on_fatal callbacks learn why."""
-    core, _ = fake_engine(64)
+    """When failing a broken step's requests raises too and no recovery is allowed (loop_recoveries 0),
+    the loop cannot go on: every caller gets an `unavailable` final at once, later submits too, and the
+    on_fatal callbacks learn why."""
+    core, _ = fake_engine(64, loop_recoveries=0)
 
     def broken(*args: object) -> None:
         raise RuntimeError("broken engine")
@@ -270,6 +271,142 @@ async def test_a_failing_fail_all_ends_every_caller_and_reports_the_failure() ->
     late_reasons: list[str] = []
     eng.on_fatal(late_reasons.append)  # registered after the failure: called at once
     assert late_reasons == reasons
+
+
+def fail_after_next_token(eng: AsyncEngine) -> Callable[[], None]:
+    """Returns `arm()`: once armed, the loop fails (the fault hook) right after the next step that gave a
+    token, so the request that got it is still in flight when the loop fails."""
+    core, armed = eng.engine, threading.Event()
+    real_step = core.step
+
+    def step() -> list[RequestOutput]:
+        outputs = real_step()
+        if armed.is_set() and any(o.new_token_ids for o in outputs):
+            armed.clear()
+            eng.inject_fault()
+        return outputs
+
+    core.step = step  # type: ignore[method-assign]
+    return armed.set
+
+
+async def until_ended(caller) -> RequestOutput:  # type: ignore[no-untyped-def]
+    """The caller's next finished output (its outputs before are dropped)."""
+    while True:
+        for out in await asyncio.wait_for(caller.get(), 20):
+            if out.finished:
+                return out
+
+
+async def test_a_failed_loop_recovers_in_process_and_serves_again() -> None:
+    """A loop failure (the fault hook) within the budget: the request in flight ends `unavailable`, the
+    recovery callbacks learn it failed, a submit during the rebuild is refused `unavailable`, the free
+    list is full again with no cached block (a feed gets an empty snapshot), and the same caller's next
+    request completes exactly; on_fatal never runs."""
+    core, _ = fake_engine(64)
+    eng = AsyncEngine(core)
+    events: list[str] = []
+    rebuild = threading.Event()
+    real_reset = core.reset
+
+    def held_reset() -> None:  # the rebuild waits until the test has looked at the engine meanwhile
+        rebuild.wait(20)
+        real_reset()
+
+    core.reset = held_reset  # type: ignore[method-assign]
+    arm = fail_after_next_token(eng)
+    eng.on_recovery(lambda reason: events.append(f"failed: {reason}"), lambda n: events.append(f"back {n}"))
+    eng.on_fatal(lambda reason: events.append(f"fatal: {reason}"))
+    eng.start()
+    try:
+        feed = eng.open_feed()
+        assert (await asyncio.wait_for(feed.next(), 20)).snapshot
+        caller = eng.open_caller()
+        arm()
+        caller.submit("long", [5, 6, *range(10, 40)], SamplingParams(), StoppingParams(max_new_tokens=500))
+        ended = await until_ended(caller)
+        assert ended.request_id == "long"
+        assert error_class(ended.error or "") == UNAVAILABLE and "injected fault" in (ended.error or "")
+        stored: set[bytes] = set()
+        while len(stored) < 2:  # the prompt's two full blocks were cached and reported before the fault
+            stored |= set((await asyncio.wait_for(feed.next(), 20)).stored)
+        assert events == ["failed: engine loop stopped: injected fault"]
+        caller.submit("during", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3))
+        refused = await until_ended(caller)
+        assert refused.request_id == "during" and error_class(refused.error or "") == UNAVAILABLE
+        rebuild.set()
+        report: Report = await asyncio.wait_for(feed.next(), 20)
+        while not report.snapshot:
+            report = await asyncio.wait_for(feed.next(), 20)
+        assert report.stored == [] and report.load.kv_blocks_used == 0
+        caller.submit("after", [5, 7], SamplingParams(), StoppingParams(max_new_tokens=6))
+        caller.close_input()
+        got = await asyncio.wait_for(collect(caller), 20)
+    finally:
+        eng.stop()
+    assert [t for o in got["after"] for t in o.new_token_ids] == expected_output([5, 7], 6)
+    assert got["after"][-1].finish_reason == "length"
+    assert events == ["failed: engine loop stopped: injected fault", "back 1"]
+    assert eng.failure() is None
+    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    assert eng.stats().free_blocks == eng.stats().num_blocks
+
+
+async def test_a_loop_failing_past_its_budget_is_for_good() -> None:
+    """loop_recoveries 2 within the window: two failures recover, the third is for good (on_fatal,
+    later submits refused `unavailable`)."""
+    core, _ = fake_engine(64, loop_recoveries=2, loop_recovery_window_s=600.0)
+    eng = AsyncEngine(core)
+    arm = fail_after_next_token(eng)
+    recovered: list[int] = []
+    fatal: list[str] = []
+    eng.on_recovery(lambda reason: None, recovered.append)
+    eng.on_fatal(fatal.append)
+    eng.start()
+    try:
+        caller = eng.open_caller()
+        for n in range(3):
+            while len(recovered) < n:  # submits are refused while the loop is rebuilt
+                await asyncio.sleep(0.005)
+            arm()
+            caller.submit(f"r{n}", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=500))
+            ended = await until_ended(caller)
+            assert ended.request_id == f"r{n}" and error_class(ended.error or "") == UNAVAILABLE
+            assert "injected fault" in (ended.error or "")
+        for _ in range(1000):
+            if fatal:
+                break
+            await asyncio.sleep(0.005)
+        assert recovered == [1, 2]
+        assert fatal == [eng.failure()] and "2 recoveries within 600s already" in fatal[0]
+        caller.submit("late", [5], SamplingParams(), StoppingParams(max_new_tokens=2))
+        late = await until_ended(caller)
+        assert error_class(late.error or "") == UNAVAILABLE
+    finally:
+        eng.stop()
+
+
+async def test_a_rebuild_that_raises_is_for_good() -> None:
+    core, _ = fake_engine(64)
+    eng = AsyncEngine(core)
+    fatal: list[str] = []
+
+    def broken_reset() -> None:
+        raise RuntimeError("no rebuild")
+
+    core.reset = broken_reset  # type: ignore[method-assign]
+    eng.on_fatal(fatal.append)
+    eng.start()
+    try:
+        eng.inject_fault()
+        for _ in range(1000):
+            if fatal:
+                break
+            await asyncio.sleep(0.005)
+    finally:
+        eng.stop()
+    assert fatal == [eng.failure()]
+    assert "injected fault; rebuilding the engine failed: no rebuild" in fatal[0]
 
 
 async def test_refused_submits_are_invalid_arguments(engine: AsyncEngine) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -14,11 +15,14 @@ from services.common.block_keys import chain_hashes
 from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
+from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.engine import LLMEngine
-from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
 from services.engine.server import create_server
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
+from tests.engine.test_async_engine import fail_after_next_token
+from tests.engine.test_model import reference
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -296,9 +300,12 @@ async def test_stream_prompt_at_the_context_length_is_an_invalid_argument(
 
 
 async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> None:
-    """A step that raises, then failing its requests that raises too: the loop cannot go on. Callers get
-    `unavailable` finals at once (no hang) and the service reports NOT_SERVING."""
-    settings = EngineSettings(model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32")
+    """A step that raises, then failing its requests that raises too, with no recovery allowed
+    (loop_recoveries 0): the loop cannot go on. Callers get `unavailable` finals at once (no hang) and
+    the service reports NOT_SERVING for good."""
+    settings = EngineSettings(
+        model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32", loop_recoveries=0
+    )
     handle = await create_server(settings)
     await handle.start()
     engine, address = handle.core, f"127.0.0.1:{handle.port}"
@@ -333,6 +340,184 @@ async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> N
 
 async def _finals(replies: AsyncIterator[engine_pb2.EngineOut]) -> list[engine_pb2.RequestFinal]:
     return [e.final async for out in replies for e in out.entries if e.HasField("final")]
+
+
+async def _health(channel: grpc.aio.Channel) -> int:
+    return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())).status
+
+
+async def _until_health(channel: grpc.aio.Channel, status: int) -> int:
+    """Polls the service's health until it says `status`; returns the last answer."""
+    for _ in range(1000):
+        if (now := await _health(channel)) == status:
+            break
+        await asyncio.sleep(0.01)
+    return now
+
+
+class StreamCall:
+    """One Stream call fed from a queue: `send` a submit, `until_final` reads to a request's final
+    (keeping the tokens and reports it saw)."""
+
+    def __init__(self, stub: engine_pb2_grpc.EngineStub) -> None:
+        self.queue: asyncio.Queue[engine_pb2.EngineIn | None] = asyncio.Queue()
+        self.call = stub.Stream(self._requests())
+        self.tokens: dict[str, list[int]] = {}
+        self.reports: list[engine_pb2.EngineReport] = []
+
+    async def _requests(self) -> AsyncIterator[engine_pb2.EngineIn]:
+        while (msg := await self.queue.get()) is not None:
+            yield msg
+
+    async def send(self, request: engine_pb2.GenerateRequest) -> None:
+        await self.queue.put(engine_pb2.EngineIn(submit=request))
+
+    async def until_final(self, request_id: str) -> engine_pb2.RequestFinal:
+        async with asyncio.timeout(60):
+            while True:
+                for entry in (await self._read()).entries:
+                    if entry.HasField("final") and entry.final.request_id == request_id:
+                        return entry.final
+
+    async def until(self, condition: Callable[[], bool]) -> None:
+        """Reads until `condition()` holds."""
+        async with asyncio.timeout(60):
+            while not condition():
+                await self._read()
+
+    def cached(self) -> set[bytes]:
+        """The keys the reports so far say the engine holds, as the gateway mirrors them."""
+        keys: set[bytes] = set()
+        for report in self.reports:
+            if report.snapshot:
+                keys.clear()
+            keys.difference_update(report.removed)
+            keys.update(report.stored)
+        return keys
+
+    def snapshots(self) -> int:
+        return sum(report.snapshot for report in self.reports)
+
+    async def _read(self) -> engine_pb2.EngineOut:
+        out = await self.call.read()
+        if out.HasField("report"):
+            self.reports.append(out.report)
+        for entry in out.entries:
+            if entry.HasField("chunk"):
+                self.tokens.setdefault(entry.chunk.request_id, []).extend(entry.chunk.token_ids)
+        return out
+
+    async def close(self) -> None:
+        await self.queue.put(None)
+        self.call.cancel()
+
+
+def fail_once_released(engine: AsyncEngine) -> threading.Event:
+    """Holds the loop before its first step after a request's first token until the returned event is
+    set, then fails the loop (the fault hook) after that step: the request is still in flight, and the
+    test has read the reports of its prefill meanwhile."""
+    core, release = engine.engine, threading.Event()
+    real_step = core.step
+    state = {"prefilled": False, "failed": False}
+
+    def step() -> list[RequestOutput]:
+        if state["prefilled"]:
+            release.wait(60)
+        outputs = real_step()
+        if state["prefilled"] and not state["failed"]:
+            state["failed"] = True
+            engine.inject_fault()
+        state["prefilled"] |= any(o.new_token_ids for o in outputs)
+        return outputs
+
+    core.step = step  # type: ignore[method-assign]
+    return release
+
+
+async def test_a_failed_loop_recovers_in_process(llama_dir: Path) -> None:
+    """The fault hook's loop failure within the budget: the request in flight ends `unavailable`, the
+    service says NOT_SERVING while the engine is rebuilt and SERVING after, the call's reports then say
+    the cache is empty (a new snapshot: the gateway's mirror forgets the prompt's blocks), the free list
+    is full again, the recovery is counted, and a new request on the same call completes with exactly
+    greedy `generate`'s tokens."""
+    settings = EngineSettings(
+        model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32", num_kv_blocks=64
+    )
+    handle = await create_server(settings)
+    await handle.start()
+    engine, address = handle.core, f"127.0.0.1:{handle.port}"
+    rebuild = threading.Event()
+    real_reset = engine.engine.reset
+
+    def held_reset() -> None:  # the rebuild waits until the test has seen NOT_SERVING
+        rebuild.wait(60)
+        real_reset()
+
+    engine.engine.reset = held_reset  # type: ignore[method-assign]
+    release = fail_once_released(engine)
+    prompt = list(range(5, 45))
+    prompt_keys = set(chain_hashes(prompt[:32], 16, 0, None))  # its two full blocks
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stream = StreamCall(engine_pb2_grpc.EngineStub(channel))
+            await stream.send(gen_request("long", prompt=prompt, n=200))
+            await stream.until(lambda: prompt_keys <= stream.cached())
+            release.set()
+            final = await stream.until_final("long")
+            assert error_class(final.error) == UNAVAILABLE and "injected fault" in final.error
+            assert await _until_health(channel, not_serving) == not_serving
+            rebuild.set()
+            assert await _until_health(channel, serving) == serving
+            stats = await engine_pb2_grpc.EngineStub(channel).Stats(engine_pb2.StatsRequest())
+            assert stats.free_blocks == stats.num_blocks and stats.running == stats.waiting == 0
+            await stream.send(gen_request("after", prompt=PROMPT, n=12))
+            final = await stream.until_final("after")
+            assert final.finish_reason != common_pb2.FINISH_REASON_ERROR, final.error
+            await stream.until(lambda: stream.snapshots() == 2)  # the call's, then the rebuild's
+            assert not prompt_keys & stream.cached()
+            await stream.close()
+    finally:
+        await handle.stop(None)
+    assert stream.tokens["after"] == reference(llama_dir, [(0, PROMPT, 12)])["0"]
+    assert handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total") == 1.0
+
+
+async def test_a_loop_failing_past_its_budget_stays_not_serving(llama_dir: Path) -> None:
+    """loop_recoveries 1: the first failure recovers (SERVING again), the second leaves the service
+    NOT_SERVING for good and later requests end `unavailable`."""
+    settings = EngineSettings(
+        model=str(llama_dir), port=0, device=TEST_DEVICE, dtype="float32", loop_recoveries=1
+    )
+    handle = await create_server(settings)
+    await handle.start()
+    engine, address = handle.core, f"127.0.0.1:{handle.port}"
+    arm = fail_after_next_token(engine)
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stream = StreamCall(engine_pb2_grpc.EngineStub(channel))
+            arm()
+            await stream.send(gen_request("first", n=200))
+            assert error_class((await stream.until_final("first")).error) == UNAVAILABLE
+            for _ in range(1000):  # recovered: counted, and SERVING
+                if handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total"):
+                    break
+                await asyncio.sleep(0.01)
+            assert await _until_health(channel, serving) == serving
+            arm()
+            await stream.send(gen_request("second", n=200))
+            assert error_class((await stream.until_final("second")).error) == UNAVAILABLE
+            assert await _until_health(channel, not_serving) == not_serving
+            assert engine.failure() is not None and "1 recoveries within 60s already" in engine.failure()
+            await handle.health.set_serving(True)  # a failed service stays NOT_SERVING
+            assert await _health(channel) == not_serving
+            await stream.send(gen_request("late"))
+            assert error_class((await stream.until_final("late")).error) == UNAVAILABLE
+            await stream.close()
+    finally:
+        await handle.stop(None)
+    assert handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total") == 1.0
 
 
 async def test_stream_opens_with_a_cache_snapshot_then_reports_the_blocks_it_stores(

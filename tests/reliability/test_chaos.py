@@ -7,9 +7,11 @@ of the same prompt (transformers' `generate` on the same model directory, before
 
 Faults, one kind after another in a shuffled order per round, every 1-6 s on a random replica that is
 not still recovering (so they overlap): SIGKILL; SIGSTOP for longer than the launcher's health timeout,
-then SIGCONT; the engine fault hook (SLUICE_FAULT_INJECTION=1 and SIGUSR1: the step loop fails and the
-process stays up NOT_SERVING). The first fault comes within a second of the ready line, and a third of
-the replicas coming back get another within a second of answering SERVING again.
+then SIGCONT; the engine fault hook (SLUICE_FAULT_INJECTION=1 and SIGUSR1: the step loop fails; the
+engine recovers in its process within its budget, else stays up NOT_SERVING until the launcher restarts
+it). `sluice up` runs with its defaults otherwise, a warm standby per stage kind included. The first
+fault comes within a second of the ready line, and a third of the replicas coming back get another
+within a second of answering SERVING again.
 
 Checks: every request completes with exactly the lone run's text, or ends with an `unavailable` error
 within FAILED_WITHIN_S of a fault (never another error, never a hang); after each fault the gateway's
@@ -111,6 +113,7 @@ class Fault:
     at: float
     pid: int
     stop_s: float = 0.0
+    recovered_before: int = 0  # a failed loop: the engine's in-process recoveries logged before it
     ready_s: float | None = None  # until /readyz next said ready
     recovery_s: float | None = None  # until the replica was back, SERVING, and seen so by the gateway
     resumed: asyncio.Task[None] | None = field(default=None, repr=False)
@@ -287,6 +290,7 @@ class Schedule:
         if kind == "kill":
             victim.send_signal(signal.SIGKILL)
         elif kind == "fail":
+            fault.recovered_before = self.recoveries(pid)
             victim.send_signal(signal.SIGUSR1)
         else:
             fault.stop_s = self.rng.uniform(*STOP_S)
@@ -297,6 +301,10 @@ class Schedule:
         self.recovering.add(target)
         self._watches.append(asyncio.ensure_future(self._watch(fault)))
         return fault
+
+    def recoveries(self, pid: int) -> int:
+        """How many in-process recoveries of its step loop the engine `pid` has logged so far."""
+        return self.pipeline.output().count(f"(pid {pid}): step loop recovered")
 
     @staticmethod
     async def _resume(victim: psutil.Process, after_s: float) -> None:
@@ -323,14 +331,17 @@ class Schedule:
         fault.ready_s = time.monotonic() - fault.at
 
     async def _back(self, fault: Fault) -> None:
-        """The replica is back: a new process after a kill or a failed loop, resumed or replaced after a
-        stop; SERVING; and /readyz names it serving."""
+        """The replica is back: a new process after a kill, resumed or replaced after a stop, recovered
+        in its process (its log says so) or replaced after a failed loop; SERVING; and /readyz names it
+        serving."""
         port = self.ports[fault.target]
         stage, number = fault.target.rsplit("-", 1)  # `engine-2`: the second of the gateway's engines
 
         def back() -> bool:
             replaced = self.pipeline.pids().get(fault.target) != fault.pid
-            return replaced or (fault.resumed is not None and fault.resumed.done())
+            resumed = fault.resumed is not None and fault.resumed.done()
+            recovered = fault.kind == "fail" and self.recoveries(fault.pid) > fault.recovered_before
+            return replaced or resumed or recovered
 
         def seen() -> bool:
             body = readyz(self.pipeline)
@@ -480,6 +491,12 @@ def summary(
         ],
         "failovers": output.count("failed before its first token; retried on"),
         "errors": sum(o.kind != "exact" for o in outcomes),
+        "unavailable_by_stage": {
+            stage: sum(
+                o.kind == "unavailable" and re.search(rf"\b{stage}\b", o.detail) is not None for o in outcomes
+            )
+            for stage in STAGES
+        },
         "error_messages": Counter(o.detail for o in outcomes if o.kind != "exact").most_common(12),
         "recovery_s": {  # until the faulted replica was back and seen serving by the gateway
             "p50": percentile(recoveries, 50),
@@ -492,6 +509,8 @@ def summary(
             "max": max(readies, default=None),
         },
         "restarts_by_launcher": output.count("has not answered SERVING for"),
+        "restarts_from_standby": output.count(") from a standby"),
+        "loop_recoveries_in_process": output.count("step loop recovered"),
         "after": after,
         "violations": found,
     }
@@ -523,7 +542,8 @@ def test_a_seeded_fault_schedule_under_load(tiny_model_dir: Path, tmp_path: Path
     path = Path(os.environ.get(SUMMARY_ENV) or tmp_path / "chaos.json")
     path.write_text(json.dumps(report, indent=2))
     path.with_suffix(".log").write_text(pipeline.output())  # what `sluice up` and its children printed
-    brief = {key: report[key] for key in ("requests", "faults", "failovers", "recovery_s", "ready_s")}
+    keys = ("requests", "unavailable_by_stage", "faults", "failovers", "recovery_s", "ready_s")
+    brief = {key: report[key] for key in keys}
     print(f"chaos: summary in {path}: {json.dumps(brief)}")
     assert alive, f"sluice up gave up:\n{pipeline.output()[-5000:]}"
     assert code == 0, pipeline.output()[-5000:]

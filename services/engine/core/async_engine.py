@@ -29,9 +29,15 @@ it; the loop keeps stepping while a launched step is unread (`LLMEngine.has_unfi
 aborts applied between steps take effect at the next one.
 
 A step that raises fails the engine's requests and the loop goes on. If the loop itself fails (failing
-those requests raised too), it ends every caller's requests with an `unavailable` error final at once,
-refuses later submits the same way, and calls the `on_fatal` callbacks (the server marks itself not
-serving).
+those requests raised too, or `inject_fault`), it ends every caller's requests with an `unavailable`
+error final at once and recovers in-process: the `on_recovery` callbacks learn it failed (the server
+turns NOT_SERVING), submits meanwhile are refused `unavailable`, `LLMEngine.reset` rebuilds the request
+state over the loaded model (every KV block free, the prefix cache dropped), every report feed gets a
+new snapshot (an empty cache: a gateway mirroring it forgets every key), the loop starts again and the
+callbacks learn it serves (SERVING again). Callers stay open. The budget: `loop_recoveries` recoveries
+within `loop_recovery_window_s` (EngineSettings). One failure more, a rebuild that raises, or a failure
+that is not an `Exception`, is for good: later submits are refused `unavailable` and the `on_fatal`
+callbacks run (the server marks itself NOT_SERVING for good, for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -40,8 +46,11 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
 from services.engine.core.engine import LLMEngine
@@ -301,7 +310,11 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stats = engine.stats()
         self._failure: str | None = None  # why the loop stopped, after an unrecoverable failure
+        self._recovering: str | None = None  # why the loop failed, while it is rebuilt
+        self._recoveries: deque[float] = deque()  # monotonic times of the recoveries in the window
         self._fatal_callbacks: list[Callable[[str], None]] = []
+        self._failed_callbacks: list[Callable[[str], None]] = []  # see on_recovery
+        self._recovered_callbacks: list[Callable[[int], None]] = []
         self._fault_injected = False
 
     def start(self) -> None:
@@ -369,30 +382,48 @@ class AsyncEngine:
                 return
         callback(self._failure)
 
+    def on_recovery(self, failed: Callable[[str], None], recovered: Callable[[int], None]) -> None:
+        """Calls `failed(reason)` when the loop has failed and is about to be rebuilt (its callers told),
+        and `recovered(n)` once it serves again (`n`: recoveries within the window, this one included);
+        both on the loop thread, and they must not block. A failure beyond the budget calls neither
+        (see `on_fatal`)."""
+        with self._cond:
+            self._failed_callbacks.append(failed)
+            self._recovered_callbacks.append(recovered)
+
     def inject_fault(self) -> None:
-        """Makes the loop fail at its next pass as after an unrecoverable failure (callers get
-        `unavailable`, `on_fatal` runs). For fault-injection tests only (docs/reliability.md)."""
+        """Makes the loop fail at its next pass, as a failure of the loop itself would (callers get
+        `unavailable`, then the loop recovers within its budget, else `on_fatal` runs). For
+        fault-injection tests only (docs/reliability.md)."""
         with self._cond:
             self._fault_injected = True
             self._cond.notify()
 
     def _post(self, command: _Submit | _Abort | _Subscribe, caller: Caller | None, request_id: str) -> None:
         with self._cond:
-            if self._failure is None:
+            refusal = self._failure or self._recovering
+            if refusal is None:
                 self._commands.append((command, caller, request_id))
                 self._cond.notify()
                 return
         if isinstance(command, _Submit) and caller is not None:
-            caller._deliver([(request_id, error_final(request_id, UNAVAILABLE, self._failure))])
+            caller._deliver([(request_id, error_final(request_id, UNAVAILABLE, refusal))])
 
     # ---- the loop thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            self._serve()
-        except BaseException as exc:  # the loop is about to die: no caller may wait on it
-            log.exception("engine loop failed")
-            self._fail_callers(f"engine loop stopped: {exc}")
+        while True:
+            try:
+                self._serve()
+                return
+            except Exception as exc:
+                log.exception("engine loop failed")
+                if not self._recover(f"engine loop stopped: {exc}"):
+                    return
+            except BaseException as exc:  # the loop is about to die: no caller may wait on it
+                log.exception("engine loop failed")
+                self._fail_callers(f"engine loop stopped: {exc}")
+                return
 
     def _serve(self) -> None:
         while True:
@@ -490,27 +521,77 @@ class AsyncEngine:
         for caller, delivered in by_caller.items():
             caller._deliver(delivered)
 
-    def _fail_callers(self, reason: str) -> None:
-        """Ends every request the loop knows of (in the engine or still queued) with an `unavailable`
-        error final, refuses later submits, and calls the `on_fatal` callbacks."""
+    def _recover(self, reason: str) -> bool:
+        """After the loop failed with `reason`: within the budget, ends every caller's requests
+        `unavailable`, rebuilds the engine's request state and hands every feed a new snapshot (True:
+        serve again); beyond it, or when the rebuild raises, fails for good (`_fail_callers`, False)."""
+        settings = self.engine.settings
+        window_s, budget = settings.loop_recovery_window_s, settings.loop_recoveries
+        now = time.monotonic()
+        while self._recoveries and now - self._recoveries[0] >= window_s:
+            self._recoveries.popleft()
+        if len(self._recoveries) >= budget:
+            used = f"{len(self._recoveries)} recoveries within {window_s:g}s already"
+            self._fail_callers(f"{reason} ({used})")
+            return False
+        self._recoveries.append(now)
         with self._cond:
-            self._failure = reason
+            self._recovering = reason
+            self._fault_injected = False
+            failed, recovered = list(self._failed_callbacks), list(self._recovered_callbacks)
+        _call_each(failed, reason)  # first: the service hears of it before its callers see errors
+        self._end_requests(reason, keep_subscribes=True)
+        try:
+            self.engine.reset()
+            self._stats = self.engine.stats()
+            self._last_load = None
+            with self._cond:  # submits are queued again, for the loop's next pass
+                self._recovering = None
+            self._feeds = [feed for feed in self._feeds if not feed.closed]
+            load = self._load()
+            for feed in self._feeds:
+                feed._start([], load)  # the cache is empty now: the consumer forgets every key
+        except Exception as exc:
+            log.exception("engine rebuild failed")
+            self._fail_callers(f"{reason}; rebuilding the engine failed: {exc}")
+            return False
+        _call_each(recovered, len(self._recoveries))
+        return True
+
+    def _end_requests(self, reason: str, *, keep_subscribes: bool = False) -> None:
+        """Ends every request the loop knows of (in the engine or still queued) with an `unavailable`
+        error final; drops the queued commands (but subscriptions, with `keep_subscribes`)."""
+        with self._cond:
             owners = list(self._owners.values())
             owners += [
                 (caller, rid)
                 for cmd, caller, rid in self._commands
                 if isinstance(cmd, _Submit) and caller is not None
             ]
-            self._owners, self._commands = {}, []
-            callbacks, self._fatal_callbacks = self._fatal_callbacks, []
+            kept = [c for c in self._commands if keep_subscribes and isinstance(c[0], _Subscribe)]
+            self._owners, self._commands = {}, kept
         by_caller: dict[Caller, list[tuple[str, RequestOutput]]] = {}
         for caller, request_id in owners:
             final = error_final(request_id, UNAVAILABLE, reason)
             by_caller.setdefault(caller, []).append((request_id, final))
         for caller, finals in by_caller.items():
             caller._deliver(finals)
-        for callback in callbacks:
-            try:
-                callback(reason)
-            except Exception:
-                log.exception("engine on_fatal callback failed")
+
+    def _fail_callers(self, reason: str) -> None:
+        """For good: ends every request the loop knows of with an `unavailable` error final, refuses
+        later submits, and calls the `on_fatal` callbacks."""
+        with self._cond:
+            self._failure = reason
+            self._recovering = None
+            callbacks, self._fatal_callbacks = self._fatal_callbacks, []
+        _call_each(callbacks, reason)
+        self._end_requests(reason)
+
+
+def _call_each(callbacks: Sequence[Callable[[Any], None]], arg: object) -> None:
+    """Calls every callback with `arg`; one that raises is logged and the others still run."""
+    for callback in callbacks:
+        try:
+            callback(arg)
+        except Exception:
+            log.exception("engine callback failed")

@@ -186,15 +186,7 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_blocks, bs, settings.enable_prefix_caching)
         self.max_model_len = context_length(settings, runner, bs)
         runner.prepare(self.max_model_len, settings.max_num_seqs)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            policy=settings.batching,
-            batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
-            batch_wait_s=settings.batch_wait_ms / 1000.0,
-        )
+        self.scheduler = self._new_scheduler()
         masks = GrammarBatch(grammar_compiler.vocab_size) if grammar_compiler is not None else None
         self.sampler = Sampler(runner.device, settings.seed, masks)
         self.async_scheduling = uses_async_scheduling(settings, runner)
@@ -213,6 +205,38 @@ class LLMEngine:
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
         self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
+
+    def _new_scheduler(self) -> Scheduler:
+        settings = self.settings
+        return Scheduler(
+            self.block_manager,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=settings.batching,
+            batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
+        )
+
+    def reset(self) -> None:
+        """Drops every request and the whole prefix cache, keeping the loaded model, its KV tensors and
+        the cumulative figures: a fresh block manager (every block free, no hash registered, since a
+        failed step may have left blocks half-written) and scheduler over the same runner. The driver's
+        recovery after its loop failed (services/engine/core/async_engine.py) calls it once it has told
+        every request's caller; the requests dropped here get no output."""
+        old_bm, old_scheduler = self.block_manager, self.scheduler
+        bm = BlockManager(old_bm.num_blocks, old_bm.block_size, old_bm.enable_prefix_caching)
+        bm.track_events = old_bm.track_events
+        bm.prefix_hit_blocks, bm.prefix_query_blocks = old_bm.prefix_hit_blocks, old_bm.prefix_query_blocks
+        self.block_manager = bm
+        self.scheduler = self._new_scheduler()
+        self.scheduler.num_preemptions = old_scheduler.num_preemptions
+        self.recorder.scheduler, self.recorder.block_manager = self.scheduler, bm
+        self._in_flight = None  # its results are of no use now; the device finishes it in stream order
+        self.requests = {}
+        self._compiling = {}
+        self._pending = []
+        self._forming_until = 0.0
 
     # ---- requests ------------------------------------------------------------------------------
 
