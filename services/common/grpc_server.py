@@ -56,9 +56,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 
 
 class ServiceHealth:
-    """The standard grpc.health.v1 service. Serving once `set_serving` is called; NOT_SERVING while
-    draining, so that load balancers stop sending new work before the server stops, and for good once
-    `set_failed` is called (the service cannot serve any more)."""
+    """The standard grpc.health.v1 service. Serving once `set_serving` is called; NOT_SERVING for good
+    once `set_failed` is called: the service cannot serve any more, or is draining to stop (load
+    balancers then send no new work before the server stops, whatever its core reports later)."""
 
     def __init__(self, service_names: Iterable[str]) -> None:
         self.servicer = health.aio.HealthServicer()
@@ -100,7 +100,7 @@ class ServerHandle(Generic[ServerT, CoreT]):
     and `release`, which frees what the core holds (threads, the engine's loop, channels) once the
     server has stopped.
 
-    `start()` starts the server and marks it SERVING; `stop(grace_s)` marks it NOT_SERVING, stops the
+    `start()` starts the server and marks it SERVING; `stop(grace_s)` marks it NOT_SERVING for good, stops the
     server (calls in flight get `grace_s` seconds; None: cancelled at once), then releases the core.
     Whoever calls `create_server` calls `stop` once, started or not."""
 
@@ -116,7 +116,7 @@ class ServerHandle(Generic[ServerT, CoreT]):
         await self.health.set_serving(True)
 
     async def stop(self, grace_s: float | None) -> None:
-        await self.health.set_serving(False)
+        await self.health.set_failed()
         await self.server.stop(grace_s)
         await self.release()
 
