@@ -4,12 +4,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.settings import StageTlsSettings
+from services.common.settings import StageTlsSettings, check_bounds, check_choices
 
 BATCHING_POLICIES = ("continuous", "dynamic", "static")
 SPECULATIVE_METHODS = ("off", "ngram")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+CHOICES = (
+    ("batching", BATCHING_POLICIES),
+    ("dtype", ("auto", "float32", "bfloat16", "float16")),
+    ("attention_backend", ("auto", "torch", "triton")),
+    ("cuda_graphs", ("on", "off")),
+    ("async_scheduling", ("auto", "on", "off")),
+    ("speculative", SPECULATIVE_METHODS),
+    ("quantization", QUANTIZATIONS),
+    ("kv_cache_dtype", KV_CACHE_DTYPES),
+)
+BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recoveries 0 = none
+    (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),
+    (">=", 1, ("default_max_new_tokens", "num_speculative_tokens", "speculative_disable_batch_size")),
+    (">=", 0, ("threads", "kv_cache_gb", "report_interval_ms", "loop_recoveries")),
+    (">", 0, ("loop_recovery_window_s",)),
+)
 
 
 @dataclass(frozen=True)
@@ -144,53 +160,22 @@ class EngineSettings(StageTlsSettings):
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
         self.validate_tls()
-        if self.batching not in BATCHING_POLICIES:
-            raise ValueError(f"batching must be one of {', '.join(BATCHING_POLICIES)}, got {self.batching!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        for name, allowed in (
-            ("attention_backend", ("auto", "torch", "triton")),
-            ("cuda_graphs", ("on", "off")),
-            ("async_scheduling", ("auto", "on", "off")),
-            ("speculative", SPECULATIVE_METHODS),
-            ("quantization", QUANTIZATIONS),
-            ("kv_cache_dtype", KV_CACHE_DTYPES),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
-        self._validate_speculative()
-        if self.threads < 0:
-            raise ValueError("threads must be >= 0")
-        if self.kv_cache_gb < 0:
-            raise ValueError("kv_cache_gb must be >= 0 (0 = automatic)")
+        check_choices(self, CHOICES)
+        check_bounds(self, BOUNDS)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        if self.default_max_new_tokens < 1:
-            raise ValueError("default_max_new_tokens must be >= 1")
-        if self.report_interval_ms < 0:
-            raise ValueError("report_interval_ms must be >= 0")
         if not 0.0 <= self.trace_step_sample_rate <= 1.0:
             raise ValueError("trace_step_sample_rate must be between 0 and 1")
-        if self.loop_recoveries < 0:
-            raise ValueError("loop_recoveries must be >= 0")
-        if self.loop_recovery_window_s <= 0:
-            raise ValueError("loop_recovery_window_s must be > 0")
+        self._validate_speculative()
 
     def _validate_speculative(self) -> None:
         """Checked whether speculation is on or not, so that a setting is never wrong in one mode only.
         `speculative` "off" is the only way to turn it off: a `speculative_disable_batch_size` of 0 is
         refused rather than read as a second off switch."""
-        if self.num_speculative_tokens < 1:
-            raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
-        if self.speculative_disable_batch_size < 1:
-            raise ValueError("speculative_disable_batch_size must be >= 1")
         if not 0.0 <= self.speculative_min_acceptance <= 1.0:
             raise ValueError("speculative_min_acceptance must be between 0 and 1")
         if self.speculative != "off" and self.async_scheduling == "on":
