@@ -38,10 +38,13 @@ about 4.5 s of its 5.4 s start on an idle 2-core machine, three times that on a 
 waits on its stdin. A restart of a replica hands the dead replica's arguments to a ready standby of its
 kind, which becomes it (the start line says "from a standby"; its pid is the standby's); with none
 ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
-only when every replica of that kind has answered SERVING (their imports never compete with a start).
-They count for nothing in health or readiness, print nothing unless they fail, get SIGTERM when the
-launcher dies (as children do) and are stopped with the children. A standby that exits by itself (an
-import failing, say) turns standbys of its kind off, with a line saying so: no crash loop of spares.
+only when every replica of that kind has answered SERVING (their imports never compete with a start);
+one at a time, the engine's first, each importing at a lower CPU priority (nice +10, raised back when it
+becomes a replica; where the process may not raise it back, it imports at the normal priority), so that
+the spares' imports take at most one core, and only what the serving replicas leave. They count for
+nothing in health or readiness, print nothing unless they fail, get SIGTERM when the launcher dies (as
+children do) and are stopped with the children. A standby that exits by itself (an import failing, say)
+turns standbys of its kind off, with a line saying so: no crash loop of spares.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
@@ -75,6 +78,7 @@ import importlib
 import json
 import math
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -97,6 +101,7 @@ HEALTH_TIMEOUT_S = 2.0  # one health check's deadline
 HEALTH_INTERVAL_S = 1.0  # how often a serving child is asked
 KILL_GRACE_S = 1.0  # SIGTERM → SIGKILL for an unhealthy child (it has nothing left to drain well)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+CAP_SYS_NICE = 23  # linux/capability.h
 EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 WATCH_INTERVAL_S = 0.2
 
@@ -115,6 +120,8 @@ STANDBY_IMPORTS = {
     "detokenizer": ("services.detokenizer.server",),
 }
 STANDBY_DEFAULT = 1
+STANDBY_ORDER = ("engine", "tokenizer", "detokenizer")  # which kind's standby starts first
+STANDBY_NICE = 10  # added to a standby's nice value while it imports (see `_yield_while_importing`)
 
 
 @dataclass(frozen=True)
@@ -523,10 +530,32 @@ class Standby:
             self._ready_r = None
 
 
+def _may_raise_priority(nice: int) -> bool:
+    """Whether this process may set its nice value back to `nice` after raising it: with CAP_SYS_NICE,
+    or an RLIMIT_NICE that allows it (nice values down to 20 - the limit)."""
+    with open("/proc/self/status") as status:
+        caps = next((line.split()[1] for line in status if line.startswith("CapEff:")), "0")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return bool(int(caps, 16) >> CAP_SYS_NICE & 1) or soft == resource.RLIM_INFINITY or 20 - soft <= nice
+
+
+def _yield_while_importing() -> Callable[[], None]:
+    """Lowers this process's CPU priority by STANDBY_NICE while a standby imports, so that its imports
+    yield to the serving replicas, where it may raise it back; returns what raises it back (a no-op
+    where it may not: the standby then imports at the replicas' priority rather than leave a replica
+    at a lower one)."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    if sys.platform != "linux" or not _may_raise_priority(nice):
+        return lambda: None
+    os.setpriority(os.PRIO_PROCESS, 0, nice + STANDBY_NICE)
+    return lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
 def standby_main(argv: list[str]) -> int:
     """The standby process (see `Standby`): `standby KIND READY_FD`."""
     kind, ready_fd = argv[0], int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the launcher stops us
+    restore_priority = _yield_while_importing()
     for module in STANDBY_IMPORTS[kind]:
         importlib.import_module(module)
     os.write(ready_fd, b"ready\n")
@@ -535,6 +564,7 @@ def standby_main(argv: list[str]) -> int:
     if not line.strip():
         return 0
     sys.stdin.close()
+    restore_priority()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from sluice.cli import main
 
@@ -578,28 +608,39 @@ class Supervisor:
         return [sys.executable, "-m", "sluice.cli", *child.argv]
 
     def top_up_standbys(self, kinds: set[str]) -> None:
-        """Starts standbys of each of `kinds` (stage kinds) up to `standby` of them. A standby that exits
-        by itself, or cannot be started, turns standbys of its kind off (no crash loop of spares): its
-        replicas restart cold from then on."""
+        """Starts standbys of `kinds` (stage kinds) up to `standby` of each, one at a time: none starts
+        while another still imports (the engine's first), so that the spares' imports take at most one
+        core from the serving replicas. A standby that exits by itself, or cannot be started, turns
+        standbys of its kind off (no crash loop of spares): its replicas restart cold from then on."""
+        importing = False
         for kind in kinds - self._standby_off:
-            spares = self.standbys.setdefault(kind, [])
-            try:
-                for spare in spares:
-                    if spare.poll() is None:
-                        raise OSError(f"it exited with {describe_exit(spare.proc.poll() or 0)}")
-                while len(spares) < self.standby:
-                    spares.append(Standby(kind, self.env, self._preexec))
-            except OSError as exc:
-                print(
-                    f"sluice up: the {kind} standby failed ({exc}); {kind} replicas restart cold from now on",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                self._standby_off.add(kind)
-                for spare in spares:
-                    spare.stop()
-                self._retired += spares
-                self.standbys[kind] = []
+            for spare in self.standbys.setdefault(kind, []):
+                state = spare.poll()
+                if state is None:
+                    self._standby_failed(kind, f"it exited with {describe_exit(spare.proc.poll() or 0)}")
+                    break
+                importing |= not state
+        if importing:
+            return
+        for kind in sorted(kinds - self._standby_off, key=STANDBY_ORDER.index):
+            if len(self.standbys[kind]) < self.standby:
+                try:
+                    self.standbys[kind].append(Standby(kind, self.env, self._preexec))
+                except OSError as exc:
+                    self._standby_failed(kind, str(exc))
+                return
+
+    def _standby_failed(self, kind: str, why: str) -> None:
+        print(
+            f"sluice up: the {kind} standby failed ({why}); {kind} replicas restart cold from now on",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._standby_off.add(kind)
+        for spare in self.standbys[kind]:
+            spare.stop()
+        self._retired += self.standbys[kind]
+        self.standbys[kind] = []
 
     def _ready_standby(self, kind: str) -> Standby | None:
         """Takes a ready standby of `kind` out of the pool, or None (none, or none done importing)."""

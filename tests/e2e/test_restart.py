@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,8 +467,9 @@ def test_a_standby_that_exits_by_itself_turns_its_kind_off(
     monkeypatch.setattr(launcher, "Standby", _FakeStandby)
     _FakeStandby.made = []
     supervisor = Supervisor([Child(n, 0, ()) for n in ("tokenizer", "engine")], env={}, standby=1)
-    supervisor.top_up_standbys({"tokenizer", "engine"})
-    supervisor.top_up_standbys({"tokenizer", "engine"})
+    for _ in range(2):
+        supervisor.top_up_standbys({"tokenizer", "engine"})
+        _FakeStandby.made[-1].state = True  # imported: the next kind's may start
     assert sorted(s.kind for s in _FakeStandby.made) == ["engine", "tokenizer"]
     engine = supervisor.standbys["engine"][0]
     engine.state, engine.proc.code = None, 1
@@ -510,3 +514,40 @@ def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
     assert supervisor.procs["engine"].pid == 7
     out = capsys.readouterr().out
     assert out.count("engine started (pid 7)\n") == 2 and f"(pid {spare.proc.pid}) from a standby" in out
+
+
+def test_standbys_start_one_at_a_time_the_engines_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No standby starts while another still imports (the spares' imports take one core at most),
+    and the engine's, whose cold start costs the most, comes first."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    _FakeStandby.made = []
+    kinds = {"tokenizer", "engine", "detokenizer"}
+    supervisor = Supervisor([Child(n, 0, ()) for n in sorted(kinds)], env={}, standby=1)
+    supervisor.top_up_standbys(kinds)
+    supervisor.top_up_standbys(kinds)
+    assert [s.kind for s in _FakeStandby.made] == ["engine"]
+    _FakeStandby.made[0].state = True
+    supervisor.top_up_standbys(kinds)
+    supervisor.top_up_standbys(kinds)
+    assert [s.kind for s in _FakeStandby.made] == ["engine", "tokenizer"]
+    _FakeStandby.made[1].state = True
+    supervisor.top_up_standbys(kinds)
+    _FakeStandby.made[2].state = True
+    supervisor.top_up_standbys(kinds)
+    assert [s.kind for s in _FakeStandby.made] == ["engine", "tokenizer", "detokenizer"]
+
+
+def test_a_standby_imports_at_a_lower_priority_and_becomes_a_replica_at_its_own() -> None:
+    """Where the process may raise its priority back (this test's root, or an RLIMIT_NICE allowing it),
+    the standby's imports run STANDBY_NICE lower and the replica it becomes runs at the launcher's."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if not launcher._may_raise_priority(before):
+        launcher._yield_while_importing()()
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before
+        return
+    code = (
+        "import os; from sluice import launcher; restore = launcher._yield_while_importing(); "
+        "low = os.getpriority(os.PRIO_PROCESS, 0); restore(); print(low, os.getpriority(os.PRIO_PROCESS, 0))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [str(before + launcher.STANDBY_NICE), str(before)]
