@@ -20,7 +20,8 @@ engine      sluice_time_to_first_token_seconds, sluice_inter_token_latency_secon
             sluice_batch_size, sluice_step_tokens, sluice_step_duration_seconds (per engine step);
             speculative decoding: sluice_spec_proposed_tokens_total, sluice_spec_accepted_tokens_total
             (counters; acceptance rate = accepted / proposed), sluice_spec_accepted_length (histogram: tokens
-            emitted per verification of a request with drafts, accepted + 1)
+            emitted per verification of a request with drafts, accepted + 1);
+            sluice_engine_loop_recoveries_total (step-loop failures recovered in-process)
 tokenizer   sluice_tokenize_duration_seconds, sluice_tokenize_batch_size
 detokenizer sluice_detokenize_duration_seconds, sluice_detokenize_batch_size
 gateway     sluice_gateway_requests_total{api,outcome}, sluice_gateway_requests_in_flight,
@@ -150,7 +151,8 @@ class EngineMetrics(ServiceMetrics):
     done: one observation per step and request). Per step: `batch_size` (requests in the step),
     `step_tokens` (tokens computed, speculative drafts included), `step_duration`, and the gauges.
     Speculative decoding, per step that verified drafts: `spec_proposed` and `spec_accepted` (drafts),
-    and `spec_accepted_length` once per request with drafts (tokens its verification emitted)."""
+    and `spec_accepted_length` once per request with drafts (tokens its verification emitted).
+    `loop_recoveries`: failures of the step loop recovered in-process (services/engine/server.py)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,6 +205,10 @@ class EngineMetrics(ServiceMetrics):
             "sluice_spec_accepted_length",
             "Tokens emitted by one verification of a request's drafts (accepted drafts + 1).",
             SPEC_LENGTH_BUCKETS,
+        )
+        self.loop_recoveries = counter(
+            "sluice_engine_loop_recoveries",
+            "Failures of the engine's step loop recovered in-process (requests ended, model kept).",
         )
 
 

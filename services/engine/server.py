@@ -10,7 +10,6 @@ import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
-from prometheus_client import Counter
 
 from services.common import decoding, grpc_server, metrics, telemetry
 from services.common.grpc_server import ServerHandle, ServiceHealth
@@ -59,11 +58,6 @@ def _report_health(
     loop = asyncio.get_running_loop()
     order = asyncio.Lock()
     tasks: set[asyncio.Task[None]] = set()
-    recoveries = Counter(
-        "sluice_engine_loop_recoveries_total",
-        "Failures of the engine's step loop recovered in-process (requests ended, model kept).",
-        registry=engine_metrics.registry,
-    )
     where = f"engine on port {port} (pid {os.getpid()})"
     budget = f"{settings.loop_recoveries} allowed within {settings.loop_recovery_window_s:g}s"
 
@@ -85,7 +79,7 @@ def _report_health(
         later(lambda: health.set_serving(False))
 
     def on_recovered(count: int) -> None:
-        recoveries.inc()
+        engine_metrics.loop_recoveries.inc()
         log.warning("%s: step loop recovered (recovery %d of %s)", where, count, budget)
         later(lambda: health.set_serving(True))
 
