@@ -175,3 +175,39 @@ def test_length_dependent_rope_caps_the_context(family_model_dir: FamilyDir) -> 
     assert engine.max_model_len == 512
     with pytest.raises(ValueError, match="longrope"):
         family_engine(model_dir, max_model_len=600, num_kv_blocks=80)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-OSS (attention sinks on every layer, a window alternating with full layers, YaRN),
+    its experts run by transformers' own code: the carrier of sinks through the engine."""
+    from sluice.model import tiny
+    from sluice.model.families import spread_weights
+
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512, "rope_theta": 1e4}
+    fields = {
+        **tiny.common_fields(),
+        **tiny.PRESETS["test"],
+        "vocab_size": FAMILY_VOCAB,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {**rope, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    }
+    config = transformers.AutoConfig.for_model("gpt_oss", **tiny.special_ids(), **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    spread_weights(model, 0)
+    return tiny.write_model_dir(tmp_path_factory.mktemp("gpt_oss") / "model", model, {"family": "gpt_oss"})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sinks_match_generate(backend: str, gpt_oss_dir: Path) -> None:
+    items = family_workload(seed=7, n=6 if backend == "torch" else 4)
+    engine = family_engine(gpt_oss_dir, attention_backend=backend)
+    spec = engine.runner.attention  # type: ignore[attr-defined]
+    assert spec.sinks == (True, True) and spec.windows == (8, 0)
+    assert run_engine(engine, items) == reference(gpt_oss_dir, items)

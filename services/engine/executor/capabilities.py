@@ -37,9 +37,20 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Keywords the paged attention honours (attention.py): per-layer windows, logit soft-capping, sinks.
 HONOURED = frozenset({"sliding_window", "softcap", "s_aux"})
 # Keywords that carry nothing for attention here: positions are already in the rotated Q and K, the
-# engine runs without transformers' cache, and the step metadata is the engine's own.
+# engine runs without transformers' cache, what a forward outputs is the model's business (router
+# logits of mixture-of-experts layers included), and the step metadata is the engine's own.
 INERT = frozenset(
-    {"position_ids", "cache_position", "use_cache", "output_attentions", "past_key_values", META_KWARG}
+    {
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+        "past_key_values",
+        META_KWARG,
+    }
 )
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 

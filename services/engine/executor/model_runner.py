@@ -221,8 +221,17 @@ class ModelRunner:
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
         from services.engine.executor.kernels.paged_attention import self_check
 
+        spec = self.attention
         why = self_check(
-            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
+            self.device,
+            self.dtype,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            softcap=max(spec.softcaps, default=0.0),
+            sinks=any(spec.sinks),
+            sliding_window=max(spec.windows, default=0),
         )
         if why is None:
             return "triton"

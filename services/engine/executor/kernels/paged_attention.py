@@ -428,9 +428,13 @@ def self_check(
     num_kv_heads: int,
     head_dim: int,
     kv_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
+    sinks: bool = False,
+    sliding_window: int = 0,
 ) -> str | None:
     """Runs the kernel once on small random inputs of the model's head layout and dtype (the pools in
-    `kv_dtype`, default `dtype`) and compares it with the reference. None when it agrees; else why not
+    `kv_dtype`, default `dtype`), with the model's soft-cap, sinks and window when it has them, and
+    compares it with the reference. None when it agrees; else why not
     (a compile or launch error, or a mismatch), so that a GPU or Triton build the kernel does not work on
     is found at start-up, not at the first decode.
     """
@@ -448,9 +452,13 @@ def self_check(
     tables = torch.tensor([[4, 1, 0], [2, 5, 3], [0, 0, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([40, 17, 0], dtype=torch.int32, device=device)  # the last row pads
     scale = head_dim**-0.5
+    extras = dict(softcap=softcap, sinks=rand(num_heads) if sinks else None)
+    window = min(sliding_window, 24)
     try:
-        got = paged_decode_attention(query, k_pool, v_pool, tables, lens, block_size, scale)
-        want = paged_decode_attention_reference(query, k_pool, v_pool, tables, lens, block_size, scale)
+        got = paged_decode_attention(query, k_pool, v_pool, tables, lens, block_size, scale, window, **extras)
+        want = paged_decode_attention_reference(
+            query, k_pool, v_pool, tables, lens, block_size, scale, window, **extras
+        )
         error = (got.float() - want.float()).abs().max().item()
     except Exception as exc:  # a compile or launch failure of this device's Triton build
         return f"{type(exc).__name__}: {exc}"
