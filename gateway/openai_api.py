@@ -103,6 +103,15 @@ def unavailable(stage: str, call: str, exc: grpc.aio.AioRpcError) -> ApiError:
     return ApiError(503, f"{stage} unavailable", type_="service_unavailable", code="unavailable")
 
 
+def pieces_failure(exc: grpc.aio.AioRpcError) -> Failed:
+    """The failure of a request whose logprobs need token pieces that no detokenizer gave: the
+    request ends (unavailable, or the detokenizer's own refusal), the other requests go on."""
+    log.warning("token pieces failed: %s: %s", exc.code().name, exc.details())
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return Failed(errors.INVALID_ARGUMENT, f"detokenizer: {exc.details()}")
+    return Failed(errors.UNAVAILABLE, "detokenizer unavailable")
+
+
 def requested_model(body: dict[str, Any]) -> str | None:
     """The body's `model` (None when absent). Raises ParamError."""
     model = body.get("model")
@@ -597,7 +606,11 @@ class OpenAIHandlers:
                 yield failure
                 return
             if isinstance(event, Delta):
-                parts = await renderers[index].on_delta(event)
+                try:
+                    parts = await renderers[index].on_delta(event)
+                except grpc.aio.AioRpcError as exc:  # the token pieces of its logprobs
+                    yield pieces_failure(exc)
+                    return
             else:
                 assert isinstance(event, Done)
                 ends[index] = event
