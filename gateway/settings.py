@@ -125,8 +125,8 @@ class GatewaySettings(ValidatedSettings):
         default=(),
         metadata={
             "help": "host names the HTTP API and WebSocket answer to (the Host header, against DNS "
-            "rebinding), comma-separated, '*' = any; default: the loopback names and --host (any when "
-            "--host is 0.0.0.0 or ::)"
+            "rebinding), comma-separated, any port of each (an entry with a port is refused), '*' = any; "
+            "default: the loopback names and --host (any when --host is 0.0.0.0 or ::)"
         },
     )
     ws_auth_timeout_s: float = field(
@@ -166,6 +166,7 @@ class GatewaySettings(ValidatedSettings):
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        from gateway.auth import check_allowed_hosts
         from gateway.chat_output import REASONING_PARSERS
         from gateway.tool_calls import PARSERS
         from gateway.upstream import Endpoint
@@ -179,6 +180,7 @@ class GatewaySettings(ValidatedSettings):
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
         check_bounds(self, _BOUNDS)
+        check_allowed_hosts(self.allowed_hosts)
         check_choices(self, (("routing", ROUTING_POLICIES), ("tool_call_parser", tuple(PARSERS))))
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
