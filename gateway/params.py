@@ -291,8 +291,11 @@ def parse_json_field(text: str, label: str) -> Any:
 
 def history_tool_calls(raw: Any, where: str) -> str:
     """An assistant message's OpenAI `tool_calls` (a non-empty array of `{"id", "type": "function",
-    "function": {"name", "arguments"}}`, arguments a JSON text) as the JSON text the tokenizer takes
-    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field."""
+    "function": {"name", "arguments"}}`, arguments a string) as the JSON text the tokenizer takes
+    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field.
+    Arguments that are not valid JSON are taken as they are, as OpenAI takes them: a call the server
+    itself wrote may have been cut by max_tokens, and an agent sends it back in its history (the
+    tokenizer renders such a string as it is)."""
     if not isinstance(raw, list) or not raw:
         raise ParamError(f"{where}.tool_calls", f"{where}.tool_calls must be a non-empty array")
     for i, call in enumerate(raw):
@@ -304,14 +307,7 @@ def history_tool_calls(raw: Any, where: str) -> str:
             raise ParamError(f"{path}.function.name", f"{path}.function.name must be a string")
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
-            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a JSON string")
-        if arguments.strip():
-            try:
-                json.loads(arguments)
-            except ValueError:
-                raise ParamError(
-                    f"{path}.function.arguments", f"{path}.function.arguments is not valid JSON"
-                ) from None
+            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a string")
     return json.dumps(raw, ensure_ascii=False)
 
 
