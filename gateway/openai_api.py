@@ -192,8 +192,7 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
         raise ParamError("stream_options", "'stream_options' must be an object")
     include_usage = bool(params.boolean(options or {}, "include_usage", where="stream_options."))
     sources, logprobs = _parse_input(body, chat)
-    if len(sources) * n > params.MAX_CHOICES:
-        raise ParamError("n", f"a request may have at most {params.MAX_CHOICES} choices (prompts times n)")
+    params.check_generations(len(sources) * n, settings)
     scoring = params.scoring_only(body, echo) if not chat else False
     sampling, stopping = _sampling_and_stopping(body, settings, chat, scoring)
     if logprobs is not None:
@@ -510,6 +509,8 @@ class OpenAIHandlers:
         body = await read_json(request, self._settings.max_body_bytes)
         try:
             parsed = parse_request(body, self._settings, chat=chat)
+            asked = [inp.stopping.max_new_tokens for inp in parsed.inputs]
+            await params.check_request_tokens(asked, self._settings, self.max_model_len)
         except ParamError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         model = await self.model_name(parsed.model)
