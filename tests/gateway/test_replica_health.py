@@ -1,6 +1,7 @@
 """Replica health in routing: the gateway watches every replica's grpc.health.v1 status and gives no
 new work to one that says it is not serving (an engine whose loop died stays up NOT_SERVING), until it
-says SERVING again; a Tokenize call whose replica went away is made once more elsewhere."""
+says SERVING again; a Tokenize or TokenPieces call whose replica went away is made once more elsewhere,
+and logprobs that no detokenizer can give fail only their own request (503)."""
 
 from __future__ import annotations
 
