@@ -12,6 +12,7 @@ hijacking). `origin_allowed` decides which origins may open `/v1/ws`.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -112,6 +113,31 @@ def allowed_hosts(configured: Iterable[str], bound_host: str) -> frozenset[str]:
     if bound_host.strip("[]") in WILDCARD_BINDS:
         return frozenset({"*"})
     return frozenset({*LOOPBACK_HOSTS, bound_host.strip("[]").lower()})
+
+
+def check_allowed_hosts(configured: Iterable[str]) -> None:
+    """Raises ValueError naming the first `--allowed-hosts` entry that is not a host name, an IP
+    address (IPv6 bare or in brackets) or "*": one with a port (`api.example:8000`) or a scheme would
+    never match, since a Host header is matched by its name alone, whatever its port."""
+    for entry in configured:
+        text = entry.strip()
+        if not text or text == "*" or _is_ipv6(text):
+            continue
+        name = host_name(text)
+        if name is None or name != text.lower().removeprefix("[").removesuffix("]"):
+            hint = f"; give {name!r}: any port of that host is allowed" if name else ""
+            raise ValueError(
+                f"allowed_hosts: {text!r} is not a host name (the allow-list matches the Host header's "
+                f"name, whatever its port){hint}"
+            )
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:

@@ -184,11 +184,32 @@ def tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
 
 def engine_failure(request_id: str, error: str) -> Failed:
     """An engine error final (`services.common.errors`) as the client sees it: its class, with the
-    engine's words only when it refused the request as given (the log has the rest)."""
+    engine's words (`client_words`) only when it refused the request as given (the log has the rest)."""
     code = errors.error_class(error)
     if code == errors.INVALID_ARGUMENT:
-        return Failed(code, f"engine: {errors.error_detail(error)}")
+        words = client_words(errors.error_detail(error))
+        if words != errors.error_detail(error):
+            log.info("engine refused request %s: %s", request_id, error)
+        return Failed(code, f"engine: {words}")
     log.warning("engine failed request %s: %s", request_id, error)
     if code == errors.DEADLINE_EXCEEDED:
         return Failed(code, "the request ran past its deadline")
     return Failed(code, "engine unavailable" if code == errors.UNAVAILABLE else "engine failed")
+
+
+# What a library appends to its error for its developers: a parser's state, a backtrace.
+_DEVELOPER_PARTS = ("<state>", "<backtrace>", "stack backtrace:", "Traceback (most recent call last)")
+MAX_ENGINE_WORDS = 400  # characters of an engine's refusal a client sees
+
+
+def client_words(detail: str) -> str:
+    """An engine's words for a request it refused, as a client may see them: what comes before a
+    library's state dump or backtrace, at most `MAX_ENGINE_WORDS` characters; a grammar compiler's
+    panic (a Rust assertion, never the client's words) becomes a plain sentence."""
+    for part in _DEVELOPER_PARTS:
+        detail = detail.split(part)[0]
+    kind, _, rest = detail.partition(": ")
+    if rest.startswith("panic") or detail.startswith("panic"):
+        where = f"{kind}: " if rest else ""
+        return f"{where}the grammar compiler could not build this constraint (too large or too complex)"
+    return detail.strip()[:MAX_ENGINE_WORDS]

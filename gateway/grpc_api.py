@@ -119,8 +119,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 )
         try:
             inp = generation_input(request, self._settings)
+            asked = [inp.stopping.max_new_tokens]
+            label = "stopping.max_new_tokens"
+            await params.check_request_tokens(asked, self._settings, self._pipeline.max_model_len, label)
         except ParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine unavailable")
         # The trace context in metadata is the current span's (server interceptor).
         inp = dataclasses.replace(inp, timeout_s=context.time_remaining(), api="grpc")
         generation = self._pipeline.generate(inp)

@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import Request
@@ -41,6 +41,8 @@ from services.common.pb import common_pb2
 
 log = logging.getLogger(__name__)
 
+OFF_LOOP_BYTES = 64 * 1024  # a body larger than this is decoded and validated in a worker thread
+T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Scope key of a callable that drops the request's connection at once (`http_app.with_connection_drop`).
 DROP_CONNECTION = "sluice.drop_connection"
@@ -103,6 +105,15 @@ def unavailable(stage: str, call: str, exc: grpc.aio.AioRpcError) -> ApiError:
     return ApiError(503, f"{stage} unavailable", type_="service_unavailable", code="unavailable")
 
 
+def pieces_failure(exc: grpc.aio.AioRpcError) -> Failed:
+    """The failure of a request whose logprobs need token pieces that no detokenizer gave: the
+    request ends (unavailable, or the detokenizer's own refusal), the other requests go on."""
+    log.warning("token pieces failed: %s: %s", exc.code().name, exc.details())
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return Failed(errors.INVALID_ARGUMENT, f"detokenizer: {exc.details()}")
+    return Failed(errors.UNAVAILABLE, "detokenizer unavailable")
+
+
 def requested_model(body: dict[str, Any]) -> str | None:
     """The body's `model` (None when absent). Raises ParamError."""
     model = body.get("model")
@@ -126,9 +137,15 @@ class ParsedRequest:
 
 
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object whose strings are all text (`params.check_text`). Raises
-    ApiError: 413 for a body over `limit` bytes, from its Content-Length before reading any of it (or
-    once the bytes read pass `limit` when it has none); 400 for anything else."""
+    """The request body as a JSON object whose strings are all text (`params.check_text`), decoded
+    and checked off the event loop when it is larger than `OFF_LOOP_BYTES`. Raises ApiError: 413 for
+    a body over `limit` bytes (`read_body`); 400 for anything else."""
+    return await off_loop(await read_body(request, limit), decode_json)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body. Raises ApiError 413 for a body over `limit` bytes, from its Content-Length
+    before reading any of it (or once the bytes read pass `limit` when it has none)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
@@ -137,6 +154,11 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit:
             raise _too_large(limit)
+    return bytes(body)
+
+
+def decode_json(body: bytes) -> dict[str, Any]:
+    """`body` as a JSON object whose strings are all text. Raises ApiError 400."""
     try:
         parsed = params.parse_json(body)
         params.check_text(parsed)
@@ -145,6 +167,15 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ApiError(400, "the body must be a JSON object")
     return parsed
+
+
+async def off_loop(body: bytes, work: Callable[[bytes], T]) -> T:
+    """`work(body)`, in a worker thread when `body` is larger than `OFF_LOOP_BYTES`: decoding and
+    validating megabytes (a large `tools` list) takes about a second of CPU, which on the event loop
+    would stall every stream of the gateway (in a thread it shares the interpreter with them)."""
+    if len(body) > OFF_LOOP_BYTES:
+        return await asyncio.to_thread(work, body)
+    return work(body)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -183,8 +214,7 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
         raise ParamError("stream_options", "'stream_options' must be an object")
     include_usage = bool(params.boolean(options or {}, "include_usage", where="stream_options."))
     sources, logprobs = _parse_input(body, chat)
-    if len(sources) * n > params.MAX_CHOICES:
-        raise ParamError("n", f"a request may have at most {params.MAX_CHOICES} choices (prompts times n)")
+    params.check_generations(len(sources) * n, settings)
     scoring = params.scoring_only(body, echo) if not chat else False
     sampling, stopping = _sampling_and_stopping(body, settings, chat, scoring)
     if logprobs is not None:
@@ -498,9 +528,13 @@ class OpenAIHandlers:
         self._settings = settings
 
     async def handle(self, request: Request, *, chat: bool) -> JSONResponse | EventSourceResponse:
-        body = await read_json(request, self._settings.max_body_bytes)
+        raw = await read_body(request, self._settings.max_body_bytes)
         try:
-            parsed = parse_request(body, self._settings, chat=chat)
+            parsed = await off_loop(
+                raw, lambda body: parse_request(decode_json(body), self._settings, chat=chat)
+            )
+            asked = [inp.stopping.max_new_tokens for inp in parsed.inputs]
+            await params.check_request_tokens(asked, self._settings, self.max_model_len)
         except ParamError as exc:
             raise ApiError(400, exc.message, param=exc.param) from None
         model = await self.model_name(parsed.model)
@@ -597,7 +631,11 @@ class OpenAIHandlers:
                 yield failure
                 return
             if isinstance(event, Delta):
-                parts = await renderers[index].on_delta(event)
+                try:
+                    parts = await renderers[index].on_delta(event)
+                except grpc.aio.AioRpcError as exc:  # the token pieces of its logprobs
+                    yield pieces_failure(exc)
+                    return
             else:
                 assert isinstance(event, Done)
                 ends[index] = event

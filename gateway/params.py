@@ -13,6 +13,12 @@ detokenizer matches each one against the text after every token), at most `MAX_S
 token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it);
 logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's `top_logprobs`, the gRPC
 API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI completions' `logprobs`.
+One request's size (the same on every API): at most `max_generations` generations (OpenAI: prompts
+times n; the other APIs ask for one), and at most `max_request_tokens` tokens asked for over them, each
+generation counted as its max_tokens, or the whole context when it gives none (the rest of the context
+once its prompt is known: at most that), and never more than the context (default cap:
+`REQUEST_CONTEXTS` contexts), so that one request cannot take every generation slot of the gateway or
+the engines' whole capacity (`check_generations`, `check_request_tokens`).
 A client's own request id (`client_request_id`: HTTP `X-Request-Id`, the gRPC API's `request_id`) is
 printable ASCII of at most `MAX_REQUEST_ID_CHARS` characters.
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from gateway.settings import GatewaySettings
@@ -48,7 +55,7 @@ MAX_LOGIT_BIAS = 300
 MAX_BIAS = 100.0
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 128
-MAX_CHOICES = 1024  # prompts times n in one OpenAI request
+REQUEST_CONTEXTS = 16  # the default cap on one request's tokens, in contexts (`check_request_tokens`)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -291,8 +298,11 @@ def parse_json_field(text: str, label: str) -> Any:
 
 def history_tool_calls(raw: Any, where: str) -> str:
     """An assistant message's OpenAI `tool_calls` (a non-empty array of `{"id", "type": "function",
-    "function": {"name", "arguments"}}`, arguments a JSON text) as the JSON text the tokenizer takes
-    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field."""
+    "function": {"name", "arguments"}}`, arguments a string) as the JSON text the tokenizer takes
+    (`ChatMessage.tool_calls_json`). `where` names the message. Raises ParamError naming the field.
+    Arguments that are not valid JSON are taken as they are, as OpenAI takes them: a call the server
+    itself wrote may have been cut by max_tokens, and an agent sends it back in its history (the
+    tokenizer renders such a string as it is)."""
     if not isinstance(raw, list) or not raw:
         raise ParamError(f"{where}.tool_calls", f"{where}.tool_calls must be a non-empty array")
     for i, call in enumerate(raw):
@@ -304,14 +314,7 @@ def history_tool_calls(raw: Any, where: str) -> str:
             raise ParamError(f"{path}.function.name", f"{path}.function.name must be a string")
         arguments = function.get("arguments")
         if not isinstance(arguments, str):
-            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a JSON string")
-        if arguments.strip():
-            try:
-                json.loads(arguments)
-            except ValueError:
-                raise ParamError(
-                    f"{path}.function.arguments", f"{path}.function.arguments is not valid JSON"
-                ) from None
+            raise ParamError(f"{path}.function.arguments", f"{path}.function.arguments must be a string")
     return json.dumps(raw, ensure_ascii=False)
 
 
@@ -404,6 +407,45 @@ def choices_per_prompt(body: dict[str, Any]) -> int:
     if best_of not in (None, n):
         raise ParamError("best_of", f"best_of ({best_of}) must equal n ({n}): choices are not ranked")
     return n
+
+
+def check_generations(count: int, settings: GatewaySettings, label: str = "n") -> None:
+    """Raises ParamError (naming `label`) when a request asks for more than `max_generations`
+    generations."""
+    cap = settings.max_generations
+    if count > cap:
+        raise ParamError(
+            label, f"the request asks for {count} generations (prompts times n); at most {cap} are allowed "
+            "(the gateway's --max-generations)"
+        )  # fmt: skip
+
+
+async def check_request_tokens(
+    max_tokens: Sequence[int],
+    settings: GatewaySettings,
+    max_model_len: Callable[[], Awaitable[int]],
+    label: str = "max_tokens",
+) -> None:
+    """Raises ParamError (naming `label`) when a request's generations, whose `max_tokens` are given
+    (0: none, the rest of the context), ask for more tokens together than `max_request_tokens` (0:
+    `REQUEST_CONTEXTS` times the context length); each counts as its max_tokens, or the whole context
+    when it gives none, and at most the context. `max_model_len` (the engines' context length) is
+    awaited only when the sum could pass the cap; its AioRpcError is raised as it is."""
+    cap = settings.max_request_tokens
+    if not cap and len(max_tokens) <= REQUEST_CONTEXTS:
+        return  # each generation asks for at most the context
+    if cap and all(max_tokens) and sum(max_tokens) <= cap:
+        return
+    context = await max_model_len()
+    limit = cap or REQUEST_CONTEXTS * context
+    asked = sum(min(m or context, context) for m in max_tokens)
+    if asked > limit:
+        setting = "--max-request-tokens" if cap else f"--max-request-tokens: {REQUEST_CONTEXTS} contexts"
+        raise ParamError(
+            label, f"the request asks for up to {asked} tokens over its {len(max_tokens)} generation(s) "
+            f"(max_tokens each, the {context}-token context when unset); at most {limit} are allowed "
+            f"({setting}): give a smaller max_tokens or fewer generations"
+        )  # fmt: skip
 
 
 def scoring_only(body: dict[str, Any], echo: bool) -> bool:

@@ -66,6 +66,17 @@ class GatewaySettings(ValidatedSettings):
     max_in_flight: int = field(
         default=1024, metadata={"help": "most generations running at once; beyond it: refused (0 = no cap)"}
     )
+    max_generations: int = field(
+        default=64,
+        metadata={"help": "most generations one request may ask for (OpenAI: prompts times n); beyond: 400"},
+    )
+    max_request_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "most tokens one request may ask for, summed over its generations (each its max_tokens, "
+            "or the whole context when it gives none); beyond: 400 (0 = 16 times the model's context length)"
+        },
+    )
     max_prompt_tokens: int = field(
         default=0, metadata={"help": "longest prompt in tokens (0 = the model's context length)"}
     )
@@ -125,8 +136,8 @@ class GatewaySettings(ValidatedSettings):
         default=(),
         metadata={
             "help": "host names the HTTP API and WebSocket answer to (the Host header, against DNS "
-            "rebinding), comma-separated, '*' = any; default: the loopback names and --host (any when "
-            "--host is 0.0.0.0 or ::)"
+            "rebinding), comma-separated, any port of each (an entry with a port is refused), '*' = any; "
+            "default: the loopback names and --host (any when --host is 0.0.0.0 or ::)"
         },
     )
     ws_auth_timeout_s: float = field(
@@ -166,6 +177,7 @@ class GatewaySettings(ValidatedSettings):
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
+        from gateway.auth import check_allowed_hosts
         from gateway.chat_output import REASONING_PARSERS
         from gateway.tool_calls import PARSERS
         from gateway.upstream import Endpoint
@@ -179,6 +191,7 @@ class GatewaySettings(ValidatedSettings):
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
         check_bounds(self, _BOUNDS)
+        check_allowed_hosts(self.allowed_hosts)
         check_choices(self, (("routing", ROUTING_POLICIES), ("tool_call_parser", tuple(PARSERS))))
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
@@ -193,7 +206,8 @@ _BOUNDS = (
     (">", 0, ("resolve_interval_s", "request_timeout_s", "tokenize_timeout_s", "health_timeout_s")),
     (">", 0, ("max_body_bytes", "max_ws_frame_bytes", "ws_ping_interval_s", "sse_keepalive_s")),
     (">", 0, ("ws_auth_timeout_s", "send_timeout_s")),
-    (">=", 1, ("channels_per_replica",)),
+    (">=", 1, ("channels_per_replica", "max_generations")),
+    (">=", 0, ("max_request_tokens",)),
     (">=", 0, ("default_temperature", "grace_s", "detokenizer_context_ids", "max_in_flight")),
     (">=", 0, ("max_prompt_tokens", "retry_after_s", "upstream_wait_s", "readyz_cache_s")),
     (">=", 0, ("ws_max_in_flight", "routing_margin", "routing_margin_ratio")),

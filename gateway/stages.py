@@ -224,13 +224,12 @@ class Stages:
 
     async def token_pieces(self, ids: list[int]) -> list[TokenPiece]:
         """Each token id on its own (special tokens kept), for logprobs: its text and bytes, from the
-        detokenizer's vocabulary in one call for the ids not yet cached. Raises AioRpcError."""
+        detokenizer's vocabulary in one call for the ids not yet cached, on a ready replica (waiting up
+        to `upstream_wait_s` for one). A call that fails because its replica went away (UNAVAILABLE,
+        CANCELLED) is made once more, on another replica when one is ready. Raises AioRpcError."""
         missing = sorted({i for i in ids if i not in self._token_pieces})
         if missing:
-            stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[self.detokenizers.pick()])
-            reply = await stub.TokenPieces(
-                detokenizer_pb2.TokenPiecesRequest(ids=missing), timeout=self._settings.tokenize_timeout_s
-            )
+            reply = await self._token_pieces_call(missing)
             if len(reply.pieces) != len(missing):
                 raise RuntimeError(f"detokenizer gave {len(reply.pieces)} pieces for {len(missing)} ids")
             if len(self._token_pieces) + len(missing) > TOKEN_PIECE_CACHE:
@@ -239,6 +238,20 @@ class Stages:
                 (i, TokenPiece(p.text, p.bytes)) for i, p in zip(missing, reply.pieces, strict=True)
             )
         return [self._token_pieces[i] for i in ids]
+
+    async def _token_pieces_call(self, ids: list[int]) -> detokenizer_pb2.TokenPiecesResponse:
+        request = detokenizer_pb2.TokenPiecesRequest(ids=ids)
+        failed: str | None = None
+        while True:
+            address = await self.detokenizers.pick_ready(self._settings.upstream_wait_s, avoid=failed)
+            stub = detokenizer_pb2_grpc.DetokenizerStub(self.detokenizers.channels[address])
+            try:
+                return await stub.TokenPieces(request, timeout=self._settings.tokenize_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                if failed is not None or exc.code() not in REPLICA_GONE:
+                    raise
+                failed = self.detokenizers.replica_of(address)
+                log.info("token pieces: detokenizer %s: %s; retrying", address, exc.code().name)
 
     async def _ready_stub(self, replicas: Replicas, stub: Any) -> Any:
         """A `stub` on a member of `replicas` that is ready, waiting up to `upstream_wait_s` for one."""

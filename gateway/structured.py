@@ -12,8 +12,17 @@ Where a constraint comes from (at most one per request; two are refused, naming 
 
 The OpenAI body and the WebSocket `params` take these keys (`STRUCTURED_KEYS`); the public gRPC API
 takes the protobuf itself, checked by `check_structured`. Checks here are of shape (a known kind,
-a schema whose keywords are well formed, a non-empty list of strings); the engine's compiler checks
-the rest (a regex's syntax, a grammar's) and refuses with INVALID_ARGUMENT.
+a schema whose keywords are well formed, a non-empty list of strings) and of size, the same for every
+API (`services.common.constraints`: at most `MAX_CONSTRAINT_CHARS` characters, schemas nested at most
+`MAX_SCHEMA_DEPTH` deep, at most `MAX_ROW_ITEMS` alternatives live at one point: a choice's strings, a
+schema's anyOf/oneOf branches, object-valued enum entries and optional properties, a grammar's `|`);
+the engine's compiler checks the rest (a regex's syntax, a grammar's) and refuses with
+INVALID_ARGUMENT.
+
+Every JSON schema is sent closed (`constraints.closed_schema`): an object schema that declares
+`properties` and says nothing of `additionalProperties` admits only those properties, as OpenAI's
+strict mode and vLLM do, so a model cannot write invented keys until its max tokens; a schema that
+wants others says so (`additionalProperties: true` or a schema).
 """
 
 from __future__ import annotations
@@ -22,11 +31,11 @@ import json
 from typing import Any
 
 from gateway.params import ParamError, parse_json_field
-from gateway.tool_calls import check_schema, named_schema_fields
+from gateway.tool_calls import check_schema, check_schema_rows, named_schema_fields
+from services.common.constraints import MAX_CONSTRAINT_CHARS, MAX_ROW_ITEMS, closed_schema, grammar_row_items
 from services.common.pb import common_pb2
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
-MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema's JSON text, a regex, a grammar
 STRUCTURED_KEYS = (
     "response_format",
     "structured_outputs",
@@ -79,26 +88,27 @@ def structured_output(
 
 def check_structured(spec: common_pb2.StructuredOutput, label: str) -> common_pb2.StructuredOutput:
     """`spec` when it is well formed: kind "" (none) with no text, or one of `KINDS` with the text that
-    kind takes (json_schema: a JSON Schema object's text; json_object: none; choice: a JSON list of
-    strings; regex, grammar: non-empty), at most `MAX_CONSTRAINT_CHARS` characters. Raises ParamError
-    naming `label` or a path under it."""
+    kind takes (json_schema: a JSON Schema object's text, returned closed; json_object: none; choice: a
+    JSON list of strings; regex, grammar: non-empty), within the size limits of the module docstring.
+    Raises ParamError naming `label` or a path under it."""
     if spec.kind not in ("", *KINDS):
         raise ParamError(f"{label}.kind", f"{label}.kind must be one of {', '.join(KINDS)}")
+    text_label = f"{label}.text"
     if len(spec.text) > MAX_CONSTRAINT_CHARS:
-        raise ParamError(f"{label}.text", f"{label}.text may have at most {MAX_CONSTRAINT_CHARS} characters")
+        raise ParamError(text_label, f"{text_label} may have at most {MAX_CONSTRAINT_CHARS} characters")
     if spec.kind in ("", "json_object"):
         if spec.text:
-            raise ParamError(f"{label}.text", f"{label}.text must be empty for kind {spec.kind or 'none'!r}")
-    elif spec.kind == "json_schema":
-        schema = parse_json_field(spec.text, f"{label}.text")
-        if not isinstance(schema, dict):
-            raise ParamError(f"{label}.text", f"{label}.text must be a JSON Schema object")
-        check_schema(schema, f"{label}.text")
-    elif spec.kind == "choice":
-        _choices(parse_json_field(spec.text, f"{label}.text"), f"{label}.text")
+            raise ParamError(text_label, f"{text_label} must be empty for kind {spec.kind or 'none'!r}")
+        return spec
+    if spec.kind == "json_schema":
+        checked = _schema_spec(parse_json_field(spec.text, text_label), text_label)
+        checked.strict = spec.strict
+        return checked
+    if spec.kind == "choice":
+        _choices(parse_json_field(spec.text, text_label), text_label)
     elif not spec.text:
-        raise ParamError(f"{label}.text", f"{label}.text must not be empty for kind {spec.kind!r}")
-    return spec
+        raise ParamError(text_label, f"{text_label} must not be empty for kind {spec.kind!r}")
+    return _checked(spec, text_label)
 
 
 def _response_format(value: Any, label: str) -> common_pb2.StructuredOutput | None:
@@ -157,22 +167,33 @@ def _vllm_value(key: str, value: Any, label: str) -> common_pb2.StructuredOutput
 
 
 def _schema_spec(schema: Any, label: str) -> common_pb2.StructuredOutput:
+    """A JSON schema, checked and closed (`closed_schema`), as the protobuf."""
     if not isinstance(schema, dict):
         raise ParamError(label, f"{label} must be a JSON Schema object")
     check_schema(schema, label)
-    text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    check_schema_rows(schema, label)
+    text = json.dumps(closed_schema(schema, every_object=False), ensure_ascii=False, separators=(",", ":"))
     return _checked(common_pb2.StructuredOutput(kind="json_schema", text=text), label)
 
 
 def _checked(spec: common_pb2.StructuredOutput, label: str) -> common_pb2.StructuredOutput:
+    """`spec` when its text is within `MAX_CONSTRAINT_CHARS` and a grammar's alternatives within
+    `MAX_ROW_ITEMS` (a schema's are counted by `check_schema`, a choice's by `_choices`)."""
     if len(spec.text) > MAX_CONSTRAINT_CHARS:
         raise ParamError(label, f"{label} may have at most {MAX_CONSTRAINT_CHARS} characters")
+    if spec.kind == "grammar":
+        items = grammar_row_items(spec.text)
+        if items > MAX_ROW_ITEMS:
+            raise ParamError(label, f"{label} has {items} alternatives ('|'), more than the {MAX_ROW_ITEMS} "
+                             "allowed")  # fmt: skip
     return spec
 
 
 def _choices(value: Any, label: str) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
         raise ParamError(label, f"{label} must be a non-empty list of non-empty strings")
+    if len(value) > MAX_ROW_ITEMS:
+        raise ParamError(label, f"{label} has {len(value)} strings, more than the {MAX_ROW_ITEMS} allowed")
     return value
 
 

@@ -43,12 +43,21 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gateway.params import ParamError
+from services.common.constraints import (
+    MAX_CONSTRAINT_CHARS,
+    MAX_ROW_ITEMS,
+    MAX_SCHEMA_DEPTH,
+    SUBSCHEMA,
+    SUBSCHEMA_LISTS,
+    SUBSCHEMA_MAPS,
+    closed_schema,
+    schema_row_items,
+)
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _SEPARATORS = re.compile(r"[\s;]*")  # between llama3_json calls
 MAX_TOOLS = 128
-MAX_SCHEMA_DEPTH = 32
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 TOOL_CHOICES = ("none", "auto", "required")
@@ -583,6 +592,9 @@ class ToolRequest:
         if self.choice not in ("required", "function"):
             return None
         tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
+        for i, tool in enumerate(self.tools):
+            if tool in tools:
+                check_schema_rows(tool.parameters or {}, f"tools[{i}].function.parameters")
         rules = [
             "start: call" + (' ("\\n" call)*' if self.parallel else ""),
             "call: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
@@ -592,14 +604,24 @@ class ToolRequest:
             rules.append(
                 f"tool_{i}: {json.dumps(opening)} %json {_arguments_schema(tool)} {json.dumps(closing)}"
             )
-        return "grammar", "\n".join(rules) + "\n"
+        text = "\n".join(rules) + "\n"
+        if len(text) > MAX_CONSTRAINT_CHARS:
+            raise ParamError(
+                "tools", f"the grammar of a required tool call (tool_choice {self.choice!r}) would have "
+                f"{len(text)} characters, more than the {MAX_CONSTRAINT_CHARS} allowed: give fewer or "
+                "smaller tools"
+            )  # fmt: skip
+        return "grammar", text
 
 
 def _arguments_schema(tool: Tool) -> str:
-    """A tool's parameters schema for `%json`, with llguidance's options: JSON whitespace bounded as
-    the engine bounds it for response formats, unsupported keywords ignored unless the tool is strict."""
+    """A tool's parameters schema for `%json`, closed (`constraints.closed_schema`: only the declared
+    properties unless the schema allows others; a strict tool's every object schema), with llguidance's
+    options: JSON whitespace bounded as the engine bounds it for response formats, unsupported keywords
+    ignored unless the tool is strict."""
     options = {"whitespace_pattern": JSON_WHITESPACE, "lenient": not tool.strict}
-    return json.dumps({**(tool.parameters or {"type": "object"}), "x-guidance": options})
+    schema = closed_schema(tool.parameters or {"type": "object"}, every_object=tool.strict)
+    return json.dumps({**schema, "x-guidance": options})
 
 
 def tool_request(body: dict[str, Any]) -> ToolRequest | None:
@@ -693,26 +715,6 @@ def validate_tool_choice(raw: Any, tools: list[Tool]) -> tuple[str, str]:
     return "function", name
 
 
-# Keywords whose value is a schema, a list of schemas or a map of names to schemas.
-_SCHEMA_KEYWORDS = frozenset(
-    {
-        "additionalProperties",
-        "not",
-        "contains",
-        "if",
-        "then",
-        "else",
-        "propertyNames",
-        "additionalItems",
-        "unevaluatedProperties",
-        "unevaluatedItems",
-        "items",
-    }
-)
-_SCHEMA_LISTS = frozenset({"anyOf", "oneOf", "allOf", "prefixItems"})
-_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-
-
 def _check_parameters(schema: Any, where: str) -> None:
     """A function's parameters: a JSON Schema object whose type, if given, is "object"."""
     if not isinstance(schema, dict):
@@ -722,9 +724,26 @@ def _check_parameters(schema: Any, where: str) -> None:
     check_schema(schema, where)
 
 
-def check_schema(schema: Any, where: str, depth: int = 0) -> None:
+def check_schema(schema: Any, where: str) -> None:
     """The shape of a JSON Schema's keywords that hold schemas, types, required names and enums
-    (the engine's compiler checks the rest). Raises ParamError naming the path of the fault."""
+    (the engine's compiler checks the rest), nested at most `MAX_SCHEMA_DEPTH` deep. Raises
+    ParamError naming the path of the fault."""
+    _check_shape(schema, where, 0)
+
+
+def check_schema_rows(schema: Any, where: str) -> None:
+    """For a schema that becomes a grammar (its shape checked by `check_schema`): its alternatives at
+    one point (`constraints.schema_row_items`) at most `MAX_ROW_ITEMS`. Raises ParamError naming
+    `where`."""
+    items = schema_row_items(schema)
+    if items > MAX_ROW_ITEMS:
+        raise ParamError(
+            where, f"{where} has about {items} alternatives at one point (anyOf/oneOf branches, object or "
+            f"array enum values, optional properties: 4 each), more than the {MAX_ROW_ITEMS} allowed"
+        )  # fmt: skip
+
+
+def _check_shape(schema: Any, where: str, depth: int) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -734,18 +753,18 @@ def check_schema(schema: Any, where: str, depth: int = 0) -> None:
     _check_keywords(schema, where)
     for key, value in schema.items():
         path = f"{where}.{key}"
-        if key in _SCHEMA_KEYWORDS and not (key == "items" and isinstance(value, list)):
-            check_schema(value, path, depth + 1)
-        elif key in _SCHEMA_LISTS or key == "items":
+        if key in SUBSCHEMA and not (key == "items" and isinstance(value, list)):
+            _check_shape(value, path, depth + 1)
+        elif key in SUBSCHEMA_LISTS:
             if not isinstance(value, list) or not value:
                 raise ParamError(path, f"{path} must be a non-empty array of schemas")
             for i, item in enumerate(value):
-                check_schema(item, f"{path}[{i}]", depth + 1)
-        elif key in _SCHEMA_MAPS:
+                _check_shape(item, f"{path}[{i}]", depth + 1)
+        elif key in SUBSCHEMA_MAPS:
             if not isinstance(value, dict):
                 raise ParamError(path, f"{path} must be an object of schemas")
             for name, item in value.items():
-                check_schema(item, f"{path}.{name}", depth + 1)
+                _check_shape(item, f"{path}.{name}", depth + 1)
 
 
 def _check_keywords(schema: dict[str, Any], where: str) -> None:

@@ -27,6 +27,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 from fastapi import WebSocket
 
 from gateway import params
@@ -43,6 +44,7 @@ from services.common import errors
 log = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
+MAX_TOKENS = "params.max_tokens"  # the name of a generate's max tokens in errors
 
 
 class FrameError(Exception):
@@ -289,6 +291,10 @@ class SocketSession:
             await self._write(refusal)
             return
         inp = frame.input
+        refusal = await self._size_refusal(frame.id, inp)
+        if refusal is not None:
+            await self._write(refusal)
+            return
         if not inp.trace_context:  # a frame's own traceparent wins over the handshake's header
             inp = dataclasses.replace(inp, trace_context=trace_context_from(self._ws.headers.get))
         generation = self._pipeline.generate(inp)
@@ -305,6 +311,18 @@ class SocketSession:
         if cap and len(self._in_flight) >= cap:
             message = f"this socket already runs {cap} generations, the most allowed; wait for one to end"
             return error_frame(frame_id, errors.RESOURCE_EXHAUSTED, message)
+        return None
+
+    async def _size_refusal(self, frame_id: str, inp: GenerateInput) -> dict[str, Any] | None:
+        """The error frame for a generate that asks for more tokens than one request may, or None."""
+        asked = [inp.stopping.max_new_tokens]
+        try:
+            await params.check_request_tokens(asked, self._settings, self._pipeline.max_model_len, MAX_TOKENS)
+        except ParamError as exc:
+            return error_frame(frame_id, errors.INVALID_ARGUMENT, exc.message)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
+            return error_frame(frame_id, errors.UNAVAILABLE, "engine unavailable")
         return None
 
     async def _stream(self, frame_id: str, generation: Generation) -> None:

@@ -15,7 +15,8 @@ tokens again, so the ids equal `AutoTokenizer.apply_chat_template(..., tokenize=
 Tools and tool-calling history reach the template in transformers' convention: `tools` is the list of
 OpenAI tool objects (`{"type": "function", "function": {...}}`), an assistant message carries
 `tool_calls` as a list of `{"id", "type", "function": {"name", "arguments"}}` whose `arguments` is the
-decoded JSON value (a dict), not OpenAI's JSON text, and a tool message carries `tool_call_id`.
+decoded JSON value (a dict), not OpenAI's JSON text (text that is not JSON, such as a call cut by
+max_tokens, stays the string it is, as OpenAI accepts it), and a tool message carries `tool_call_id`.
 `chat_message` and `parse_tools` turn OpenAI's wire form into that.
 """
 
@@ -101,15 +102,23 @@ def _parse_json(text: str, what: str) -> Any:
         raise InvalidInput(f"{what} is not JSON: {exc}") from None
 
 
+def _json_or_text(text: str) -> Any:
+    """The JSON value of `text`, or `text` itself when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _tool_call(raw: Any, where: str) -> dict[str, Any]:
     """One OpenAI tool call as a template sees it: `function.arguments` decoded from its JSON text
-    (empty or missing = `{}`)."""
+    (empty or missing = `{}`; text that is not JSON stays the string it is)."""
     function = raw.get("function") if isinstance(raw, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidInput(f"{where} must be an object with function.name")
     arguments = function.get("arguments")
     if isinstance(arguments, str) and arguments.strip():
-        arguments = _parse_json(arguments, f"{where}.function.arguments")
+        arguments = _json_or_text(arguments)
     elif arguments is None or arguments == "":
         arguments = {}
     call: dict[str, Any] = {"id": raw["id"]} if isinstance(raw.get("id"), str) else {}

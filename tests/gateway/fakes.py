@@ -235,7 +235,8 @@ class _Decoding:
 
 @dataclass
 class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
-    """`fail_next_start` breaks the Stream call (UNAVAILABLE) when the next start arrives."""
+    """`fail_next_start` breaks the Stream call (UNAVAILABLE) when the next start arrives; each
+    status in `fail_next_pieces` fails one TokenPieces call, in order."""
 
     starts: list[detokenizer_pb2.DetokenizeStart] = field(default_factory=list)
     closes: list[str] = field(default_factory=list)
@@ -243,6 +244,8 @@ class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
     messages_in: int = 0
     stream_calls: int = 0
     fail_next_start: bool = False
+    fail_next_pieces: list[grpc.StatusCode] = field(default_factory=list)
+    pieces_calls: int = 0
 
     async def Stream(
         self, request_iterator: AsyncIterator[detokenizer_pb2.DetokenizeIn], context: grpc.aio.ServicerContext
@@ -321,6 +324,9 @@ class FakeDetokenizer(detokenizer_pb2_grpc.DetokenizerServicer):
     async def TokenPieces(
         self, request: detokenizer_pb2.TokenPiecesRequest, context: grpc.aio.ServicerContext
     ) -> detokenizer_pb2.TokenPiecesResponse:
+        self.pieces_calls += 1
+        if self.fail_next_pieces:
+            await context.abort(self.fail_next_pieces.pop(0), "detokenizer going away")
         pieces = [detokenizer_pb2.TokenPiece(text=chr(i), bytes=chr(i).encode()) for i in request.ids]
         return detokenizer_pb2.TokenPiecesResponse(pieces=pieces)
 

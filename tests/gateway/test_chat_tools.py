@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
+from tokenizers import Tokenizer
 
-from gateway.server import GatewayHandle
-from tests.gateway.conftest import WAIT_S
+from gateway.server import GatewayHandle, create_server
+from services.tokenizer.server import create_server as create_tokenizer
+from services.tokenizer.settings import TokenizerSettings
+from tests.gateway.conftest import WAIT_S, gateway_settings
 from tests.gateway.fakes import MODEL, FakeUpstreams
 
 END = "#END"
@@ -291,3 +296,35 @@ async def test_tools_on_completions_are_refused(
         await client_for(gateway).post("/completions", cast_to=object, body={"prompt": "x", "tools": TOOLS})
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "tools"
+
+
+async def test_a_call_cut_by_max_tokens_in_the_history_is_rendered_as_it_was_written(
+    upstreams: FakeUpstreams, tiny_model_dir: Path
+) -> None:
+    """An agent sends back the assistant turn the server wrote, whose call was cut by max_tokens: its
+    arguments are not valid JSON. The conversation is accepted (as OpenAI accepts it), and the real
+    tokenizer renders the arguments as they are, in the model's own call format."""
+    tokenizer = await create_tokenizer(TokenizerSettings(model=str(tiny_model_dir), port=0))
+    await tokenizer.start()
+    settings = gateway_settings(upstreams, tokenizer=(f"127.0.0.1:{tokenizer.port}",))
+    server = await create_server(settings)
+    await server.start()
+    cut = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Pa'},
+    }
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [cut]}]
+    history.append({"role": "tool", "tool_call_id": "call_1", "content": "error: the call was cut"})
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+            body = {"messages": history, "tools": TOOLS, "max_tokens": 3}
+            reply = await http.post("/v1/chat/completions", json=body)
+    finally:
+        await server.stop(0.5)
+        await tokenizer.stop(0)
+    assert reply.status_code == 200, reply.text
+    rendered = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).decode(
+        list(upstreams.engine.submits[-1].prompt_ids), skip_special_tokens=False
+    )
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa}\n</tool_call>' in rendered

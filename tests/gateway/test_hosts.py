@@ -4,6 +4,7 @@ gateway's address sends its own name as Host, and the `/v1/` routes and the WebS
 from __future__ import annotations
 
 import json
+import re
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -14,6 +15,8 @@ from websockets.exceptions import InvalidStatus
 
 from gateway.auth import allowed_hosts
 from gateway.server import GatewayHandle
+from gateway.settings import GatewaySettings
+from services.common.settings import load_settings
 from tests.gateway.conftest import WAIT_S
 from tests.gateway.fakes import MODEL
 
@@ -75,3 +78,18 @@ async def test_the_allow_list_is_configurable(make_gateway: MakeGateway) -> None
 )
 def test_the_default_allow_list(configured: tuple[str, ...], bound: str, expected: set[str]) -> None:
     assert allowed_hosts(configured, bound) == expected
+
+
+@pytest.mark.parametrize("entry", ["api.example:8000", "[::1]:8000", "http://api.example", "api.example/v1"])
+def test_an_allowed_host_that_is_not_a_host_name_is_refused_at_start_up(entry: str) -> None:
+    """A Host header is matched by its name whatever its port, so an entry with a port (or a scheme,
+    or a path) would never match: the gateway refuses to start with it, naming it."""
+    with pytest.raises(SystemExit):
+        load_settings(GatewaySettings, ["--allowed-hosts", f"localhost,{entry}"])
+    with pytest.raises(ValueError, match=re.escape(repr(entry)) + ".* is not a host name"):
+        GatewaySettings(allowed_hosts=("localhost", entry))
+
+
+@pytest.mark.parametrize("entry", ["api.example", "API.example", "10.0.0.5", "::1", "[::1]", "*"])
+def test_host_names_and_addresses_are_accepted(entry: str) -> None:
+    assert GatewaySettings(allowed_hosts=(entry,)).allowed_hosts == (entry,)

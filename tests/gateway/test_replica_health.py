@@ -1,10 +1,12 @@
 """Replica health in routing: the gateway watches every replica's grpc.health.v1 status and gives no
 new work to one that says it is not serving (an engine whose loop died stays up NOT_SERVING), until it
-says SERVING again; a Tokenize call whose replica went away is made once more elsewhere."""
+says SERVING again; a Tokenize or TokenPieces call whose replica went away is made once more elsewhere,
+and logprobs that no detokenizer can give fail only their own request (503)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -12,7 +14,7 @@ import httpx
 import pytest
 
 from gateway.server import GatewayHandle, create_server
-from tests.gateway.conftest import WAIT_S, gateway_settings
+from tests.gateway.conftest import WAIT_S, dead_address, gateway_settings
 from tests.gateway.fakes import MODEL, FakeUpstreams, expected_text, start_upstreams
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
@@ -112,3 +114,71 @@ async def test_a_tokenizer_that_keeps_going_away_fails_the_request_unavailable(
     error = reply.json()["error"]
     assert (error["code"], error["message"]) == ("unavailable", "tokenizer unavailable")
     assert len(upstreams.tokenizer.requests) == 2
+
+
+async def logprob_completions(
+    server: GatewayHandle, prompts: list[str], **extra: object
+) -> list[httpx.Response]:
+    """One completions request with echoed prompt logprobs per prompt, in turn: each prompt brings
+    token ids the gateway has not looked up yet, so each needs a TokenPieces call."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+        body = {"model": MODEL, "max_tokens": 2, "logprobs": 1, "echo": True, **extra}
+        return [await http.post("/v1/completions", json={**body, "prompt": p}) for p in prompts]
+
+
+async def test_logprobs_while_a_detokenizer_replica_is_down(upstreams: FakeUpstreams) -> None:
+    """Token pieces for logprobs come from a ready detokenizer replica, never from the one that is
+    down (the detokenizer's streams already avoid it)."""
+    detokenizers = (upstreams.addresses["detokenizer"], dead_address())
+    server = await create_server(gateway_settings(upstreams, detokenizer=detokenizers))
+    await server.start()
+    try:
+        replies = await logprob_completions(server, ["ab", "cd", "ef", "gh"])
+    finally:
+        await server.stop(0.5)
+    assert [r.status_code for r in replies] == [200] * 4, [r.text for r in replies]
+    assert [r.json()["choices"][0]["logprobs"]["tokens"][1:3] for r in replies] == [
+        ["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"]
+    ]  # fmt: skip
+
+
+async def test_a_token_pieces_call_whose_replica_goes_away_is_made_again_on_the_other(
+    three: list[FakeUpstreams],
+) -> None:
+    first, second = three[0].detokenizer, three[1].detokenizer
+    first.fail_next_pieces = second.fail_next_pieces = [grpc.StatusCode.UNAVAILABLE]  # whichever is first
+    detokenizers = (three[0].addresses["detokenizer"], three[1].addresses["detokenizer"])
+    server = await create_server(gateway_settings(three[0], detokenizer=detokenizers))
+    await server.start()
+    try:
+        await until(lambda: len(server.core._stages.detokenizers.connected()) == 2)
+        [reply] = await logprob_completions(server, ["ab"])
+    finally:
+        await server.stop(0.5)
+    assert reply.status_code == 200, reply.text
+    assert first.pieces_calls and second.pieces_calls and not first.fail_next_pieces
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_logprobs_no_detokenizer_can_give_fail_that_request_unavailable(
+    upstreams: FakeUpstreams, stream: bool
+) -> None:
+    """Token pieces that no replica can give end that request with a clean 503 (a stream: an error
+    event, then [DONE]), not a 500 or a stream cut off; the next request is served."""
+    upstreams.detokenizer.fail_next_pieces = [grpc.StatusCode.UNAVAILABLE] * 2
+    server = await create_server(gateway_settings(upstreams))
+    await server.start()
+    try:
+        failed, served = await logprob_completions(server, ["ab", "cd"], stream=stream)
+    finally:
+        await server.stop(0.5)
+    if stream:
+        assert failed.status_code == 200
+        events = [line[len("data: ") :] for line in failed.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        assert failed.status_code == 503, failed.text
+        error = failed.json()["error"]
+    assert (error["code"], error["message"]) == ("unavailable", "detokenizer unavailable")
+    assert served.status_code == 200, served.text

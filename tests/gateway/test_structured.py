@@ -13,13 +13,15 @@ from websockets.asyncio.client import connect
 
 from gateway.params import ParamError
 from gateway.server import GatewayHandle
-from gateway.structured import MAX_CONSTRAINT_CHARS, check_structured, structured_output
+from gateway.structured import check_structured, structured_output
+from services.common.constraints import MAX_CONSTRAINT_CHARS
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.conftest import WAIT_S, collect, send
 from tests.gateway.fakes import FakeUpstreams
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
+# what the engine gets: the schema closed (it declares properties and says nothing of others)
+SCHEMA_TEXT = json.dumps({**SCHEMA, "additionalProperties": False}, separators=(",", ":"))
 MESSAGES = [{"role": "user", "content": "x"}]
 
 # body fields → (kind, text, strict) the engine must receive

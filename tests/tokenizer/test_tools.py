@@ -222,15 +222,19 @@ def test_chat_message_follows_transformers_convention() -> None:
         ("{", "messages[2].tool_calls is not JSON"),
         ('{"id": "x"}', "messages[2].tool_calls must be an array"),
         ('[{"id": "x", "function": {}}]', "messages[2].tool_calls[0] must be an object with function.name"),
-        (
-            '[{"function": {"name": "f", "arguments": "{nope"}}]',
-            "messages[2].tool_calls[0].function.arguments is not JSON",
-        ),
     ],
 )
 def test_malformed_tool_calls_name_the_field(tool_calls_json: str, needle: str) -> None:
     with pytest.raises(InvalidInput, match=re.escape(needle)):
         chat_message("assistant", None, tool_calls_json=tool_calls_json, where="messages[2]")
+
+
+def test_arguments_that_are_not_json_stay_the_text_they_are() -> None:
+    """A call cut by max_tokens, sent back in an agent's history, is rendered as it was written."""
+    message = chat_message(
+        "assistant", None, tool_calls_json='[{"function": {"name": "f", "arguments": "{\\"a\\": 1"}}]'
+    )
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1'}
 
 
 def test_template_type_error_fails_only_its_request(model_dir: Path, tmp_path: Path) -> None:
@@ -295,13 +299,13 @@ async def test_service_refuses_malformed_tools(served: Served, field: str, value
 
 
 async def test_service_names_the_bad_message(served: Served) -> None:
-    bad = common_pb2.ChatMessage(
-        role="assistant", tool_calls_json='[{"function": {"name": "f", "arguments": "{"}}]'
-    )
+    bad = common_pb2.ChatMessage(role="assistant", tool_calls_json='[{"function": {"arguments": "{}"}}]')
     request = tokenizer_pb2.TokenizeRequest(
         chat=common_pb2.Conversation(messages=[common_pb2.ChatMessage(role="user", content="hi"), bad])
     )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await served.stub.Tokenize(request)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "chat.messages[1].tool_calls[0].function.arguments is not JSON" in (info.value.details() or "")
+    assert "chat.messages[1].tool_calls[0] must be an object with function.name" in (
+        info.value.details() or ""
+    )

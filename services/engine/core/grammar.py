@@ -65,6 +65,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import llguidance
 from tokenizers import Tokenizer
 
+from services.common.constraints import closed_schema
+
 if TYPE_CHECKING:
     import torch
 
@@ -73,23 +75,6 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "gram
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 DEFAULT_CACHE_SIZE = 256
 _MAX_ERROR_CHARS = 400
-
-# Keywords whose value is one subschema, a map of name → subschema, or a list of subschemas.
-_SUBSCHEMA = (
-    "items",
-    "additionalItems",
-    "contains",
-    "not",
-    "if",
-    "then",
-    "else",
-    "propertyNames",
-    "additionalProperties",
-    "unevaluatedItems",
-    "unevaluatedProperties",
-)
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
 class GrammarError(ValueError):
@@ -127,7 +112,7 @@ class GrammarSpec:
         if self.kind == "json_schema":
             schema = _parse_json(self.text, "json_schema")
             if self.strict:
-                schema = _closed(schema)
+                schema = closed_schema(schema, every_object=True)
             return _json_grammar(schema, lenient=not self.strict)
         if self.kind == "json_object":
             return _json_grammar({"type": "object"}, lenient=True)
@@ -172,28 +157,6 @@ def _json_grammar(schema: dict[str, Any], *, lenient: bool) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=options)
     except ValueError as exc:
         raise GrammarError(f"json_schema: {_first_lines(str(exc))}") from exc
-
-
-def _closed(schema: Any) -> Any:
-    """A copy of `schema` in which every object schema without additionalProperties (or
-    unevaluatedProperties) gets `additionalProperties: false`; data keywords (enum, const) untouched."""
-    if not isinstance(schema, dict):
-        return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA:
-        if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
-    types = out.get("type")
-    is_object = "properties" in out or types == "object" or (isinstance(types, list) and "object" in types)
-    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out:
-        out["additionalProperties"] = False
-    return out
 
 
 def _first_lines(message: str) -> str:
