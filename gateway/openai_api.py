@@ -162,6 +162,13 @@ _UNSUPPORTED_CHAT = (
 )  # fmt: skip
 
 
+def _kept_special_ids(parsed: ParsedRequest, parsers: ChatParsers) -> tuple[int, ...]:
+    """The special tokens a chat reply's text keeps for its parsers (none for completions)."""
+    if not parsed.chat:
+        return ()
+    return parsers.keep_special_ids(reads_calls=parsed.tools is not None and parsed.tools.parses_calls)
+
+
 def _chat_output(parsed: ParsedRequest, parsers: ChatParsers) -> ChatOutput | None:
     """A splitter of one chat choice's output (None for completions): reasoning when the model's
     parsers split it, tool calls when the request has tools and tool_choice is not none."""
@@ -536,9 +543,10 @@ class OpenAIHandlers:
         own = params.client_request_id(request.headers.get("x-request-id")) or ""
         context = trace_context_from(request.headers.get)
         api = "chat" if chat else "completions"
+        extra = {"api": api, "trace_context": context, "request_id": own}
+        extra["keep_special_ids"] = _kept_special_ids(parsed, parsers)
         choices = _Choices([
-            self._pipeline.generate(dataclasses.replace(inp, api=api, trace_context=context, request_id=own))
-            for inp in parsed.inputs
+            self._pipeline.generate(dataclasses.replace(inp, **extra)) for inp in parsed.inputs
         ])  # fmt: skip
         response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         created = int(time.time())
@@ -560,10 +568,9 @@ class OpenAIHandlers:
             info = await self._pipeline.model_info()
         except grpc.aio.AioRpcError as exc:
             raise unavailable("tokenizer", "model info from the tokenizer", exc) from None
-        settings = self._settings
-        return chosen(
-            settings.tool_call_parser, settings.reasoning_parser, info.chat_template, info.generation_prompt
-        )
+        settings, special = self._settings, {t.text: t.id for t in info.special_tokens}
+        template, prompt = info.chat_template, info.generation_prompt
+        return chosen(settings.tool_call_parser, settings.reasoning_parser, template, prompt, special)
 
     async def _echoes(self, parsed: ParsedRequest) -> list[str]:
         """Each choice's echoed prompt ("" without `echo`): a text prompt as given, token ids decoded

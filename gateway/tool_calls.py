@@ -329,6 +329,8 @@ class ToolCallStream(abc.ABC):
 
     CALLS_OPEN, CALLS_SEPARATOR, CALLS_CLOSE = "", "\n", ""
     CALL_OPEN, CALL_CLOSE = OPEN_TAG + '\n{{"name": "{name}", "arguments": ', "}\n" + CLOSE_TAG
+    # Marks the parser reads, kept in the text where the tokenizer has them as special tokens.
+    MARKS: tuple[str, ...] = (OPEN_TAG, CLOSE_TAG)
 
     @classmethod
     def recognises(cls, chat_template: str) -> bool:
@@ -465,6 +467,7 @@ class Llama3JsonToolCalls(ToolCallStream):
 
     CALLS_SEPARATOR = "; "
     CALL_OPEN, CALL_CLOSE = '{{"name": "{name}", "parameters": ', "}"
+    MARKS = (PYTHON_TAG,)
 
     @classmethod
     def recognises(cls, chat_template: str) -> bool:

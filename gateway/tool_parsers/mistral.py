@@ -3,7 +3,8 @@ Mistral's chat templates write:
 
 - a JSON array of call objects, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3 templates:
   Mistral 7B v0.3, Mixtral 8x22B, Nemo); the array may also start the output without the marker, as it
-  does when the marker, a special token, is skipped from the text;
+  does when the marker, a special token, is skipped from the text (the gateway asks the detokenizer to
+  keep the marks, `MARKS`, but a client may decode ids itself);
 - `[TOOL_CALLS]NAME[ARGS]{...}`, one marker per call (v11 and later: Mistral Small 3.2, Magistral,
   Devstral).
 
@@ -39,6 +40,7 @@ class MistralToolCalls(ToolCallStream):
     # What `tool_calls.ToolRequest.grammar` writes around a required call: the v3 array form.
     CALLS_OPEN, CALLS_SEPARATOR, CALLS_CLOSE = MARK + "[", ", ", "]"
     CALL_OPEN, CALL_CLOSE = '{{"name": "{name}", "arguments": ', "}"
+    MARKS = (MARK, ARGS)  # special tokens in Mistral's tokenizers, kept in the text for the parser
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(new_id)

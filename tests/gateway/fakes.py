@@ -56,6 +56,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.fail_next: list[grpc.StatusCode] = []
         self.chat_template = ""  # what Info says of the model's template
         self.generation_prompt = ""
+        self.special_tokens: dict[str, int] = {}  # and of its special tokens (text → id)
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -88,6 +89,10 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
             context_length=4096,
             chat_template=self.chat_template,
             generation_prompt=self.generation_prompt,
+            special_tokens=[
+                tokenizer_pb2.SpecialToken(name=text, text=text, id=i)
+                for text, i in self.special_tokens.items()
+            ],
         )
 
 

@@ -149,3 +149,26 @@ async def _reasoning_and_content(client: openai.AsyncOpenAI, stream: bool) -> tu
         reasoning += getattr(delta, "reasoning_content", None) or ""
         content += delta.content or ""
     return reasoning, content
+
+
+def test_the_parsers_marks_are_the_special_ids_kept() -> None:
+    special = {"[TOOL_CALLS]": 5, "[ARGS]": 6, "</s>": 2, "<think>": 9, "</think>": 10, "<|python_tag|>": 7}
+    mistral = chosen("auto", "auto", MISTRAL_TEMPLATE, "", special)
+    assert mistral.keep_special_ids(reads_calls=True) == (5, 6)
+    assert mistral.keep_special_ids(reads_calls=False) == ()
+    thinking = chosen("llama3_json", "think", "", "", special)
+    assert thinking.keep_special_ids(reads_calls=True) == (7, 9, 10)
+    assert chosen("auto", "auto", MISTRAL_TEMPLATE, "", {}).keep_special_ids(reads_calls=True) == ()
+
+
+async def test_the_detokenizer_is_asked_to_keep_the_marks(
+    make_gateway: Make, upstreams: FakeUpstreams, client_for: Client
+) -> None:
+    upstreams.tokenizer.chat_template = MISTRAL_TEMPLATE
+    upstreams.tokenizer.special_tokens = {"[TOOL_CALLS]": 5, "[ARGS]": 6, "</s>": 2}
+    server = await make_gateway()
+    script(upstreams, FORMATS["mistral"][2])
+    await chat(client_for(server), tools=TOOLS)
+    assert list(upstreams.detokenizer.starts[-1].keep_special_ids) == [5, 6]
+    await chat(client_for(server))  # no tools: nothing to keep
+    assert list(upstreams.detokenizer.starts[-1].keep_special_ids) == []

@@ -233,7 +233,8 @@ def _family(family: str) -> tuple[Tokenizer, dict[str, Any], list[str], str]:
         fields |= dict(add_bos_token=False)
         return tok, fields, ["<|im_end|>", "<|endoftext|>"], "<|endoftext|>"
     if family == "mistral":
-        specials = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]")
+        specials = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[ARGS]")
+        specials += ("[AVAILABLE_TOOLS]",)
         specials += (
             "[/AVAILABLE_TOOLS]",
             "[TOOL_RESULTS]",

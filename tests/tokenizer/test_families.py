@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.common.models import eos_token_ids, tokenizer_eos_id
-from services.detokenizer.incremental import Vocabulary
+from services.detokenizer.incremental import DecodeState, Vocabulary
 from services.tokenizer.core import TokenizeJob, TokenizerCore, chat_message, parse_tools
 from tests.tokenizer.families import FAMILIES, family_tokenizer_dir, token_id
 
@@ -202,3 +202,18 @@ def test_tools_reach_the_template(tmp_path: Path) -> None:
         tools=parse_tools(json.dumps(TOOLS)),
     )
     assert text.startswith("<s>[AVAILABLE_TOOLS][{") and "get_weather" in text
+
+
+def test_a_parsers_marks_are_kept_while_other_special_tokens_are_skipped(tmp_path: Path) -> None:
+    """Mistral's [TOOL_CALLS] and [ARGS] are special tokens: the detokenizer keeps the ids it is asked
+    to keep (the tool-call parser's marks) and still skips the rest (eos)."""
+    path = family_tokenizer_dir("mistral", tmp_path / "m")
+    core, vocab = TokenizerCore(path), Vocabulary.from_model_dir(path)
+    marks = [token_id(path, "[TOOL_CALLS]"), token_id(path, "[ARGS]")]
+    written = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+    ids = [*core.encode(written, add_special_tokens=False), token_id(path, "</s>")]
+    assert marks[0] == ids[0] and marks[1] in ids
+    kept = DecodeState(vocab, skip_special_tokens=True, keep_special_ids=marks)
+    assert kept.add(ids) + kept.close() == written
+    skipped = DecodeState(vocab, skip_special_tokens=True)
+    assert skipped.add(ids) + skipped.close() == 'get_weather{"city": "Paris"}'
