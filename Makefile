@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: install up test lint browser protos model soak chaos clean
+.PHONY: install up test lint browser protos model soak chaos compose clean
 
 # Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken.
 $(STAMP): pyproject.toml constraints.txt
@@ -47,6 +47,14 @@ chaos: install
 	mkdir -p $(dir $(CHAOS_SUMMARY))
 	SLUICE_CHAOS_S=$(CHAOS_S) SLUICE_CHAOS_SEED=$(CHAOS_SEED) SLUICE_CHAOS_SUMMARY=$(abspath $(CHAOS_SUMMARY)) \
 	  $(PY) -m pytest -q -s -m chaos tests/reliability $(PYTEST_ARGS)
+
+# compose.yaml run for real, in containers (needs root): installs Debian's docker.io, docker-compose 1.29 and
+# debootstrap, Compose v2 as the docker CLI plugin, starts dockerd when none runs, builds the image's base
+# from Debian's packages (scripts/compose_setup.sh), then builds the image (layers cached between runs) and
+# runs the stack under both Compose generations (tests/deploy/test_compose_up.py).
+compose: install
+	bash scripts/compose_setup.sh
+	SLUICE_COMPOSE_TEST=1 $(PY) -m pytest -q -s tests/deploy/test_compose_up.py $(PYTEST_ARGS)
 
 protos: install
 	$(PY) scripts/gen_protos.py

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from sluice.model.families import make_family_model
 from sluice.model.tiny import make_tiny_model
 
 TinyModelFactory = Callable[..., Path]
@@ -41,3 +42,21 @@ def tiny_model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyMode
 def tiny_model_dir(tiny_model_dir_factory: TinyModelFactory) -> Path:
     """An untrained `test`-preset Llama directory (config, safetensors, tokenizer, chat template)."""
     return tiny_model_dir_factory()
+
+
+FAMILY_VOCAB = 512  # small: the families' tests compare many greedy steps
+
+
+@pytest.fixture(scope="session")
+def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`factory(family) -> Path`: a random-weight directory of `family` (sluice/model/families.py, its
+    special parts on, the project's tokenizer with FAMILY_VOCAB tokens), made once per session."""
+    made: dict[str, Path] = {}
+
+    def factory(family: str) -> Path:
+        if family not in made:
+            out = tmp_path_factory.mktemp(f"family-{family}") / "model"
+            made[family] = make_family_model(out, family, vocab_size=FAMILY_VOCAB)
+        return made[family]
+
+    return factory

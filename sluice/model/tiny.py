@@ -93,11 +93,17 @@ def model_config(preset: str = "test", arch: str = "llama", **overrides: Any) ->
     elif arch == "mistral":
         kwargs.update(sliding_window=sliding_window)
     config_cls, _ = ARCHS[arch]
-    return config_cls(**_special_ids(), **kwargs)
+    return config_cls(**special_ids(), **kwargs)
 
 
-def _special_ids() -> dict[str, Any]:
+def special_ids() -> dict[str, Any]:
+    """The special token ids of every model the project makes (its tokenizer's)."""
     return {"bos_token_id": BOS_ID, "eos_token_id": list(GENERATION_EOS_IDS), "pad_token_id": PAD_ID}
+
+
+def common_fields() -> dict[str, Any]:
+    """The config fields every model the project makes shares (vocabulary, positions, tying, norms)."""
+    return dict(_COMMON)
 
 
 def make_tiny_model(
@@ -131,9 +137,26 @@ def make_tiny_model(
         training = TrainConfig(seconds=train_seconds, seed=seed, progress=progress)
         report = train(model, tok, build_corpus(), training)
     recipe = dict(preset=preset, arch=arch, seed=seed, train_seconds=train_seconds, overrides=overrides)
+    return write_model_dir(out_dir, model, recipe, report, tok)
+
+
+def write_model_dir(
+    out_dir: Path,
+    model: PreTrainedModel,
+    recipe: dict[str, Any],
+    report: TrainReport | None = None,
+    tok: Any = None,
+) -> Path:
+    """Writes `model` with the project's tokenizer (`tok`, else one trained for its vocabulary), chat
+    template, generation config and the recipe marker to `out_dir` (missing, empty or a previous model
+    directory), complete or not at all; returns `out_dir`."""
+    _check_replaceable(out_dir)
+    config = model.config
+    if tok is None:
+        tok = train_tokenizer(config.vocab_size)
     with written_whole(out_dir) as tmp:
         model.save_pretrained(tmp)
-        GenerationConfig(**_special_ids()).save_pretrained(tmp)
+        GenerationConfig(**special_ids()).save_pretrained(tmp)
         save_tokenizer(tok, tmp, model_max_length=config.max_position_embeddings)
         _write_marker(tmp, recipe, report)
     return out_dir

@@ -111,9 +111,12 @@ def test_dockerfile_installs_dependencies_before_the_source() -> None:
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
     text = "\n".join(lines)
     assert "ARG TORCH_VARIANT=cuda" in lines
+    # cpu: a wheel in docker/wheels/ when there is one, else the PyTorch CPU index
+    assert re.search(r"then pip install .*--find-links /tmp/wheels \"torch==\$TORCH_VERSION\"", text)
     assert re.search(
-        r"cpu\)\s+pip install .*--index-url \"\$TORCH_CPU_INDEX\" \\\n.*\"torch==\$TORCH_VERSION\"", text
+        r"else pip install .*--index-url \"\$TORCH_CPU_INDEX\" \\\n.*\"torch==\$TORCH_VERSION\"", text
     )
+    assert "ARG BASE_IMAGE=python:3.11-slim" in lines and "FROM ${BASE_IMAGE}" in lines
     assert "ARG TORCH_VERSION=2.13.0" in lines
     pinned = {
         line.split("==")[0]: line.split("==")[1] for line in (ROOT / "constraints.txt").read_text().split()
@@ -156,20 +159,23 @@ def test_compose_services_parse_and_wire_up() -> None:
         default_port("gateway"),
         default_port("gateway", "grpc_port"),
     )
+    depends_on = services["gateway"]["depends_on"]
     for stage in STAGES:
         assert getattr(gateway, stage) == (f"dns:///{stage}:{ports[stage]}",)
-        assert services["gateway"]["depends_on"][stage]["condition"] == "service_healthy"
-    assert services["gateway"]["depends_on"]["engine-cpu"] == {
-        "condition": "service_healthy",
-        "required": False,
-    }
-    assert services["gateway"]["depends_on"]["engine"]["required"] is False
+    # No dependency on an engine service (which one runs depends on the profile, and docker-compose 1.29
+    # refuses `required: false`): the gateway's health is /readyz, which needs a serving engine.
+    assert set(depends_on) == {"model", "tokenizer", "detokenizer"}
+    for stage in ("tokenizer", "detokenizer"):
+        assert depends_on[stage] == {"condition": "service_healthy"}
+    assert all("required" not in dependency for dependency in depends_on.values())
     assert environ["SLUICE_ROUTING"] in ROUTING_POLICIES
     if hasattr(gateway, "routing"):
         assert gateway.routing == environ["SLUICE_ROUTING"]
     readyz = " ".join(services["gateway"]["healthcheck"]["test"])
     assert f"http://127.0.0.1:{gateway.port}/readyz" in readyz
-    assert f"{gateway.port}:{gateway.port}" in services["gateway"]["ports"]
+    published = [interpolate(port) for port in services["gateway"]["ports"]]
+    assert f"{gateway.port}:{gateway.port}" in published
+    assert f"{gateway.grpc_port}:{gateway.grpc_port}" in published
     for command in sluice_commands_in_shell(services["model"]["command"][2]):
         check_sluice_command(command)
 
@@ -192,7 +198,7 @@ def test_compose_scales_every_stage_through_dns() -> None:
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
     assert compose_settings("engine")[1].device == "cuda"
     assert compose_settings("engine-cpu")[1].device == "cpu"
-    assert "COMPOSE_PROFILES=gpu" in (ROOT / ".env").read_text().splitlines()
+    assert "COMPOSE_PROFILES=gpu,observability" in (ROOT / ".env").read_text().splitlines()
     assert "models" in compose()["volumes"]
 
 
@@ -226,8 +232,16 @@ def test_prometheus_discovers_every_replica_by_dns() -> None:
         assert job["dns_sd_configs"] == [
             {"names": [name], "type": "A", "port": port, "refresh_interval": "10s"}
         ]
-    for stage in STAGES:
-        assert compose_settings(stage)[2]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    # Spans go to Jaeger when the observability profile is on (.env sets both); with an empty endpoint
+    # (the profile off) no exporter is configured.
+    dotenv = dict(line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines() if "=" in line)
+    assert dotenv["SLUICE_OTLP_ENDPOINT"] == "http://jaeger:4317"
+    assert "observability" in dotenv["COMPOSE_PROFILES"].split(",")
+    for stage in (*STAGES, "gateway"):
+        raw = services[stage]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        assert raw == "${SLUICE_OTLP_ENDPOINT:-}", stage
+    for name in ("jaeger", "prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observability"], name
     assert "4317:4317" in services["jaeger"]["ports"] and "16686:16686" in services["jaeger"]["ports"]
 
 

@@ -83,15 +83,32 @@ def make_step(backend: str) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch
     return meta, query, key, value, num_decodes
 
 
-@pytest.mark.parametrize("window", [0, 7])
-def test_triton_backend_equals_torch_backend(window: int) -> None:
+SINKS = torch.linspace(-1.0, 2.0, H)
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(0, 0.0, None), (7, 0.0, None), (7, 0.5, None), (0, 0.0, SINKS), (7, 0.5, SINKS)],
+    ids=["plain", "window", "window-softcap", "sinks", "window-softcap-sinks"],
+)
+def test_triton_backend_equals_torch_backend(window: int, softcap: float, sinks: torch.Tensor | None) -> None:
     layer = SimpleNamespace(layer_idx=0)
     outs = {}
     pools = {}
+    s_aux = None if sinks is None else sinks.to(DEV)
     for backend in ("torch", "triton"):
         meta, q, k, v, nd = make_step(backend)
         out, _ = paged_attention(
-            layer, q, k, v, None, scaling=D**-0.5, sliding_window=window, sluice_step=meta
+            layer,
+            q,
+            k,
+            v,
+            None,
+            scaling=D**-0.5,
+            sliding_window=window,
+            softcap=softcap,
+            s_aux=s_aux,
+            sluice_step=meta,
         )
         assert out.shape == (1, q.shape[2], H, D)
         outs[backend] = out[0]
@@ -101,3 +118,38 @@ def test_triton_backend_equals_torch_backend(window: int) -> None:
     assert (outs["triton"][nd - 1] == 0).all()
     for a, b in zip(pools["torch"], pools["triton"], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_prefill_honours_softcap_and_sinks() -> None:
+    """A fresh prefill chunk through the explicit path equals the definition computed in float64:
+    scaled scores, soft-capped, causal within the window, exp(sink) in each head's denominator."""
+    gen = torch.Generator().manual_seed(3)
+    n, window, softcap, scale = 11, 4, 0.6, 0.3
+    q = torch.randn(1, H, n, D, generator=gen)
+    k = torch.randn(1, HKV, n, D, generator=gen)
+    v = torch.randn(1, HKV, n, D, generator=gen)
+    pool = torch.zeros(n, HKV, D)
+    meta = StepMeta([(pool, pool.clone())], torch.arange(n), [], [PrefillSeq(0, n, 0, None)])
+    layer = SimpleNamespace(layer_idx=0)
+    out, _ = paged_attention(
+        layer,
+        q,
+        k,
+        v,
+        None,
+        scaling=scale,
+        sliding_window=window,
+        softcap=softcap,
+        s_aux=SINKS,
+        sluice_step=meta,
+    )
+    want = torch.zeros(n, H, D, dtype=torch.float64)
+    for i in range(n):
+        for h in range(H):
+            keys = range(max(0, i - window + 1), i + 1)
+            s = torch.stack([q[0, h, i].double() @ k[0, h // (H // HKV), j].double() * scale for j in keys])
+            s = softcap * torch.tanh(s / softcap)
+            w = torch.exp(s)
+            den = w.sum() + torch.exp(SINKS[h].double())
+            want[i, h] = sum(w[m] * v[0, h // (H // HKV), j].double() for m, j in enumerate(keys)) / den
+    torch.testing.assert_close(out[0].double(), want, atol=1e-5, rtol=1e-5)

@@ -53,13 +53,13 @@ def test_a_failing_check_means_torch_under_auto_and_no_start_under_triton(
     llama_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     r = runner(llama_dir)
-    monkeypatch.setattr(paged, "self_check", lambda *a: "RuntimeError: no kernel image")
+    monkeypatch.setattr(paged, "self_check", lambda *a, **kw: "RuntimeError: no kernel image")
     with caplog.at_level(logging.WARNING):
         assert r._checked_kernel("auto") == "torch"
     assert "fails its start-up check: RuntimeError: no kernel image" in caplog.text
     with pytest.raises(ValueError, match="triton: the kernel fails its start-up check: RuntimeError"):
         r._checked_kernel("triton")
-    monkeypatch.setattr(paged, "self_check", lambda *a: None)
+    monkeypatch.setattr(paged, "self_check", lambda *a, **kw: None)
     assert r._checked_kernel("auto") == "triton"
 
 

@@ -160,10 +160,3 @@ def test_logprobs(llama_dir: Path) -> None:
         assert len(lp.top_ids) == 5 and lp.top_ids[0] == o.new_token_ids[0]
         assert lp.logprob == pytest.approx(lp.top_logprobs[0])
         assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True) and lp.top_logprobs[0] <= 0
-
-
-def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
-    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
-    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="llama, qwen2, mistral"):
-        LLMEngine(EngineSettings(model=str(tmp_path)))

@@ -235,3 +235,95 @@ def test_lower_right_causal_bias_equals_the_materialised_mask(q_len: int, ctx: i
         q, k, v, attn_mask=causal_upper_left(q_len, kv_len), enable_gqa=True
     )
     assert (other - want).abs().max() > 1e-3
+
+
+def plain_attention(c: Case, window: int, softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """One row and head at a time, straight from the definitions: scores scaled, soft-capped, the
+    window's keys only, and exp(sink) in the denominator."""
+    bs = c.block_size
+    b, h, d = c.query.shape
+    hkv = c.k_pool.shape[1]
+    out = torch.zeros(b, h, d, dtype=torch.float64)
+    for row, n in enumerate(c.seq_lens.tolist()):
+        if n == 0:
+            continue
+        pos = list(range(max(0, n - window) if window else 0, n))
+        slots = [c.blocks[row][p // bs] * bs + p % bs for p in pos]
+        for head in range(h):
+            kvh = head // (h // hkv)
+            k = c.k_pool[slots, kvh].double().cpu()
+            v = c.v_pool[slots, kvh].double().cpu()
+            s = k @ c.query[row, head].double().cpu() * c.scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            w = torch.exp(s - s.max())
+            den = w.sum()
+            if sinks is not None:
+                den = den + torch.exp(sinks[head].double().cpu() - s.max())
+            out[row, head] = (w[:, None] * v).sum(0) / den
+    return out
+
+
+# (window, softcap, sinks, splits): each feature alone, then together, in one program and split.
+FEATURES = [
+    pytest.param(0, 0.7, False, 1, id="softcap"),
+    pytest.param(0, 0.0, True, 1, id="sinks"),
+    pytest.param(5, 0.7, True, 1, id="window-softcap-sinks"),
+    pytest.param(5, 0.7, True, 3, id="window-softcap-sinks-split3"),
+    pytest.param(0, 0.0, True, 4, id="sinks-split4"),
+]
+
+
+def _sinks(h: int, on: bool) -> torch.Tensor | None:
+    return torch.linspace(-2.0, 3.0, h).to(DEV) if on else None
+
+
+@pytest.mark.parametrize(("window", "softcap", "sinks_on", "splits"), FEATURES)
+def test_softcap_sinks_and_windows_match_plain_attention(
+    window: int, softcap: float, sinks_on: bool, splits: int
+) -> None:
+    c = make_case(8, 2, 24, 8, [*lens_for(8), 2], torch.float32)
+    sinks = _sinks(8, sinks_on)
+    kw = dict(softcap=softcap, sinks=sinks)
+    got = paged_decode_attention(*c.args(), c.scale, window, num_splits=splits, **kw)
+    ref = paged_decode_attention_reference(*c.args(), c.scale, window, **kw)
+    want = plain_attention(c, window, softcap, sinks)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(ref.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    assert (got[c.seq_lens == 0] == 0).all()
+    # The features change the result: the comparison can fail.
+    plain = paged_decode_attention_reference(*c.args(), c.scale, window)
+    assert (plain - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks_on"), [(0, 0.7, False), (5, 0.7, True), (11, 0.0, True)]
+)
+def test_torch_decode_path_honours_softcap_and_sinks(window: int, softcap: float, sinks_on: bool) -> None:
+    lens = [n for n in lens_for(8) if n]
+    c = make_case(8, 2, 24, 8, lens, torch.float32, nan_free=True)
+    sinks = _sinks(8, sinks_on)
+    bs = c.block_size
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots[i, :n] = torch.tensor(c.blocks[i])[pos // bs] * bs + pos % bs
+    last = slots[torch.arange(len(lens)), torch.tensor(lens) - 1].to(DEV)
+    meta = StepMeta([(c.k_pool, c.v_pool)], last, [DecodeGroup(0, slots.to(DEV), c.seq_lens.long())], [])
+    layer = SimpleNamespace(layer_idx=0)
+    out, _ = paged_attention(
+        layer,
+        c.query.transpose(0, 1)[None],
+        c.k_pool[last].transpose(0, 1)[None],
+        c.v_pool[last].transpose(0, 1)[None],
+        None,
+        scaling=c.scale,
+        sliding_window=window,
+        softcap=softcap,
+        s_aux=sinks,
+        sluice_step=meta,
+    )
+    torch.testing.assert_close(
+        out[0].double().cpu(), plain_attention(c, window, softcap, sinks), atol=1e-5, rtol=1e-5
+    )

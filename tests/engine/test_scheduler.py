@@ -547,3 +547,37 @@ def test_a_deferred_request_lets_later_ones_in(engines: list[LLMEngine]) -> None
     assert [r.request_id for r in scheduler.waiting] == ["b"]
     run(engine)
     assert engine.stats().prefix_hit_rate > 0
+
+
+def test_blocks_sliding_out_of_every_window_are_freed_while_the_request_runs() -> None:
+    """Every layer windowed (8 positions, blocks of 4): after each step the blocks wholly before the
+    next position's window go back to the free list and read as the hole; a request keeps at most
+    window / block_size + 2 blocks however long it runs, the pool returns whole at the end, and a
+    prefix registered before sliding is still found by a later request."""
+    from services.engine.core.request import Request
+    from services.engine.core.scheduler import Scheduler
+
+    bm = BlockManager(12, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=6, max_model_len=64, sliding_window=8)
+    req = Request("a", list(range(10, 30)), GREEDY, stop(30))
+    sched.add(req)
+    held = []
+    while req.num_computed_tokens < 40:
+        out = sched.schedule()
+        assert out.scheduled, "one request always fits: its old blocks are freed"
+        sched.advance(out)
+        if req.num_computed_tokens >= req.num_tokens:
+            req.token_ids.append(7)  # the sampled token
+        first_seen = max(0, req.num_computed_tokens - 8 + 1)
+        assert all(b == bm.hole for b in req.block_ids[: first_seen // 4])
+        assert all(b != bm.hole for b in req.block_ids[first_seen // 4 :])
+        held.append(sum(b != bm.hole for b in req.block_ids))
+    assert max(held) <= 8 // 4 + 2
+    assert bm.num_free_blocks == 12 - held[-1]
+    again = Request("b", list(range(10, 30)), GREEDY, stop(1))
+    sched.add(again)
+    sched.schedule()
+    assert again.num_computed_tokens == 16, "the first 4 full blocks of the shared prompt are cached"
+    sched.finish(req, "stop")
+    sched.finish(again, "stop")
+    assert bm.num_free_blocks == 12

@@ -10,6 +10,11 @@ With `track_events` on, every change of the prefix cache map is recorded for `ta
 hash becoming reusable (registered) or forgotten (its block reallocated), so that a router outside the
 process can mirror the cache exactly.
 
+A model whose every layer has a sliding window never reads KV older than the window again: the
+scheduler frees such blocks while their request runs and puts `hole` in their place in its block
+table (the id of the pool's scratch block, which the block manager never hands out, so that every
+entry of a table still names a block of the pool); `free_blocks` skips holes.
+
 Contract: callers check, then act. `can_allocate` must be true before `allocate`; every block handed
 out by `allocate` or `acquire` is given back exactly once per reference by `free`. With nothing running,
 `num_free_blocks == num_blocks`.
@@ -31,6 +36,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hole = num_blocks  # a block table's entry for a block freed while its request runs
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         # Ordered set of free block ids: allocation pops the oldest, revival removes from the middle.
@@ -96,6 +102,8 @@ class BlockManager:
         """Drops one reference on each block; a block reaching zero goes to the free list, keeping its
         cached content. Tail blocks are freed first so that they are reused before shared prefixes."""
         for b in reversed(blocks):
+            if b == self.hole:
+                continue
             assert self.ref_counts[b] > 0, f"block {b} freed twice"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:

@@ -216,6 +216,7 @@ class LLMEngine:
             policy=settings.batching,
             batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
+            sliding_window=int(getattr(self.runner, "sliding_window", 0)),
         )
 
     def reset(self) -> None:

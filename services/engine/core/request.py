@@ -57,6 +57,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Sliding windows on every layer: block_ids[:num_slid_blocks] slid out of every window and were
+    # freed; they read BlockManager.hole (the pool's scratch block) since.
+    num_slid_blocks: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -18,6 +18,12 @@ Batching policies share this code and differ only in admission:
   once it is full or its oldest request has waited `batch_wait_ms`; it runs to completion;
 - static: the same with a fixed batch size `static_batch_size`.
 
+Sliding windows: when every layer of the model attends within a window of `sliding_window` positions,
+a query at position p never reads keys before p - window + 1, and later queries read later ones: after
+each step the blocks wholly before the next position's window are freed (their table entries become
+the block manager's `hole`), so a long request holds about window / block_size + 1 blocks. A freed block
+keeps its prefix-cache content like any free block, until it is allocated again.
+
 Speculative decoding: after `schedule`, the engine's `Speculator` may give drafts (`Request.draft_ids`)
 to decoding requests of the step (one token left to compute); `schedule_drafts` then fits them after
 every real token of the step, running and waiting, in the budget that is left: such a request computes
@@ -73,6 +79,7 @@ class Scheduler:
         policy: str = "continuous",
         batch_size: int = 0,
         batch_wait_s: float = 0.0,
+        sliding_window: int = 0,
     ) -> None:
         assert policy in ("continuous", "dynamic", "static")
         self.bm = block_manager
@@ -83,6 +90,7 @@ class Scheduler:
         self.policy = policy
         self.batch_size = min(batch_size or max_num_seqs, max_num_seqs)
         self.batch_wait_s = batch_wait_s
+        self.sliding_window = sliding_window  # 0: some layer attends to the whole context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.batch: set[Request] = set()  # dynamic/static: members of the batch in progress
@@ -245,6 +253,7 @@ class Scheduler:
         for req, n in out.scheduled:
             req.num_computed_tokens += n - len(req.draft_ids)
             self._register_full_blocks(req)
+            self._free_slid_out(req)
 
     def accept_drafts(self, req: Request, num_accepted: int) -> None:
         """After the engine appended `req`'s accepted drafts and its new token to `token_ids`: counts the
@@ -256,6 +265,7 @@ class Scheduler:
             req.spec.drafts = []
         req.num_computed_tokens += num_accepted
         self._register_full_blocks(req)
+        self._free_slid_out(req)
         keep = -(-req.num_tokens // self.block_size)
         if len(req.block_ids) > keep:
             self.bm.free_blocks(req.block_ids[keep:])
@@ -304,6 +314,20 @@ class Scheduler:
             self.bm.register(req.block_ids[i], req.block_hashes[i])
         req.num_registered_blocks = full
 
+    def _free_slid_out(self, req: Request) -> None:
+        """Frees the blocks of `req` that lie wholly before the window of its next position (every later
+        query sees even later keys), after they were registered in the prefix cache."""
+        if not self.sliding_window:
+            return
+        first_seen = req.num_computed_tokens - self.sliding_window + 1
+        slid = min(max(0, first_seen) // self.block_size, len(req.block_ids))
+        if slid <= req.num_slid_blocks:
+            return
+        gone = req.block_ids[req.num_slid_blocks : slid]
+        self.bm.free_blocks(gone)
+        req.block_ids[req.num_slid_blocks : slid] = [self.bm.hole] * len(gone)
+        req.num_slid_blocks = slid
+
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.status = Status.WAITING
@@ -318,3 +342,4 @@ class Scheduler:
             req.spec.drafts = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
+        req.num_slid_blocks = 0

@@ -14,8 +14,14 @@ pool slots of each token, then attends per sequence, never across sequences:
 - each prefill chunk alone: causal, aligned bottom-right against its cached context (plain causal
   against its own K/V when it has no context). Without a sliding window the alignment is SDPA's
   `causal_lower_right` bias, not a mask tensor, so flash / memory-efficient kernels can run on CUDA.
-A sliding window (`sliding_window` from the model's layer) hides keys more than `window - 1` positions
-back.
+What the model's layer hands over is honoured as given, per layer: `scaling` (query_pre_attn_scalar,
+Granite's multiplier: never recomputed from the head size), `sliding_window` (hides keys more than
+`window - 1` positions back), `softcap` (Gemma 2: scores become softcap * tanh(scores / softcap) before
+the mask) and `s_aux` (GPT-OSS sinks: a learned logit per query head that joins the softmax's
+denominator and attends to nothing). With a soft-cap or sinks the torch path computes the scores
+explicitly in fp32 (SDPA has neither), in slices of query rows; the Triton kernel does both in its loop.
+Which keywords a model may pass at all is checked once at start-up (services/engine/executor/
+capabilities.py, through `AttentionProbe`).
 
 The pool may be float8 e4m3 (kv_cache_dtype fp8): K/V are clamped to the format's range (±448; a cast
 out of range gives NaN on CUDA) and stored with scale 1.0 (the K and V of real models lie well inside
@@ -25,6 +31,7 @@ fp32). A prefill chunk without cached context attends its own K/V at full precis
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +59,30 @@ def write_kv(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> N
 def read_kv(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """pool[slots] in `dtype` (a float8 pool's values converted back, scale 1.0)."""
     return pool.index_select(0, slots).to(dtype)
+
+
+# Scores the explicit path holds at once ((rows, H, q, ctx) floats), bounding a long prefill's memory.
+_EXPLICIT_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class LayerExtras:
+    """A layer's keywords beyond the window: soft-cap (0 = none) and sinks ((H,) logits, or None)."""
+
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    @property
+    def explicit(self) -> bool:
+        return bool(self.softcap) or self.sinks is not None
+
+
+class AttentionProbe:
+    """Step metadata for the start-up probe (capabilities.probe): each attention call hands `record`
+    its module, query, key, value and keywords, and returns zeros; no pool is touched."""
+
+    def __init__(self, record: Callable[..., None]) -> None:
+        self.record = record
 
 
 @dataclass
@@ -129,9 +160,18 @@ def paged_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     meta = kwargs.get(META_KWARG)
+    if isinstance(meta, AttentionProbe):
+        meta.record(module, query, key, value, {k: v for k, v in kwargs.items() if k != META_KWARG})
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if not isinstance(meta, StepMeta):
         raise RuntimeError(f"attention '{ATTN_NAME}' needs the engine's step metadata in `{META_KWARG}`")
-    window = int(kwargs.get("sliding_window") or 0)
+    window = int(kwargs.get("sliding_window") or 0)  # type: ignore[call-overload]
+    sinks = kwargs.get("s_aux")
+    extras = LayerExtras(
+        float(kwargs.get("softcap") or 0.0), sinks if isinstance(sinks, torch.Tensor) else None
+    )  # type: ignore[arg-type]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
     k_pool, v_pool = meta.kv[module.layer_idx]
     h, t, d = query.shape[1], query.shape[2], query.shape[3]
     k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
@@ -140,13 +180,49 @@ def paged_attention(
     write_kv(v_pool, meta.slot_mapping, v_new)
     out = query.new_empty((t, h, d))
     q = query[0]  # (H, T, D)
-    _decode(meta, q, k_pool, v_pool, out, scaling, window)
+    _decode(meta, q, k_pool, v_pool, out, scaling, window, extras)
     for p in meta.prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         out[rows] = _prefill(
-            p, q[None, :, rows], key[:, :, rows], value[:, :, rows], k_pool, v_pool, scaling, window
+            p, q[None, :, rows], key[:, :, rows], value[:, :, rows], k_pool, v_pool, scaling, window, extras
         )
     return out[None], None
+
+
+def attend_explicit(
+    q: torch.Tensor,  # (B, H, Lq, D)
+    k: torch.Tensor,  # (B, Hkv, Lk, D)
+    v: torch.Tensor,  # (B, Hkv, Lk, D)
+    seen: torch.Tensor,  # bool, True where a query sees a key: (Lq, Lk) or (B, 1, 1, Lk)
+    scale: float,
+    extras: LayerExtras,
+) -> torch.Tensor:
+    """Attention with the scores computed in fp32: scaled, soft-capped (softcap * tanh(s / softcap)),
+    masked, then a softmax whose denominator also holds exp(sink) of each query head when there are
+    sinks. Query head j uses KV head j // (H / Hkv). (B, H, Lq, D) in the query's dtype."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    mask = seen if seen.dim() == 2 else seen.reshape(b, 1, 1, 1, lk)  # → (B, Hkv, G, Lq, Lk)
+    kf, vf = k.float(), v.float()
+    out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    step = max(1, _EXPLICIT_ELEMENTS // max(1, b * h * lk))
+    for a in range(0, lq, step):
+        z = min(lq, a + step)
+        qf = q[:, :, a:z].float().reshape(b, hkv, g, z - a, d)
+        s = torch.einsum("bkgqd,bkld->bkgql", qf, kf) * scale
+        if extras.softcap:
+            s = torch.tanh(s / extras.softcap) * extras.softcap
+        s = s.masked_fill(~(mask[a:z] if mask.dim() == 2 else mask), float("-inf"))
+        if extras.sinks is not None:
+            sink = extras.sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, z - a, 1)
+            s = torch.cat([s, sink], dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        if extras.sinks is not None:
+            p = p[..., :-1]
+        o = torch.einsum("bkgql,bkld->bkgqd", p, vf)
+        out[:, :, a:z] = o.reshape(b, h, z - a, d).to(q.dtype)
+    return out
 
 
 def _decode(
@@ -155,12 +231,13 @@ def _decode(
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
     out: torch.Tensor,  # (T, H, D)
-    scaling: float | None,
+    scaling: float,
     window: int,
+    extras: LayerExtras,
 ) -> None:
     """The decode rows, written into `out` in place: backend "triton", the first `meta.num_decodes` rows
     through one paged-kernel call; "torch", each DecodeGroup's rows with their K/V gathered from the
-    pool, one SDPA call per group."""
+    pool, one SDPA call per group (the explicit scores with a soft-cap or sinks)."""
     if meta.backend == "triton":
         nd = meta.num_decodes
         if nd == 0:
@@ -169,7 +246,6 @@ def _decode(
             raise RuntimeError(
                 "the triton attention backend needs block_tables and seq_lens in the step metadata"
             )
-        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         paged_decode_attention(
             q[:, :nd].transpose(0, 1),
             k_pool,
@@ -177,9 +253,11 @@ def _decode(
             meta.block_tables,
             meta.seq_lens,
             meta.block_size,
-            scale,
+            scaling,
             window,
             out=out[:nd],
+            softcap=extras.softcap,
+            sinks=extras.sinks,
         )
         return
     h, d = q.shape[0], q.shape[2]
@@ -187,12 +265,18 @@ def _decode(
     group = h // hkv
     for g in meta.decode_groups:
         rows, lmax = g.slots.shape
-        # (H, rows, D) → (rows, Hkv, G, D): the G query heads of a KV head act as G query rows.
-        qd = q[:, g.row_start : g.row_start + rows].reshape(hkv, group, rows, d).permute(2, 0, 1, 3)
         flat = g.slots.reshape(-1)
         kd = read_kv(k_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)  # (rows, Hkv, Lmax, D)
         vd = read_kv(v_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask(window, q.dtype), scale=scaling)
+        mask = g.mask(window, q.dtype)  # (rows, 1, 1, Lmax)
+        if extras.explicit:
+            qe = q[:, g.row_start : g.row_start + rows].transpose(0, 1)[:, :, None]  # (rows, H, 1, D)
+            od = attend_explicit(qe, kd, vd, mask == 0, scaling, extras)
+            out[g.row_start : g.row_start + rows] = od[:, :, 0]
+            continue
+        # (H, rows, D) → (rows, Hkv, G, D): the G query heads of a KV head act as G query rows.
+        qd = q[:, g.row_start : g.row_start + rows].reshape(hkv, group, rows, d).permute(2, 0, 1, 3)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scaling)
         out[g.row_start : g.row_start + rows] = od.reshape(rows, h, d)
 
 
@@ -203,17 +287,20 @@ def _prefill(
     v_new: torch.Tensor,
     k_pool: torch.Tensor,
     v_pool: torch.Tensor,
-    scaling: float | None,
+    scaling: float,
     window: int,
+    extras: LayerExtras,
 ) -> torch.Tensor:
     """One prefill chunk's attention, (n, H, D): plain causal without context, the lower-right causal
-    bias over a cached context, a materialised mask only for a sliding window."""
+    bias over a cached context, a materialised mask only for a sliding window, a soft-cap or sinks."""
     if p.ctx_slots is None:
         kp, vp = k_new, v_new
     else:
         kp = read_kv(k_pool, p.ctx_slots, qp.dtype).transpose(0, 1)[None]  # (1, Hkv, ctx, D)
         vp = read_kv(v_pool, p.ctx_slots, qp.dtype).transpose(0, 1)[None]
-    if window:
+    if extras.explicit:
+        op = attend_explicit(qp, kp, vp, p.mask(window, qp.device), scaling, extras)
+    elif window:
         mask = p.mask(window, qp.device)
         op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scaling, enable_gqa=True)
     elif p.ctx_slots is None:

@@ -4,7 +4,9 @@ why: `sluice models`, and the table in the README (a test keeps the two equal).
 `FAMILIES` lists the families people serve today, each with its transformers `model_type`, a Hub id of
 a released model, and the special parts of its architecture. Whether a family is served is not written
 here: `verdict` builds the family's default configuration (no weights) and asks the engine's own check
-(`check_config`), so the table says what the code does.
+(`capabilities.check_config`, which the runner applies before it loads weights), so the table says
+what the code does. (The runner's start-up probe of the attention calls, after the load, can refuse
+more; a family's shipped configuration may switch on parts its default does not.)
 """
 
 from __future__ import annotations
@@ -69,15 +71,11 @@ class Verdict:
 
 
 def check_config(config: transformers.PretrainedConfig) -> None:
-    """The engine's start-up check of a model's configuration, before any weight is read: raises
-    ValueError saying what it cannot serve. (The one check the runner applies; see model_runner.)"""
-    from services.engine.executor.model_runner import SUPPORTED_MODEL_TYPES
+    """The engine's start-up check of a model's configuration, before any weight is read (the one the
+    runner applies): raises ValueError saying what it cannot serve."""
+    from services.engine.executor.capabilities import check_config as engine_check
 
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    engine_check(config)
 
 
 def verdict(family: Family) -> Verdict:

@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id
 from services.engine.core.request import Request
-from services.engine.executor import kv_sizing
+from services.engine.executor import capabilities, kv_sizing
 from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
@@ -39,7 +39,6 @@ from services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 GiB = 1 << 30
 
 transformers.AttentionInterface.register(ATTN_NAME, paged_attention)
@@ -144,11 +143,7 @@ class ModelRunner:
         if not (self.model_dir / "config.json").exists():
             raise ValueError(f"{self.model_dir} is not a Hugging Face model directory (no config.json)")
         config = transformers.AutoConfig.from_pretrained(self.model_dir)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model type {config.model_type!r} is not supported; "
-                f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
+        capabilities.check_config(config)  # what cannot be served is refused before the weights load
         self.config = config
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device, checkpoint_dtype(config))
@@ -156,14 +151,7 @@ class ModelRunner:
         self.kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn}[settings.kv_cache_dtype]
         quantization = self.quantization = settings.quantization
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
-        self.backend = resolve_backend(settings.attention_backend, self.device)
-        if self.backend == "triton" and self.device.type == "cuda":
-            self.backend = self._checked_kernel(settings.attention_backend)
-        if static_decode and self.backend != "triton":
-            raise ValueError("static_decode needs the triton attention backend")
+        self.max_position_embeddings = self._context_limit(config, settings.max_model_len)
         self.cuda_graphs = settings.cuda_graphs
         self.static_decode = static_decode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -171,13 +159,24 @@ class ModelRunner:
         ).to(self.device)
         self.model.eval()
         quantize_model(self.model, quantization, self.device)
+        self.num_layers = int(config.num_hidden_layers)
+        # The head layout, windows, soft-caps and sinks as the model's own attention calls show them.
+        self.attention = capabilities.probe(self.model, self.num_layers, self.device)
+        self.num_heads = self.attention.num_heads
+        self.num_kv_heads = self.attention.num_kv_heads
+        self.head_dim = self.attention.head_dim
+        # KV older than this many positions is never read again when every layer slides (0: some do not).
+        self.sliding_window = self.attention.all_sliding_window
+        self.backend = resolve_backend(settings.attention_backend, self.device)
+        if self.backend == "triton" and self.device.type == "cuda":
+            self.backend = self._checked_kernel(settings.attention_backend)
+        if static_decode and self.backend != "triton":
+            raise ValueError("static_decode needs the triton attention backend")
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
         block_size = self.block_size = settings.block_size
-        self.num_layers = int(config.num_hidden_layers)
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_pool(settings.num_kv_blocks or self._blocks_from_budget(initial_kv_cache_gb(settings)))
-        self.max_position_embeddings = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.max_model_len = 0  # set by prepare()
         self.max_num_seqs = 0
         self._forward_s = 0.0  # finished forwards not reported yet (see last_forward_s)
@@ -192,10 +191,11 @@ class ModelRunner:
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
         log.info(
-            "loaded %s (%s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s; "
+            "loaded %s (%s: %s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s; "
             "decode attention %s",
             self.model_dir,
             config.model_type,
+            "; ".join(self.attention.features()),
             self.device,
             self.dtype,
             quantization,
@@ -205,13 +205,41 @@ class ModelRunner:
             self.backend,
         )
 
+    @staticmethod
+    def _context_limit(config: transformers.PretrainedConfig, max_model_len: int) -> int:
+        """The model's context length: max_position_embeddings, or for a RoPE kind whose frequencies
+        depend on the forward's length (capabilities.rope_length_limit) the length up to which they do
+        not, where a longer `max_model_len` is refused by name."""
+        own = int(getattr(config, "max_position_embeddings", 0) or 0)
+        limit = capabilities.rope_length_limit(config)
+        if limit is None:
+            return own
+        kind, length = limit
+        if max_model_len > length:
+            raise ValueError(
+                f"max_model_len {max_model_len} is past {length}, where RoPE scaling {kind!r} changes its "
+                "frequencies with the longest sequence in a forward (requests batched together would "
+                f"change each other's output); serve at most {length} tokens"
+            )
+        log.info("context length capped at %d: RoPE scaling %r is exact up to there", length, kind)
+        return min(own, length) if own else length
+
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
         layout; otherwise "torch" under auto (with a warning saying why), ValueError under triton."""
         from services.engine.executor.kernels.paged_attention import self_check
 
+        spec = self.attention
         why = self_check(
-            self.device, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim, self.kv_dtype
+            self.device,
+            self.dtype,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.kv_dtype,
+            softcap=max(spec.softcaps, default=0.0),
+            sinks=any(spec.sinks),
+            sliding_window=max(spec.windows, default=0),
         )
         if why is None:
             return "triton"

@@ -4,10 +4,13 @@ the KV pool through the row's block table (no gather into a contiguous copy).
 The Triton kernel runs one program per (batch row, KV head). A program loads the G = H / Hkv query
 heads that share its KV head, walks the row's context in tiles of positions (each position's slot comes
 from the block table: `block_tables[row, pos // block_size] * block_size + pos % block_size`) and keeps
-an online softmax in fp32. When the (row, KV head) programs are too few to fill a GPU (small decode
-batches), each row's context is also split over several programs whose partial results a second kernel
-combines (flash-decoding). Grid, tile sizes, split counts and loop bounds depend only on shapes and on
-device-side values, so a call never reads the device from the host and can be captured in a CUDA graph.
+an online softmax in fp32: scores scaled, soft-capped when asked (softcap * tanh(s / softcap), Gemma 2),
+and with sinks (GPT-OSS: a learned logit per query head) the softmax starts from the sink, which adds
+exp(sink) to the denominator and nothing to the output. When the (row, KV head) programs are too few to
+fill a GPU (small decode batches), each row's context is also split over several programs whose partial
+results a second kernel combines (flash-decoding). Grid, tile sizes, split counts and loop bounds depend
+only on shapes and on device-side values, so a call never reads the device from the host and can be
+captured in a CUDA graph.
 
 `paged_decode_attention_reference` computes the same thing in plain torch, for tests and as a fallback
 where Triton cannot run.
@@ -70,6 +73,8 @@ if triton is not None:
         scale,
         block_size,
         sliding_window,
+        softcap,
+        sinks_ptr,
         NUM_HEADS: tl.constexpr,
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -77,6 +82,8 @@ if triton is not None:
         DIM_PAD: tl.constexpr,
         TILE: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         row = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -103,6 +110,9 @@ if triton is not None:
 
         m_i = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUP_PAD,), tl.float32)
+        if SINKS and NUM_SPLITS == 1:  # split partials leave the sink to the combining kernel
+            m_i = tl.load(sinks_ptr + heads, mask=g_ok, other=0.0).to(tl.float32)
+            l_i = tl.full((GROUP_PAD,), 1.0, tl.float32)  # exp(sink - m_i)
         acc = tl.zeros((GROUP_PAD, DIM_PAD), tl.float32)
         # Every tile in [lo, hi) starts at a visible position, so the running max stays finite once a
         # tile ran; a padding row (seq_len 0) runs no tile and reads nothing, not even its block table.
@@ -118,6 +128,8 @@ if triton is not None:
                 other=0.0,
             ).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (GROUP_PAD, TILE)
+            if SOFTCAP:  # softcap * tanh(s / softcap), tanh from exp (the interpreter has no tanh)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             s = tl.where(seen[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -154,11 +166,13 @@ if triton is not None:
         stride_ob,
         stride_oh,
         stride_od,
+        sinks_ptr,
         NUM_HEADS: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         DIM_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         SPLITS_PAD: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -170,10 +184,15 @@ if triton is not None:
         l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=sp_ok, other=0.0)
         acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=sp_ok[:, None], other=0.0)
         m_max = tl.max(m, axis=0)
+        if SINKS:  # the sink: one more term of the denominator, nothing in the numerator
+            sink = tl.load(sinks_ptr + head).to(tl.float32)
+            m_max = tl.maximum(m_max, sink)
         m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # a padding row: every split empty
         w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)  # an empty split weighs 0
         num = tl.sum(w[:, None] * acc, axis=0)
         den = tl.sum(w * l_s, axis=0)
+        if SINKS:
+            den += tl.exp(sink - m_max)
         out = num / tl.where(den > 0, den, 1.0)
         tl.store(
             out_ptr + row * stride_ob + head * stride_oh + d * stride_od,
@@ -241,6 +260,8 @@ def paged_decode_attention(
     sliding_window: int = 0,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row over its cached context, read through the block table.
 
@@ -249,7 +270,10 @@ def paged_decode_attention(
     block_tables (B, max_blocks) int32 (entries past a row's blocks are ignored); seq_lens (B,)
     int32, the context length including the new token, whose K/V must already be in the pool (0 = a
     padding row: its output is zeros and nothing of it is read); sliding_window 0 = none, else a row
-    sees the keys at positions > pos - window. Query head h uses KV head h // (H / Hkv). Returns (B, H,
+    sees the keys at positions > pos - window; softcap 0 = none, else scores (after scaling) become
+    softcap * tanh(scores / softcap); sinks None = none, else (H,) logits, one per query head, each adding
+    exp(sink) to its softmax's denominator (a padding row's output stays zeros). Query head h uses KV
+    head h // (H / Hkv). Returns (B, H,
     D) in the query's dtype, written into `out` when given. Accumulates in fp32. Never synchronises
     with the device, so it can be captured in a CUDA graph.
 
@@ -273,10 +297,21 @@ def paged_decode_attention(
     if not triton_usable(query.device):
         out.copy_(
             paged_decode_attention_reference(
-                query, k_pool, v_pool, block_tables, seq_lens, block_size, scale, sliding_window
+                query,
+                k_pool,
+                v_pool,
+                block_tables,
+                seq_lens,
+                block_size,
+                scale,
+                sliding_window,
+                softcap=softcap,
+                sinks=sinks,
             )
         )
         return out
+    if sinks is not None and tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks must be ({h},), one per query head, got {tuple(sinks.shape)}")
     group = h // hkv
     group_pad = _next_pow2(group)
     dim_pad = max(16, _next_pow2(d))
@@ -305,6 +340,8 @@ def paged_decode_attention(
         float(scale),
         int(block_size),
         int(sliding_window),
+        float(softcap or 1.0),
+        sinks if sinks is not None else out,  # unused without sinks
         NUM_HEADS=h,
         GROUP=group,
         HEAD_DIM=d,
@@ -312,6 +349,8 @@ def paged_decode_attention(
         DIM_PAD=dim_pad,
         TILE=tile,
         NUM_SPLITS=num_splits,
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         num_warps=4,
     )
     if num_splits > 1:
@@ -320,11 +359,13 @@ def paged_decode_attention(
             part_acc,
             out,
             *out.stride(),
+            sinks if sinks is not None else out,
             NUM_HEADS=h,
             HEAD_DIM=d,
             DIM_PAD=dim_pad,
             NUM_SPLITS=num_splits,
             SPLITS_PAD=_next_pow2(num_splits),
+            SINKS=sinks is not None,
             num_warps=4,
         )
     return out
@@ -340,6 +381,8 @@ def paged_decode_attention_reference(
     scale: float,
     sliding_window: int = 0,
     out: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_decode_attention` in plain torch (fp32 math, same arguments and result). It gathers every
     row's whole block table (clamped into the pool) and masks, so it is for tests, not for speed."""
@@ -363,8 +406,14 @@ def paged_decode_attention_reference(
     k = k[:, :, :, None].expand(b, max_len, hkv, group, d).reshape(b, max_len, h, d).permute(0, 2, 1, 3)
     v = v[:, :, :, None].expand(b, max_len, hkv, group, d).reshape(b, max_len, h, d).permute(0, 2, 1, 3)
     scores = torch.einsum("bhd,bhld->bhl", query.float() * scale, k)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    if sinks is not None:  # one more logit per head in the softmax, dropped after it
+        scores = torch.cat([scores, sinks.float()[None, :, None].expand(b, h, 1)], dim=-1)
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a padding row sees nothing: zeros
+    if sinks is not None:
+        probs = probs[..., :-1]
     result = torch.einsum("bhl,bhld->bhd", probs, v).to(query.dtype)
     if out is None:
         return result
@@ -379,9 +428,13 @@ def self_check(
     num_kv_heads: int,
     head_dim: int,
     kv_dtype: torch.dtype | None = None,
+    softcap: float = 0.0,
+    sinks: bool = False,
+    sliding_window: int = 0,
 ) -> str | None:
     """Runs the kernel once on small random inputs of the model's head layout and dtype (the pools in
-    `kv_dtype`, default `dtype`) and compares it with the reference. None when it agrees; else why not
+    `kv_dtype`, default `dtype`), with the model's soft-cap, sinks and window when it has them, and
+    compares it with the reference. None when it agrees; else why not
     (a compile or launch error, or a mismatch), so that a GPU or Triton build the kernel does not work on
     is found at start-up, not at the first decode.
     """
@@ -399,9 +452,13 @@ def self_check(
     tables = torch.tensor([[4, 1, 0], [2, 5, 3], [0, 0, 0]], dtype=torch.int32, device=device)
     lens = torch.tensor([40, 17, 0], dtype=torch.int32, device=device)  # the last row pads
     scale = head_dim**-0.5
+    extras = dict(softcap=softcap, sinks=rand(num_heads) if sinks else None)
+    window = min(sliding_window, 24)
     try:
-        got = paged_decode_attention(query, k_pool, v_pool, tables, lens, block_size, scale)
-        want = paged_decode_attention_reference(query, k_pool, v_pool, tables, lens, block_size, scale)
+        got = paged_decode_attention(query, k_pool, v_pool, tables, lens, block_size, scale, window, **extras)
+        want = paged_decode_attention_reference(
+            query, k_pool, v_pool, tables, lens, block_size, scale, window, **extras
+        )
         error = (got.float() - want.float()).abs().max().item()
     except Exception as exc:  # a compile or launch failure of this device's Triton build
         return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,213 @@
+"""Every dense decoder family the engine serves, on a random-weight model of it with its special parts
+on (sluice/model/families.py): greedy output through `LLMEngine` equals transformers' `generate` token
+for token, with prefix-cache hits, chunked prefill, preemption and (for windowed families) blocks
+freed as they slide out of every window; the same on the Triton kernel (under the interpreter on a
+CPU) for the families with windows, soft-caps or sinks. Families that cannot be served are refused at
+start-up with a message naming what is missing."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import transformers
+
+from services.engine.core.engine import LLMEngine
+from services.engine.executor.capabilities import check_config
+from services.engine.settings import EngineSettings
+from sluice.model.families import FAMILY_NAMES
+from tests.conftest import FAMILY_VOCAB
+from tests.engine.test_model import Workload, reference, run_engine, small_engine
+
+FamilyDir = Callable[[str], Path]
+
+
+def family_workload(seed: int, n: int = 8) -> Workload:
+    """Prompts past the window and the step's token budget, a shared prefix (cache hits), short ones."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, FAMILY_VOCAB) for _ in range(36)]
+    items: Workload = []
+    for i in range(n):
+        if i % 3 == 0:
+            prompt = shared + [rng.randrange(5, FAMILY_VOCAB) for _ in range(rng.randint(1, 8))]
+        else:
+            prompt = [rng.randrange(5, FAMILY_VOCAB) for _ in range(rng.randint(2, 60))]
+        items.append((rng.randint(0, 6), prompt, rng.randint(4, 10)))
+    return items
+
+
+def family_engine(model_dir: Path, **kw: object) -> LLMEngine:
+    """A pool of 12 blocks of 8 tokens (preemption), 24 tokens a step (chunked prefill)."""
+    settings: dict[str, object] = dict(
+        num_kv_blocks=12, block_size=8, max_num_batched_tokens=24, max_model_len=96
+    )
+    settings.update(kw)
+    return small_engine(model_dir, **settings)
+
+
+# What each family must show its attention calls, so that a family whose special parts did not reach
+# the paged attention fails here rather than passing on plain attention.
+EXPECTED = {
+    "gemma2": lambda a: a.windows == (8, 0) and a.softcaps == (2.0, 2.0) and a.head_dim == 32,
+    "gemma3_text": lambda a: a.windows == (8, 0) and a.head_dim == 32,
+    "cohere2": lambda a: a.windows == (8, 0),
+    "qwen3": lambda a: a.num_kv_heads == 1 and a.head_dim == 32,
+    "mistral": lambda a: a.all_sliding_window == 8,
+    "qwen2": lambda a: a.all_sliding_window == 8,
+    "phi3": lambda a: a.all_sliding_window == 8,
+    "starcoder2": lambda a: a.all_sliding_window == 8,
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_greedy_matches_generate(family: str, family_model_dir: FamilyDir) -> None:
+    model_dir = family_model_dir(family)
+    items = family_workload(seed=3)
+    engine = family_engine(model_dir)
+    spec = engine.runner.attention  # type: ignore[attr-defined]
+    assert EXPECTED.get(family, lambda a: True)(spec), spec
+    slid = _count_slides(engine)
+    got = run_engine(engine, items)
+    want = reference(model_dir, items)
+    assert got == want
+    stats = engine.stats()
+    assert stats.num_preemptions > 0, "the pool is too small for all: preemption must happen"
+    assert stats.prefix_hit_rate > 0, "shared prompts must hit the prefix cache"
+    assert any(len(p) > 24 for _, p, _ in items), "some prompts are chunked"
+    if spec.all_sliding_window:
+        assert slid, "blocks that slid out of every window are freed while their request runs"
+    else:
+        assert not slid
+
+
+def _count_slides(engine: LLMEngine) -> list[int]:
+    """Records, at every step, how many blocks the running requests have freed as they slid."""
+    counts: list[int] = []
+    original = engine.scheduler._free_slid_out
+
+    def spy(req):  # type: ignore[no-untyped-def]
+        before = req.num_slid_blocks
+        original(req)
+        if req.num_slid_blocks > before:
+            counts.append(req.num_slid_blocks - before)
+
+    engine.scheduler._free_slid_out = spy  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_triton_kernel_matches_generate(family: str, family_model_dir: FamilyDir) -> None:
+    """The decode rows through the Triton kernel (interpreted on a CPU): windows alternating with full
+    layers and soft-capping (gemma2), a window on every layer with its blocks freed (mistral)."""
+    model_dir = family_model_dir(family)
+    items = family_workload(seed=5, n=4)
+    engine = family_engine(model_dir, attention_backend="triton", num_kv_blocks=10, max_model_len=80)
+    assert engine.runner.backend == "triton"  # type: ignore[attr-defined]
+    slid = _count_slides(engine)
+    assert run_engine(engine, items) == reference(model_dir, items)
+    if engine.runner.attention.all_sliding_window:  # type: ignore[attr-defined]
+        assert slid
+    else:
+        assert engine.stats().num_preemptions > 0
+
+
+def _config(model_type: str, **kw: object) -> transformers.PretrainedConfig:
+    return transformers.AutoConfig.for_model(model_type, **kw)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "named"),
+    [
+        ("bart", "encoder-decoder"),
+        ("t5", "encoder-decoder"),
+        ("deepseek_v3", "multi-head latent attention"),
+        ("qwen3_next", "linear_attention"),
+        ("granitemoehybrid", "linear_attention"),
+        ("llama4_text", "chunked_attention"),
+        ("mamba", "attention interface"),
+        ("falcon_h1", "attention interface"),
+        ("gemma3n_text", "reuse another layer's KV"),
+    ],
+)
+def test_refused_families_name_what_is_missing(model_type: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        check_config(_config(model_type))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "gemma2", "phi3", "starcoder2"])
+def test_attention_interface_families_pass_the_config_check(model_type: str) -> None:
+    check_config(_config(model_type))
+
+
+def test_a_refused_model_stops_the_engine_at_start_up(tmp_path: Path) -> None:
+    config = transformers.AutoConfig.for_model(
+        "deepseek_v3", hidden_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
+    )
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="DeepSeek-style MLA"):
+        LLMEngine(EngineSettings(model=str(tmp_path)))
+
+
+def test_an_attention_keyword_not_honoured_is_refused_by_name(
+    family_model_dir: FamilyDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose attention call passes a keyword the paged attention does not honour stops at
+    start-up with the keyword's name (here a llama whose layers ask for non-causal attention)."""
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaAttention.forward
+
+    def non_causal(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return forward(self, *args, is_causal=False, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", non_causal)
+    with pytest.raises(ValueError, match="is_causal=False"):
+        family_engine(family_model_dir("llama"))
+
+
+def test_length_dependent_rope_caps_the_context(family_model_dir: FamilyDir) -> None:
+    """dynamic / longrope change their frequencies with the longest position of a forward: the context
+    is capped where they do not (original_max_position_embeddings), and a longer one is refused."""
+    model_dir = family_model_dir("llama-longrope")
+    engine = family_engine(model_dir, max_model_len=0, num_kv_blocks=80)
+    assert engine.max_model_len == 512
+    with pytest.raises(ValueError, match="longrope"):
+        family_engine(model_dir, max_model_len=600, num_kv_blocks=80)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny GPT-OSS (attention sinks on every layer, a window alternating with full layers, YaRN),
+    its experts run by transformers' own code: the carrier of sinks through the engine."""
+    from sluice.model import tiny
+    from sluice.model.families import spread_weights
+
+    rope = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512, "rope_theta": 1e4}
+    fields = {
+        **tiny.common_fields(),
+        **tiny.PRESETS["test"],
+        "vocab_size": FAMILY_VOCAB,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {**rope, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    }
+    config = transformers.AutoConfig.for_model("gpt_oss", **tiny.special_ids(), **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    spread_weights(model, 0)
+    return tiny.write_model_dir(tmp_path_factory.mktemp("gpt_oss") / "model", model, {"family": "gpt_oss"})
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sinks_match_generate(backend: str, gpt_oss_dir: Path) -> None:
+    items = family_workload(seed=7, n=6 if backend == "torch" else 4)
+    engine = family_engine(gpt_oss_dir, attention_backend=backend)
+    spec = engine.runner.attention  # type: ignore[attr-defined]
+    assert spec.sinks == (True, True) and spec.windows == (8, 0)
+    assert run_engine(engine, items) == reference(gpt_oss_dir, items)
