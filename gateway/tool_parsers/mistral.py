@@ -36,7 +36,6 @@ _ARRAY_SEPARATORS = re.compile(r"[\s,]*")
 class MistralToolCalls(ToolCallStream):
     """`[TOOL_CALLS]` calls (see the module docstring). One instance per request."""
 
-    TEMPLATE_MARK = MARK
     # What `tool_calls.ToolRequest.grammar` writes around a required call: the v3 array form.
     CALLS_OPEN, CALLS_SEPARATOR, CALLS_CLOSE = MARK + "[", ", ", "]"
     CALL_OPEN, CALL_CLOSE = '{{"name": "{name}", "arguments": ', "}"
