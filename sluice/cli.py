@@ -11,6 +11,7 @@
     sluice bench latency [--variants off,ngram,int8] [--json FILE]  speculation and quantized weights
     sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
     sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
+    sluice models [--markdown]                                      model families served, and refused (why)
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
 """
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("kind", choices=sorted(MODELS))
     bench = sub.add_parser("bench", help="run a benchmark (sluice bench NAME --help)", add_help=False)
     bench.add_argument("name", choices=sorted(BENCHMARKS))
+    sub.add_parser("models", help="model families served and refused (sluice models --help)", add_help=False)
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
@@ -84,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _health(args)
     if args.command == "model":
         return _hand_over(MODELS[args.kind], rest)
+    if args.command == "models":
+        return _hand_over("services.engine.executor.families", rest)
     return _hand_over(f"sluice.bench.{args.name}", rest)  # `sluice bench NAME` runs sluice/bench/NAME.py
 
 

@@ -33,7 +33,14 @@ class EngineSettings(StageTlsSettings):
     """sluice engine: continuous batching over a paged KV cache."""
 
     model: str = field(
-        default="", metadata={"help": "local Hugging Face model directory; '' = embedded model"}
+        default="",
+        metadata={
+            "help": "model directory or Hugging Face Hub id (ORG/NAME, from the cache or downloaded); "
+            "'' = embedded model"
+        },
+    )
+    revision: str = field(
+        default="", metadata={"help": "branch, tag or commit of a Hub id in --model ('' = main)"}
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)"})
