@@ -5,6 +5,7 @@
     sluice model tiny DIR [--preset test|chat]                      write the embedded model (or a preset)
     sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks of one component
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
+    sluice bench sweep compare|pipeline|routing|peers [FLAGS]        serve over systems and rates, by preset
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
     sluice bench routing [--engines 2] [--json FILE]                engine routing policies across replicas
@@ -30,7 +31,17 @@ SERVICES = {
     "gateway": "gateway.server",
 }
 MODELS = {"tiny": "sluice.model.tiny"}
-BENCHMARKS = ("engine", "tokenizer", "detokenizer", "serve", "pipeline", "compare", "routing", "latency")
+BENCHMARKS = (
+    "engine",
+    "tokenizer",
+    "detokenizer",
+    "serve",
+    "sweep",
+    "pipeline",
+    "compare",
+    "routing",
+    "latency",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
