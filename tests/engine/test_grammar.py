@@ -332,15 +332,41 @@ def test_compile_runs_off_the_caller_thread_and_polls_without_blocking(tiny_mode
         pool.shutdown()
 
 
-def test_a_grammar_the_matcher_gives_up_on_raises_a_grammar_error(compiler: GrammarCompiler) -> None:
+TOO_MANY_BRANCHES = [
+    (GrammarSpec("choice", json.dumps([f"answer number {i}" for i in range(2001)])), "answer number 7"),
+    (
+        GrammarSpec(
+            "json_schema",
+            json.dumps(
+                {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "properties": {f"k{i}": {"type": "integer"}},
+                            "required": [f"k{i}"],
+                        }
+                        for i in range(2001)
+                    ]
+                }
+            ),
+        ),
+        '{"k5": 1}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "text"), TOO_MANY_BRANCHES, ids=["choice", "anyOf"])
+def test_a_grammar_the_matcher_gives_up_on_raises_a_grammar_error(
+    compiler: GrammarCompiler, tiny_model_dir: Path, spec: GrammarSpec, text: str
+) -> None:
     """llguidance follows at most 2,000 alternatives in one parser row: a choice of 2,001 strings with a
-    common prefix compiles, then the first token is too much for it. `accept` says so, briefly."""
-    spec = GrammarSpec("choice", json.dumps([f"answer number {i}" for i in range(2001)]))
+    common prefix, or an anyOf of 2,001 objects, compiles, then a valid output is too much for it.
+    `accept` says so, briefly."""
     state = compiler.submit(spec).result(timeout=60).new_state()
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
     with pytest.raises(GrammarError, match="max is 2000") as err:
-        for token in range(compiler.vocab_size):  # the first token the grammar lets through
-            if state.accept((token,)):
-                break
+        state.accept(ids)
     assert len(str(err.value)) < 1000 and "<state>" not in str(err.value)
 
 
