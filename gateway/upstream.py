@@ -151,6 +151,7 @@ class Replicas:
         self._last_resolve = -math.inf
         self._serving: dict[str, bool] = {}  # member key → its latest health status is SERVING
         self._watchers: dict[str, asyncio.Task[None]] = {}  # member key → its health watch
+        self.losses = 0  # members lost so far (`lost`): a readiness answer older than one is stale
         self._set_members()
         self._start_resolving()
 
@@ -198,6 +199,7 @@ class Replicas:
             if self.addresses:
                 log.info("%s replicas: %s", self.kind, ", ".join(keys))
             self.addresses = tuple(keys)
+            self.losses += 1
             self._wake()
 
     def _wake(self) -> None:
@@ -333,13 +335,16 @@ class Replicas:
                     return
             finally:
                 call.cancel()
-            self._serving.pop(key, None)
+            if self._serving.pop(key, None) is not None:  # the connection, or the server, went away
+                self.losses += 1
+                self._wake()
             await asyncio.sleep(MIN_WATCH_GAP_S)  # a call that ends at once while READY must not spin
 
     def _set_serving(self, key: str, serving: bool) -> None:
         if self._serving.get(key) != serving:
             log.info("%s %s: %s", self.kind, key, "SERVING" if serving else "not serving")
             self._serving[key] = serving
+            self.losses += not serving
             self._wake()
 
     async def pick_ready(
@@ -384,8 +389,10 @@ class Replicas:
             await asyncio.gather(*waiters, return_exceptions=True)
 
     async def check_health(self, timeout_s: float) -> dict[str, bool]:
-        """grpc.health.v1 Check of every replica (one channel of each): address → SERVING."""
+        """grpc.health.v1 Check of every replica (one channel of each): address → SERVING. Starts the
+        members' health watches if need be, so that `losses` counts from then on."""
         await self._ensure_resolved()
+        self._watch_members()
         first: dict[str, str] = {}  # replica address → its first member
         for key in self.addresses:
             first.setdefault(self.replica_of(key), key)
