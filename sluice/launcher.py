@@ -40,14 +40,17 @@ about 4.5 s of its 5.4 s start on an idle 2-core machine, three times that on a 
 (`python -m sluice.launcher standby KIND`) that imports what the service will, says so on a pipe and
 waits on its stdin. A restart of a replica hands the dead replica's arguments to a ready standby of its
 kind, which becomes it (the start line says "from a standby"; its pid is the standby's); with none
-ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
-only when every replica of that kind has answered SERVING (their imports never compete with a start);
-one at a time, the engine's first, each importing at a lower CPU priority (nice +10, raised back when it
-becomes a replica; where the process may not raise it back, it imports at the normal priority), so that
-the spares' imports take at most one core, and only what the serving replicas leave. They count for
-nothing in health or readiness, print nothing unless they fail, get SIGTERM when the launcher dies (as
-children do) and are stopped with the children. A standby that exits by itself (an import failing, say)
-turns standbys of its kind off, with a line saying so: no crash loop of spares.
+ready, the replica starts cold. The engine's standby starts with the children, and the ready line waits
+for its imports, so that a restart right after the ready line is a take-over, not a cold start (a cold
+engine restart outlasted the gateway's upstream wait: docs/reliability.md has the times). The others
+start once the ready line is out, and every standby again for a kind only when every replica of that
+kind has answered SERVING; one at a time, the engine's first, each importing at a lower CPU priority
+(nice +10, every thread of it raised back when it becomes a replica; where the process may not raise it
+back, it imports at the normal priority), so that the spares' imports take at most one core, and only
+what the serving replicas leave. They count for nothing in health, print nothing unless they fail, get
+SIGTERM when the launcher dies (as children do) and are stopped with the children. A standby that exits
+by itself (an import failing, say) turns standbys of its kind off, with a line saying so: no crash loop
+of spares.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
@@ -602,11 +605,35 @@ class Supervisor:
         self.standbys: dict[str, list[Standby]] = {}
         self._standby_off: set[str] = set()  # kinds whose standby failed
         self._retired: list[Standby] = []  # stopped standbys, reaped by `stop`
+        self._early_kind: str | None = None  # the kind whose standby `start` started with the children
         self._preexec = _parent_death_signal()
 
     def start(self) -> None:
+        """Starts every child, and with `standby` on, the engine's standby at once beside them (the
+        first kind of STANDBY_ORDER the children have), importing at its lower priority: a restart
+        right after the ready line, which waits for it (`early_standby_settled`), is then a take-over,
+        not a cold start."""
         for child in self.children:
             self.start_child(child)
+        kinds = {child.kind for child in self.children}
+        early = next((kind for kind in STANDBY_ORDER if kind in kinds), None)
+        if self.standby > 0 and early is not None:
+            self._early_kind = early
+            self._start_standby(early)
+
+    def early_standby_settled(self) -> bool:
+        """False while the standby started with the children still imports; True once it is ready, has
+        failed (its kind then restarts cold), was handed over to a restart, or none was started."""
+        spares = self.standbys.get(self._early_kind, []) if self._early_kind else []
+        if not spares or self._early_kind in self._standby_off:
+            return True
+        state = spares[0].poll()
+        if state is None:
+            self._standby_failed(
+                self._early_kind, f"it exited with {describe_exit(spares[0].proc.poll() or 0)}"
+            )
+            return True
+        return state
 
     def start_child(self, child: Child) -> None:
         """Starts (or starts again) one child, from a ready standby of its kind when there is one, and
@@ -642,13 +669,17 @@ class Supervisor:
             return
         for kind in sorted(kinds - self._standby_off, key=STANDBY_ORDER.index):
             if len(self.standbys[kind]) < self.standby:
-                try:
-                    self.standbys[kind].append(Standby(kind, self.env, self._preexec))
-                except OSError as exc:
-                    self._standby_failed(kind, str(exc))
+                self._start_standby(kind)
                 return
 
+    def _start_standby(self, kind: str) -> None:
+        try:
+            self.standbys.setdefault(kind, []).append(Standby(kind, self.env, self._preexec))
+        except OSError as exc:
+            self._standby_failed(kind, str(exc))
+
     def _standby_failed(self, kind: str, why: str) -> None:
+        self.standbys.setdefault(kind, [])
         print(
             f"sluice up: the {kind} standby failed ({why}); {kind} replicas restart cold from now on",
             file=sys.stderr,
@@ -959,7 +990,7 @@ async def _watch(
             checks.poll(now)
             if watcher.check(now) is not None:
                 return watcher.give_up_status
-            if not ready and watcher.all_served():
+            if not ready and watcher.all_served() and watcher.supervisor.early_standby_settled():
                 ready = True
                 on_ready()
             if ready:

@@ -536,6 +536,33 @@ def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
     assert out.count("engine started (pid 7)\n") == 2 and f"(pid {spare.proc.pid}) from a standby" in out
 
 
+def test_the_engines_standby_starts_with_the_children_and_the_ready_line_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart right after the ready line must be a take-over: the engine's standby starts beside the
+    children and readiness (of the launcher's ready line) waits until it is imported, or has failed
+    (then its kind restarts cold, as the line says); with --standby 0 there is nothing to wait for."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    names = ("tokenizer", "engine", "detokenizer", "gateway")
+    _FakeStandby.made = []
+    supervisor = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=1)
+    supervisor.start()
+    assert [s.kind for s in _FakeStandby.made] == ["engine"]
+    assert not supervisor.early_standby_settled()
+    _FakeStandby.made[0].state = True
+    assert supervisor.early_standby_settled()
+    failing = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=1)
+    failing.start()
+    _FakeStandby.made[-1].state, _FakeStandby.made[-1].proc.code = None, 1
+    assert failing.early_standby_settled()
+    assert "the engine standby failed (it exited with code 1)" in capsys.readouterr().err
+    _FakeStandby.made = []
+    cold = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=0)
+    cold.start()
+    assert _FakeStandby.made == [] and cold.early_standby_settled()
+
+
 def test_standbys_start_one_at_a_time_the_engines_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """No standby starts while another still imports (the spares' imports take one core at most),
     and the engine's, whose cold start costs the most, comes first."""
