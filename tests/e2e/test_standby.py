@@ -92,9 +92,9 @@ def test_the_only_engine_killed_right_after_the_ready_line_drops_readiness_and_a
 ) -> None:
     """Issue 28 defect 7. The engine's standby starts with the children and the ready line waits for it,
     so a restart right after the ready line is a take-over; /readyz answers 503 from the moment the
-    launcher has seen the engine die until its restart starts (no cached 200); a request sent while the
-    engine is down waits for the restarted one (the gateway's upstream wait) and completes, with the
-    same text as the same request afterwards."""
+    launcher has seen the engine die until its restart starts (no cached 200); a request sent then,
+    while the engine is down, waits for the restarted one (the gateway's upstream wait) and completes,
+    with the same text as the same request afterwards."""
     running = start_pipeline(tiny_model_dir)
     body = {"model": running_model(running), "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
 
@@ -103,13 +103,15 @@ def test_the_only_engine_killed_right_after_the_ready_line_drops_readiness_and_a
             assert (await http.get("/readyz")).status_code == 200  # a fresh cached answer
             before = running.pids()["engine"]
             psutil.Process(before).send_signal(signal.SIGKILL)
-            while_down = asyncio.ensure_future(http.post("/v1/completions", json=body))
             await asyncio.to_thread(wait_for, lambda: "engine exited with code -9" in running.output(),
                                     "the launcher never saw the engine die", running)  # fmt: skip
-            answers = []
+            answers, while_down = [], None
             while running.pids()["engine"] == before:  # until the restart starts
                 answers.append((await http.get("/readyz")).status_code)
+                if while_down is None:  # sent once the death is known, while the engine is down
+                    while_down = asyncio.ensure_future(http.post("/v1/completions", json=body))
                 await asyncio.sleep(0.02)
+            assert while_down is not None, "the restart started before anything was asked"
             during = await while_down
             await _recovered(running)
             return answers, during, await http.post("/v1/completions", json=body)

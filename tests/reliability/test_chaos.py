@@ -53,6 +53,7 @@ import websockets
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from gateway.settings import GatewaySettings
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from services.engine.server import RUNNER_FAULT_S
 from tests.e2e.conftest import Pipeline, start_pipeline
@@ -75,7 +76,8 @@ UP_FLAGS = (
     "--unhealthy-restart-s", str(UNHEALTHY_RESTART_S),
     "--max-restarts", "30",  # the schedule kills far more often than the policy is meant for
 )  # fmt: skip
-FAILED_WITHIN_S = 10.0
+# A request that finds no replica of a stage waits for one up to the gateway's upstream wait, then fails.
+FAILED_WITHIN_S = GatewaySettings().upstream_wait_s + 5.0
 READY_WITHIN_S = 15.0
 STOP_S = (HEALTH_TIMEOUT_S + 0.5, 5.0)  # how long a SIGSTOP lasts: some outlast --unhealthy-restart-s
 GIVE_UP_S = 90.0  # a fault not recovered from this long is recorded as never recovered
