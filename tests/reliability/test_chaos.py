@@ -5,16 +5,22 @@ Load: WebSocket and SSE clients, each sending one greedy request after another (
 a few prompts; half a second's pause after a failed one), every completed text compared with a lone run
 of the same prompt (transformers' `generate` on the same model directory, before the stack starts).
 
+Beside it, a pathological client sends every 2-5 s a request whose constraint the grammar engine cannot
+take (a `choice` of 2,001 strings, a JSON schema `anyOf` of 3,000 branches): each must get an answer
+of its own (400, an error of its own, or a completion), and the other clients' texts stay exact.
+
 Faults, one kind after another in a shuffled order per round, every 1-6 s on a random replica that is
 not still recovering (so they overlap): SIGKILL; SIGSTOP for longer than the launcher's health timeout,
 then SIGCONT; the engine fault hook (SLUICE_FAULT_INJECTION=1 and SIGUSR1: the step loop fails; the
 engine recovers in its process within its budget, else stays up NOT_SERVING until the launcher restarts
-it). `sluice up` runs with its defaults otherwise, a warm standby per stage kind included. The first
-fault comes within a second of the ready line, and a third of the replicas coming back get another
-within a second of answering SERVING again.
+it; SIGUSR2: the model runner raises on every step for RUNNER_FAULT_S, each such step failing its own
+requests `internal`). `sluice up` runs with its defaults otherwise, a warm standby per stage kind
+included. The first fault comes within a second of the ready line, and a third of the replicas coming
+back get another within a second of answering SERVING again.
 
 Checks: every request completes with exactly the lone run's text, or ends with an `unavailable` error
-within FAILED_WITHIN_S of a fault (never another error, never a hang); after each fault the gateway's
+within FAILED_WITHIN_S of a fault, or `internal` within that of a runner's raising (never another error,
+never a hang); after each fault the gateway's
 /readyz is ready again within READY_WITHIN_S, and the faulted replica comes back (replaced or resumed,
 SERVING, and named serving by /readyz: the recovery time of the summary); afterwards every engine's KV
 free list is full, nothing runs or waits there and the gateway has nothing in flight (the engines' Stats
