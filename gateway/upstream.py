@@ -49,6 +49,10 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
 MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
+# While waiting for a channel to be READY, it is asked to connect again this often: a wait for its next
+# state change alone can miss a connection that came up and was ended by the server's GOAWAY (its
+# maximum connection age) in between, which leaves the channel IDLE with nobody asking it to connect.
+CONNECT_AGAIN_S = 0.25
 RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
 
 
@@ -324,7 +328,7 @@ class Replicas:
         request = health_pb2.HealthCheckRequest(service="")
         serving = health_pb2.HealthCheckResponse.SERVING
         while True:
-            await channel.channel_ready()
+            await until_ready(channel)
             call = health_pb2_grpc.HealthStub(channel).Watch(request)
             try:
                 async for reply in call:
@@ -353,8 +357,9 @@ class Replicas:
         """The member for the next piece of work among those whose channel is READY, by the picker,
         other than a member of the replica `avoid` when another one is READY.
         When none is (the stage is starting or restarting), resolves the names again and waits up to
-        `timeout_s` for the first to become READY; when none does, `pick`: a call there fails at once
-        with UNAVAILABLE. Returns at once when a member is READY."""
+        `timeout_s` for the first to become READY, asking the members to connect every CONNECT_AGAIN_S;
+        when none does, `pick`: a call there fails at once with UNAVAILABLE. Returns at once when a
+        member is READY."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         await self._ensure_resolved()
@@ -369,7 +374,7 @@ class Replicas:
             left = deadline - loop.time()
             if left <= 0:
                 return self.pick(prompt_ids)
-            await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
+            await self._any_ready(min(left, CONNECT_AGAIN_S))  # then `connected` asks them again
 
     async def _any_ready(self, timeout_s: float) -> None:
         """Returns when a member's channel becomes READY, the members or a member's health change, or
@@ -422,6 +427,15 @@ class Replicas:
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()
+
+
+async def until_ready(channel: grpc.aio.Channel) -> None:
+    """Returns once `channel` is READY, asking it to connect every CONNECT_AGAIN_S meanwhile (gRPC's
+    `channel_ready` asks once, then waits for state changes, and can wait for good: CONNECT_AGAIN_S)."""
+    ready = grpc.ChannelConnectivity.READY
+    while (state := channel.get_state(try_to_connect=True)) != ready:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(channel.wait_for_state_change(state), CONNECT_AGAIN_S)
 
 
 class StreamLink(Generic[Item, In, Out]):
