@@ -981,7 +981,7 @@ async def _watch(
 ) -> int:
     """Watches the children until a stop signal (returns 0), a child that keeps dying, or a start-up
     that outlasts `startup_timeout_s` (returns 1), or a child that refused its configuration (returns
-    2). Calls `on_ready` once every child has served."""
+    2). Calls `on_ready` once every child has served and the standby started with them is ready."""
     deadline = time.monotonic() + startup_timeout_s
     ready = False
     try:
@@ -997,6 +997,7 @@ async def _watch(
                 watcher.supervisor.top_up_standbys(watcher.settled_kinds())
             if not ready and now > deadline:
                 late = ", ".join(name for name, run in watcher.runs.items() if not run.served)
+                late = late or "the engine standby's imports"  # every child served; the ready line waits
                 print(f"sluice up: not healthy after {startup_timeout_s:.0f}s: {late}", file=sys.stderr)
                 return 1
             with contextlib.suppress(TimeoutError):
