@@ -97,10 +97,10 @@ class GatewaySettings(ValidatedSettings):
         default="", metadata={"help": "model name the APIs answer to (default: the model directory's name)"}
     )
     upstream_wait_s: float = field(
-        default=5.0,
+        default=15.0,  # a standby's take-over, 4-6.4 s on 2 loaded cores, and a quiet cold restart
         metadata={
             "help": "longest a request waits for a stage that is connecting or restarting (within its "
-            "deadline) before it fails with unavailable"
+            "deadline) before it fails with unavailable (default: 15)"
         },
     )
     routing: str = field(

@@ -99,6 +99,7 @@ class Stages:
         self._on_broken = on_broken
         self._ready_check: asyncio.Future[dict[str, list[bool]]] | None = None
         self._ready_checked_at = -math.inf
+        self._ready_losses = 0  # `Replicas.losses` of the three stages when the latest check began
         self.info: tokenizer_pb2.InfoResponse | None = None  # the model's, once fetched (`model_info`)
         self._max_model_len = 0
         self._token_pieces: dict[int, TokenPiece] = {}
@@ -260,15 +261,24 @@ class Stages:
     async def check_ready(self) -> dict[str, list[bool]]:
         """Health of every upstream replica by stage: kind → SERVING per replica, in the stage's order
         of replicas. One fan-out of health checks at a time, and at most one per `readyz_cache_s`:
-        callers within that time of the latest share its answer."""
+        callers within that time of the latest share its answer, unless a replica was lost since it
+        began (its connection or its server gone, NOT_SERVING, the members changed: `Replicas.losses`),
+        which makes the next caller check again at once: readiness drops the moment a stage's last
+        replica is known down, not a cache period later."""
         now = time.monotonic()
         checking = self._ready_check
-        if checking is None or (
-            checking.done() and now - self._ready_checked_at >= self._settings.readyz_cache_s
+        losses = self._losses()
+        if (
+            checking is None
+            or losses != self._ready_losses
+            or (checking.done() and now - self._ready_checked_at >= self._settings.readyz_cache_s)
         ):
-            self._ready_checked_at = now
+            self._ready_checked_at, self._ready_losses = now, losses
             checking = self._ready_check = asyncio.ensure_future(self._check_every_replica())
         return await asyncio.shield(checking)
+
+    def _losses(self) -> int:
+        return self.tokenizers.losses + self.engines.losses + self.detokenizers.losses
 
     async def _check_every_replica(self) -> dict[str, list[bool]]:
         timeout = self._settings.health_timeout_s

@@ -49,6 +49,10 @@ Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
 MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
+# While waiting for a channel to be READY, it is asked to connect again this often: a wait for its next
+# state change alone can miss a connection that came up and was ended by the server's GOAWAY (its
+# maximum connection age) in between, which leaves the channel IDLE with nobody asking it to connect.
+CONNECT_AGAIN_S = 0.25
 RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
 
 
@@ -151,6 +155,7 @@ class Replicas:
         self._last_resolve = -math.inf
         self._serving: dict[str, bool] = {}  # member key → its latest health status is SERVING
         self._watchers: dict[str, asyncio.Task[None]] = {}  # member key → its health watch
+        self.losses = 0  # members lost so far (`lost`): a readiness answer older than one is stale
         self._set_members()
         self._start_resolving()
 
@@ -198,6 +203,7 @@ class Replicas:
             if self.addresses:
                 log.info("%s replicas: %s", self.kind, ", ".join(keys))
             self.addresses = tuple(keys)
+            self.losses += 1
             self._wake()
 
     def _wake(self) -> None:
@@ -322,7 +328,7 @@ class Replicas:
         request = health_pb2.HealthCheckRequest(service="")
         serving = health_pb2.HealthCheckResponse.SERVING
         while True:
-            await channel.channel_ready()
+            await until_ready(channel)
             call = health_pb2_grpc.HealthStub(channel).Watch(request)
             try:
                 async for reply in call:
@@ -333,13 +339,16 @@ class Replicas:
                     return
             finally:
                 call.cancel()
-            self._serving.pop(key, None)
+            if self._serving.pop(key, None) is not None:  # the connection, or the server, went away
+                self.losses += 1
+                self._wake()
             await asyncio.sleep(MIN_WATCH_GAP_S)  # a call that ends at once while READY must not spin
 
     def _set_serving(self, key: str, serving: bool) -> None:
         if self._serving.get(key) != serving:
             log.info("%s %s: %s", self.kind, key, "SERVING" if serving else "not serving")
             self._serving[key] = serving
+            self.losses += not serving
             self._wake()
 
     async def pick_ready(
@@ -348,8 +357,9 @@ class Replicas:
         """The member for the next piece of work among those whose channel is READY, by the picker,
         other than a member of the replica `avoid` when another one is READY.
         When none is (the stage is starting or restarting), resolves the names again and waits up to
-        `timeout_s` for the first to become READY; when none does, `pick`: a call there fails at once
-        with UNAVAILABLE. Returns at once when a member is READY."""
+        `timeout_s` for the first to become READY, asking the members to connect every CONNECT_AGAIN_S;
+        when none does, `pick`: a call there fails at once with UNAVAILABLE. Returns at once when a
+        member is READY."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         await self._ensure_resolved()
@@ -364,7 +374,7 @@ class Replicas:
             left = deadline - loop.time()
             if left <= 0:
                 return self.pick(prompt_ids)
-            await self._any_ready(min(left, MIN_RESOLVE_GAP_S) if self._first_resolve is not None else left)
+            await self._any_ready(min(left, CONNECT_AGAIN_S))  # then `connected` asks them again
 
     async def _any_ready(self, timeout_s: float) -> None:
         """Returns when a member's channel becomes READY, the members or a member's health change, or
@@ -384,8 +394,10 @@ class Replicas:
             await asyncio.gather(*waiters, return_exceptions=True)
 
     async def check_health(self, timeout_s: float) -> dict[str, bool]:
-        """grpc.health.v1 Check of every replica (one channel of each): address → SERVING."""
+        """grpc.health.v1 Check of every replica (one channel of each): address → SERVING. Starts the
+        members' health watches if need be, so that `losses` counts from then on."""
         await self._ensure_resolved()
+        self._watch_members()
         first: dict[str, str] = {}  # replica address → its first member
         for key in self.addresses:
             first.setdefault(self.replica_of(key), key)
@@ -415,6 +427,15 @@ class Replicas:
         for channel in self.channels.values():
             await channel.close()
         self.channels.clear()
+
+
+async def until_ready(channel: grpc.aio.Channel) -> None:
+    """Returns once `channel` is READY, asking it to connect every CONNECT_AGAIN_S meanwhile (gRPC's
+    `channel_ready` asks once, then waits for state changes, and can wait for good: CONNECT_AGAIN_S)."""
+    ready = grpc.ChannelConnectivity.READY
+    while (state := channel.get_state(try_to_connect=True)) != ready:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(channel.wait_for_state_change(state), CONNECT_AGAIN_S)
 
 
 class StreamLink(Generic[Item, In, Out]):

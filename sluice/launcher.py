@@ -13,14 +13,17 @@ each: B+1, B+2, B+3; with `--engines 2`: tokenizer B+1, engines B+2 and B+3, det
 planned port must be free, or the launcher exits 1 naming the first busy one. The ready line is printed
 once every replica is healthy.
 
-A child that dies is restarted, as compose's `restart:` or Kubernetes would, whether it had served or
-was still starting: the launcher names it and its exit code, waits a backoff (0.5 s, doubling with each
-restart in the window, at most 8 s, for a run that never served: a crash loop; 0.5 s after a run that
-had served), and starts it again; the other children keep running untouched. A
-child that dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds
-(default 60) makes the launcher give up: it stops every child and exits 1 naming it. The ready line
-waits until every child has answered SERVING once; if that takes longer than `--startup-timeout`, the
-launcher exits 1 naming the children that never did.
+A child that exits with status 2 refused its configuration (a bad flag, a model it cannot serve or whose
+files are missing, a KV pool too small for one request: `grpc_server.run`, argparse): no restart can
+change that, so the launcher says so under the child's own message, stops every child and exits 2. Any
+other death (a crash, a signal) is restarted, as compose's `restart:` or Kubernetes would, whether it
+had served or was still starting: the launcher names it and its exit code, waits a backoff (0.5 s,
+doubling with each restart in the window, at most 8 s, for a run that never served: a crash loop; 0.5 s
+after a run that had served), and starts it again; the other children keep running untouched. A child
+that dies more than `--max-restarts` times (default 5) within `--restart-window-s` seconds (default 60)
+makes the launcher give up: it stops every child and exits 1 naming it. The ready line waits until every
+child has answered SERVING once; if that takes longer than `--startup-timeout`, the launcher exits 1
+naming the children that never did.
 
 Liveness: every child's grpc.health.v1 status is asked about once a second (the gateway's on its gRPC
 port), each check given `--health-timeout-s`. A child that has served and then answers anything but
@@ -37,14 +40,17 @@ about 4.5 s of its 5.4 s start on an idle 2-core machine, three times that on a 
 (`python -m sluice.launcher standby KIND`) that imports what the service will, says so on a pipe and
 waits on its stdin. A restart of a replica hands the dead replica's arguments to a ready standby of its
 kind, which becomes it (the start line says "from a standby"; its pid is the standby's); with none
-ready, the replica starts cold. Standbys are started once the ready line is out, and again for a kind
-only when every replica of that kind has answered SERVING (their imports never compete with a start);
-one at a time, the engine's first, each importing at a lower CPU priority (nice +10, raised back when it
-becomes a replica; where the process may not raise it back, it imports at the normal priority), so that
-the spares' imports take at most one core, and only what the serving replicas leave. They count for
-nothing in health or readiness, print nothing unless they fail, get SIGTERM when the launcher dies (as
-children do) and are stopped with the children. A standby that exits by itself (an import failing, say)
-turns standbys of its kind off, with a line saying so: no crash loop of spares.
+ready, the replica starts cold. The engine's standby starts with the children, and the ready line waits
+for its imports, so that a restart right after the ready line is a take-over, not a cold start (a cold
+engine restart outlasted the gateway's upstream wait: docs/reliability.md has the times). The others
+start once the ready line is out, and every standby again for a kind only when every replica of that
+kind has answered SERVING; one at a time, the engine's first, each importing at a lower CPU priority
+(nice +10, every thread of it raised back when it becomes a replica; where the process may not raise it
+back, it imports at the normal priority), so that the spares' imports take at most one core, and only
+what the serving replicas leave. They count for nothing in health, print nothing unless they fail, get
+SIGTERM when the launcher dies (as children do) and are stopped with the children. A standby that exits
+by itself (an import failing, say) turns standbys of its kind off, with a line saying so: no crash loop
+of spares.
 
 Every child gets SIGTERM when the launcher dies, even by SIGKILL (Linux: PR_SET_PDEATHSIG), so no
 service outlives it. Stopping (SIGINT/SIGTERM) stops the gateway first and then the stages, so the
@@ -92,7 +98,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_server import ChannelTls, client_channel, wait_healthy
+from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls, client_channel, wait_healthy
 
 STARTUP_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
@@ -549,14 +555,29 @@ def _may_raise_priority(nice: int) -> bool:
 
 def _yield_while_importing() -> Callable[[], None]:
     """Lowers this process's CPU priority by STANDBY_NICE while a standby imports, so that its imports
-    yield to the serving replicas, where it may raise it back; returns what raises it back (a no-op
-    where it may not: the standby then imports at the replicas' priority rather than leave a replica
-    at a lower one)."""
+    yield to the serving replicas, where it may raise it back; returns what raises it back, for every
+    thread of the process (a no-op where it may not: the standby then imports at the replicas' priority
+    rather than leave a replica at a lower one).
+
+    On Linux a nice value belongs to a thread (PRIO_PROCESS with a pid sets only that thread), and a new
+    thread starts with its creator's: threads that the imports started (thread pools, a library's
+    workers) would keep the lower priority after the hand-over, so the restore sets each thread's."""
     nice = os.getpriority(os.PRIO_PROCESS, 0)
     if sys.platform != "linux" or not _may_raise_priority(nice):
         return lambda: None
     os.setpriority(os.PRIO_PROCESS, 0, nice + STANDBY_NICE)
-    return lambda: os.setpriority(os.PRIO_PROCESS, 0, nice)
+    return lambda: _set_every_thread_nice(nice)
+
+
+def _set_every_thread_nice(nice: int) -> None:
+    """Sets the nice value of every thread of this process (Linux: /proc/self/task lists them), again
+    for threads that a thread still at the old value started meanwhile, until no new one appears."""
+    done: set[str] = set()
+    while new := set(os.listdir("/proc/self/task")) - done:
+        for task in new:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, int(task), nice)
+        done |= new
 
 
 def standby_main(argv: list[str]) -> int:
@@ -592,11 +613,35 @@ class Supervisor:
         self.standbys: dict[str, list[Standby]] = {}
         self._standby_off: set[str] = set()  # kinds whose standby failed
         self._retired: list[Standby] = []  # stopped standbys, reaped by `stop`
+        self._early_kind: str | None = None  # the kind whose standby `start` started with the children
         self._preexec = _parent_death_signal()
 
     def start(self) -> None:
+        """Starts every child, and with `standby` on, the engine's standby at once beside them (the
+        first kind of STANDBY_ORDER the children have), importing at its lower priority: a restart
+        right after the ready line, which waits for it (`early_standby_settled`), is then a take-over,
+        not a cold start."""
         for child in self.children:
             self.start_child(child)
+        kinds = {child.kind for child in self.children}
+        early = next((kind for kind in STANDBY_ORDER if kind in kinds), None)
+        if self.standby > 0 and early is not None:
+            self._early_kind = early
+            self._start_standby(early)
+
+    def early_standby_settled(self) -> bool:
+        """False while the standby started with the children still imports; True once it is ready, has
+        failed (its kind then restarts cold), was handed over to a restart, or none was started."""
+        spares = self.standbys.get(self._early_kind, []) if self._early_kind else []
+        if not spares or self._early_kind in self._standby_off:
+            return True
+        state = spares[0].poll()
+        if state is None:
+            self._standby_failed(
+                self._early_kind, f"it exited with {describe_exit(spares[0].proc.poll() or 0)}"
+            )
+            return True
+        return state
 
     def start_child(self, child: Child) -> None:
         """Starts (or starts again) one child, from a ready standby of its kind when there is one, and
@@ -632,13 +677,17 @@ class Supervisor:
             return
         for kind in sorted(kinds - self._standby_off, key=STANDBY_ORDER.index):
             if len(self.standbys[kind]) < self.standby:
-                try:
-                    self.standbys[kind].append(Standby(kind, self.env, self._preexec))
-                except OSError as exc:
-                    self._standby_failed(kind, str(exc))
+                self._start_standby(kind)
                 return
 
+    def _start_standby(self, kind: str) -> None:
+        try:
+            self.standbys.setdefault(kind, []).append(Standby(kind, self.env, self._preexec))
+        except OSError as exc:
+            self._standby_failed(kind, str(exc))
+
     def _standby_failed(self, kind: str, why: str) -> None:
+        self.standbys.setdefault(kind, [])
         print(
             f"sluice up: the {kind} standby failed ({why}); {kind} replicas restart cold from now on",
             file=sys.stderr,
@@ -758,7 +807,8 @@ class Watcher:
     A child whose latest run has answered SERVING (`on_health`) and then not for `unhealthy_restart_s`,
     or whose restarted run has not answered SERVING within `startup_timeout_s` of its start, gets
     SIGTERM, and SIGKILL after KILL_GRACE_S; every death, whether the run had served or was still
-    starting, goes through the restart policy. (The first start-up's own limit is `_watch`'s.)"""
+    starting, goes through the restart policy, except an exit with CONFIG_ERROR_STATUS, which gives up
+    at once. (The first start-up's own limit is `_watch`'s.)"""
 
     def __init__(
         self,
@@ -775,6 +825,7 @@ class Watcher:
         self.startup_timeout_s = startup_timeout_s
         self.trackers = {child.name: RestartTracker(policy) for child in supervisor.children}
         self.due: dict[str, float] = {}  # child name → monotonic time of its next start
+        self.give_up_status = 1  # `sluice up`'s exit status once `check` gives up on a child
         started = time.monotonic() if now is None else now
         self.runs = {name: _Run(proc.pid, started) for name, proc in supervisor.procs.items()}
 
@@ -817,8 +868,18 @@ class Watcher:
         return None
 
     def _schedule_restart(self, name: str, code: int, now: float) -> bool:
-        """False when the policy gives up on `name`."""
+        """False when the policy gives up on `name`, or when it refused its configuration (exit status
+        CONFIG_ERROR_STATUS: no restart can fix that; `give_up_status` is then that status)."""
         when = "" if self.runs[name].served else " during start-up"
+        if code == CONFIG_ERROR_STATUS:
+            print(
+                f"sluice up: {name} exited with {describe_exit(code)}{when}: it refused its configuration "
+                "(its message is above); not restarting it; stopping the others",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.give_up_status = CONFIG_ERROR_STATUS
+            return False
         delay = self.trackers[name].on_exit(now, self.runs[name].served)
         if delay is None:
             print(
@@ -927,7 +988,8 @@ async def _watch(
     on_ready: Callable[[], None],
 ) -> int:
     """Watches the children until a stop signal (returns 0), a child that keeps dying, or a start-up
-    that outlasts `startup_timeout_s` (returns 1). Calls `on_ready` once every child has served."""
+    that outlasts `startup_timeout_s` (returns 1), or a child that refused its configuration (returns
+    2). Calls `on_ready` once every child has served and the standby started with them is ready."""
     deadline = time.monotonic() + startup_timeout_s
     ready = False
     try:
@@ -935,14 +997,15 @@ async def _watch(
             now = time.monotonic()
             checks.poll(now)
             if watcher.check(now) is not None:
-                return 1
-            if not ready and watcher.all_served():
+                return watcher.give_up_status
+            if not ready and watcher.all_served() and watcher.supervisor.early_standby_settled():
                 ready = True
                 on_ready()
             if ready:
                 watcher.supervisor.top_up_standbys(watcher.settled_kinds())
             if not ready and now > deadline:
                 late = ", ".join(name for name, run in watcher.runs.items() if not run.served)
+                late = late or "the engine standby's imports"  # every child served; the ready line waits
                 print(f"sluice up: not healthy after {startup_timeout_s:.0f}s: {late}", file=sys.stderr)
                 return 1
             with contextlib.suppress(TimeoutError):
@@ -994,8 +1057,16 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
+    """`sluice up ARGV`'s exit status: 0 after a stop signal, 1 when it gave up on a child, 2 for a
+    configuration error (argparse's, one found before any child starts, or a child's)."""
     args = parse_args(argv)
-    return asyncio.run(_run(args))
+    try:
+        return asyncio.run(_run(args))
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr, flush=True)
+        return CONFIG_ERROR_STATUS
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["standby"]:

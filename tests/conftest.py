@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +60,24 @@ def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
         return made[family]
 
     return factory
+
+
+@pytest.fixture(autouse=True)
+def _no_stack_left_running() -> Iterator[None]:
+    """A `sluice up` a test started (tests/e2e/conftest.py) and left running, the test having failed
+    before its own stop, is stopped with its whole process group when the test ends."""
+    from tests.e2e.conftest import LAUNCHED, stop_left_behind
+
+    before = len(LAUNCHED)
+    yield
+    stop_left_behind(LAUNCHED[before:])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_stack_left_after_the_suite() -> Iterator[None]:
+    """Stops every `sluice up` still running when the suite ends (a module's fixture that failed in
+    its teardown, say)."""
+    from tests.e2e.conftest import LAUNCHED, stop_left_behind
+
+    yield
+    stop_left_behind(LAUNCHED)

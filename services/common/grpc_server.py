@@ -242,18 +242,23 @@ async def serve_forever(
         await on_drain()
 
 
+CONFIG_ERROR_STATUS = 2  # a service's exit status for a configuration it refuses (`sluice up` stops)
+
+
 def run(main: Awaitable[None]) -> int:
-    """Runs a service's main coroutine on uvloop and returns the process's exit status: 0, or 2 when a
-    setting is refused (a ValueError, e.g. a context length the KV pool cannot hold), whose message is
-    logged alone: the reader needs the numbers, not a traceback through the start-up code."""
+    """Runs a service's main coroutine on uvloop and returns the process's exit status: 0, or
+    CONFIG_ERROR_STATUS when its configuration is refused: a setting (a ValueError, e.g. a context
+    length the KV pool cannot hold, a model type not served) or a file the model needs that is not
+    there (FileNotFoundError); the message is logged alone: the reader needs the numbers, not a
+    traceback through the start-up code. `sluice up` does not restart a service that exits so."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         uvloop.run(main)  # type: ignore[arg-type]
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         logging.getLogger(__name__).error("%s", exc)
-        return 2
+        return CONFIG_ERROR_STATUS
     return 0
 
 

@@ -7,7 +7,9 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 
@@ -91,12 +93,39 @@ def _report_health(
     engine.on_fatal(on_fatal)
 
 
+RUNNER_FAULT_S = 2.0  # how long the model runner raises after SIGUSR2 (fault injection only)
+
+
 def _install_fault_hook(engine: AsyncEngine) -> None:
     """With SLUICE_FAULT_INJECTION=1 in the environment, SIGUSR1 makes the engine's loop fail (its
     requests end `unavailable`): it recovers in-process within its budget, else the process stays up,
-    NOT_SERVING for good (docs/reliability.md, the chaos test)."""
+    NOT_SERVING for good; and SIGUSR2 makes every model execution raise for RUNNER_FAULT_S, as a sticky
+    device error would, each such step failing as a step does (docs/reliability.md, the chaos test)."""
     if os.environ.get("SLUICE_FAULT_INJECTION") == "1":
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, engine.inject_fault)
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, engine.inject_fault)
+        loop.add_signal_handler(signal.SIGUSR2, _failing_runner(engine, RUNNER_FAULT_S))
+
+
+def _failing_runner(engine: AsyncEngine, duration_s: float) -> Callable[[], None]:
+    """Wraps the engine's model runner so that its `execute` raises until a deadline; returns what
+    sets the deadline `duration_s` from now."""
+    runner = engine.engine.runner
+    execute = runner.execute
+    until = [0.0]
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if time.monotonic() < until[0]:
+            raise RuntimeError("injected model runner fault")
+        return execute(*args, **kwargs)
+
+    runner.execute = failing
+
+    def start() -> None:
+        log.warning("injected fault: the model runner raises for %gs", duration_s)
+        until[0] = time.monotonic() + duration_s
+
+    return start
 
 
 def _observed_engine(settings: EngineSettings, engine_metrics: metrics.EngineMetrics) -> LLMEngine:

@@ -4,6 +4,7 @@ every child it starts, with the child's pid; `Pipeline.pids()` reads them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -103,6 +104,25 @@ class Pipeline:
         return self.proc.wait(timeout=timeout_s)
 
 
+LAUNCHED: list[Pipeline] = []
+"""Every `sluice up` the tests started, each the leader of a process group of its own (its children and
+standbys are in it): `stop_left_behind` ends what a failed test left running."""
+
+
+def stop_left_behind(pipelines: list[Pipeline]) -> None:
+    """Stops each of `pipelines` still running (SIGTERM, as a user would), then SIGKILLs what is left
+    of its process group: a test that failed before its own stop leaves no service running."""
+    for pipeline in pipelines:
+        if pipeline.proc.poll() is None:
+            pipeline.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                pipeline.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pipeline.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pipeline.proc.wait(timeout=30)
+
+
 def _pump(pipeline: Pipeline) -> None:
     assert pipeline.proc.stdout is not None
     for line in pipeline.proc.stdout:
@@ -134,8 +154,11 @@ def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None 
         *extra,
     ]
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, start_new_session=True
+    )
     pipeline = Pipeline(proc, http, base)
+    LAUNCHED.append(pipeline)
     threading.Thread(target=_pump, args=(pipeline,), daemon=True).start()
     return pipeline
 

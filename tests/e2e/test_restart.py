@@ -130,6 +130,26 @@ def test_the_watcher_gives_up_on_a_child_that_keeps_dying() -> None:
     assert supervisor.starts.count("engine") == 1
 
 
+def test_a_child_that_refuses_its_configuration_stops_everything_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Exit status 2 is a refused setting (bad model, flag, pool size): no restart, give up with 2, the
+    line saying why; a crash (status 1) or a signal is restarted as before."""
+    supervisor = _FakeSupervisor(["tokenizer", "engine"])
+    watcher = Watcher(supervisor, POLICY, now=0.0)
+    supervisor.procs["tokenizer"].code = 1  # type: ignore[attr-defined]
+    assert watcher.check(1.0) is None
+    assert watcher.check(1.5) is None and supervisor.starts.count("tokenizer") == 2
+    supervisor.procs["engine"].code = launcher.CONFIG_ERROR_STATUS  # type: ignore[attr-defined]
+    assert watcher.check(2.0) == "engine"
+    assert watcher.give_up_status == 2
+    assert supervisor.starts.count("engine") == 1
+    err = capsys.readouterr().err
+    assert "tokenizer exited with code 1 during start-up; restarting it in 0.5s" in err
+    assert "engine exited with code 2 during start-up: it refused its configuration" in err
+    assert "not restarting it" in err
+
+
 def test_a_child_that_dies_after_serving_while_others_still_start_is_restarted(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -516,6 +536,33 @@ def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
     assert out.count("engine started (pid 7)\n") == 2 and f"(pid {spare.proc.pid}) from a standby" in out
 
 
+def test_the_engines_standby_starts_with_the_children_and_the_ready_line_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A restart right after the ready line must be a take-over: the engine's standby starts beside the
+    children and readiness (of the launcher's ready line) waits until it is imported, or has failed
+    (then its kind restarts cold, as the line says); with --standby 0 there is nothing to wait for."""
+    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    names = ("tokenizer", "engine", "detokenizer", "gateway")
+    _FakeStandby.made = []
+    supervisor = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=1)
+    supervisor.start()
+    assert [s.kind for s in _FakeStandby.made] == ["engine"]
+    assert not supervisor.early_standby_settled()
+    _FakeStandby.made[0].state = True
+    assert supervisor.early_standby_settled()
+    failing = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=1)
+    failing.start()
+    _FakeStandby.made[-1].state, _FakeStandby.made[-1].proc.code = None, 1
+    assert failing.early_standby_settled()
+    assert "the engine standby failed (it exited with code 1)" in capsys.readouterr().err
+    _FakeStandby.made = []
+    cold = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=0)
+    cold.start()
+    assert _FakeStandby.made == [] and cold.early_standby_settled()
+
+
 def test_standbys_start_one_at_a_time_the_engines_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """No standby starts while another still imports (the spares' imports take one core at most),
     and the engine's, whose cold start costs the most, comes first."""
@@ -551,3 +598,47 @@ def test_a_standby_imports_at_a_lower_priority_and_becomes_a_replica_at_its_own(
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [str(before + launcher.STANDBY_NICE), str(before)]
+
+
+def thread_nice_values(pid: int) -> dict[int, int]:
+    """Thread id → nice value of every thread of process `pid` (Linux: field 19 of
+    /proc/PID/task/TID/stat, counted after the command name in parentheses)."""
+    values = {}
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        values[int(task)] = int(fields[16])  # fields[0] is field 3 (the state)
+    return values
+
+
+def test_threads_started_while_a_standby_imports_get_the_replicas_priority_back() -> None:
+    """A thread that an import starts inherits the standby's lower priority; on Linux a nice value is
+    each thread's own, so after the hand-over every thread, not only the main one, runs at the
+    launcher's priority."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    if not launcher._may_raise_priority(before):
+        pytest.skip("this process may not raise a priority back: a standby imports at its own priority")
+    code = (
+        "import sys, threading; from sluice import launcher; restore = launcher._yield_while_importing(); "
+        "stop = threading.Event(); workers = [threading.Thread(target=stop.wait) for _ in range(3)]; "
+        "[w.start() for w in workers]; print('low', flush=True); sys.stdin.readline(); restore(); "
+        "print('restored', flush=True); sys.stdin.readline(); stop.set()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert child.stdout.readline() == "low\n"
+        low = thread_nice_values(child.pid)
+        assert len(low) >= 4 and set(low.values()) == {before + launcher.STANDBY_NICE}, low
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "restored\n"
+        restored = thread_nice_values(child.pid)
+        assert set(restored) >= set(low) and set(restored.values()) == {before}, restored
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -84,3 +85,50 @@ def test_standby_0_restarts_cold_and_starts_no_standby(tiny_model_dir: Path) -> 
     finally:
         code = pipeline.stop()
     assert code == 0, pipeline.output()
+
+
+def test_the_only_engine_killed_right_after_the_ready_line_drops_readiness_and_a_request_waits_for_it(
+    tiny_model_dir: Path,
+) -> None:
+    """Issue 28 defect 7. The engine's standby starts with the children and the ready line waits for it,
+    so a restart right after the ready line is a take-over; /readyz answers 503 from the moment the
+    launcher has seen the engine die until its restart starts (no cached 200); a request sent then,
+    while the engine is down, waits for the restarted one (the gateway's upstream wait) and completes,
+    with the same text as the same request afterwards."""
+    running = start_pipeline(tiny_model_dir)
+    body = {"model": running_model(running), "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+
+    async def scenario() -> tuple[list[int], httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=running.http_url, timeout=WAIT_S) as http:
+            assert (await http.get("/readyz")).status_code == 200  # a fresh cached answer
+            before = running.pids()["engine"]
+            psutil.Process(before).send_signal(signal.SIGKILL)
+            await asyncio.to_thread(wait_for, lambda: "engine exited with code -9" in running.output(),
+                                    "the launcher never saw the engine die", running)  # fmt: skip
+            answers, while_down = [], None
+            while running.pids()["engine"] == before:  # until the restart starts
+                answers.append((await http.get("/readyz")).status_code)
+                if while_down is None:  # sent once the death is known, while the engine is down
+                    while_down = asyncio.ensure_future(http.post("/v1/completions", json=body))
+                await asyncio.sleep(0.02)
+            assert while_down is not None, "the restart started before anything was asked"
+            during = await while_down
+            await _recovered(running)
+            return answers, during, await http.post("/v1/completions", json=body)
+
+    try:
+        answers, during, after = asyncio.run(scenario())
+    finally:
+        code = running.stop()
+    assert answers and set(answers) == {503}, answers
+    assert during.status_code == 200, during.text
+    assert (
+        after.status_code == 200 and during.json()["choices"][0]["text"] == after.json()["choices"][0]["text"]
+    )
+    pid = running.pids()["engine"]
+    assert f"engine started (pid {pid}) from a standby" in running.output(), running.output()[-3000:]
+    assert code == 0, running.output()[-3000:]
+
+
+def running_model(pipeline: Pipeline) -> str:
+    return httpx.get(f"{pipeline.http_url}/v1/models", timeout=WAIT_S).json()["data"][0]["id"]

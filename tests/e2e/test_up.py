@@ -15,7 +15,7 @@ import websockets
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sluice.launcher import access_line
-from tests.e2e.conftest import Pipeline, start_pipeline
+from tests.e2e.conftest import STARTUP_DEADLINE_S, Pipeline, launch_pipeline, start_pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -120,11 +120,43 @@ def test_a_child_that_keeps_dying_is_named_and_up_gives_up(tiny_model_dir: Path)
         assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_directory_that_is_no_model_stops_up_at_once_with_status_2(tmp_path: Path) -> None:
+    """No config.json: `sluice up` refuses it before starting anything (status 2, the message)."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    running = launch_pipeline(empty)
+    assert running.proc.wait(timeout=120) == 2, running.output()
+    running.ready.wait(30)  # the output is all read
+    assert str(empty) in running.output() and "started" not in running.output()
+
+
+def test_a_model_the_services_refuse_stops_up_at_once_with_status_2(tmp_path: Path) -> None:
+    """A directory with a config.json of a model type nothing serves and no tokenizer: the first service
+    to refuse it exits with status 2 (a configuration error, its message logged alone); `sluice up`
+    says so, restarts nothing, stops the rest and exits 2 (it used to restart the engine five times
+    over 45 s, and a service that found a file missing crashed with a traceback, restarted too)."""
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    (bogus / "config.json").write_text(json.dumps({"model_type": "no-such-model", "architectures": ["Nope"]}))
+    running = launch_pipeline(bogus)
+    assert running.proc.wait(timeout=STARTUP_DEADLINE_S) == 2, running.output()
+    running.ready.wait(30)
+    out = running.output()
+    assert "refused its configuration" in out and "not restarting it" in out, out
+    assert "services.common.grpc_server ERROR" in out, out  # the service's own message, alone
+    assert "restarting it in" not in out and "sluice is up" not in out, out
+    started = [line for line in out.splitlines() if " started (pid " in line]
+    assert len(started) == 4, started  # each child once: no restart
+
+
 def test_sigterm_stops_every_child(tiny_model_dir: Path) -> None:
     running = start_pipeline(tiny_model_dir)
-    children = psutil.Process(running.proc.pid).children()  # the four services and any standby by now
-    services = [c for c in children if "standby" not in c.cmdline()]
-    assert len(services) == 4, [c.cmdline() for c in children]
+    # The four services and any standby by now. A service is known by its start line's pid, not by its
+    # command line: a standby between fork and exec still shows the launcher's.
+    children = psutil.Process(running.proc.pid).children()
+    services = running.pids()
+    assert sorted(services) == ["detokenizer", "engine", "gateway", "tokenizer"], running.output()
+    assert set(services.values()) <= {c.pid for c in children}, [c.cmdline() for c in children]
     assert running.stop(signal.SIGTERM) == 0
     psutil.wait_procs(children, timeout=30)
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]

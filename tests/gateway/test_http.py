@@ -77,6 +77,39 @@ async def test_readyz_checks_the_upstreams_at_most_once_per_cache_period(
     assert sorted(checks) == ["detokenizer", "engine", "tokenizer"]
 
 
+async def _ready_status_until(http: httpx.AsyncClient, status: int) -> list[int]:
+    """Asks /readyz until it answers `status` (or WAIT_S passes); returns every status answered."""
+    seen: list[int] = []
+    deadline = asyncio.get_running_loop().time() + WAIT_S
+    while not seen or seen[-1] != status:
+        if asyncio.get_running_loop().time() > deadline:
+            break
+        seen.append((await http.get("/readyz")).status_code)
+        await asyncio.sleep(0.02)
+    return seen
+
+
+@pytest.mark.parametrize("loss", ["not serving", "server gone"])
+async def test_readyz_drops_the_moment_a_stage_loses_its_last_replica_whatever_the_cache(
+    make_gateway, upstreams: FakeUpstreams, loss: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The cached answer is good only while no replica was lost: an engine that turns NOT_SERVING, or
+    whose server goes away, makes /readyz answer 503 at once, within a cache period of an hour (coming
+    back up is seen within the cache period, as before: `test_readyz_follows_the_upstreams`)."""
+    server = await make_gateway(readyz_cache_s=3600.0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+        assert (await http.get("/readyz")).status_code == 200
+        if loss == "not serving":
+            await upstreams.health["engine"].set_serving(False)
+        else:
+            await upstreams.stop("engine")
+        seen = await _ready_status_until(http, 503)
+        assert seen[-1] == 503, seen
+        body = (await http.get("/readyz")).json()["stages"]
+    assert body["engine"] == {"ready": False, "serving": 0, "replicas": [False]}
+    assert body["tokenizer"]["ready"] and body["detokenizer"]["ready"]
+
+
 async def test_models(http: httpx.AsyncClient) -> None:
     response = await http.get("/v1/models")
     assert response.status_code == 200

@@ -100,3 +100,53 @@ async def test_a_link_whose_call_breaks_leaves_no_task_pending(upstreams: FakeUp
         ended = poller.done()
         await link.close()
     assert ended
+
+
+class _MissedWakeup:
+    """A real channel as it is after a GOAWAY whose reconnection came and went between two looks: IDLE
+    until it is asked to connect again (after the first ask), and waits for a state change never
+    return, since an IDLE channel that nobody asks to connect never changes."""
+
+    def __init__(self, real: grpc.aio.Channel) -> None:
+        self.real = real
+        self.asks = 0
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        self.asks += try_to_connect
+        if self.asks < 2:
+            return grpc.ChannelConnectivity.IDLE
+        return self.real.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, state: grpc.ChannelConnectivity) -> None:
+        await asyncio.Event().wait()
+
+    async def channel_ready(self) -> None:
+        await asyncio.Event().wait()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+async def test_a_channel_left_idle_by_a_goaway_is_asked_to_connect_again(upstreams: FakeUpstreams) -> None:
+    """A stage whose server ends connections at a maximum age: a reconnection that came up and got its
+    GOAWAY between the waiter's two looks leaves the channel IDLE, and a wait for its next state change
+    waits for good (seen under CPU load in
+    test_replicas.py::test_a_gateway_stream_outlives_the_servers_maximum_connection_age: a request that
+    waited the whole upstream wait, then timed out). `pick_ready` and the health watch ask it to connect
+    again while they wait, so the member is picked as soon as it is READY, within an hour's wait."""
+    address = upstreams.addresses["tokenizer"]
+    replicas = Replicas("tokenizer", [address], None)
+    stuck = _MissedWakeup(replicas.channels[address])
+    replicas.channels[address] = stuck  # type: ignore[assignment]
+    try:
+        picked = await asyncio.wait_for(replicas.pick_ready(3600.0), WAIT_S)
+        assert picked == address and stuck.asks >= 2
+        await asyncio.wait_for(_until_serving(replicas, address), WAIT_S)  # the watch got past it too
+    finally:
+        replicas.channels[address] = stuck.real
+        await replicas.close()
+
+
+async def _until_serving(replicas: Replicas, key: str) -> None:
+    while not replicas._serving.get(key):
+        await asyncio.sleep(0.01)

@@ -5,16 +5,22 @@ Load: WebSocket and SSE clients, each sending one greedy request after another (
 a few prompts; half a second's pause after a failed one), every completed text compared with a lone run
 of the same prompt (transformers' `generate` on the same model directory, before the stack starts).
 
+Beside it, a pathological client sends every 2-5 s a request whose constraint the grammar engine cannot
+take (a `choice` of 2,001 strings, a JSON schema `anyOf` of 3,000 branches): each must get an answer
+of its own (400, an error of its own, or a completion), and the other clients' texts stay exact.
+
 Faults, one kind after another in a shuffled order per round, every 1-6 s on a random replica that is
 not still recovering (so they overlap): SIGKILL; SIGSTOP for longer than the launcher's health timeout,
 then SIGCONT; the engine fault hook (SLUICE_FAULT_INJECTION=1 and SIGUSR1: the step loop fails; the
 engine recovers in its process within its budget, else stays up NOT_SERVING until the launcher restarts
-it). `sluice up` runs with its defaults otherwise, a warm standby per stage kind included. The first
-fault comes within a second of the ready line, and a third of the replicas coming back get another
-within a second of answering SERVING again.
+it; SIGUSR2: the model runner raises on every step for RUNNER_FAULT_S, each such step failing its own
+requests `internal`). `sluice up` runs with its defaults otherwise, a warm standby per stage kind
+included. The first fault comes within a second of the ready line, and a third of the replicas coming
+back get another within a second of answering SERVING again.
 
 Checks: every request completes with exactly the lone run's text, or ends with an `unavailable` error
-within FAILED_WITHIN_S of a fault (never another error, never a hang); after each fault the gateway's
+within FAILED_WITHIN_S of a fault, or `internal` within that of a runner's raising (never another error,
+never a hang); after each fault the gateway's
 /readyz is ready again within READY_WITHIN_S, and the faulted replica comes back (replaced or resumed,
 SERVING, and named serving by /readyz: the recovery time of the summary); afterwards every engine's KV
 free list is full, nothing runs or waits there and the gateway has nothing in flight (the engines' Stats
@@ -53,7 +59,9 @@ import websockets
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from gateway.settings import GatewaySettings
 from services.common.pb import engine_pb2, engine_pb2_grpc
+from services.engine.server import RUNNER_FAULT_S
 from tests.e2e.conftest import Pipeline, start_pipeline
 
 CHAOS_S = float(os.environ.get("SLUICE_CHAOS_S", "60"))
@@ -64,7 +72,8 @@ pytestmark = [pytest.mark.chaos, pytest.mark.e2e, pytest.mark.timeout(int(CHAOS_
 
 REPLICAS = 2
 STAGES = ("tokenizer", "engine", "detokenizer")  # the launcher's port order
-KINDS = ("kill", "stop", "fail")
+KINDS = ("kill", "stop", "fail", "raise")
+ENGINE_ONLY = ("fail", "raise")  # kinds only an engine can take (its fault hook)
 HEALTH_TIMEOUT_S = 1.0
 UNHEALTHY_RESTART_S = 3.0
 UP_FLAGS = (
@@ -73,7 +82,8 @@ UP_FLAGS = (
     "--unhealthy-restart-s", str(UNHEALTHY_RESTART_S),
     "--max-restarts", "30",  # the schedule kills far more often than the policy is meant for
 )  # fmt: skip
-FAILED_WITHIN_S = 10.0
+# A request that finds no replica of a stage waits for one up to the gateway's upstream wait, then fails.
+FAILED_WITHIN_S = GatewaySettings().upstream_wait_s + 5.0
 READY_WITHIN_S = 15.0
 STOP_S = (HEALTH_TIMEOUT_S + 0.5, 5.0)  # how long a SIGSTOP lasts: some outlast --unhealthy-restart-s
 GIVE_UP_S = 90.0  # a fault not recovered from this long is recorded as never recovered
@@ -84,6 +94,14 @@ QUIET_WITHIN_S = 60.0
 WS_CLIENTS = 3
 SSE_CLIENTS = 3
 MAX_TOKENS = 32
+PATHOLOGICAL_GAP_S = (2.0, 5.0)  # between two requests of the pathological client
+# Constraints past what the grammar engine takes (a row of more than 2,000 items), or slow to compile: a
+# `choice` of 2,001 strings, and a JSON schema whose anyOf has 3,000 branches.
+PATHOLOGICAL = (
+    {"choice": [f"option {i:04d}" for i in range(2001)]},
+    {"json": {"type": "object", "properties": {"k": {"anyOf": [{"const": i} for i in range(3000)]}},
+              "required": ["k"], "additionalProperties": False}},
+)  # fmt: skip
 PROMPTS = (
     "Once upon a time",
     "The quick brown fox",
@@ -146,6 +164,7 @@ class Load:
         self.references = references
         self.rng = random.Random(seed)
         self.outcomes: list[Outcome] = []
+        self.pathological: list[Outcome] = []  # the pathological client's, apart: never "exact"
         self.until = 0.0
 
     def judge(self, api: str, prompt: str, sent: float, text: str) -> Outcome:
@@ -231,12 +250,43 @@ class Load:
         except httpx.HTTPError as exc:
             return Outcome("sse", prompt, sent, time.monotonic(), "error", f"connection: {exc!r}")
 
+    async def pathological_client(self) -> None:
+        """Sends, beside the exact traffic, a request whose constraint the grammar engine cannot take
+        (PATHOLOGICAL, in turn) every PATHOLOGICAL_GAP_S: each must end, refused (400) or failed alone
+        with an error of its own, or completed, while the other clients' texts stay exact."""
+        async with httpx.AsyncClient(base_url=self.pipeline.http_url, timeout=HANG_S) as http:
+            count = 0
+            while time.monotonic() < self.until:
+                constraint = PATHOLOGICAL[count % len(PATHOLOGICAL)]
+                count += 1
+                self.pathological.append(await self.pathological_request(http, constraint))
+                await asyncio.sleep(self.rng.uniform(*PATHOLOGICAL_GAP_S))
+
+    async def pathological_request(self, http: httpx.AsyncClient, constraint: dict[str, Any]) -> Outcome:
+        what = next(iter(constraint))
+        body = {"model": self.model, "prompt": "Pick one:", "max_tokens": 8, "temperature": 0,
+                "structured_outputs": constraint}  # fmt: skip
+        sent = time.monotonic()
+        try:
+            reply = await http.post("/v1/completions", json=body)
+        except httpx.TimeoutException:
+            return Outcome("pathological", what, sent, time.monotonic(), "hung", f"no end after {HANG_S:g}s")
+        except httpx.HTTPError as exc:
+            return Outcome("pathological", what, sent, time.monotonic(), "error", f"connection: {exc!r}")
+        ended = time.monotonic()
+        if reply.status_code == 200:
+            return Outcome("pathological", what, sent, ended, "completed", reply.json()["choices"][0]["text"])
+        error = reply.json().get("error", {})
+        kind = "refused" if reply.status_code == 400 else "failed"
+        return Outcome("pathological", what, sent, ended, kind, f"{reply.status_code} {error.get('code')}: "
+                       f"{str(error.get('message'))[:200]}")  # fmt: skip
+
     async def run(self, duration_s: float) -> None:
         self.until = time.monotonic() + duration_s
         clients = [self.ws_client(n) for n in range(WS_CLIENTS)] + [
             self.sse_client() for _ in range(SSE_CLIENTS)
         ]
-        await asyncio.gather(*clients)
+        await asyncio.gather(*clients, self.pathological_client())
 
 
 # ----- faults
@@ -292,6 +342,8 @@ class Schedule:
         elif kind == "fail":
             fault.recovered_before = self.recoveries(pid)
             victim.send_signal(signal.SIGUSR1)
+        elif kind == "raise":
+            victim.send_signal(signal.SIGUSR2)
         else:
             fault.stop_s = self.rng.uniform(*STOP_S)
             victim.suspend()
@@ -341,7 +393,8 @@ class Schedule:
             replaced = self.pipeline.pids().get(fault.target) != fault.pid
             resumed = fault.resumed is not None and fault.resumed.done()
             recovered = fault.kind == "fail" and self.recoveries(fault.pid) > fault.recovered_before
-            return replaced or resumed or recovered
+            over = fault.kind == "raise" and time.monotonic() > fault.at + RUNNER_FAULT_S
+            return replaced or resumed or recovered or over
 
         def seen() -> bool:
             body = readyz(self.pipeline)
@@ -359,7 +412,7 @@ class Schedule:
         if not self._kinds:
             self._kinds.extend(self.rng.sample(KINDS, len(KINDS)))
         for kind in reversed(self._kinds):
-            if target is None or kind != "fail" or target.startswith("engine"):
+            if target is None or kind not in ENGINE_ONLY or target.startswith("engine"):
                 self._kinds.remove(kind)
                 return kind
         return "kill"
@@ -370,7 +423,8 @@ class Schedule:
         await asyncio.sleep(self.rng.uniform(0.0, 1.0))  # within a second of the ready line
         while time.monotonic() < until:
             kind = self._kind()
-            free = [n for n in self.ports if n not in self.recovering and (kind != "fail" or "engine" in n)]
+            takes = [n for n in self.ports if kind not in ENGINE_ONLY or n.startswith("engine")]
+            free = [n for n in takes if n not in self.recovering]
             if free:
                 self.inject(kind, self.rng.choice(free))
             await asyncio.sleep(self.rng.uniform(*GAP_S))
@@ -431,10 +485,11 @@ async def quiet(pipeline: Pipeline, ports: dict[str, int]) -> dict[str, Any]:
         await asyncio.sleep(0.1)
 
 
-def violations(outcomes: list[Outcome], faults: list[Fault]) -> list[str]:
+def violations(outcomes: list[Outcome], faults: list[Fault], pathological: list[Outcome]) -> list[str]:
     """Every request that neither completed exactly nor failed `unavailable` within FAILED_WITHIN_S of
-    a fault (of the stage its error names, when it names one); every fault after which /readyz was not
-    ready again within READY_WITHIN_S, or whose replica never came back."""
+    a fault (of the stage its error names, when it names one), or `internal` within that of the end of a
+    model runner's raising; every pathological request that hung or got no JSON answer; every fault
+    after which /readyz was not ready again within READY_WITHIN_S, or whose replica never came back."""
     found = []
     for o in outcomes:
         if o.kind == "exact":
@@ -442,10 +497,19 @@ def violations(outcomes: list[Outcome], faults: list[Fault]) -> list[str]:
         named = [stage for stage in STAGES if re.search(rf"\b{stage}\b", o.detail)]
         suspects = [f for f in faults if not named or f.target.rsplit("-", 1)[0] in named]
         near = any(f.at <= o.ended <= f.at + FAILED_WITHIN_S for f in suspects)
+        # A step whose model runner raised fails its requests (`internal`), those of that step only.
+        raised = any(
+            f.kind == "raise" and f.at <= o.ended <= f.at + RUNNER_FAULT_S + FAILED_WITHIN_S for f in faults
+        )
+        if o.kind == "error" and o.detail.startswith(("internal:", "internal_error:")) and raised:
+            continue
         if o.kind != "unavailable" or not near:
             late = "" if near else f", not within {FAILED_WITHIN_S:g} s of a fault of {named or 'any stage'}"
             when = f"sent at {o.sent:.1f}, ended {o.kind} at {o.ended:.1f}{late}"
             found.append(f"{o.api} request {o.prompt!r} {when}: {o.detail}")
+    for o in pathological:
+        if o.kind in ("hung", "error"):  # a JSON answer of its own is all it is owed
+            found.append(f"pathological {o.prompt} request sent at {o.sent:.1f}: {o.kind}: {o.detail}")
     for f in faults:
         if f.ready_s is None or f.ready_s > READY_WITHIN_S:
             found.append(f"{f.kind} of {f.target} at {f.at:.1f}: /readyz ready again after {f.ready_s} s")
@@ -537,16 +601,23 @@ def test_a_seeded_fault_schedule_under_load(tiny_model_dir: Path, tmp_path: Path
         after = asyncio.run(quiet(pipeline, schedule.ports)) if alive else {"quiet": False}
     finally:
         code = pipeline.stop()
-    found = violations(load.outcomes, schedule.faults)
+    found = violations(load.outcomes, schedule.faults, load.pathological)
     report = summary(load.outcomes, schedule.faults, found, after, pipeline.output())
+    report["pathological"] = {
+        "requests": len(load.pathological),
+        **Counter(o.kind for o in load.pathological),
+        "answers": Counter(o.detail[:120] for o in load.pathological).most_common(6),
+    }
     path = Path(os.environ.get(SUMMARY_ENV) or tmp_path / "chaos.json")
     path.write_text(json.dumps(report, indent=2))
     path.with_suffix(".log").write_text(pipeline.output())  # what `sluice up` and its children printed
     keys = ("requests", "unavailable_by_stage", "faults", "failovers", "recovery_s", "ready_s")
+    keys += ("pathological",)
     brief = {key: report[key] for key in keys}
     print(f"chaos: summary in {path}: {json.dumps(brief)}")
     assert alive, f"sluice up gave up:\n{pipeline.output()[-5000:]}"
     assert code == 0, pipeline.output()[-5000:]
     assert schedule.faults and {f.kind for f in schedule.faults} == set(KINDS), report["fault_list"]
+    assert load.pathological, "the pathological client sent nothing"
     assert not found, "\n".join(found[:30])
     assert after["quiet"], after
