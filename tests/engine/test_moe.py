@@ -127,6 +127,7 @@ def test_expert_load_counts_every_routed_token(family: str, moe_dir: MoeDir) -> 
     engine = small_engine(model_dir, num_kv_blocks=64, max_num_batched_tokens=24)
     load = engine.runner.expert_load
     assert load is not None and load.layers == [0, 1] and load.num_experts == 8
+    load.counts.fill_(7.0)  # what a forward that failed before its end would leave: not counted
     got = run_engine(engine, items)
     assert engine.stats().num_preemptions == 0
     steps = load.take()

@@ -18,9 +18,9 @@ batched_mm is 8-60x slower (it copies weights per token); see docs/benchmarks.md
 `ExpertLoad` counts the tokens routed to each expert of each MoE layer, per step: a forward pre-hook on
 every experts module scatter-adds its top-k indices into a (layers, experts) counter on the device (no
 host sync; captured into CUDA graphs with the rest of the forward), each row weighted by `begin`'s row
-mask so that the padding rows of a padded decode batch count 0. `end` moves the step's counts to the host
-(on CUDA a non-blocking copy into pinned memory behind an event) and zeroes the counter; `take` returns
-the finished steps' counts.
+mask so that the padding rows of a padded decode batch count 0. `begin` zeroes the counter before each
+forward; `end` moves the step's counts to the host (on CUDA a non-blocking copy into pinned memory behind
+an event); `take` returns the finished steps' counts.
 """
 
 from __future__ import annotations
@@ -117,7 +117,9 @@ class ExpertLoad:
         return count
 
     def begin(self, real: int, total: int) -> None:
-        """The next forward has `total` rows, the first `real` of them real (the rest count 0)."""
+        """The next forward has `total` rows, the first `real` of them real (the rest count 0); its counts
+        start at zero (whatever a forward that failed before `end` left)."""
+        self.counts.zero_()
         if (self._masked_from, self._masked) == (real, total) or total > self._mask.numel():
             return
         self._mask[self._masked_from : self._masked].fill_(1.0)
@@ -125,10 +127,9 @@ class ExpertLoad:
         self._masked_from, self._masked = real, total
 
     def end(self) -> None:
-        """The step's counts leave for the host; the counter starts the next step at zero."""
+        """The step's counts leave for the host."""
         if self.device.type != "cuda":
             self._finished.append(self.counts.numpy().astype(np.int64))
-            self.counts.zero_()
             return
         if len(self._in_flight) == len(self._ring):  # nobody reads: settle the oldest
             event, host = self._in_flight.popleft()
@@ -140,7 +141,6 @@ class ExpertLoad:
         event = torch.cuda.Event()
         event.record()
         self._in_flight.append((event, host))
-        self.counts.zero_()
 
     def take(self) -> list[np.ndarray]:
         """The counts (layers, experts) of each step finished since the last call, oldest first (on CUDA,
