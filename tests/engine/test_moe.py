@@ -25,6 +25,7 @@ from sluice.model.moe import make_moe_model
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model import Workload, reference, run_engine, small_engine, workload
 from tests.engine.test_runner import JOIN_AND_LEAVE, engine_with
+from tests.observability.processes import parse_metrics
 
 if TEST_DEVICE == "cpu":  # the kernel runs under Triton's interpreter on CPU (tests/conftest.py sets it too)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -160,17 +161,29 @@ def test_expert_load_is_in_the_engine_metrics(moe_dir: MoeDir) -> None:
     metrics = EngineMetrics()
     load = engine.runner.expert_load
     assert load is not None
+    taken: list[np.ndarray] = []
+    take = load.take
+
+    def spy() -> list[np.ndarray]:
+        steps = take()
+        taken.extend(steps)
+        return steps
+
+    load.take = spy  # type: ignore[method-assign]
     engine.observer = EngineObserver(metrics, stats=engine.recorder, model_name="moe", expert_load=load)
     items = distinct_prompts(seed=2, n=4)
     got = run_engine(engine, items)
-    text = render(metrics.registry)[0].decode()
+    samples = parse_metrics(render(metrics.registry)[0].decode())
     expected = expected_counts(moe_dir("mixtral"), items, got)
-    for layer, expert in ((0, 0), (1, 7)):
-        labels = f'expert="{expert}",layer="{layer}"'
-        assert f"sluice_moe_expert_tokens_total{{{labels}}} {float(expected[layer, expert])}" in text
-    steps = engine.stats().steps
-    assert f"sluice_moe_expert_load_ratio_count {float(steps)}" in text
-    assert 'sluice_moe_expert_load_ratio_bucket{le="1.0"}' in text
+    for layer in (0, 1):
+        for expert in range(8):
+            labels = f'expert="{expert}",layer="{layer}"'
+            assert samples[f"sluice_moe_expert_tokens_total{{{labels}}}"] == expected[layer, expert]
+    assert len(taken) == engine.stats().steps == samples["sluice_moe_expert_load_ratio_count"]
+    ratios = [r for r in map(max_load_ratio, taken) if r is not None]
+    assert len(ratios) == len(taken)  # every step routed tokens
+    assert samples["sluice_moe_expert_load_ratio_sum"] == pytest.approx(sum(ratios))
+    assert all(1.0 <= r <= 8 / 2 for r in ratios)  # balanced .. every token on the same 2 of 8
 
 
 def test_a_dense_engine_exports_no_expert_samples() -> None:
