@@ -12,16 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.reasoning import ReasoningDelta, ReasoningStream
-from gateway.tool_calls import (
-    ParsedDelta,
-    ToolCall,
-    ToolCallStream,
-    finish_reason,
-    merge,
-    tool_call_stream,
-)
-
-REASONING_PARSERS = ("think",)
+from gateway.tool_calls import ParsedDelta, ToolCall, ToolCallStream, finish_reason, merge
+from gateway.tool_parsers import tool_call_stream
 
 
 @dataclass
@@ -36,11 +28,12 @@ class ChatDelta(ParsedDelta):
 
 
 class ChatOutput:
-    """Splits one chat generation's text, incrementally. `reasoning`: split `<think>` text out;
-    `tool_parser`: a name of `tool_calls.PARSERS`, or None to read no tool calls. One per request."""
+    """Splits one chat generation's text, incrementally. `reasoning`: split `<think>` text out
+    (`in_reasoning`: the text starts inside a think block, its prompt having opened it);
+    `tool_parser`: a name of `tool_parsers.PARSERS`, or None to read no tool calls. One per request."""
 
-    def __init__(self, *, reasoning: bool, tool_parser: str | None) -> None:
-        self._reasoning = ReasoningStream() if reasoning else None
+    def __init__(self, *, reasoning: bool, tool_parser: str | None, in_reasoning: bool = False) -> None:
+        self._reasoning = ReasoningStream(in_reasoning=in_reasoning) if reasoning else None
         self._tools: ToolCallStream | None = tool_call_stream(tool_parser) if tool_parser else None
 
     @property

@@ -38,6 +38,7 @@ class GenerateInput:
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     stopping: common_pb2.StoppingParams = field(default_factory=common_pb2.StoppingParams)
     skip_special_tokens: bool = True
+    keep_special_ids: tuple[int, ...] = ()  # kept even when skipping: markers the reply's parsers read
     return_token_ids: bool = False
     timeout_s: float | None = None
     api: str = ""

@@ -35,7 +35,8 @@ from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.structured import structured_output
-from gateway.tool_calls import ToolRequest, merge, tool_request
+from gateway.tool_calls import ToolCallStream, ToolRequest, merge, tool_request
+from gateway.tool_parsers import ChatParsers, chosen
 from services.common import errors
 from services.common.pb import common_pb2
 
@@ -192,8 +193,35 @@ _UNSUPPORTED_CHAT = (
 )  # fmt: skip
 
 
-def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool) -> ParsedRequest:
-    """Validates a completions (chat=False) or chat completions body. Raises ParamError."""
+def _kept_special_ids(parsed: ParsedRequest, parsers: ChatParsers) -> tuple[int, ...]:
+    """The special tokens a chat reply's text keeps for its parsers (none for completions)."""
+    if not parsed.chat:
+        return ()
+    return parsers.keep_special_ids(reads_calls=parsed.tools is not None and parsed.tools.parses_calls)
+
+
+def _chat_output(parsed: ParsedRequest, parsers: ChatParsers) -> ChatOutput | None:
+    """A splitter of one chat choice's output (None for completions): reasoning when the model's
+    parsers split it, tool calls when the request has tools and tool_choice is not none."""
+    if not parsed.chat:
+        return None
+    reads_calls = parsed.tools is not None and parsed.tools.parses_calls
+    return ChatOutput(
+        reasoning=parsers.reasoning,
+        in_reasoning=parsers.in_reasoning,
+        tool_parser=parsers.tool_parser if reads_calls else None,
+    )
+
+
+def parse_request(
+    body: dict[str, Any],
+    settings: GatewaySettings,
+    *,
+    chat: bool,
+    tool_format: type[ToolCallStream] | None = None,
+) -> ParsedRequest:
+    """Validates a completions (chat=False) or chat completions body; a required tool call's grammar
+    follows `tool_format` (the parser in use; default hermes). Raises ParamError."""
     for name in _UNSUPPORTED:
         if body.get(name):
             raise ParamError(name, f"'{name}' is not supported")
@@ -221,20 +249,25 @@ def parse_request(body: dict[str, Any], settings: GatewaySettings, *, chat: bool
         sampling.logprobs = max(1, logprobs)  # the sampled token's own logprob needs one
         if echo:
             sampling.prompt_logprobs = logprobs
-    tools = _constraints(body, sampling, chat)
+    tools = _constraints(body, sampling, chat, tool_format)
     extra = {"tools_json": tools.tools_json() if tools else "", "user": user or ""}
     sources = [dataclasses.replace(source, **extra) for source in sources]
     inputs = _choice_inputs(sources, sampling, stopping, n)
     return ParsedRequest(chat, inputs, model, stream, include_usage, logprobs, n, echo, scoring, tools)
 
 
-def _constraints(body: dict[str, Any], sampling: common_pb2.SamplingParams, chat: bool) -> ToolRequest | None:
+def _constraints(
+    body: dict[str, Any],
+    sampling: common_pb2.SamplingParams,
+    chat: bool,
+    tool_format: type[ToolCallStream] | None = None,
+) -> ToolRequest | None:
     """The output constraint (`structured.structured_output`, or the grammar of a chat request whose
     tool_choice requires a call) set on `sampling`; returns the chat request's tools. Raises
     ParamError, naming both fields when a required tool call and a response format both constrain."""
     constraint = structured_output(body)
     tools = tool_request(body) if chat else None
-    grammar = tools.grammar() if tools is not None else None
+    grammar = tools.grammar(tool_format) if tools is not None else None
     if grammar is not None and constraint is not None:
         raise ParamError(constraint[0], f"tool_choice (a required call) and {constraint[0]} both constrain "
                          "the output: give at most one")  # fmt: skip
@@ -529,9 +562,13 @@ class OpenAIHandlers:
 
     async def handle(self, request: Request, *, chat: bool) -> JSONResponse | EventSourceResponse:
         raw = await read_body(request, self._settings.max_body_bytes)
+        parsers = await self.chat_parsers() if chat else ChatParsers()
         try:
             parsed = await off_loop(
-                raw, lambda body: parse_request(decode_json(body), self._settings, chat=chat)
+                raw,
+                lambda body: parse_request(
+                    decode_json(body), self._settings, chat=chat, tool_format=parsers.tool_format
+                ),
             )
             asked = [inp.stopping.max_new_tokens for inp in parsed.inputs]
             await params.check_request_tokens(asked, self._settings, self.max_model_len)
@@ -543,30 +580,34 @@ class OpenAIHandlers:
         own = params.client_request_id(request.headers.get("x-request-id")) or ""
         context = trace_context_from(request.headers.get)
         api = "chat" if chat else "completions"
+        extra = {"api": api, "trace_context": context, "request_id": own}
+        extra["keep_special_ids"] = _kept_special_ids(parsed, parsers)
         choices = _Choices([
-            self._pipeline.generate(dataclasses.replace(inp, api=api, trace_context=context, request_id=own))
-            for inp in parsed.inputs
+            self._pipeline.generate(dataclasses.replace(inp, **extra)) for inp in parsed.inputs
         ])  # fmt: skip
         response_id = ("chatcmpl-" if chat else "cmpl-") + request_id
         created = int(time.time())
         renderers = [
-            _Renderer(parsed, self._pipeline, response_id, model, created, i, echo, self._chat_output(parsed))
+            _Renderer(
+                parsed, self._pipeline, response_id, model, created, i, echo, _chat_output(parsed, parsers)
+            )
             for i, echo in enumerate(echoes)
         ]
         if parsed.stream:
             return await self._stream(request, choices, renderers)
         return await self._complete(request, choices, renderers)
 
-    def _chat_output(self, parsed: ParsedRequest) -> ChatOutput | None:
-        """A splitter of one chat choice's output (None for completions): reasoning with
-        `reasoning_parser` on, tool calls when the request has tools and tool_choice is not none."""
-        if not parsed.chat:
-            return None
-        reads_calls = parsed.tools is not None and parsed.tools.parses_calls
-        return ChatOutput(
-            reasoning=self._settings.reasoning_parser == "think",
-            tool_parser=self._settings.tool_call_parser if reads_calls else None,
-        )
+    async def chat_parsers(self) -> ChatParsers:
+        """The served model's chat parsers: the settings, `auto` ones chosen from the chat template and
+        generation prompt in the tokenizer's Info (`tool_parsers.chosen`). Raises ApiError 503 when the
+        tokenizer cannot say."""
+        try:
+            info = await self._pipeline.model_info()
+        except grpc.aio.AioRpcError as exc:
+            raise unavailable("tokenizer", "model info from the tokenizer", exc) from None
+        settings, special = self._settings, {t.text: t.id for t in info.special_tokens}
+        template, prompt = info.chat_template, info.generation_prompt
+        return chosen(settings.tool_call_parser, settings.reasoning_parser, template, prompt, special)
 
     async def _echoes(self, parsed: ParsedRequest) -> list[str]:
         """Each choice's echoed prompt ("" without `echo`): a text prompt as given, token ids decoded

@@ -337,6 +337,7 @@ class Pipeline:
             request_id=request.id,
             prompt_ids=ids[-context:] if context else [],
             skip_special_tokens=inp.skip_special_tokens,
+            keep_special_ids=list(inp.keep_special_ids),
             stop=list(inp.stopping.stop),
             include_stop_str_in_output=inp.stopping.include_stop_str_in_output,
             trace_context=detok_context,

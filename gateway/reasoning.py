@@ -14,7 +14,8 @@ back; `parse(text)` does both at once. Contract:
   reasoning "plan", content "answer"). Whitespace at the very start or end of the text is kept.
 - `in_reasoning=True` starts inside a block, as if after `<think>`, for templates whose generation
   prompt opens it (the output then holds only `</think>`); `opens_reasoning(prompt)` tells whether a
-  rendered prompt does that.
+  rendered prompt does that (the gateway asks it of the template's generation prompt, which the
+  tokenizer's Info carries: `gateway.tool_parsers.chosen`).
 """
 
 from __future__ import annotations

@@ -154,17 +154,18 @@ class GatewaySettings(ValidatedSettings):
         },
     )
     tool_call_parser: str = field(
-        default="hermes",
+        default="auto",
         metadata={
-            "help": "how chat completions read tool calls in the generated text: hermes (<tool_call> blocks, "
-            "Qwen2.5, Hermes and the tiny model) | llama3_json (Llama 3.1 and later)"
+            "help": "how chat completions read tool calls in the generated text: auto (the format the "
+            "model's chat template writes, else hermes) | hermes (<tool_call> blocks: Qwen, Hermes, the tiny "
+            "model) | llama3_json (Llama 3.1 and later) | mistral ([TOOL_CALLS])"
         },
     )
     reasoning_parser: str = field(
-        default="",
+        default="auto",
         metadata={
             "help": "think = chat completions give <think>...</think> text as reasoning_content "
-            "(DeepSeek-R1, Qwen3); empty = off"
+            "(DeepSeek-R1, Qwen3) | none | auto (think when the model's chat template writes <think>)"
         },
     )
     tls_ca_file: str = field(
@@ -178,8 +179,7 @@ class GatewaySettings(ValidatedSettings):
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
         from gateway.auth import check_allowed_hosts
-        from gateway.chat_output import REASONING_PARSERS
-        from gateway.tool_calls import PARSERS
+        from gateway.tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
         from gateway.upstream import Endpoint
 
         for name in ("tokenizer", "engine", "detokenizer"):
@@ -192,13 +192,18 @@ class GatewaySettings(ValidatedSettings):
                     raise ValueError(f"{name}: {exc}") from None
         check_bounds(self, _BOUNDS)
         check_allowed_hosts(self.allowed_hosts)
-        check_choices(self, (("routing", ROUTING_POLICIES), ("tool_call_parser", tuple(PARSERS))))
+        check_choices(
+            self,
+            (
+                ("routing", ROUTING_POLICIES),
+                ("tool_call_parser", TOOL_CALL_PARSERS),
+                ("reasoning_parser", REASONING_PARSERS),
+            ),
+        )
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("tls_cert_file and tls_key_file go together")
         if self.tls_cert_file and not self.tls_ca_file:
             raise ValueError("tls_cert_file needs tls_ca_file")
-        if self.reasoning_parser not in ("", *REASONING_PARSERS):
-            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)} or empty")
 
 
 # The numeric settings' bounds (`check_bounds`).

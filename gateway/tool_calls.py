@@ -2,7 +2,8 @@
 validated, the grammar that makes the engine write a call when one is required, and the parsers that
 turn generated text back into tool calls, whole or streamed.
 
-Parsers (`--tool-call-parser`, `PARSERS`; `infer_parser` picks one from a chat template):
+Parsers (`--tool-call-parser`; the registry and the choice from a chat template are in
+`gateway/tool_parsers/`, with `mistral`):
 
 - `hermes`: a call is a block `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` anywhere in the
   text, one or more. The text outside the blocks is content, less the whitespace touching a block.
@@ -26,10 +27,12 @@ and `parse(text)` does both at once and merges the deltas into (content, calls).
 
 The grammar (`ToolRequest.grammar`, for `tool_choice` "required" or a named function) is a Lark
 grammar in llguidance's dialect, the engine's grammar library (kind "grammar"): JSON Schema alone
-cannot express the `<tool_call>` wrapper. Each allowed tool is one rule, a fixed opening that holds its
-name, `<tool_call>\\n{"name": "NAME", "arguments": `, then `%json` of its parameters schema, then
-`}\\n</tool_call>`; calls are separated by "\\n". That is byte for byte what the tiny model's chat
-template writes for a call in the history, and what the hermes parser reads.
+cannot express a call's wrapper. It is written in the format of the parser in use (each parser class
+says how: `CALLS_OPEN`, `CALL_OPEN`, `CALL_CLOSE`, `CALLS_SEPARATOR`, `CALLS_CLOSE`). Each allowed tool
+is one rule, a fixed opening that holds its name (hermes: `<tool_call>\\n{"name": "NAME", "arguments": `),
+then `%json` of its parameters schema, then the closing (hermes: `}\\n</tool_call>`); calls are
+separated (hermes: "\\n"). For hermes that is byte for byte what the tiny model's chat template writes
+for a call in the history, and what the parser reads.
 """
 
 from __future__ import annotations
@@ -329,7 +332,19 @@ class _Call:
 
 class ToolCallStream(abc.ABC):
     """An incremental tool-call parser for one generated text (see the module docstring). Not
-    thread-safe; one instance per request."""
+    thread-safe; one instance per request. The class attributes say how its format writes calls, for
+    the grammar of a required call: CALLS_OPEN, then each call as CALL_OPEN (with `{name}`), the
+    arguments and CALL_CLOSE, separated by CALLS_SEPARATOR, then CALLS_CLOSE."""
+
+    CALLS_OPEN, CALLS_SEPARATOR, CALLS_CLOSE = "", "\n", ""
+    CALL_OPEN, CALL_CLOSE = OPEN_TAG + '\n{{"name": "{name}", "arguments": ', "}\n" + CLOSE_TAG
+    # Marks the parser reads, kept in the text where the tokenizer has them as special tokens.
+    MARKS: tuple[str, ...] = (OPEN_TAG, CLOSE_TAG)
+
+    @classmethod
+    def recognises(cls, chat_template: str) -> bool:
+        """Whether a chat template writes calls in this format."""
+        return False
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         self._new_id = new_id
@@ -406,6 +421,10 @@ class HermesToolCalls(ToolCallStream):
     that touches a block (a piece before a block loses its trailing whitespace, one after it its
     leading whitespace)."""
 
+    @classmethod
+    def recognises(cls, chat_template: str) -> bool:
+        return OPEN_TAG in chat_template
+
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(new_id)
         self._after_block = False  # the current content piece follows a block
@@ -454,6 +473,17 @@ class Llama3JsonToolCalls(ToolCallStream):
     object, the text from the first character that is neither whitespace nor `;` is content. An object
     without a name makes it and the rest content; a broken one after its name ends the calls (the rest
     is dropped)."""
+
+    CALLS_SEPARATOR = "; "
+    CALL_OPEN, CALL_CLOSE = '{{"name": "{name}", "parameters": ', "}"
+    MARKS = (PYTHON_TAG,)
+
+    @classmethod
+    def recognises(cls, chat_template: str) -> bool:
+        """`<|python_tag|>` (Llama 3.1, 3.3), or Llama 3's headers with calls written as
+        `{"name": ..., "parameters": ...}` (Llama 3.2)."""
+        headers = "<|start_header_id|>" in chat_template and '"parameters"' in chat_template
+        return PYTHON_TAG in chat_template or headers
 
     def __init__(self, new_id: Callable[[], str] = new_call_id) -> None:
         super().__init__(new_id)
@@ -515,29 +545,6 @@ class Llama3JsonToolCalls(ToolCallStream):
         self._buf = text
 
 
-PARSERS: dict[str, type[ToolCallStream]] = {"hermes": HermesToolCalls, "llama3_json": Llama3JsonToolCalls}
-
-# What in a chat template tells its tool-call format.
-_TEMPLATE_MARKS = {"hermes": OPEN_TAG, "llama3_json": PYTHON_TAG}
-
-
-def infer_parser(chat_template: str | None) -> str | None:
-    """The parser a chat template's tool-call format implies, when exactly one fits: hermes for a
-    template that writes `<tool_call>`, llama3_json for one that writes `<|python_tag|>` (Llama 3.1
-    and later). None when neither or both do."""
-    if not chat_template:
-        return None
-    found = [name for name, mark in _TEMPLATE_MARKS.items() if mark in chat_template]
-    return found[0] if len(found) == 1 else None
-
-
-def tool_call_stream(parser: str, new_id: Callable[[], str] = new_call_id) -> ToolCallStream:
-    """A fresh parser by name (one of `PARSERS`); raises ValueError for another name."""
-    if parser not in PARSERS:
-        raise ValueError(f"unknown tool call parser {parser!r}; choose one of {', '.join(PARSERS)}")
-    return PARSERS[parser](new_id)
-
-
 def finish_reason(reason: str, stream: ToolCallStream) -> str:
     """OpenAI's finish reason: `tool_calls` for an output that ended by itself (`stop`) with calls."""
     return "tool_calls" if reason == "stop" and stream.called else reason
@@ -584,23 +591,26 @@ class ToolRequest:
         """The tools for the tokenizer (`TokenizeRequest.tools_json`)."""
         return json.dumps([t.to_openai() for t in self.tools], ensure_ascii=False)
 
-    def grammar(self) -> tuple[str, str] | None:
+    def grammar(self, parser: type[ToolCallStream] | None = None) -> tuple[str, str] | None:
         """The constraint for the engine as (kind, text), or None for `auto` and `none`: for
         `required` (any of the tools) or a named function (that one), ("grammar", a Lark grammar in
-        llguidance's dialect) accepting one or more calls separated by "\\n" (exactly one when
-        `parallel` is false). See the module docstring for the form of a call."""
+        llguidance's dialect) accepting one or more calls (exactly one when `parallel` is false) in the
+        format of `parser` (default hermes). See the module docstring for the form of a call."""
         if self.choice not in ("required", "function"):
             return None
+        fmt = parser or HermesToolCalls
         tools = [t for t in self.tools if self.choice == "required" or t.name == self.function]
         for i, tool in enumerate(self.tools):
             if tool in tools:
                 check_schema_rows(tool.parameters or {}, f"tools[{i}].function.parameters")
+        calls = "call" + (f" ({json.dumps(fmt.CALLS_SEPARATOR)} call)*" if self.parallel else "")
+        start = [json.dumps(fmt.CALLS_OPEN), calls, json.dumps(fmt.CALLS_CLOSE)]
         rules = [
-            "start: call" + (' ("\\n" call)*' if self.parallel else ""),
+            "start: " + " ".join(part for part in start if part != '""'),
             "call: " + " | ".join(f"tool_{i}" for i in range(len(tools))),
         ]
         for i, tool in enumerate(tools):
-            opening, closing = f'{OPEN_TAG}\n{{"name": "{tool.name}", "arguments": ', "}\n" + CLOSE_TAG
+            opening, closing = fmt.CALL_OPEN.format(name=tool.name), fmt.CALL_CLOSE
             rules.append(
                 f"tool_{i}: {json.dumps(opening)} %json {_arguments_schema(tool)} {json.dumps(closing)}"
             )

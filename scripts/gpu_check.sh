@@ -233,7 +233,7 @@ main() {
 
   echo
   echo "== summary ($SECONDS s in all; outputs in $out)"
-  "$PY" -m sluice.bench.gpu_summary "${summary[@]}" | tee "$out/summary.txt"
+  "$PY" scripts/gpu_summary.py "${summary[@]}" | tee "$out/summary.txt"
   [[ $failed -eq 0 ]]
 }
 

@@ -5,12 +5,14 @@
     sluice model tiny DIR [--preset test|chat]                      write the embedded model (or a preset)
     sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks of one component
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
+    sluice bench sweep compare|pipeline|routing|peers [FLAGS]        serve over systems and rates, by preset
     sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
     sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
     sluice bench routing [--engines 2] [--json FILE]                engine routing policies across replicas
     sluice bench latency [--variants off,ngram,int8] [--json FILE]  speculation and quantized weights
     sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
     sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
+    sluice models [--markdown]                                      model families served, and refused (why)
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
 """
@@ -29,7 +31,17 @@ SERVICES = {
     "gateway": "gateway.server",
 }
 MODELS = {"tiny": "sluice.model.tiny"}
-BENCHMARKS = ("engine", "tokenizer", "detokenizer", "serve", "pipeline", "compare", "routing", "latency")
+BENCHMARKS = (
+    "engine",
+    "tokenizer",
+    "detokenizer",
+    "serve",
+    "sweep",
+    "pipeline",
+    "compare",
+    "routing",
+    "latency",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("kind", choices=sorted(MODELS))
     bench = sub.add_parser("bench", help="run a benchmark (sluice bench NAME --help)", add_help=False)
     bench.add_argument("name", choices=sorted(BENCHMARKS))
+    sub.add_parser("models", help="model families served and refused (sluice models --help)", add_help=False)
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     health.add_argument("address", help="HOST:PORT")
     health.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for SERVING")
@@ -84,6 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _health(args)
     if args.command == "model":
         return _hand_over(MODELS[args.kind], rest)
+    if args.command == "models":
+        return _hand_over("services.engine.executor.families", rest)
     return _hand_over(f"sluice.bench.{args.name}", rest)  # `sluice bench NAME` runs sluice/bench/NAME.py
 
 

@@ -187,7 +187,13 @@ class RestartTracker:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sluice up", description=__doc__.strip().split("\n")[0])
     add = parser.add_argument
-    add("--model", default="", help="local Hugging Face model directory (default: the embedded model)")
+    add(
+        "--model",
+        default="",
+        help="model directory or Hugging Face Hub id ORG/NAME, resolved once from the Hugging Face cache "
+        "(downloaded when online and not cached) and shared by every service (default: the embedded model)",
+    )
+    add("--revision", default="", help="branch, tag or commit of a Hub id in --model (default: main)")
     add(
         "--served-model-name",
         default=None,
@@ -326,17 +332,19 @@ def served_name_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--served-model-name", name) if name else ()
 
 
-def resolve_model(model: str) -> str:
-    """The model directory every child serves: the given one, or the embedded chat model (made and
-    cached on first use, with a progress bar)."""
-    if model:
-        path = Path(model).expanduser().resolve()
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"sluice up: {path} is not a Hugging Face model directory (no config.json)")
-        return str(path)
-    from sluice.model.tiny import default_model_dir
+def resolve_model(model: str, revision: str = "") -> str:
+    """The model directory every child serves, resolved once before they start: the given directory,
+    a Hub id's snapshot (from the Hugging Face cache, or downloaded with a progress bar), or the
+    embedded chat model (made and cached on first use). SystemExit with the reason when none."""
+    from services.common.models import ModelNotFound, resolve_model_dir
 
-    return str(default_model_dir())
+    try:
+        path = resolve_model_dir(model, revision).expanduser().resolve()
+    except ModelNotFound as exc:
+        raise SystemExit(f"sluice up: {exc}") from None
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"sluice up: {path} is not a Hugging Face model directory (no config.json)")
+    return str(path)
 
 
 def default_engine_threads() -> int:
@@ -951,7 +959,7 @@ def _print_ready(args: argparse.Namespace, model: str) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, args.revision)
     children = plan_children(args, model)
     busy = busy_port(args.host, [port for port, _ in planned_ports(args)])
     if busy is not None:

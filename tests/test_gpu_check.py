@@ -3,15 +3,29 @@ whole run ending in one summary table (GPU_CHECK_DEVICE=cpu)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
-from sluice.bench.gpu_summary import Stage, format_summary
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_summary_script() -> object:
+    """scripts/gpu_summary.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("gpu_summary", ROOT / "scripts" / "gpu_summary.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_summary"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+_summary = _load_summary_script()
+Stage, format_summary = _summary.Stage, _summary.format_summary  # type: ignore[attr-defined]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 BUDGET_S = 9 * 60
 STARTUP_S = 20  # versions, the summary, and what the stages' limits do not cover

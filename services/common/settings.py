@@ -155,7 +155,14 @@ class TextStageSettings(StageTlsSettings):
     default): the model, the address, the drain, the worker processes and their metrics ports."""
 
     model: str = dataclasses.field(
-        default="", metadata={"help": "local Hugging Face model directory; empty = the embedded tiny model"}
+        default="",
+        metadata={
+            "help": "model directory or Hugging Face Hub id (ORG/NAME, from the cache or downloaded); "
+            "empty = the embedded tiny model"
+        },
+    )
+    revision: str = dataclasses.field(
+        default="", metadata={"help": "branch, tag or commit of a Hub id in --model (empty = main)"}
     )
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free port)"})

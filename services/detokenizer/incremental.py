@@ -290,6 +290,7 @@ class DecodeState:
     `add(ids)` returns the text those ids complete (possibly ""); `close()` returns what was held back.
     After a stop string matched, `stop` names it, `num_ids_consumed` counts the generated ids up to and
     including the one that completed it, and every later call returns "".
+    With `skip_special_tokens` the text leaves out special tokens, except `keep_special_ids`.
     """
 
     def __init__(
@@ -300,8 +301,9 @@ class DecodeState:
         skip_special_tokens: bool = False,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        keep_special_ids: Sequence[int] = (),
     ) -> None:
-        self._skip = vocab.special_ids if skip_special_tokens else frozenset()
+        self._skip = vocab.special_ids - frozenset(keep_special_ids) if skip_special_tokens else frozenset()
         self._stops = tuple(s for s in stop if s)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._include_stop = include_stop_str_in_output
@@ -405,6 +407,7 @@ class Session:
         skip_special_tokens: bool = False,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        keep_special_ids: Sequence[int] = (),
     ) -> Final | None:
         """Opens a request; returns a Final with `error` if it cannot be opened."""
         if not request_id:
@@ -422,6 +425,7 @@ class Session:
             skip_special_tokens=skip_special_tokens,
             stop=stop,
             include_stop_str_in_output=include_stop_str_in_output,
+            keep_special_ids=keep_special_ids,
         )
         return None
 

@@ -23,7 +23,7 @@ async def create_server(
 ) -> ServerHandle[grpc.aio.Server, Vocabulary]:
     """Builds and binds (not starts) the server (port 0 = a free port); its core is the model's
     vocabulary, and its handle's `release` stops the servicer's batching thread."""
-    vocab = Vocabulary.from_model_dir(resolve_model_dir(settings.model))
+    vocab = Vocabulary.from_model_dir(resolve_model_dir(settings.model, settings.revision))
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
     metrics = DetokenizerMetrics()
     servicer = DetokenizerServicer(

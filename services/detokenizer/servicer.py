@@ -58,6 +58,7 @@ def process_message(session: Session, message: detokenizer_pb2.DetokenizeIn) -> 
                 request_id,
                 prompt_ids=start.prompt_ids,
                 skip_special_tokens=start.skip_special_tokens,
+                keep_special_ids=start.keep_special_ids,
                 stop=start.stop,
                 include_stop_str_in_output=start.include_stop_str_in_output,
             )

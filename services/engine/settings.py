@@ -26,7 +26,8 @@ BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recov
     (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),
     (">=", 1, ("default_max_new_tokens", "num_speculative_tokens", "speculative_disable_batch_size")),
     (">=", 0, ("threads", "kv_cache_gb", "report_interval_ms", "loop_recoveries")),
-    (">", 0, ("loop_recovery_window_s",)),
+    (">", 0, ("loop_recovery_window_s", "grammar_compile_timeout_s")),
+    (">=", 1, ("max_step_failures", "grammar_compile_threads")),
 )
 
 
@@ -35,7 +36,14 @@ class EngineSettings(StageTlsSettings):
     """sluice engine: continuous batching over a paged KV cache."""
 
     model: str = field(
-        default="", metadata={"help": "local Hugging Face model directory; '' = embedded model"}
+        default="",
+        metadata={
+            "help": "model directory or Hugging Face Hub id (ORG/NAME, from the cache or downloaded); "
+            "'' = embedded model"
+        },
+    )
+    revision: str = field(
+        default="", metadata={"help": "branch, tag or commit of a Hub id in --model ('' = main)"}
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=50052, metadata={"help": "gRPC port (0 = any free port)"})
@@ -164,6 +172,24 @@ class EngineSettings(StageTlsSettings):
     )
     loop_recovery_window_s: float = field(
         default=60.0, metadata={"help": "the window of loop_recoveries, in seconds"}
+    )
+    max_step_failures: int = field(
+        default=3,
+        metadata={
+            "help": "engine steps that may fail in a row (a sticky device error, a repeated OOM) before the "
+            "step loop is rebuilt as after a loop failure (loop_recoveries); their requests end internal, "
+            "those of the step that reaches it unavailable; a step that runs resets the count"
+        },
+    )
+    grammar_compile_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "longest a request waits for its grammar's compile: a compile running longer ends it "
+            "invalid_argument (too complex), one still queued then ends it unavailable"
+        },
+    )
+    grammar_compile_threads: int = field(
+        default=2, metadata={"help": "grammar compiles run at once, each on its own thread"}
     )
 
     def validate(self) -> None:

@@ -4,7 +4,15 @@ Knows nothing of gRPC. The tokenizer is exactly what `AutoTokenizer.from_pretrai
 the model's class (Qwen2's pre-tokenizer for a Qwen2 directory even when `tokenizer.json` says
 otherwise, its special tokens, its chat template); ids come from its Rust backend
 (`tokenizers.Tokenizer`), batched. `config.json` (context length, eos) and `generation_config.json`
-(eos) are read when present.
+(eos) are read when present. The chat template is the tokenizer's: `chat_template` of
+tokenizer_config.json, or the `chat_template.jinja` / `chat_template.json` files newer Hub repositories
+ship (the `default` of a set of named templates).
+
+Special tokens around a text (`add_special_tokens`): as tokenizer_config.json's `add_bos_token` and
+`add_eos_token` say where they are set (Gemma, Llama, Mistral), else as tokenizer.json's post-processor
+does (`follow_config`); a prompt never starts with bos twice (a text that begins with the bos token's
+text, or a template that writes it). The ids that end a generation are `models.eos_token_ids`, the same
+rule the engine stops by.
 
 Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
 `trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
@@ -33,8 +41,10 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.common.models import eos_token_ids, model_name
 
 # Special-token roles named in tokenizer_config.json, in the order Info lists them.
 SPECIAL_ROLES = ("bos", "eos", "pad", "unk")
@@ -84,14 +94,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return {}
     data = json.loads(path.read_text(encoding="utf-8"))
     return data if isinstance(data, dict) else {}
-
-
-def _as_id_list(value: Any) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
-    return []
 
 
 def _parse_json(text: str, what: str) -> Any:
@@ -168,9 +170,15 @@ def parse_tools(tools_json: str) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _pick_chat_template(hf: PreTrainedTokenizerBase) -> str | None:
-    """The tokenizer's chat template; of a set of named templates, the one named `default`."""
-    template = hf.chat_template
+def _pick_chat_template(hf: PreTrainedTokenizerBase, model_dir: Path) -> str | None:
+    """The tokenizer's chat template (tokenizer_config.json or chat_template.jinja), else the one of
+    chat_template.json (where multimodal repositories keep it for their processor); of a set of named
+    templates, the one named `default`."""
+    template: Any = hf.chat_template
+    if not template:
+        template = _read_json(model_dir / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+        template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
     if isinstance(template, dict):
         template = template.get("default")
     return template if isinstance(template, str) and template else None
@@ -190,6 +198,38 @@ def load_backend(model_dir: Path) -> tuple[PreTrainedTokenizerBase, Tokenizer]:
     backend.no_padding()
     backend.no_truncation()
     return hf, backend
+
+
+def _adds(backend: Tokenizer) -> tuple[int | None, int | None]:
+    """The first and last id `encode(add_special_tokens=True)` adds around a text (None: none)."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    at = next((i for i in range(len(full) - len(plain) + 1) if full[i : i + len(plain)] == plain), 0)
+    before, after = full[:at], full[at + len(plain) :]
+    return (before[0] if before else None), (after[-1] if after else None)
+
+
+def follow_config(
+    backend: Tokenizer, tok_config: dict[str, Any], bos_id: int | None, eos_id: int | None
+) -> None:
+    """Makes `encode(add_special_tokens=True)` add bos and eos as tokenizer_config.json's
+    `add_bos_token` and `add_eos_token` say, where they are set (Gemma, Llama and Mistral set
+    add_bos_token) and tokenizer.json's post-processor does otherwise. Unset, the post-processor rules.
+    Chat prompts are not affected: they are encoded without special tokens (the template writes them)."""
+    has_bos, has_eos = _adds(backend)
+    want_bos, want_eos = tok_config.get("add_bos_token"), tok_config.get("add_eos_token")
+    bos = has_bos if not isinstance(want_bos, bool) else (bos_id if want_bos else None)
+    eos = has_eos if not isinstance(want_eos, bool) else (eos_id if want_eos else None)
+    if (bos, eos) == (has_bos, has_eos):
+        return
+    tokens = {i: backend.id_to_token(i) for i in (bos, eos) if i is not None}
+    first = f"{tokens[bos]} " if bos is not None else ""
+    last = f" {tokens[eos]}" if eos is not None else ""
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{first}$A:0{last}",
+        pair=f"{first}$A:0{last} {first}$B:1{last}",
+        special_tokens=[(text, i) for i, text in tokens.items()],
+    )
 
 
 class _TemplateNamespace(jinja2.utils.Namespace):
@@ -237,17 +277,19 @@ class TokenizerCore:
         hf, self.tokenizer = load_backend(self.model_dir)
         tok_config = _read_json(self.model_dir / "tokenizer_config.json")
         model_config = _read_json(self.model_dir / "config.json")
-        gen_config = _read_json(self.model_dir / "generation_config.json")
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         self.context_length = self._context_length(model_config, tok_config)
-        self.chat_template = _pick_chat_template(hf)
+        self.chat_template = _pick_chat_template(hf, self.model_dir)
         # The special tokens a template sees (`bos_token`, `eos_token`, ...): the tokenizer's
         # `special_tokens_map`, as `apply_chat_template` passes it.
         self.template_vars = {
             name: text for name, text in hf.special_tokens_map.items() if isinstance(text, str)
         }
         self.special_tokens = self._special_tokens()
-        self.eos_token_ids = self._eos_ids(gen_config, model_config)
+        self.bos_token_id = self._role_id("bos")
+        self.eos_token_ids = eos_token_ids(self.model_dir, self._role_id("eos"))
+        follow_config(self.tokenizer, tok_config, self.bos_token_id, self._role_id("eos"))
+        self.generation_prompt = self._generation_prompt()
 
     # ---- model facts -------------------------------------------------------------------------
 
@@ -272,18 +314,28 @@ class TokenizerCore:
                 out.append(SpecialToken(added.content, added.content, token_id))
         return out
 
-    def _eos_ids(self, gen_config: dict[str, Any], model_config: dict[str, Any]) -> list[int]:
-        """generation_config.json's eos ids first, then config.json's, then the tokenizer's eos."""
-        ids = _as_id_list(gen_config.get("eos_token_id")) + _as_id_list(model_config.get("eos_token_id"))
-        eos_text = self.template_vars.get("eos_token")
-        eos_id = self.tokenizer.token_to_id(eos_text) if eos_text is not None else None
-        if eos_id is not None:
-            ids.append(eos_id)
-        return list(dict.fromkeys(ids))
+    def _role_id(self, role: str) -> int | None:
+        """The id of the tokenizer's `ROLE_token` (bos, eos, ...), None when it has none."""
+        text = self.template_vars.get(f"{role}_token")
+        return self.tokenizer.token_to_id(text) if text is not None else None
+
+    def _generation_prompt(self) -> str:
+        """What the template appends for `add_generation_prompt`: the difference between a one-turn
+        chat rendered with and without it ("" without a template, or when the one does not start with
+        the other)."""
+        if self.chat_template is None:
+            return ""
+        probe = [{"role": "user", "content": "Hi"}]
+        try:
+            bare = self.render_chat(probe, add_generation_prompt=False)
+            opened = self.render_chat(probe, add_generation_prompt=True)
+        except InvalidInput:
+            return ""
+        return opened[len(bare) :] if opened.startswith(bare) else ""
 
     @property
     def model_name(self) -> str:
-        return self.model_dir.name
+        return model_name(self.model_dir)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -342,12 +394,18 @@ class TokenizerCore:
     def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
         """Token ids of each text (in the caller's order)."""
         if len(texts) == 1:  # no thread-pool round trip for a lone text
-            return [self.tokenizer.encode(texts[0], add_special_tokens=add_special_tokens).ids]
+            return [self.encode(texts[0], add_special_tokens=add_special_tokens)]
         encodings = self.tokenizer.encode_batch_fast(list(texts), add_special_tokens=add_special_tokens)
-        return [e.ids for e in encodings]
+        return [self._one_bos(e.ids) for e in encodings]
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._one_bos(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def _one_bos(self, ids: list[int]) -> list[int]:
+        """`ids` with a doubled bos at the start made single (the tokenizer added one to a text or a
+        rendered prompt that already began with it): a prompt never starts with bos twice."""
+        bos = self.bos_token_id
+        return ids[1:] if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos else ids
 
     def tokenize_many(self, jobs: Sequence[TokenizeJob]) -> list[Encoded | InvalidInput]:
         """Tokenizes a batch of requests with one `encode_batch` per add_special_tokens value. Each

@@ -23,7 +23,7 @@ async def create_server(
 ) -> ServerHandle[grpc.aio.Server, TokenizerCore]:
     """Builds and binds (not starts) the server (port 0 = a free port); its handle's `release` stops
     the servicer's batching thread."""
-    core = TokenizerCore(resolve_model_dir(settings.model))
+    core = TokenizerCore(resolve_model_dir(settings.model, settings.revision))
     server, health = grpc_server.new_server([SERVICE_NAME], reuse_port=reuse_port)
     metrics = TokenizerMetrics()
     servicer = TokenizerServicer(core, metrics, max_batch_size=settings.max_batch_size)

@@ -181,6 +181,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             ],
             eos_token_ids=core.eos_token_ids,
             has_chat_template=core.chat_template is not None,
+            chat_template=core.chat_template or "",
+            generation_prompt=core.generation_prompt,
         )
 
     def close(self) -> None:

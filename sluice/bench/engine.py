@@ -1,7 +1,8 @@
 """`sluice bench engine`: the engine against transformers on one fixed workload, in one process: per
 `--concurrency` every method timed and its greedy outputs checked against hf-sequential's, then decode-only
 steps against the memory roofline (docs/benchmarks.md). Exit status 0 when every method ran, 1 when one
-failed, 2 on bad arguments.
+failed, 2 on bad arguments. The command's other variants over the same driver: `sluice bench engine latency`
+(speculation and quantized weights; also `sluice bench latency`) and `sluice bench engine perplexity`.
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ DEFAULTS = {  # option: (with --quick, without)
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
 
+VARIANTS = ("throughput", "latency", "perplexity")  # `sluice bench engine [VARIANT]`; throughput the default
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench engine",
-        description="Time the sluice engine's batching policies against transformers on one fixed workload.",
+        description="Time the sluice engine's batching policies against transformers on one fixed workload. "
+        "Variants: `sluice bench engine [throughput]` (this), `... latency`, `... perplexity` (--help each).",
     )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
@@ -174,6 +179,12 @@ def model_label(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str]) -> int:
+    """`sluice bench engine [VARIANT] [FLAGS]`: throughput here; latency and perplexity in latency.py."""
+    if argv and argv[0] in VARIANTS[1:]:
+        from sluice.bench import latency
+
+        return latency.main(argv[1:], argv[0], f"sluice bench engine {argv[0]}")
+    argv = argv[1:] if argv and argv[0] == VARIANTS[0] else argv
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -55,11 +55,14 @@ SPEC_FLAGS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench latency",
-        description="Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
-    )
+DESCRIPTIONS = {  # variant of `sluice bench engine` → its --help description
+    "latency": "Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
+    "perplexity": "Perplexity on held-out text of the unquantized model and each quantization asked for.",
+}
+
+
+def build_parser(prog: str = "sluice bench latency", variant: str = "latency") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTIONS[variant])
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
     add_flags(model, "model", model="a local Hugging Face model")
@@ -350,8 +353,10 @@ def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
     return resolve_model_dir("")
 
 
-def main(argv: list[str]) -> int:
-    parser = build_parser()
+def main(argv: list[str], variant: str = "latency", prog: str = "sluice bench latency") -> int:
+    """`sluice bench latency` (variant "latency": every stage) or `sluice bench engine perplexity` (the
+    perplexity stage alone, same flags and JSON)."""
+    parser = build_parser(prog, variant)
     args = parser.parse_args(argv)
     try:
         _resolve(args)
@@ -359,14 +364,17 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     _fall_back(args)
     quiet_torch(args.threads)
-    meta = {**run_meta(["latency", *argv], args.device), "dtype": args.dtype}
+    meta = {**run_meta([*prog.split()[2:], *argv], args.device), "dtype": args.dtype}
     label = model_label(args)
     print(f"model: {label}, {args.dtype}, {args.device}; variants {','.join(args.variants)}")
     with tempfile.TemporaryDirectory(prefix="sluice-latency-") as tmp:
         bench = Bench(args, _model_dir(args, Path(tmp)), label, meta)
+        bench.meta["stage_s"] = {}
+        if variant == "perplexity":
+            return _stage_and_finish(args, bench, "perplexity", bench.run_quality)
         start = time.perf_counter()
         workloads = bench.workloads()
-        bench.meta["stage_s"] = {"workloads": time.perf_counter() - start}
+        bench.meta["stage_s"]["workloads"] = time.perf_counter() - start
         # --repeat N: N rounds over the variants in turn, so that a busy spell of the machine falls on
         # one round of each rather than on every run of one variant.
         stages: list[tuple[str, Callable[[], None]]] = [
@@ -387,11 +395,19 @@ def main(argv: list[str]) -> int:
     return _finish(args, bench)
 
 
-def _finish(args: argparse.Namespace, bench: Bench) -> int:
+def _stage_and_finish(args: argparse.Namespace, bench: Bench, name: str, stage: Callable[[], None]) -> int:
+    start = time.perf_counter()
+    stage()
+    bench.meta["stage_s"][name] = time.perf_counter() - start
+    return _finish(args, bench, only_quality=True)
+
+
+def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) -> int:
     report = bench.report
     tables = [rep.format_main(report), rep.format_shape(report.shape), rep.format_quality(report)]
-    print("\n" + "\n\n".join(tables))
-    print(rep.format_kv(report.kv))
+    print("\n" + "\n\n".join(tables[2:] if only_quality else tables))
+    if not only_quality:
+        print(rep.format_kv(report.kv))
     bench.save(partial=False)
     if args.json is not None:
         print(f"wrote {args.json}")

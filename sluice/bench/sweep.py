@@ -1,10 +1,16 @@
-"""What `compare`, `pipeline` and `routing` share: systems (an `Opener` yields an `Endpoint`) started one at
-a time, a load swept over each, start-up failures recorded rather than raised.
+"""`sluice bench sweep PRESET`: the load generator (`serve`) over systems started one at a time, a load swept
+over each, start-up failures recorded rather than raised. The presets: `compare` (batching policies and
+transformers serve against request rate), `pipeline` (the four services against the engine alone), `routing`
+(routing policies across engine replicas) and `peers` (sluice, vLLM's CPU server and llama.cpp side by side);
+each is also `sluice bench PRESET` for the first three.
+
+Here: what the presets share (an `Opener` yields an `Endpoint`) and the command's dispatch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import shlex
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -142,3 +148,23 @@ def model_and_flags(args: argparse.Namespace) -> tuple[str, list[str]]:
 def sweep_meta(name: str, argv: Sequence[str], model: str, **more: Any) -> dict[str, Any]:
     """The run's metadata (common.run_meta), the model and `more`."""
     return {**run_meta([name, *argv]), "model": model, **more}
+
+
+PRESETS = {  # preset → the module whose main(argv) runs it
+    "compare": "sluice.bench.compare",
+    "pipeline": "sluice.bench.pipeline",
+    "routing": "sluice.bench.routing",
+    "peers": "sluice.bench.peers",
+}
+
+
+def main(argv: list[str]) -> int:
+    """`sluice bench sweep PRESET [FLAGS]`: hands FLAGS to the preset (`PRESET --help` lists them)."""
+    parser = argparse.ArgumentParser(
+        prog="sluice bench sweep",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("preset", choices=sorted(PRESETS), help="what to sweep (PRESET --help: its flags)")
+    args, rest = parser.parse_known_args(argv[:1])
+    return int(importlib.import_module(PRESETS[args.preset]).main([*rest, *argv[1:]]) or 0)

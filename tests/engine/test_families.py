@@ -126,8 +126,8 @@ def _config(model_type: str, **kw: object) -> transformers.PretrainedConfig:
         ("qwen3_next", "linear_attention"),
         ("granitemoehybrid", "linear_attention"),
         ("llama4_text", "chunked_attention"),
-        ("mamba", "attention interface"),
-        ("falcon_h1", "attention interface"),
+        ("mamba", "layers of type linear_attention"),
+        ("falcon_h1", "layers of type hybrid"),
         ("gemma3n_text", "reuse another layer's KV"),
     ],
 )

@@ -332,6 +332,124 @@ def test_compile_runs_off_the_caller_thread_and_polls_without_blocking(tiny_mode
         pool.shutdown()
 
 
+TOO_MANY_BRANCHES = [
+    (GrammarSpec("choice", json.dumps([f"answer number {i}" for i in range(2001)])), "answer number 7"),
+    (
+        GrammarSpec(
+            "json_schema",
+            json.dumps(
+                {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "properties": {f"k{i}": {"type": "integer"}},
+                            "required": [f"k{i}"],
+                        }
+                        for i in range(2001)
+                    ]
+                }
+            ),
+        ),
+        '{"k5": 1}',
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "text"), TOO_MANY_BRANCHES, ids=["choice", "anyOf"])
+def test_a_grammar_the_matcher_gives_up_on_raises_a_grammar_error(
+    compiler: GrammarCompiler, tiny_model_dir: Path, spec: GrammarSpec, text: str
+) -> None:
+    """llguidance follows at most 2,000 alternatives in one parser row: a choice of 2,001 strings with a
+    common prefix, or an anyOf of 2,001 objects, compiles, then a valid output is too much for it.
+    `accept` says so, briefly."""
+    state = compiler.submit(spec).result(timeout=60).new_state()
+    tokenizer = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    with pytest.raises(GrammarError, match="max is 2000") as err:
+        state.accept(ids)
+    assert len(str(err.value)) < 1000 and "<state>" not in str(err.value)
+
+
+class HeldCompiles:
+    """Makes a compiler's compiles of `held` specs wait for `gate`; records every spec compiled."""
+
+    def __init__(self, compiler: GrammarCompiler, held: set[GrammarSpec]) -> None:
+        self.gate = threading.Event()
+        self.compiled: list[GrammarSpec] = []
+        real = compiler._compile
+
+        def compile_(spec: GrammarSpec) -> Any:
+            self.compiled.append(spec)
+            if spec in held:
+                self.gate.wait(60)
+            return real(spec)
+
+        compiler._compile = compile_  # type: ignore[method-assign]
+
+
+def test_a_slow_compile_does_not_hold_up_the_next_one(tiny_model_dir: Path) -> None:
+    """Compiles run on several threads: while one (a schema with thousands of branches) runs, another
+    request's grammar compiles."""
+    compiler = make_compiler(tiny_model_dir)
+    slow = GrammarSpec("regex", "slow [a-z]+")
+    held = HeldCompiles(compiler, {slow})
+    try:
+        slow_handle = compiler.submit(slow)
+        fast = compiler.submit(GrammarSpec("regex", "fast [a-z]+"))
+        assert fast.result(timeout=30).spec == GrammarSpec("regex", "fast [a-z]+")
+        assert not slow_handle.ready()
+    finally:
+        held.gate.set()
+        compiler.close()
+
+
+def test_a_cancelled_compile_leaves_the_queue_and_never_runs(tiny_model_dir: Path) -> None:
+    pool = ThreadPoolExecutor(max_workers=1)
+    gate = threading.Event()
+    pool.submit(gate.wait)  # the only worker is busy until the gate opens
+    compiler = make_compiler(tiny_model_dir, executor=pool)
+    held = HeldCompiles(compiler, set())
+    dropped, shared, kept = (GrammarSpec("regex", p) for p in ("dropped+", "shared+", "kept+"))
+    try:
+        handle = compiler.submit(dropped)
+        assert handle.started is None  # queued
+        handle.cancel()
+        handle.cancel()  # idempotent
+        first, second = compiler.submit(shared), compiler.submit(shared)
+        first.cancel()  # the other request still waits for it
+        kept_handle = compiler.submit(kept)
+        gate.set()
+        assert kept_handle.result(timeout=30) is not None and kept_handle.started is not None
+        assert second.result(timeout=30) is not None
+        assert held.compiled == [shared, kept]
+        again = compiler.submit(dropped)  # forgotten, not cached as cancelled: compiled anew
+        assert again.result(timeout=30).spec == dropped
+    finally:
+        gate.set()
+        compiler.close()
+        pool.shutdown()
+
+
+def test_a_running_compile_finishes_and_is_cached_after_its_request_cancelled(tiny_model_dir: Path) -> None:
+    compiler = make_compiler(tiny_model_dir)
+    spec = GrammarSpec("regex", "running [a-z]+")
+    held = HeldCompiles(compiler, {spec})
+    try:
+        handle = compiler.submit(spec)
+        for _ in range(60_000):  # until a worker takes it
+            if handle.started is not None:
+                break
+            threading.Event().wait(0.001)
+        handle.cancel()
+        held.gate.set()
+        compiled = handle.result(timeout=30)
+        assert compiler.submit(spec).result(timeout=30) is compiled  # cached for the next request
+        assert held.compiled == [spec]
+    finally:
+        held.gate.set()
+        compiler.close()
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

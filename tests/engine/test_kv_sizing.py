@@ -115,6 +115,32 @@ def test_fit_kv_pool_warms_up_then_sizes_the_pool_from_free_memory(runner_factor
     torch.testing.assert_close(_prefill_logits(runner, prompt), _prefill_logits(reference, prompt))
 
 
+def test_the_warm_up_reserves_the_largest_prompt_logprobs_step(runner_factory, monkeypatch) -> None:
+    """The step whose memory the free figure leaves room for includes prompt logprobs at the full step
+    budget: a logits row per prompt position but the last, turned into fp32 log-probabilities."""
+    settings = EngineSettings(max_num_batched_tokens=256, gpu_memory_utilization=0.5, max_num_seqs=4096)
+    runner = runner_factory(kv_cache_gb=kv_sizing.initial_kv_cache_gb(settings))
+    computed: list[tuple[int, int]] = []  # (rows, vocabulary) of each prompt-logprobs computation
+    real = kv_sizing.Sampler.prompt_logprobs
+
+    def spy(self, logits: torch.Tensor, targets, k: int):  # type: ignore[no-untyped-def]
+        computed.append((logits.shape[0], logits.shape[1]))
+        return real(self, logits, targets, k)
+
+    monkeypatch.setattr(kv_sizing.Sampler, "prompt_logprobs", spy)
+    device = FakeDevice(runner, free_bytes=64 * MiB)
+    computed_before_read: list[int] = []
+
+    def mem_get_info(dev: torch.device) -> tuple[int, int]:
+        computed_before_read.append(len(computed))
+        return device(dev)
+
+    kv_sizing.fit_kv_pool(runner, settings, mem_get_info=mem_get_info)
+    assert device.forwards_before == 1 and computed_before_read == [1]
+    assert computed == [(255, runner.vocab_size)]
+    assert runner.prompt_logits == []  # nothing of the warm-up is kept
+
+
 def test_fit_kv_pool_takes_no_more_blocks_than_requests_can_fill(runner_factory) -> None:
     # The test model's context is 512 tokens: 4 requests fill at most 4 x 32 blocks of 16, however much
     # memory is free (a small model on a large GPU).

@@ -520,6 +520,47 @@ async def test_a_loop_failing_past_its_budget_stays_not_serving(llama_dir: Path)
     assert handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total") == 1.0
 
 
+async def test_a_step_that_always_fails_turns_the_service_not_serving(llama_dir: Path) -> None:
+    """A runner that raises on every step (a sticky device error): the service leaves SERVING (the loop
+    is rebuilt after max_step_failures failed steps in a row, then, past loop_recoveries, for good), and
+    the requests end `unavailable` once the step is known to be broken, so that a gateway fails over."""
+    settings = EngineSettings(
+        model=str(llama_dir),
+        port=0,
+        device=TEST_DEVICE,
+        dtype="float32",
+        max_step_failures=2,
+        loop_recoveries=1,
+    )
+    handle = await create_server(settings)
+    await handle.start()
+    engine, address = handle.core, f"127.0.0.1:{handle.port}"
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("CUDA error: out of memory")
+
+    engine.engine.runner.execute = broken  # type: ignore[method-assign]
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+    classes: list[str] = []
+    try:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            assert await _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            stream = StreamCall(engine_pb2_grpc.EngineStub(channel))
+            for n in range(1000):  # one request at a time until the engine is unavailable for good
+                if engine.failure() is not None:
+                    break
+                await stream.send(gen_request(f"r{n}"))
+                final = await stream.until_final(f"r{n}")
+                classes.append(error_class(final.error))
+            assert await _until_health(channel, not_serving) == not_serving
+            await stream.close()
+    finally:
+        await handle.stop(None)
+    assert classes[0] == "internal" and set(classes[1:]) == {UNAVAILABLE}, classes
+    assert "engine steps failed in a row: CUDA error: out of memory" in (engine.failure() or "")
+    assert handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total") == 1.0
+
+
 async def test_stream_opens_with_a_cache_snapshot_then_reports_the_blocks_it_stores(
     stub: engine_pb2_grpc.EngineStub,
 ) -> None:

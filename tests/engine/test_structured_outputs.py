@@ -6,9 +6,11 @@ greedy's pick; a request with none of these takes none of their paths."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +20,7 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from services.common.errors import INVALID_ARGUMENT, error_class
+from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE, error_class
 from services.engine.core.engine import LLMEngine
 from services.engine.core.grammar import GrammarCompiler, GrammarSpec
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
@@ -342,6 +344,83 @@ def test_the_step_never_waits_for_a_compile(
         assert outs["g"][-1].finish_reason == "stop"
     finally:
         engine.grammar_compiler = saved
+
+
+def drive(engine: LLMEngine, outs: dict[str, list[RequestOutput]]) -> None:
+    """Steps as the loop thread does (waiting `idle_s` while only compiles are left) until every request
+    ended; generous deadline."""
+    deadline = time.monotonic() + 120
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine never ended its requests"
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        time.sleep(engine.idle_s())
+
+
+@pytest.mark.parametrize("where", ["running", "queued"])
+def test_a_compile_past_its_timeout_ends_its_request_only(
+    engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event], where: str
+) -> None:
+    """A compile that runs longer than grammar_compile_timeout_s (it never ends here) ends its request
+    `invalid_argument`, naming the setting; one still queued that long behind others, `unavailable` (it may
+    be retried elsewhere). The plain request beside it is unharmed."""
+    compiler, gate = held_compiler
+    if where == "running":
+        gate.set()  # the worker is free; the compile itself waits
+        real, hold = compiler._compile, threading.Event()
+
+        def compile_(spec: GrammarSpec) -> Any:
+            hold.wait(60)
+            return real(spec)
+
+        compiler._compile = compile_  # type: ignore[method-assign]
+    saved = engine.grammar_compiler, engine.settings
+    engine.grammar_compiler = compiler
+    engine.settings = dataclasses.replace(engine.settings, grammar_compile_timeout_s=0.2)
+    try:
+        spec = GrammarSpec("regex", f"[a-z]{{3}} {where}")
+        engine.add_request("g", [5, 6], SamplingParams(grammar=spec), StoppingParams(max_new_tokens=30))
+        engine.add_request("p", [5, 7], SamplingParams(), StoppingParams(max_new_tokens=3, ignore_eos=True))
+        outs: dict[str, list[RequestOutput]] = {}
+        drive(engine, outs)
+    finally:
+        engine.grammar_compiler, engine.settings = saved
+        if where == "running":
+            hold.set()
+    final = outs["g"][-1]
+    assert final.finish_reason == "error" and not ids(outs["g"]) and final.error is not None
+    assert "grammar_compile_timeout_s (0.2s)" in final.error
+    assert error_class(final.error) == (INVALID_ARGUMENT if where == "running" else UNAVAILABLE)
+    assert outs["p"][-1].finish_reason == "length" and len(ids(outs["p"])) == 3
+    assert not engine._compiling
+
+
+def test_an_aborted_request_cancels_its_queued_compile(
+    engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event]
+) -> None:
+    compiler, gate = held_compiler
+    compiled: list[GrammarSpec] = []
+    real = compiler._compile
+
+    def compile_(spec: GrammarSpec) -> Any:
+        compiled.append(spec)
+        return real(spec)
+
+    compiler._compile = compile_  # type: ignore[method-assign]
+    engine.grammar_compiler, saved = compiler, engine.grammar_compiler
+    try:
+        dropped, kept = GrammarSpec("regex", "[a-z]{3} dropped"), GrammarSpec("regex", "[a-z]{3} kept")
+        engine.add_request("g", [5, 6], SamplingParams(grammar=dropped), StoppingParams(max_new_tokens=30))
+        engine.add_request("k", [5, 6], SamplingParams(grammar=kept), StoppingParams(max_new_tokens=30))
+        engine.abort_request("g")
+        gate.set()
+        outs: dict[str, list[RequestOutput]] = {}
+        drive(engine, outs)
+    finally:
+        engine.grammar_compiler = saved
+    assert outs["g"][-1].finish_reason == "cancelled"
+    assert outs["k"][-1].finish_reason == "stop"
+    assert compiled == [kept], "the aborted request's compile never ran"
 
 
 def test_logit_bias_plus_100_makes_greedy_pick_a_token_and_minus_100_bans_it(engine: LLMEngine) -> None:

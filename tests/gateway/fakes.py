@@ -54,6 +54,9 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.gate: asyncio.Event | None = None
         self.arrived = asyncio.Event()
         self.fail_next: list[grpc.StatusCode] = []
+        self.chat_template = ""  # what Info says of the model's template
+        self.generation_prompt = ""
+        self.special_tokens: dict[str, int] = {}  # and of its special tokens (text → id)
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -80,7 +83,17 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Info(
         self, request: tokenizer_pb2.InfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.InfoResponse:
-        return tokenizer_pb2.InfoResponse(model=MODEL, vocab_size=0x110000, context_length=4096)
+        return tokenizer_pb2.InfoResponse(
+            model=MODEL,
+            vocab_size=0x110000,
+            context_length=4096,
+            chat_template=self.chat_template,
+            generation_prompt=self.generation_prompt,
+            special_tokens=[
+                tokenizer_pb2.SpecialToken(name=text, text=text, id=i)
+                for text, i in self.special_tokens.items()
+            ],
+        )
 
 
 @dataclass

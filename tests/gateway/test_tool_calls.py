@@ -26,12 +26,11 @@ from gateway.tool_calls import (
     ToolCallDelta,
     ToolCallStream,
     finish_reason,
-    infer_parser,
     merge,
     new_call_id,
-    tool_call_stream,
     tool_request,
 )
+from gateway.tool_parsers import PARSERS, infer_parser, tool_call_stream
 from services.tokenizer.core import TokenizerCore, chat_message
 from sluice.model.tokenizer import CHAT_TEMPLATE
 
@@ -112,7 +111,42 @@ LLAMA_CASES: list[tuple[str, str, list[ToolCall]]] = [
     ('{"name": "a", "parameters": {"k": [1, 2', "", calls(("a", '{"k": [1, 2'))),
 ]
 
-CASES = [("hermes", *case) for case in HERMES_CASES] + [("llama3_json", *case) for case in LLAMA_CASES]
+MISTRAL_CASES: list[tuple[str, str, list[ToolCall]]] = [
+    ("Plain [text] here", "Plain [text] here", []),
+    ("[1] first, [2] second", "[1] first, [2] second", []),
+    ("[TOOL", "[TOOL", []),
+    (
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        "",
+        calls(("get_weather", '{"city": "Paris"}')),
+    ),
+    (
+        'Let me check. [TOOL_CALLS] [{"name": "a", "arguments": {"x": "]"}}, {"name":"b","arguments":{}}]',
+        "Let me check.",
+        calls(("a", '{"x": "]"}'), ("b", "{}")),
+    ),
+    # The marker is a special token: skipped from the text, the array starts the output.
+    (' [ {"name": "a", "arguments": {"k": [1, 2]}}]', "", calls(("a", '{"k": [1, 2]}'))),
+    ('[TOOL_CALLS][{"name": "a"}] and after', "and after", calls(("a", "{}"))),
+    ('[TOOL_CALLS][{"nom": "a"}]', '{"nom": "a"}]', []),
+    ('[TOOL_CALLS][{"name": "a", "arguments": {"k": 1', "", calls(("a", '{"k": 1'))),
+    # v11 and later: NAME[ARGS]{...}, one marker per call.
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', "", calls(("get_weather", '{"city": "Paris"}'))),
+    (
+        'Sure.[TOOL_CALLS]a[ARGS]{"x": "[TOOL_CALLS]"}[TOOL_CALLS]b[ARGS]{}',
+        "Sure.",
+        calls(("a", '{"x": "[TOOL_CALLS]"}'), ("b", "{}")),
+    ),
+    ("[TOOL_CALLS]now[ARGS]", "", calls(("now", "{}"))),
+    ("[TOOL_CALLS]a b c", "[TOOL_CALLS]a b c", []),
+    ('[TOOL_CALLS]f[ARGS]{"a": 1} then text', "then text", calls(("f", '{"a": 1}'))),
+]
+
+CASES = (
+    [("hermes", *case) for case in HERMES_CASES]
+    + [("llama3_json", *case) for case in LLAMA_CASES]
+    + [("mistral", *case) for case in MISTRAL_CASES]
+)
 
 
 @pytest.mark.parametrize(("parser", "text", "content", "want"), CASES)
@@ -189,8 +223,8 @@ def test_call_ids_are_openai_style_and_distinct() -> None:
 
 
 def test_unknown_parser_is_refused() -> None:
-    with pytest.raises(ValueError, match="hermes, llama3_json"):
-        tool_call_stream("mistral")
+    with pytest.raises(ValueError, match="hermes, llama3_json, mistral"):
+        tool_call_stream("pythonic")
 
 
 def test_infer_parser_from_template() -> None:
@@ -198,6 +232,7 @@ def test_infer_parser_from_template() -> None:
     llama = "{{- '<|python_tag|>' + tool_call.name }}{{ '\"parameters\": ' }}"
     assert infer_parser(llama) == "llama3_json"
     assert infer_parser(CHAT_TEMPLATE + llama) is None
+    assert infer_parser("{{ '[TOOL_CALLS][' + calls | tojson }}") == "mistral"
     assert infer_parser("{{ messages }}") is None
     assert infer_parser(None) is None
 
@@ -277,6 +312,28 @@ def test_llama3_json_random_outputs_in_random_splits(
     one_shot = fresh("llama3_json").parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in one_shot[1]] == found
     assert merge(streamed("llama3_json", data.draw(splits(text)))) == one_shot
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    data=st.data(),
+    found=st.lists(st.tuples(NAMES, ARGUMENTS), min_size=1, max_size=3),
+    head=CONTENT,
+    form=st.sampled_from(["array", "bare", "args"]),
+)
+def test_mistral_random_outputs_in_random_splits(
+    data: st.DataObject, found: list[tuple[str, Any]], head: str, form: str
+) -> None:
+    if form == "args":
+        text = head + "".join(f"[TOOL_CALLS]{n}[ARGS]{json.dumps(a)}" for n, a in found)
+    else:
+        array = json.dumps([{"name": n, "arguments": a} for n, a in found])
+        text = array if form == "bare" else f"{head}[TOOL_CALLS]{array}"
+    one_shot = fresh("mistral").parse(text)
+    assert [(c.name, json.loads(c.arguments)) for c in one_shot[1]] == found
+    if form != "bare":
+        assert one_shot[0] == head.rstrip()
+    assert merge(streamed("mistral", data.draw(splits(text)))) == one_shot
 
 
 # ---- request validation --------------------------------------------------------------------------
@@ -470,10 +527,12 @@ def ll_tokenizer(tiny_model_dir: Path) -> llguidance.LLTokenizer:
     return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
-def matcher(tokenizer: llguidance.LLTokenizer, body: dict[str, Any]) -> llguidance.LLMatcher:
+def matcher(
+    tokenizer: llguidance.LLTokenizer, body: dict[str, Any], parser: str = "hermes"
+) -> llguidance.LLMatcher:
     request = tool_request(body)
     assert request is not None
-    kind, text = request.grammar() or ("", "")
+    kind, text = request.grammar(PARSERS[parser]) or ("", "")
     assert kind == "grammar"
     grammar = llguidance.grammar_from("grammar", text)
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""  # no error
@@ -515,10 +574,12 @@ def test_grammar_accepts_what_the_template_writes(
     assert not accepts(ll_tokenizer, required, "I will not call anything.")
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json", "mistral"])
 @pytest.mark.parametrize("parallel", [True, False])
 def test_random_walks_under_the_grammar_parse_into_valid_calls(
-    ll_tokenizer: llguidance.LLTokenizer, parallel: bool
+    ll_tokenizer: llguidance.LLTokenizer, parallel: bool, parser: str
 ) -> None:
+    """A required call's grammar, in each parser's format, writes only what that parser reads as calls."""
     # Bounded schemas, so that a walk ends: a closed empty object, a short string, an enum.
     now = {
         "type": "function",
@@ -531,7 +592,7 @@ def test_random_walks_under_the_grammar_parse_into_valid_calls(
     rng = random.Random(0)
     counts = []
     for _ in range(30):
-        m = matcher(ll_tokenizer, body)
+        m = matcher(ll_tokenizer, body, parser)
         tokens: list[int] = []
         while not (m.is_accepting() and (m.is_stopped() or rng.random() < 0.5)):
             bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
@@ -542,7 +603,7 @@ def test_random_walks_under_the_grammar_parse_into_valid_calls(
             tokens.append(token)
             assert len(tokens) < 2000
         text = ll_tokenizer.decode_str(tokens)
-        content, found = fresh("hermes").parse(text)
+        content, found = fresh(parser).parse(text)
         assert content == "" and found, text
         for call in found:
             arguments = json.loads(call.arguments)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsluice/v1/detokenizer.proto\x12\tsluice.v1\"\x82\x02\n\x0f\x44\x65tokenizeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x05 \x01(\x08\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.sluice.v1.DetokenizeStart.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"8\n\x0f\x44\x65tokenizeChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"%\n\x0f\x44\x65tokenizeClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa2\x01\n\x11\x44\x65tokenizeInEntry\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeStartH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeChunkH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeCloseH\x00\x42\x06\n\x04kind\"=\n\x0c\x44\x65tokenizeIn\x12-\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1c.sluice.v1.DetokenizeInEntry\">\n\tTextDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07num_ids\x18\x03 \x01(\r\"m\n\x0f\x44\x65tokenizeFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\x12\x0c\n\x04stop\x18\x03 \x01(\t\x12\x18\n\x10num_ids_consumed\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"p\n\x12\x44\x65tokenizeOutEntry\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.sluice.v1.TextDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeFinalH\x00\x42\x06\n\x04kind\"?\n\rDetokenizeOut\x12.\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1d.sluice.v1.DetokenizeOutEntry\"9\n\rDecodeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"!\n\x12TokenPiecesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\")\n\nTokenPiece\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\"<\n\x13TokenPiecesResponse\x12%\n\x06pieces\x18\x01 \x03(\x0b\x32\x15.sluice.v1.TokenPiece2\xb0\x02\n\x0b\x44\x65tokenizer\x12?\n\x06Stream\x12\x17.sluice.v1.DetokenizeIn\x1a\x18.sluice.v1.DetokenizeOut(\x01\x30\x01\x12S\n\x10\x44\x65tokenizeStream\x12\x1c.sluice.v1.DetokenizeInEntry\x1a\x1d.sluice.v1.DetokenizeOutEntry(\x01\x30\x01\x12=\n\x06\x44\x65\x63ode\x12\x18.sluice.v1.DecodeRequest\x1a\x19.sluice.v1.DecodeResponse\x12L\n\x0bTokenPieces\x12\x1d.sluice.v1.TokenPiecesRequest\x1a\x1e.sluice.v1.TokenPiecesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bsluice/v1/detokenizer.proto\x12\tsluice.v1\"\x9c\x02\n\x0f\x44\x65tokenizeStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x03 \x01(\x08\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x05 \x01(\x08\x12\x43\n\rtrace_context\x18\x06 \x03(\x0b\x32,.sluice.v1.DetokenizeStart.TraceContextEntry\x12\x18\n\x10keep_special_ids\x18\x07 \x03(\x05\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"8\n\x0f\x44\x65tokenizeChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\"%\n\x0f\x44\x65tokenizeClose\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xa2\x01\n\x11\x44\x65tokenizeInEntry\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeStartH\x00\x12+\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeChunkH\x00\x12+\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeCloseH\x00\x42\x06\n\x04kind\"=\n\x0c\x44\x65tokenizeIn\x12-\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1c.sluice.v1.DetokenizeInEntry\">\n\tTextDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07num_ids\x18\x03 \x01(\r\"m\n\x0f\x44\x65tokenizeFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07stopped\x18\x02 \x01(\x08\x12\x0c\n\x04stop\x18\x03 \x01(\t\x12\x18\n\x10num_ids_consumed\x18\x04 \x01(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"p\n\x12\x44\x65tokenizeOutEntry\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x14.sluice.v1.TextDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.sluice.v1.DetokenizeFinalH\x00\x42\x06\n\x04kind\"?\n\rDetokenizeOut\x12.\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1d.sluice.v1.DetokenizeOutEntry\"9\n\rDecodeRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\x1e\n\x0e\x44\x65\x63odeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"!\n\x12TokenPiecesRequest\x12\x0b\n\x03ids\x18\x01 \x03(\x05\")\n\nTokenPiece\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\"<\n\x13TokenPiecesResponse\x12%\n\x06pieces\x18\x01 \x03(\x0b\x32\x15.sluice.v1.TokenPiece2\xb0\x02\n\x0b\x44\x65tokenizer\x12?\n\x06Stream\x12\x17.sluice.v1.DetokenizeIn\x1a\x18.sluice.v1.DetokenizeOut(\x01\x30\x01\x12S\n\x10\x44\x65tokenizeStream\x12\x1c.sluice.v1.DetokenizeInEntry\x1a\x1d.sluice.v1.DetokenizeOutEntry(\x01\x30\x01\x12=\n\x06\x44\x65\x63ode\x12\x18.sluice.v1.DecodeRequest\x1a\x19.sluice.v1.DecodeResponse\x12L\n\x0bTokenPieces\x12\x1d.sluice.v1.TokenPiecesRequest\x1a\x1e.sluice.v1.TokenPiecesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,35 +34,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DETOKENIZESTART']._serialized_start=43
-  _globals['_DETOKENIZESTART']._serialized_end=301
-  _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._serialized_start=250
-  _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._serialized_end=301
-  _globals['_DETOKENIZECHUNK']._serialized_start=303
-  _globals['_DETOKENIZECHUNK']._serialized_end=359
-  _globals['_DETOKENIZECLOSE']._serialized_start=361
-  _globals['_DETOKENIZECLOSE']._serialized_end=398
-  _globals['_DETOKENIZEINENTRY']._serialized_start=401
-  _globals['_DETOKENIZEINENTRY']._serialized_end=563
-  _globals['_DETOKENIZEIN']._serialized_start=565
-  _globals['_DETOKENIZEIN']._serialized_end=626
-  _globals['_TEXTDELTA']._serialized_start=628
-  _globals['_TEXTDELTA']._serialized_end=690
-  _globals['_DETOKENIZEFINAL']._serialized_start=692
-  _globals['_DETOKENIZEFINAL']._serialized_end=801
-  _globals['_DETOKENIZEOUTENTRY']._serialized_start=803
-  _globals['_DETOKENIZEOUTENTRY']._serialized_end=915
-  _globals['_DETOKENIZEOUT']._serialized_start=917
-  _globals['_DETOKENIZEOUT']._serialized_end=980
-  _globals['_DECODEREQUEST']._serialized_start=982
-  _globals['_DECODEREQUEST']._serialized_end=1039
-  _globals['_DECODERESPONSE']._serialized_start=1041
-  _globals['_DECODERESPONSE']._serialized_end=1071
-  _globals['_TOKENPIECESREQUEST']._serialized_start=1073
-  _globals['_TOKENPIECESREQUEST']._serialized_end=1106
-  _globals['_TOKENPIECE']._serialized_start=1108
-  _globals['_TOKENPIECE']._serialized_end=1149
-  _globals['_TOKENPIECESRESPONSE']._serialized_start=1151
-  _globals['_TOKENPIECESRESPONSE']._serialized_end=1211
-  _globals['_DETOKENIZER']._serialized_start=1214
-  _globals['_DETOKENIZER']._serialized_end=1518
+  _globals['_DETOKENIZESTART']._serialized_end=327
+  _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._serialized_start=276
+  _globals['_DETOKENIZESTART_TRACECONTEXTENTRY']._serialized_end=327
+  _globals['_DETOKENIZECHUNK']._serialized_start=329
+  _globals['_DETOKENIZECHUNK']._serialized_end=385
+  _globals['_DETOKENIZECLOSE']._serialized_start=387
+  _globals['_DETOKENIZECLOSE']._serialized_end=424
+  _globals['_DETOKENIZEINENTRY']._serialized_start=427
+  _globals['_DETOKENIZEINENTRY']._serialized_end=589
+  _globals['_DETOKENIZEIN']._serialized_start=591
+  _globals['_DETOKENIZEIN']._serialized_end=652
+  _globals['_TEXTDELTA']._serialized_start=654
+  _globals['_TEXTDELTA']._serialized_end=716
+  _globals['_DETOKENIZEFINAL']._serialized_start=718
+  _globals['_DETOKENIZEFINAL']._serialized_end=827
+  _globals['_DETOKENIZEOUTENTRY']._serialized_start=829
+  _globals['_DETOKENIZEOUTENTRY']._serialized_end=941
+  _globals['_DETOKENIZEOUT']._serialized_start=943
+  _globals['_DETOKENIZEOUT']._serialized_end=1006
+  _globals['_DECODEREQUEST']._serialized_start=1008
+  _globals['_DECODEREQUEST']._serialized_end=1065
+  _globals['_DECODERESPONSE']._serialized_start=1067
+  _globals['_DECODERESPONSE']._serialized_end=1097
+  _globals['_TOKENPIECESREQUEST']._serialized_start=1099
+  _globals['_TOKENPIECESREQUEST']._serialized_end=1132
+  _globals['_TOKENPIECE']._serialized_start=1134
+  _globals['_TOKENPIECE']._serialized_end=1175
+  _globals['_TOKENPIECESRESPONSE']._serialized_start=1177
+  _globals['_TOKENPIECESRESPONSE']._serialized_end=1237
+  _globals['_DETOKENIZER']._serialized_start=1240
+  _globals['_DETOKENIZER']._serialized_end=1544
 # @@protoc_insertion_point(module_scope)

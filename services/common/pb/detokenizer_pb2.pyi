@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DetokenizeStart(_message.Message):
-    __slots__ = ("request_id", "prompt_ids", "skip_special_tokens", "stop", "include_stop_str_in_output", "trace_context")
+    __slots__ = ("request_id", "prompt_ids", "skip_special_tokens", "stop", "include_stop_str_in_output", "trace_context", "keep_special_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -21,13 +21,15 @@ class DetokenizeStart(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_SPECIAL_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_special_tokens: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     include_stop_str_in_output: bool
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    keep_special_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., keep_special_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeChunk(_message.Message):
     __slots__ = ("request_id", "token_ids")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/tokenizer.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\xb3\x03\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.sluice.v1.ConversationH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\x32\n\x0ftruncation_side\x18\x06 \x01(\x0e\x32\x19.sluice.v1.TruncationSide\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.sluice.v1.TokenizeRequest.TraceContextEntry\x12\x12\n\ntools_json\x18\t \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"U\n\x10TokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\r\n\x0bInfoRequest\"6\n\x0cSpecialToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\x05\"\xac\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12/\n\x0especial_tokens\x18\x04 \x03(\x0b\x32\x17.sluice.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08*f\n\x0eTruncationSide\x12\x1f\n\x1bTRUNCATION_SIDE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRUNCATION_SIDE_LEFT\x10\x01\x12\x19\n\x15TRUNCATION_SIDE_RIGHT\x10\x02\x32\xd8\x01\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12M\n\x0eTokenizeStream\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse(\x01\x30\x01\x12\x37\n\x04Info\x12\x16.sluice.v1.InfoRequest\x1a\x17.sluice.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19sluice/v1/tokenizer.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\xb3\x03\n\x0fTokenizeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.sluice.v1.ConversationH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x04 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08H\x02\x88\x01\x01\x12\x32\n\x0ftruncation_side\x18\x06 \x01(\x0e\x32\x19.sluice.v1.TruncationSide\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x43\n\rtrace_context\x18\x08 \x03(\x0b\x32,.sluice.v1.TokenizeRequest.TraceContextEntry\x12\x12\n\ntools_json\x18\t \x01(\t\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"U\n\x10TokenizeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\x11\n\ttruncated\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\r\n\x0bInfoRequest\"6\n\x0cSpecialToken\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\x05\"\xde\x01\n\x0cInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\x12/\n\x0especial_tokens\x18\x04 \x03(\x0b\x32\x17.sluice.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x15\n\rchat_template\x18\x07 \x01(\t\x12\x19\n\x11generation_prompt\x18\x08 \x01(\t*f\n\x0eTruncationSide\x12\x1f\n\x1bTRUNCATION_SIDE_UNSPECIFIED\x10\x00\x12\x18\n\x14TRUNCATION_SIDE_LEFT\x10\x01\x12\x19\n\x15TRUNCATION_SIDE_RIGHT\x10\x02\x32\xd8\x01\n\tTokenizer\x12\x43\n\x08Tokenize\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse\x12M\n\x0eTokenizeStream\x12\x1a.sluice.v1.TokenizeRequest\x1a\x1b.sluice.v1.TokenizeResponse(\x01\x30\x01\x12\x37\n\x04Info\x12\x16.sluice.v1.InfoRequest\x1a\x17.sluice.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIZEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_TOKENIZEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_TRUNCATIONSIDE']._serialized_start=835
-  _globals['_TRUNCATIONSIDE']._serialized_end=937
+  _globals['_TRUNCATIONSIDE']._serialized_start=885
+  _globals['_TRUNCATIONSIDE']._serialized_end=987
   _globals['_TOKENIZEREQUEST']._serialized_start=65
   _globals['_TOKENIZEREQUEST']._serialized_end=500
   _globals['_TOKENIZEREQUEST_TRACECONTEXTENTRY']._serialized_start=391
@@ -47,7 +47,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECIALTOKEN']._serialized_start=604
   _globals['_SPECIALTOKEN']._serialized_end=658
   _globals['_INFORESPONSE']._serialized_start=661
-  _globals['_INFORESPONSE']._serialized_end=833
-  _globals['_TOKENIZER']._serialized_start=940
-  _globals['_TOKENIZER']._serialized_end=1156
+  _globals['_INFORESPONSE']._serialized_end=883
+  _globals['_TOKENIZER']._serialized_start=990
+  _globals['_TOKENIZER']._serialized_end=1206
 # @@protoc_insertion_point(module_scope)

@@ -73,17 +73,21 @@ class SpecialToken(_message.Message):
     def __init__(self, name: _Optional[str] = ..., text: _Optional[str] = ..., id: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model", "vocab_size", "context_length", "special_tokens", "eos_token_ids", "has_chat_template")
+    __slots__ = ("model", "vocab_size", "context_length", "special_tokens", "eos_token_ids", "has_chat_template", "chat_template", "generation_prompt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     context_length: int
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     has_chat_template: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    generation_prompt: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., context_length: _Optional[int] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., has_chat_template: _Optional[bool] = ..., chat_template: _Optional[str] = ..., generation_prompt: _Optional[str] = ...) -> None: ...

@@ -28,16 +28,20 @@ With async scheduling (services/engine/core/engine.py) a step's outputs are thos
 it; the loop keeps stepping while a launched step is unread (`LLMEngine.has_unfinished_requests`), and
 aborts applied between steps take effect at the next one.
 
-A step that raises fails the engine's requests and the loop goes on. If the loop itself fails (failing
-those requests raised too, or `inject_fault`), it ends every caller's requests with an `unavailable`
-error final at once and recovers in-process: the `on_recovery` callbacks learn it failed (the server
-turns NOT_SERVING), submits meanwhile are refused `unavailable`, `LLMEngine.reset` rebuilds the request
-state over the loaded model (every KV block free, the prefix cache dropped), every report feed gets a
-new snapshot (an empty cache: a gateway mirroring it forgets every key), the loop starts again and the
-callbacks learn it serves (SERVING again). Callers stay open. The budget: `loop_recoveries` recoveries
-within `loop_recovery_window_s` (EngineSettings). One failure more, a rebuild that raises, or a failure
-that is not an `Exception`, is for good: later submits are refused `unavailable` and the `on_fatal`
-callbacks run (the server marks itself NOT_SERVING for good, for its supervisor to restart it).
+A step that raises fails the engine's requests and the loop goes on (outputs it produced before are
+delivered). A step that fails `max_step_failures` times in a row (EngineSettings: the step itself is
+broken, not one request) counts as a failure of the loop. If the loop itself fails (that, failing a
+broken step's requests raised too, or `inject_fault`), it ends every caller's requests with an
+`unavailable` error final at once and recovers in-process: the `on_recovery` callbacks learn it failed
+(the server turns NOT_SERVING), submits meanwhile are refused `unavailable`, `LLMEngine.reset` rebuilds
+the request state over the loaded model (every KV block free, the prefix cache dropped), every report
+feed gets a new snapshot (an empty cache: a gateway mirroring it forgets every key; a feed opened
+meanwhile gets its first one), the loop starts again and the callbacks learn it serves (SERVING again).
+The count of failed steps survives the rebuild: a step still broken after it fails the loop again at its
+first failure. Callers stay open. The budget: `loop_recoveries` recoveries within
+`loop_recovery_window_s` (EngineSettings). One failure more, a rebuild that raises, or a failure that is
+not an `Exception`, is for good: later submits are refused `unavailable` and the `on_fatal` callbacks
+run (the server marks itself NOT_SERVING for good, for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -400,9 +404,12 @@ class AsyncEngine:
             self._cond.notify()
 
     def _post(self, command: _Submit | _Abort | _Subscribe, caller: Caller | None, request_id: str) -> None:
+        """Queues a command for the loop's next pass. While the loop is rebuilt a submit is refused
+        `unavailable` at once (an abort has nothing left to end) but a subscription is queued: its feed
+        opens with the rebuilt engine's snapshot. After a failure for good, nothing is queued."""
         with self._cond:
             refusal = self._failure or self._recovering
-            if refusal is None:
+            if refusal is None or (self._failure is None and isinstance(command, _Subscribe)):
                 self._commands.append((command, caller, request_id))
                 self._cond.notify()
                 return
@@ -442,8 +449,11 @@ class AsyncEngine:
                 log.exception("engine step raised")
                 outputs = self.engine.fail_all(f"internal error in engine step: {exc}")  # may raise: fatal
             self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
-            self._dispatch(outputs)
+            self._dispatch(outputs)  # outputs already produced are delivered, even by a broken step
             self._report()
+            if self.engine.step_broken:  # the step fails every time: rebuild, as after a loop failure
+                failed = self.engine.failed_steps_in_a_row
+                raise RuntimeError(f"{failed} engine steps failed in a row: {self.engine.last_step_error}")
 
     def _wait_for_work(self) -> None:
         """Waits, holding `_cond`, until a command or a stop arrives, or the engine has a step to run."""

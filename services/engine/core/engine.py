@@ -7,7 +7,11 @@ One thread drives it: `add_request`, `abort_request` and `step` are not thread-s
 A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
 ("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
 the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
-(services/common/errors.py).
+(services/common/errors.py). A failure belongs to the request that caused it: one request's grammar or
+postprocessing failure ends that request only; only a failure of the step itself (the runner, the
+sampler, reading the results) fails the step's requests, `internal`, and the engine counts such steps in
+a row (`failed_steps_in_a_row`; a step that runs resets it): the one that reaches `max_step_failures`
+fails its requests `unavailable` and is `step_broken`, for the driver to rebuild the loop.
 
 A step runs in one of three modes:
 - synchronous (`_run_scheduled`): execute, sample, read the sampled ids, postprocess;
@@ -31,9 +35,14 @@ A step runs in one of three modes:
   (`Scheduler.accept_drafts`).
 
 Structured outputs: a request with a grammar (`SamplingParams.grammar`) has it compiled off the step thread
-by the engine's `GrammarCompiler` (services/engine/core/grammar.py, one per model, cached by key) and is
-held back, outside the scheduler, until the compile is done: the step never waits for it, and a compile
-error ends the request (`invalid_argument`, the message naming the problem). Its `GrammarState` accepts
+by the engine's `GrammarCompiler` (services/engine/core/grammar.py, one per model, cached by key, on
+`grammar_compile_threads` threads) and is held back, outside the scheduler, until the compile is done: the
+step never waits for it, and a compile error ends the request (`invalid_argument`, the message naming the
+problem), as does a compile running longer than `grammar_compile_timeout_s` (one queued that long behind
+others: `unavailable`); a request that ends meanwhile cancels its wait (a queued compile nobody else waits
+for never runs). A grammar the library gives up on while the request generates (its parser's limits)
+ends that request only (`invalid_argument`); one request's failure in postprocessing never fails the
+step's other requests, whose outputs are always delivered. Its `GrammarState` accepts
 each token the request keeps, in `_stopped` (never a token discarded after a stop, nor async scheduling's
 discarded token); the sampler masks what the state forbids. Async scheduling reads a grammar request's
 pending token before the next step, as for penalties; speculation gives it no drafts. Preemption keeps
@@ -58,7 +67,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, error_message
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_message
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarHandle
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
@@ -177,7 +186,9 @@ class LLMEngine:
             from services.engine.executor.model_runner import load_runner
 
             loaded = load_runner(settings)
-            grammar_compiler = _grammar_compiler(loaded.model_dir, loaded.vocab_size, loaded.eos_ids)
+            grammar_compiler = _grammar_compiler(
+                loaded.model_dir, loaded.vocab_size, loaded.eos_ids, settings.grammar_compile_threads
+            )
             runner = loaded
         self.runner = runner
         self.grammar_compiler = grammar_compiler
@@ -205,6 +216,16 @@ class LLMEngine:
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
         self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
+        self.failed_steps_in_a_row = 0  # steps that failed since the latest one that ran without failing
+        self.last_step_error = ""  # what the latest failed step raised
+        self._step_failed = False  # the current (after it, the latest) step failed
+
+    @property
+    def step_broken(self) -> bool:
+        """True when the latest step failed and made `max_step_failures` failed steps in a row: the step
+        itself is broken (a sticky device error, a repeated OOM), not one request. The driver then rebuilds
+        the loop (services/engine/core/async_engine.py)."""
+        return self._step_failed and self.failed_steps_in_a_row >= self.settings.max_step_failures
 
     def _new_scheduler(self) -> Scheduler:
         settings = self.settings
@@ -235,9 +256,12 @@ class LLMEngine:
         self.recorder.scheduler, self.recorder.block_manager = self.scheduler, bm
         self._in_flight = None  # its results are of no use now; the device finishes it in stream order
         self.requests = {}
+        for handle in self._compiling.values():
+            handle.cancel()
         self._compiling = {}
         self._pending = []
         self._forming_until = 0.0
+        self._step_failed = False  # the count of failed steps stays: one more failure rebuilds at once
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -310,17 +334,19 @@ class LLMEngine:
         if req is None or req.finished:
             return
         self._drop_placeholder(req)
-        self._compiling.pop(req, None)
+        self._stop_compile(req)
         self.scheduler.finish(req, "cancelled")
         self._pending.append(self._output(req, []))
 
     def fail_all(self, detail: str) -> list[RequestOutput]:
-        """Ends every request with finish_reason "error", class `internal` (after an unexpected failure
-        of a step outside the model's execution)."""
+        """Ends every request with finish_reason "error" after an unexpected failure of a step outside the
+        model's execution (`step` raised): a failed step, counted as `_fail_step` counts them, its
+        requests ending `internal`, or `unavailable` once the step is broken."""
         outputs, self._pending = self._pending, []
         self._in_flight = None  # its results are of no use now; the device finishes it in stream order
+        error_class = self._count_step_failure(detail)
         for req in list(self.requests.values()):
-            outputs.append(self._fail(req, INTERNAL, detail))
+            outputs.append(self._fail(req, error_class, detail))
         if outputs and self.observer is not None:
             self._observe(self.observer.on_step_end, None, outputs, 0.0)
         return outputs
@@ -337,9 +363,10 @@ class LLMEngine:
         request, before the next step; a step before then is harmless and finds nothing to run."""
         if self._in_flight is not None:
             return 0.0
-        idle = max(0.0, self._forming_until - time.monotonic())
+        now = time.monotonic()
+        idle = max(0.0, self._forming_until - now)
         compiling = self._compiling and not self.scheduler.running and not self.scheduler.waiting
-        if compiling and not any(handle.ready() for handle in self._compiling.values()):
+        if compiling and not any(self._compile_settled(h, now) for h in self._compiling.values()):
             idle = max(idle, GRAMMAR_POLL_S)  # only compiles to wait for: poll, never spin
         return idle
 
@@ -348,6 +375,7 @@ class LLMEngine:
         that got a token or ended (with async scheduling, the tokens of the step launched before). Never
         blocks on a forming batch: it returns at once (see `idle_s`)."""
         start = time.perf_counter()
+        self._step_failed = False
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(time.monotonic()))
         if self._compiling:
@@ -357,21 +385,45 @@ class LLMEngine:
         sched = self._schedule()
         if sched.empty:
             drained = self._run_nothing(sched, outputs)
+            if drained and not self._step_failed:
+                self.failed_steps_in_a_row = 0
             self._end_step(None, outputs, start, timed=drained)
             return outputs
         if self.observer is not None:
             self._observe(self.observer.on_scheduled, sched)
         run = self._run_speculative if sched.num_draft_tokens else self._run_scheduled
         ok = run(sched, outputs)
+        if ok and not self._step_failed:
+            self.failed_steps_in_a_row = 0
         self._end_step(sched, outputs, start, timed=ok)
         return outputs
 
+    def _compile_settled(self, handle: GrammarHandle, now: float) -> bool:
+        """Whether a request's compile is done or has taken longer than `grammar_compile_timeout_s`: running
+        that long (the grammar is too complex), or queued that long behind others."""
+        if handle.ready():
+            return True
+        since = handle.started if handle.started is not None else handle.submitted
+        return now - since >= self.settings.grammar_compile_timeout_s
+
+    def _compile_timed_out(self, req: Request, handle: GrammarHandle) -> RequestOutput:
+        timeout = f"grammar_compile_timeout_s ({self.settings.grammar_compile_timeout_s:g}s)"
+        if handle.started is None:
+            detail = f"the grammar's compile waited longer than {timeout} behind others; try again"
+            return self._fail(req, UNAVAILABLE, detail)
+        detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; simplify it"
+        return self._fail(req, INVALID_ARGUMENT, detail)
+
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hands the requests whose grammar compiled to the scheduler, in arrival order, each with its own
-        grammar state; a compile that failed ends its request (`invalid_argument`, the compiler's words)."""
+        grammar state; a compile that failed ends its request (`invalid_argument`, the compiler's words),
+        and so does one past its timeout (`_compile_settled`; `unavailable` if it never started)."""
         outputs: list[RequestOutput] = []
+        now = time.monotonic()
         for req, handle in list(self._compiling.items()):
             if not handle.ready():
+                if self._compile_settled(handle, now):
+                    outputs.append(self._compile_timed_out(req, handle))
                 continue
             del self._compiling[req]
             try:
@@ -490,7 +542,7 @@ class LLMEngine:
         try:
             result = launched.handle.result()
             self._collect_prompt_logprobs(launched.prompts)
-            outputs.extend(self._postprocess(launched.reqs, result.token_ids, result.logprobs))
+            self._postprocess(launched.reqs, result.token_ids, result.logprobs, outputs)
         except Exception as exc:
             log.exception("engine step failed")
             outputs.extend(self._fail_step(launched.sched, exc))
@@ -510,9 +562,9 @@ class LLMEngine:
             result = self.sampler.verify(logits, reqs, [list(r.draft_ids) for r in reqs])
             self.scheduler.advance(sched)  # each request's own token; the accepted drafts follow
             for req, tokens, logprobs in zip(reqs, result.token_ids, result.logprobs, strict=True):
-                out = self._accept(sched, req, tokens, logprobs)
-                if out is not None:
-                    outputs.append(out)
+                self._own_failure(
+                    req, outputs, lambda r=req, t=tokens, p=logprobs: self._accept(sched, r, t, p)
+                )
         except Exception as exc:
             log.exception("engine step failed")
             outputs.extend(self._fail_step(sched, exc))
@@ -544,8 +596,23 @@ class LLMEngine:
         return self._output(req, emitted, lps)
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """Fails the requests of a step that failed (outputs already produced stand), counting the failed
+        step: `internal` while one failure may be a request's own doing, `unavailable` once
+        `max_step_failures` steps failed in a row (the step is broken: the gateway may retry elsewhere)."""
         detail = f"internal error in engine step: {exc}"
-        return [self._fail(req, INTERNAL, detail) for req, _ in sched.scheduled if not req.finished]
+        error_class = self._count_step_failure(str(exc))
+        if error_class == UNAVAILABLE:
+            detail = f"{self.failed_steps_in_a_row} engine steps failed in a row: {exc}"
+        return [self._fail(req, error_class, detail) for req, _ in sched.scheduled if not req.finished]
+
+    def _count_step_failure(self, error: str) -> str:
+        """Counts the current step as failed (once, however many parts of it failed); the class of its
+        requests' errors."""
+        if not self._step_failed:
+            self._step_failed = True
+            self.failed_steps_in_a_row += 1
+        self.last_step_error = error
+        return UNAVAILABLE if self.step_broken else INTERNAL
 
     def _drain(self) -> list[RequestOutput]:
         """Reads the launched step (async): afterwards every request holds its tokens on the host."""
@@ -577,27 +644,52 @@ class LLMEngine:
         except Exception:
             log.exception("engine observer failed")
 
-    def _postprocess(self, reqs: list[Request], tokens: list[int], logprobs: list) -> list[RequestOutput]:
-        """Writes each sampled token over its request's placeholder and applies the stop rules; a request
-        that ended since the step was launched (stopped, aborted, failed, expired) is skipped."""
-        outputs: list[RequestOutput] = []
+    def _postprocess(
+        self, reqs: list[Request], tokens: list[int], logprobs: list, outputs: list[RequestOutput]
+    ) -> None:
+        """Writes each sampled token over its request's placeholder, applies the stop rules and appends
+        the request's output to `outputs` as it goes; a request that ended since the step was launched
+        (stopped, aborted, failed, expired) is skipped. A request whose postprocessing raises ends alone."""
+        if not len(reqs) == len(tokens) == len(logprobs):
+            raise RuntimeError(f"{len(reqs)} sampling requests but {len(tokens)} tokens read")
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            if req.finished:
-                continue
-            assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
-            req.token_ids[-1] = tok
-            req.prev_row = -1
-            self._stopped(req, tok)
-            outputs.append(self._output(req, [tok], [lp] if lp is not None else None))
-        return outputs
+            if not req.finished:
+                self._own_failure(req, outputs, lambda r=req, t=tok, p=lp: self._fill(r, t, p))
+
+    def _fill(self, req: Request, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
+        req.token_ids[-1] = tok
+        req.prev_row = -1
+        self._stopped(req, tok)
+        return self._output(req, [tok], [lp] if lp is not None else None)
+
+    def _own_failure(
+        self, req: Request, outputs: list[RequestOutput], produce: Callable[[], RequestOutput | None]
+    ) -> None:
+        """Appends `produce()`, one request's output of a step; an exception there is that request's
+        failure, never the step's: it ends the request (`internal`) and the step's other outputs stand."""
+        try:
+            out = produce()
+        except Exception as exc:
+            log.exception("request %s failed in postprocessing", req.request_id)
+            out = self._fail(req, INTERNAL, f"internal error in the request's postprocessing: {exc}")
+        if out is not None:
+            outputs.append(out)
 
     def _stopped(self, req: Request, tok: int) -> bool:
         """Advances `req`'s grammar with `tok`, its latest (kept) token, and ends `req` when `tok` stops it;
         whether it did. A token its grammar forbids (the mask let nothing else through: e.g. EOS held back
-        by min_new_tokens where only EOS may come) ends it with an internal error."""
-        if req.grammar is not None and not req.grammar.accept((tok,)):
-            self._fail(req, INTERNAL, f"token {tok} is outside the request's grammar")
-            return True
+        by min_new_tokens where only EOS may come) ends it with an internal error; a grammar the library
+        gives up on (GrammarError from `accept`) ends it with `invalid_argument`, naming the problem."""
+        if req.grammar is not None:
+            try:
+                accepted = req.grammar.accept((tok,))
+            except GrammarError as exc:  # the library gave up on the grammar: the request's own failure
+                self._fail(req, INVALID_ARGUMENT, str(exc))
+                return True
+            if not accepted:
+                self._fail(req, INTERNAL, f"token {tok} is outside the request's grammar")
+                return True
         reason = self._stop_reason(req, tok)
         if reason is not None:
             self.scheduler.finish(req, reason)
@@ -626,10 +718,17 @@ class LLMEngine:
         """Ends the request with finish_reason "error" (a no-op on the state of one already finished)."""
         if not req.finished:
             self._drop_placeholder(req)
-        self._compiling.pop(req, None)
+        self._stop_compile(req)
         self.scheduler.finish(req, "error", error_message(error_class, detail))
         self.requests.pop(req.request_id, None)
         return self._output(req, [])
+
+    def _stop_compile(self, req: Request) -> None:
+        """A request that ends while its grammar compiles no longer waits for it (a queued compile that
+        nobody else waits for never runs)."""
+        handle = self._compiling.pop(req, None)
+        if handle is not None:
+            handle.cancel()
 
     @staticmethod
     def _output(req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
@@ -675,10 +774,14 @@ def _row_owners(rows: Sequence[Request]) -> list[Request]:
     return owners
 
 
-def _grammar_compiler(model_dir: Path, vocab_size: int, eos_ids: frozenset[int]) -> GrammarCompiler | None:
+def _grammar_compiler(
+    model_dir: Path, vocab_size: int, eos_ids: frozenset[int], threads: int
+) -> GrammarCompiler | None:
     """The model's grammar compiler, from its tokenizer.json (None, with a warning, without one: requests
     with a grammar are then refused)."""
     if not (model_dir / "tokenizer.json").exists():
         log.warning("structured outputs off: %s has no tokenizer.json", model_dir)
         return None
-    return GrammarCompiler.from_model_dir(model_dir, vocab_size=vocab_size, eos_ids=eos_ids)
+    return GrammarCompiler.from_model_dir(
+        model_dir, vocab_size=vocab_size, eos_ids=eos_ids, max_workers=threads
+    )

@@ -55,6 +55,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
@@ -74,6 +75,7 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 DEFAULT_CACHE_SIZE = 256
+DEFAULT_COMPILE_THREADS = 2
 _MAX_ERROR_CHARS = 400
 
 
@@ -181,8 +183,10 @@ class CompiledGrammar:
 class GrammarState:
     """One request's position in its grammar, advanced only with the tokens the request keeps.
 
-    Invariants: the matcher never enters llguidance's (sticky) error state: every token is checked before
-    it is consumed, and `accept` stops at the first one the grammar forbids. `_recorded[i]` says whether
+    Invariants: the matcher never enters llguidance's (sticky) error state through a forbidden token:
+    every token is checked before it is consumed, and `accept` stops at the first one the grammar forbids;
+    the only way in is the library giving up on the grammar (`accept` raises GrammarError, and the state
+    is of no further use: its request ends). `_recorded[i]` says whether
     kept token i is held by the matcher (EOS accepted after the grammar ended is not), so `rollback(n)`
     undoes exactly the last n accepted tokens. Not thread-safe: the step thread owns it.
     """
@@ -199,7 +203,9 @@ class GrammarState:
 
     def accept(self, tokens: Sequence[int]) -> int:
         """Accepts `tokens` in order while the grammar allows them; returns how many it accepted (fewer
-        than given means tokens[result] is forbidden, and the state holds exactly the accepted prefix)."""
+        than given means tokens[result] is forbidden, and the state holds exactly the accepted prefix).
+        Raises GrammarError when the library gives up on the grammar itself (a limit of its parser, e.g.
+        a `choice` of more than 2,000 strings): the request cannot go on with it."""
         for i, token in enumerate(tokens):
             if self._matcher.is_stopped():
                 if token not in self._eos_ids:
@@ -207,11 +213,19 @@ class GrammarState:
                 self._recorded.append(False)
                 continue
             if self._matcher.validate_tokens([token]) != 1:
+                if self._matcher.is_error():
+                    raise self._gave_up()
                 return i
             if not self._matcher.consume_token(token):
-                raise RuntimeError(f"grammar matcher refused a validated token: {self._matcher.get_error()}")
+                raise self._gave_up()
             self._recorded.append(True)
         return len(tokens)
+
+    def _gave_up(self) -> GrammarError:
+        """The matcher's own limits stopped it (e.g. more than 2,000 alternatives alive at once): the
+        grammar, not the token, is the problem."""
+        detail = _first_lines(self._matcher.get_error())
+        return GrammarError(f"grammar: the matcher cannot follow it after {self.num_tokens} tokens: {detail}")
 
     def rollback(self, n: int) -> None:
         """Undoes the last `n` accepted tokens (0 <= n <= num_tokens)."""
@@ -250,13 +264,27 @@ class GrammarState:
         return self.accept(tokens)
 
 
-class GrammarHandle:
-    """A compile in flight or done. `ready()` never blocks; once it is True, `result()` returns the
-    compiled grammar at once or raises its GrammarError."""
+@dataclass(eq=False)
+class _Job:
+    """One compile, shared by every handle on its key while it is queued or running."""
 
-    def __init__(self, spec: GrammarSpec, future: Future[CompiledGrammar]) -> None:
-        self.spec = spec
+    spec: GrammarSpec
+    future: Future[CompiledGrammar] | None = None
+    started: float | None = None  # time.monotonic() when a worker took it; None while queued
+    wanted: int = 0  # handles on it not cancelled
+
+
+class GrammarHandle:
+    """One request's wait for a compile, in flight or done. `ready()` never blocks; once it is True,
+    `result()` returns the compiled grammar at once or raises its GrammarError. `cancel()` when the
+    request no longer waits (it ended)."""
+
+    def __init__(self, job: _Job, future: Future[CompiledGrammar], compiler: GrammarCompiler) -> None:
+        self.spec = job.spec
+        self.submitted = time.monotonic()
+        self._job = job
         self._future = future
+        self._compiler: GrammarCompiler | None = compiler
 
     def ready(self) -> bool:
         return self._future.done()
@@ -264,15 +292,34 @@ class GrammarHandle:
     def result(self, timeout: float | None = None) -> CompiledGrammar:
         return self._future.result(timeout)
 
+    @property
+    def started(self) -> float | None:
+        """`time.monotonic()` when the compile began running (None while it is queued)."""
+        return self._job.started
+
+    def cancel(self) -> None:
+        """The request no longer waits for this compile (idempotent): a queued compile that no other
+        request waits for is dropped from the queue and never runs. A running one cannot be stopped (the
+        library has no way to): it finishes on its worker and its result is cached for later requests."""
+        compiler, self._compiler = self._compiler, None
+        if compiler is not None:
+            compiler._release(self._job)
+
 
 class GrammarCompiler:
     """Compiles GrammarSpecs for one model's tokenizer on worker threads and caches them by key.
 
     Contract: `submit` never waits for a compile: a cached key returns a handle on the same compile
-    (the same CompiledGrammar object once done), otherwise the compile is queued on the executor.
-    Successful compiles stay in a least-recently-used cache of `cache_size` keys; failed ones are
-    forgotten. Thread-safe. The compiler owns the executor it creates (`close` shuts it down); one passed
-    in stays the caller's.
+    (the same CompiledGrammar object once done), otherwise the compile is queued on the executor:
+    `max_workers` threads, so that one slow compile (a schema with thousands of branches takes about a
+    second) does not hold up the others. llguidance releases the GIL while it compiles (measured on 2 busy
+    cores: a worker building the matcher of a 3,000-branch schema for 1.0 s kept a main thread's 1 ms
+    sleep loop out 104 ms in all, as a worker that only sleeps did, 214 ms, against 1,712 ms for one
+    running Python), so compiles run beside the step thread. A compile whose every handle was cancelled
+    before it started never runs. Successful compiles stay in a least-recently-used cache of `cache_size`
+    keys; failed and cancelled ones are forgotten. Thread-safe. The compiler owns the executor it creates
+    (`close` shuts it down); one passed in stays the caller's. The engine bounds how long a request waits
+    (`grammar_compile_timeout_s`, services/engine/core/engine.py).
     """
 
     def __init__(
@@ -281,6 +328,7 @@ class GrammarCompiler:
         eos_ids: frozenset[int],
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        max_workers: int = DEFAULT_COMPILE_THREADS,
         executor: Executor | None = None,
     ) -> None:
         self.vocab_size: int = tokenizer.vocab_size  # bits per bitmask row, >= the model's logits width
@@ -288,9 +336,9 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._cache_size = cache_size
         self._owns_executor = executor is None
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._cache: OrderedDict[str, Future[CompiledGrammar]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._executor = executor or ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar")
+        self._cache: OrderedDict[str, _Job] = OrderedDict()
+        self._lock = threading.RLock()  # a future cancelled under it runs `_forget_failure` at once
 
     @classmethod
     def from_model_dir(
@@ -307,25 +355,42 @@ class GrammarCompiler:
     def submit(self, spec: GrammarSpec) -> GrammarHandle:
         key = spec.key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            job = self._cache.get(key)
+            if job is not None and job.future is not None:
                 self._cache.move_to_end(key)
-                return GrammarHandle(spec, future)
-            future = self._executor.submit(self._compile, spec)
-            self._cache[key] = future
+                job.wanted += 1
+                return GrammarHandle(job, job.future, self)
+            job = _Job(spec, wanted=1)
+            future = job.future = self._executor.submit(self._run, job)
+            self._cache[key] = job
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         future.add_done_callback(lambda done: self._forget_failure(key, done))
-        return GrammarHandle(spec, future)
+        return GrammarHandle(job, future, self)
 
     def close(self) -> None:
         """Cancels queued compiles and, when the compiler made its executor, shuts it down."""
         with self._lock:
-            for future in self._cache.values():
-                future.cancel()
+            for job in self._cache.values():
+                if job.future is not None:
+                    job.future.cancel()
             self._cache.clear()
         if self._owns_executor:
             self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def _release(self, job: _Job) -> None:
+        """A handle on `job` was cancelled: the compile leaves the queue once nobody waits for it."""
+        with self._lock:
+            job.wanted -= 1
+            if job.wanted > 0 or job.future is None or not job.future.cancel():
+                return  # still wanted, or running or done (a running compile cannot be stopped)
+            key = job.spec.key
+            if self._cache.get(key) is job:
+                del self._cache[key]
+
+    def _run(self, job: _Job) -> CompiledGrammar:
+        job.started = time.monotonic()
+        return self._compile(job.spec)
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
         matcher = llguidance.LLMatcher(self._tokenizer, spec.grammar(), log_level=0)
@@ -336,5 +401,6 @@ class GrammarCompiler:
     def _forget_failure(self, key: str, future: Future[CompiledGrammar]) -> None:
         if future.cancelled() or future.exception() is not None:
             with self._lock:
-                if self._cache.get(key) is future:
+                job = self._cache.get(key)
+                if job is not None and job.future is future:
                     del self._cache[key]

@@ -8,6 +8,13 @@ releases). The warm-up's activations stay reserved by torch's caching allocator,
 leaves room for the largest step: the pool takes what the model and its activations do not need (as vLLM's
 `gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU. It
 never takes more blocks than `max_num_seqs` requests at the full context length can fill.
+
+The warm-up step asks for prompt logprobs (at the most alternatives a request may ask for), since that is
+the largest step there is: the runner keeps a logits row per prompt position (up to
+`max_num_batched_tokens` − 1 rows × the vocabulary) and the sampler turns them into log-probabilities in
+fp32 (2,047 × 151,936 × 4 bytes = 1.2 GiB on a Qwen2-sized vocabulary, beside the row copies and the
+top-k). Its peak is reserved before free memory is read, so a prompt-logprobs request at the full step
+budget fits beside the pool instead of running the device out of memory.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ from typing import Any, Protocol
 
 import torch
 
-from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.params import MAX_LOGPROBS, SamplingParams, StoppingParams
 from services.engine.core.request import Request
+from services.engine.executor.sampler import Sampler
 
 log = logging.getLogger(__name__)
 
@@ -113,14 +121,21 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
 
 
 def warm_up(runner: Any, max_tokens: int) -> None:
-    """One forward of a prompt as long as the largest step the engine will run (capped by the provisional
-    pool and the context length), so that its activations are reserved before free memory is read."""
+    """One step as large as the largest the engine will run (capped by the provisional pool and the
+    context length): a prompt of that many tokens asking for prompt logprobs, its forward and the
+    log-probabilities of its prompt rows, so that their memory is reserved before free memory is read."""
     limit = runner.num_blocks * runner.block_size
     if runner.max_position_embeddings:
         limit = min(limit, runner.max_position_embeddings)
     n = max(1, min(max_tokens, limit))
-    request = Request(WARM_UP_ID, [0] * n, SamplingParams(), StoppingParams(max_new_tokens=1))
+    sampling = SamplingParams(prompt_logprobs=MAX_LOGPROBS)
+    request = Request(WARM_UP_ID, [0] * n, sampling, StoppingParams(max_new_tokens=1))
     request.block_ids = list(range(-(-n // runner.block_size)))
     runner.execute([(request, n)])
+    sampler = Sampler(runner.device)
+    for req, first, logits in runner.prompt_logits:  # (n - 1, V): every prompt position but the last
+        targets = req.token_ids[first + 1 : first + 1 + logits.shape[0]]
+        sampler.prompt_logprobs(logits, targets, MAX_LOGPROBS).result()
+    runner.prompt_logits = []
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

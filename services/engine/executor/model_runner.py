@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import logging
 import os
 import time
@@ -22,7 +21,7 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.common.models import resolve_model_dir
+from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id
 from services.engine.core.request import Request
 from services.engine.executor import capabilities, kv_sizing
 from services.engine.executor.attention import (
@@ -62,23 +61,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """The compute dtype. auto: bf16 on CUDA; on a CPU bf16 only for a half-precision checkpoint
+    (`checkpoint`, the config's dtype) on a CPU with bf16 instructions (AMX or AVX512-BF16), else fp32."""
+    if name != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    half = checkpoint in (torch.bfloat16, torch.float16)
+    fast = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    dtype = torch.bfloat16 if half and fast else torch.float32
+    log.info("dtype auto on CPU: %s (checkpoint %s, CPU bf16 instructions: %s)", dtype, checkpoint, fast)
+    return dtype
 
 
 def read_eos_ids(model_dir: Path, config: transformers.PretrainedConfig) -> frozenset[int]:
-    """EOS ids from generation_config.json, else config.json."""
-    eos: object = None
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        eos = json.loads(gen_path.read_text()).get("eos_token_id")
-    if eos is None:
-        eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset(eos) if isinstance(eos, list) else frozenset([int(eos)])  # type: ignore[arg-type]
+    """The ids that stop a generation: the same rule as the tokenizer's (models.eos_token_ids, with the
+    tokenizer's eos token), so the two agree."""
+    return frozenset(eos_token_ids(model_dir, tokenizer_eos_id(model_dir)))
+
+
+def checkpoint_dtype(config: transformers.PretrainedConfig) -> torch.dtype | None:
+    """The dtype the checkpoint was saved in (config `dtype`, formerly `torch_dtype`), None if unsaid."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) else None
 
 
 def triton_status(device: torch.device) -> tuple[bool, str]:
@@ -132,14 +140,14 @@ class ModelRunner:
     """
 
     def __init__(self, settings: EngineSettings, *, static_decode: bool = False) -> None:
-        self.model_dir = resolve_model_dir(settings.model)
+        self.model_dir = resolve_model_dir(settings.model, settings.revision)
         if not (self.model_dir / "config.json").exists():
             raise ValueError(f"{self.model_dir} is not a Hugging Face model directory (no config.json)")
         config = transformers.AutoConfig.from_pretrained(self.model_dir)
         capabilities.check_config(config)  # what cannot be served is refused before the weights load
         self.config = config
         self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device, checkpoint_dtype(config))
         # auto = the model's, fp8 = float8 e4m3 (values clamped to ±448, scale 1.0)
         self.kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn}[settings.kv_cache_dtype]
         quantization = self.quantization = settings.quantization

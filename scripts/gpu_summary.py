@@ -223,9 +223,7 @@ def _stage(values: list[str]) -> Stage:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m sluice.bench.gpu_summary", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="python scripts/gpu_summary.py", description=__doc__.split("\n")[0])
     parser.add_argument("--tests", nargs=4, metavar=("LABEL", "JUNIT_XML", "RC", "SECONDS"))
     parser.add_argument(
         "--bench", nargs=4, action="append", default=[], metavar=("LABEL", "JSON", "RC", "SECONDS")
