@@ -21,7 +21,11 @@ engine      sluice_time_to_first_token_seconds, sluice_inter_token_latency_secon
             speculative decoding: sluice_spec_proposed_tokens_total, sluice_spec_accepted_tokens_total
             (counters; acceptance rate = accepted / proposed), sluice_spec_accepted_length (histogram: tokens
             emitted per verification of a request with drafts, accepted + 1);
-            sluice_engine_loop_recoveries_total (step-loop failures recovered in-process)
+            sluice_engine_loop_recoveries_total (step-loop failures recovered in-process);
+            mixture-of-experts models: sluice_moe_expert_tokens_total{layer,expert} (counter: tokens
+            routed to each expert of each MoE layer, a token once per expert of its top-k),
+            sluice_moe_expert_load_ratio (histogram, per step: the most loaded expert's tokens over the
+            mean per expert, in the step's most unbalanced MoE layer; 1 = balanced)
 tokenizer   sluice_tokenize_duration_seconds, sluice_tokenize_batch_size
 detokenizer sluice_detokenize_duration_seconds, sluice_detokenize_batch_size
 gateway     sluice_gateway_requests_total{api,outcome}, sluice_gateway_requests_in_flight,
@@ -37,6 +41,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -47,6 +52,8 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from services.common import errors
 
@@ -121,6 +128,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 CPU_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SPEC_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16)
+LOAD_RATIO_BUCKETS = (1.0, 1.1, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 GATEWAY_STAGES = ("tokenize", "engine_first_token", "detokenize")  # see gateway/observability.py
 
@@ -210,6 +218,44 @@ class EngineMetrics(ServiceMetrics):
             "sluice_engine_loop_recoveries",
             "Failures of the engine's step loop recovered in-process (requests ended, model kept).",
         )
+        self.expert_load_ratio = histogram(
+            "sluice_moe_expert_load_ratio",
+            "Per step: the most loaded expert's routed tokens over the mean per expert, in the step's most "
+            "unbalanced MoE layer (1 = balanced).",
+            LOAD_RATIO_BUCKETS,
+        )
+        self.expert_tokens = ExpertTokens()
+        self.registry.register(self.expert_tokens)
+
+
+class ExpertTokens(Collector):
+    """`sluice_moe_expert_tokens_total{layer,expert}`: running totals of the tokens routed to each expert
+    of each MoE layer, added to once per step (`add`, one array addition) and turned into samples only
+    when scraped. No samples for a dense model."""
+
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+        self.totals: np.ndarray | None = None  # (layers, experts) int64
+
+    def add(self, layers: Sequence[int], counts: np.ndarray) -> None:
+        """One step's counts, (len(layers), experts); `layers` are the decoder layer indices of its rows."""
+        if self.totals is None:
+            self.layers = list(layers)
+            self.totals = np.zeros(counts.shape, dtype=np.int64)
+        self.totals += counts
+
+    def collect(self) -> list[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "sluice_moe_expert_tokens",
+            "Tokens routed to each expert of each MoE layer (a token once per expert of its top-k).",
+            labels=["layer", "expert"],
+        )
+        totals = self.totals
+        if totals is not None:
+            for row, layer in enumerate(self.layers):
+                for expert, value in enumerate(totals[row].tolist()):
+                    family.add_metric([str(layer), str(expert)], value)
+        return [family]
 
 
 class TokenizerMetrics(ServiceMetrics):

@@ -24,6 +24,10 @@ label as vLLM's, updated after every step:
     vllm:gpu_cache_usage_perc   (the same; the name vLLM used before 0.10, which older pickers read)
     vllm:cache_config_info      1, labels block_size and num_gpu_blocks: the pool's shape (blocks of
                                 block_size tokens, on the engine's device whether GPU or CPU)
+
+For a mixture-of-experts model, the runner's `ExpertLoad` (services/engine/executor/moe.py) hands over the
+tokens each step routed to each expert of each layer: they add to sluice_moe_expert_tokens_total, and each
+step observes its `max_load_ratio` in sluice_moe_expert_load_ratio.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from prometheus_client import CollectorRegistry, Gauge
@@ -44,6 +50,28 @@ from services.engine.core.scheduler import SchedulerOutput
 from services.engine.core.stats import StatsRecorder
 
 MAX_STEP_LINKS = 128
+
+
+class ExpertCounts(Protocol):
+    """Where the expert load comes from (executor/moe.py `ExpertLoad`)."""
+
+    layers: list[int]  # decoder layer index of each row of a step's counts
+
+    def take(self) -> list[np.ndarray]:
+        """(layers, experts) tokens routed, one array per step finished since the previous call."""
+        ...
+
+
+def max_load_ratio(counts: np.ndarray) -> float | None:
+    """The largest, over the MoE layers that routed tokens, of the most loaded expert's tokens over the
+    mean per expert (1 = every expert equally loaded, num_experts / top_k = every token on the same top-k);
+    None when no layer routed any. `counts`: (layers, experts)."""
+    totals = counts.sum(axis=1)
+    routed = totals > 0
+    if not routed.any():
+        return None
+    mean = totals[routed] / counts.shape[1]
+    return float((counts[routed].max(axis=1) / mean).max())
 
 
 class RouterGauges:
@@ -97,8 +125,10 @@ class EngineObserver:
         stats: StatsRecorder,
         model_name: str,
         step_sample_rate: float = 0.0,
+        expert_load: ExpertCounts | None = None,
     ) -> None:
         self.metrics = metrics
+        self.expert_load = expert_load
         self.stats = stats
         self.model_name = model_name
         self.step_sample_rate = step_sample_rate
@@ -194,6 +224,8 @@ class EngineObserver:
                 self._count_speculation(sched)
             if step_links is not None:
                 self._step_span(sched, step_links, now, step_s)
+        if self.expert_load is not None:
+            self._count_experts(self.expert_load)
         self._update_gauges()
 
     # ---- per request ----------------------------------------------------------------------------
@@ -275,6 +307,15 @@ class EngineObserver:
         m.spec_proposed.inc(sched.num_draft_tokens)
         m.spec_accepted.inc(sum(lengths) - len(lengths))
         observe_many(m.spec_accepted_length, lengths)
+
+    def _count_experts(self, source: ExpertCounts) -> None:
+        """The expert load of the steps the runner finished since the previous step's end."""
+        m = self.metrics
+        for counts in source.take():
+            m.expert_tokens.add(source.layers, counts)
+            ratio = max_load_ratio(counts)
+            if ratio is not None:
+                m.expert_load_ratio.observe(ratio)
 
     def _update_gauges(self) -> None:
         m, s = self.metrics, self.stats.snapshot()

@@ -135,6 +135,7 @@ def _observed_engine(settings: EngineSettings, engine_metrics: metrics.EngineMet
         stats=core.recorder,
         model_name=core.model_name,
         step_sample_rate=settings.trace_step_sample_rate,
+        expert_load=getattr(core.runner, "expert_load", None),  # a mixture-of-experts model's
     )
     return core
 

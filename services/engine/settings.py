@@ -10,6 +10,7 @@ BATCHING_POLICIES = ("continuous", "dynamic", "static")
 SPECULATIVE_METHODS = ("off", "ngram")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+MOE_EXPERTS = ("auto", "grouped_mm", "eager", "batched_mm")  # what each is: executor/moe.py
 CHOICES = (
     ("batching", BATCHING_POLICIES),
     ("dtype", ("auto", "float32", "bfloat16", "float16")),
@@ -19,6 +20,7 @@ CHOICES = (
     ("speculative", SPECULATIVE_METHODS),
     ("quantization", QUANTIZATIONS),
     ("kv_cache_dtype", KV_CACHE_DTYPES),
+    ("moe_experts", MOE_EXPERTS),
 )
 BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recoveries 0 = none
     (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),
@@ -137,6 +139,13 @@ class EngineSettings(StageTlsSettings):
     kv_cache_dtype: str = field(
         default="auto",
         metadata={"help": "auto (the model's dtype) | fp8 (float8 e4m3 KV pool: twice the blocks of bf16)"},
+    )
+    moe_experts: str = field(
+        default="auto",
+        metadata={
+            "help": "mixture-of-experts models: the experts kernel, auto (grouped_mm where torch's grouped "
+            "matmul runs on the device, else eager) | grouped_mm | eager | batched_mm"
+        },
     )
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     max_model_len: int = field(default=0, metadata={"help": "context length; 0 = the model's own"})

@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     model = parser.add_mutually_exclusive_group()
-    about = "the model: the tiny Llama (default) or random weights in a real model's shape (cached)"
+    about = "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a real "
+    about += "model's shape (cached)"
     model.add_argument("--preset", default=TINY, choices=PRESET_NAMES, help=about)
     add_flags(model, "model", model="a local Hugging Face model")
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "

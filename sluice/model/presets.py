@@ -1,7 +1,9 @@
-"""Model presets: the benchmarks' tiny Llama, or seeded random weights in the shapes of Qwen2-0.5B,
-Llama-3.2-1B and Llama-3.1-8B, written as Hugging Face directories (real shapes cached under
+"""Model presets: the benchmarks' tiny Llama, its mixture-of-experts sibling `tiny-moe` (Mixtral layout: 8
+experts of the tiny MLP's size, 2 per token), or seeded random weights in the shapes of Qwen2-0.5B,
+Llama-3.2-1B and Llama-3.1-8B, written as Hugging Face directories (all but tiny cached under
 `~/.cache/sluice/bench/<preset>-<dtype>-s<seed>` or `$SLUICE_BENCH_CACHE`). The output projection's std
-makes the logits' std about `LOGIT_STD`, so exact near-ties stay rare. Special ids: pad 0, bos 1, eos 2.
+makes the logits' std about `LOGIT_STD`, and an MoE router's about `ROUTER_STD`, so exact near-ties (of
+the next token, of a token's experts) stay rare. Special ids: pad 0, bos 1, eos 2.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from sluice.model.tiny import ARCHS, SIZES, written_whole
+from sluice.model.tiny import SIZES, written_whole
 
 PAD_ID = 0
 BOS_ID = 1
 EOS_ID = 2
 FIRST_PLAIN_ID = 3  # prompts use ids in [FIRST_PLAIN_ID, vocab_size): no pad, bos or eos
 TINY = "tiny"
+TINY_MOE = "tiny-moe"
 INNER_STD = 0.02
 LOGIT_STD = 4.0
+ROUTER_STD = 2.0
 SHARD_BYTES = 2 << 30  # safetensors shards of at most about 2 GiB each
 
 
@@ -34,7 +38,7 @@ class Preset:
     """A model shape: the transformers model type and its config fields (special ids are the module's)."""
 
     name: str
-    model_type: str  # "llama" | "qwen2"
+    model_type: str  # "llama" | "qwen2" | "mixtral"
     fields: dict[str, Any]
     parameters: int  # the real model's parameter count, as published (for the shape tests)
 
@@ -60,6 +64,12 @@ def _llama3(factor: float) -> dict[str, Any]:
 _QWEN2 = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6}
 PRESETS: dict[str, Preset] = {
     TINY: Preset(TINY, "llama", _shape(256, 4, 4, 2, 704, 8192, False, 1024), 7_145_728),
+    TINY_MOE: Preset(
+        TINY_MOE,
+        "mixtral",
+        {**_shape(256, 4, 4, 2, 704, 8192, False, 1024), "num_local_experts": 8, "num_experts_per_tok": 2},
+        22_292_736,
+    ),
     "qwen2-0.5b": Preset(
         "qwen2-0.5b", "qwen2", {**_shape(896, 24, 14, 2, 4864, 151936, True, 32768), **_QWEN2}, 494_000_000
     ),
@@ -82,7 +92,7 @@ PRESET_NAMES = tuple(PRESETS)
 def preset_config(name: str, **overrides: Any) -> transformers.PretrainedConfig:
     """The config of preset `name` (`overrides` replace fields, e.g. fewer layers for a quick test)."""
     preset = PRESETS[name]
-    config_cls, _ = ARCHS[preset.model_type]
+    config_cls = transformers.CONFIG_MAPPING[preset.model_type]
     fields = {**preset.fields, **overrides}
     return config_cls(**fields, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID)
 
@@ -107,15 +117,19 @@ def model_dir_for(name: str, dtype: str, seed: int, root: Path | None = None) ->
     return (root or cache_root()) / f"{name}-{dtype}-s{seed}"
 
 
-def _init_value(name: str, shape: torch.Size, output_std: float, gen: torch.Generator) -> torch.Tensor:
+def _init_value(name: str, shape: torch.Size, hidden: int, gen: torch.Generator) -> torch.Tensor:
     """The seeded float32 value of one parameter: RMSNorm scales 1, biases 0, the output projection (the
-    embedding when tied) normal with std `output_std`, every other matrix normal with std INNER_STD."""
+    embedding when tied) normal with std LOGIT_STD / sqrt(hidden), an MoE router's ROUTER_STD / sqrt(hidden),
+    every other matrix (an MoE layer's experts too) normal with std INNER_STD."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
     if name.endswith(".bias"):
         return torch.zeros(shape)
-    is_output = name.endswith("lm_head.weight") or name.endswith("embed_tokens.weight")
-    std = output_std if is_output else INNER_STD
+    std = INNER_STD
+    if name.endswith(("lm_head.weight", "embed_tokens.weight")):
+        std = LOGIT_STD / math.sqrt(hidden)
+    elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+        std = ROUTER_STD / math.sqrt(hidden)
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
@@ -140,7 +154,6 @@ def write_random_model(config: transformers.PretrainedConfig, directory: Path, d
     torch_dtype = getattr(torch, dtype)
     element = torch.tensor([], dtype=torch_dtype).element_size()
     named = [(n, p.shape) for n, p in meta_model(config).named_parameters()]  # a tied projection once
-    output_std = LOGIT_STD / math.sqrt(config.hidden_size)
     gen = torch.Generator().manual_seed(seed)
     shards = _shards(named, element)
     directory.mkdir(parents=True, exist_ok=True)
@@ -149,7 +162,7 @@ def write_random_model(config: transformers.PretrainedConfig, directory: Path, d
         filename = (
             "model.safetensors" if len(shards) == 1 else f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         )
-        tensors = {n: _init_value(n, shape, output_std, gen).to(torch_dtype) for n, shape in shard}
+        tensors = {n: _init_value(n, shape, config.hidden_size, gen).to(torch_dtype) for n, shape in shard}
         save_file(tensors, str(directory / filename), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, filename))
         del tensors

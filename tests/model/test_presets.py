@@ -18,7 +18,13 @@ from sluice.model.presets import PRESETS, count_parameters, preset_config, write
 
 @pytest.mark.parametrize(
     ("name", "published"),
-    [("tiny", 7.15e6), ("qwen2-0.5b", 494e6), ("llama-1b", 1.24e9), ("llama-8b", 8.03e9)],
+    [
+        ("tiny", 7.15e6),
+        ("tiny-moe", 22.3e6),
+        ("qwen2-0.5b", 494e6),
+        ("llama-1b", 1.24e9),
+        ("llama-8b", 8.03e9),
+    ],
 )
 def test_preset_shapes_count_the_real_models_parameters(name: str, published: float) -> None:
     assert count_parameters(preset_config(name)) == pytest.approx(published, rel=0.01)
@@ -57,6 +63,20 @@ def test_a_written_preset_loads_through_the_engines_runner(name: str, tmp_path: 
     q_proj = weights["model.layers.0.self_attn.q_proj.weight"].float()
     assert q_proj.std().item() == pytest.approx(presets.INNER_STD, rel=0.05)
     assert runner.eos_ids == frozenset({2})
+
+
+def test_the_moe_preset_loads_with_its_experts_and_a_spread_router(tmp_path: Path) -> None:
+    config = preset_config("tiny-moe", num_hidden_layers=1, vocab_size=512)
+    model_dir = write_random_model(config, tmp_path / "moe", "float32", seed=3)
+    runner = ModelRunner(EngineSettings(model=str(model_dir), device="cpu", kv_cache_gb=0.01))
+    assert runner.config.model_type == "mixtral" and runner.moe_experts == "grouped_mm"
+    assert runner.expert_load is not None and runner.expert_load.num_experts == 8
+    weights = dict(runner.model.named_parameters())
+    router = weights["model.layers.0.mlp.gate.weight"]
+    assert router.std().item() == pytest.approx(presets.ROUTER_STD / 256**0.5, rel=0.05)
+    experts = weights["model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts.shape == (8, 2 * 704, 256)
+    assert experts.std().item() == pytest.approx(presets.INNER_STD, rel=0.05)
 
 
 def test_weights_are_a_function_of_the_seed(tmp_path: Path) -> None:

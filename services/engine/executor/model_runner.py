@@ -34,6 +34,7 @@ from services.engine.executor.attention import (
 )
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
 from services.engine.executor.kv_sizing import initial_kv_cache_gb, pool_block_bytes
+from services.engine.executor.moe import ExpertLoad, choose_experts_implementation, experts_modules
 from services.engine.executor.quantization import check_quantization, quantize_model
 from services.engine.settings import EngineSettings
 
@@ -172,6 +173,10 @@ class ModelRunner:
             self.backend = self._checked_kernel(settings.attention_backend)
         if static_decode and self.backend != "triton":
             raise ValueError("static_decode needs the triton attention backend")
+        # MoE: the experts kernel, and the tokens each step routes to each expert (None for a dense model).
+        self.moe_experts = choose_experts_implementation(self.model, settings.moe_experts)
+        moe_layers = experts_modules(self.model)
+        self.expert_load = ExpertLoad(moe_layers, self.device, settings.max_num_seqs) if moe_layers else None
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
         block_size = self.block_size = settings.block_size
@@ -192,7 +197,7 @@ class ModelRunner:
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
         log.info(
             "loaded %s (%s: %s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s; "
-            "decode attention %s",
+            "decode attention %s%s",
             self.model_dir,
             config.model_type,
             "; ".join(self.attention.features()),
@@ -203,6 +208,7 @@ class ModelRunner:
             block_size,
             self.kv_dtype,
             self.backend,
+            f"; MoE experts {self.moe_experts}" if self.moe_experts else "",
         )
 
     @staticmethod
@@ -321,6 +327,8 @@ class ModelRunner:
                 self._static = None
         elif self.device.type == "cuda":
             log.info("CUDA graphs: none, every step runs eagerly (%s)", why)
+        if self.expert_load is not None:
+            self.expert_load.reset()  # the warm-up and capture forwards routed nothing of a request's
 
     def _graphs_wanted(self) -> tuple[bool, str]:
         if self.device.type != "cuda":
@@ -375,10 +383,14 @@ class ModelRunner:
             )
             prev = (rows, src, prev_tokens) if pending and prev_tokens is not None else None
             blocks = [r.block_ids for r, _ in decodes]
+            if self.expert_load is not None:  # the padding rows route too: they count 0
+                self.expert_load.begin(len(decodes), static.max_rows)
             all_logits = static.run(ids, pos, slots, blocks, prev, self._forward)
             logits = all_logits.index_select(0, keep)
         else:
             extra = [row for _, _, rows in prompt_rows for row in rows]
+            if self.expert_load is not None:
+                self.expert_load.begin(len(ids), len(ids))
             logits = self._execute_eager(
                 decodes,
                 prefills,
@@ -394,6 +406,8 @@ class ModelRunner:
             for req, first, rows in prompt_rows:
                 self.prompt_logits.append((req, first, prompt[offset : offset + len(rows)]))
                 offset += len(rows)
+        if self.expert_load is not None:
+            self.expert_load.end()
         self._stop_timer(timer)
         return logits, [r for r, _ in keep_rows]
 
