@@ -1,7 +1,8 @@
 """Mixture-of-experts families through the whole pipeline (`sluice up`, four processes): a random-weight
 Mixtral, Qwen3-MoE and GPT-OSS (sluice/model/moe.py) stream the same greedy text as transformers'
-`generate` decoded, with a pool and a step budget small enough that prompts are chunked, share cached
-blocks and are preempted; the engine's /metrics counts the tokens routed to each expert of each layer."""
+`generate` decoded, with a pool and a step budget small enough that prompts are chunked, and usually share
+cached blocks and are preempted (asserted on a fixed schedule in tests/engine/test_moe.py); the engine's
+/metrics counts the tokens routed to each expert of each layer."""
 
 from __future__ import annotations
 
@@ -69,4 +70,6 @@ def test_streamed_greedy_text_equals_generate(family: str, tmp_path: Path) -> No
     # Every token computed goes through both layers, to 2 experts in each.
     assert per_layer[0] == per_layer[1] > 0 and per_layer[0] % 2 == 0, per_layer
     assert samples["sluice_moe_expert_load_ratio_count"] > 0
-    assert samples["sluice_preemptions_total"] > 0 and samples["sluice_prefix_cache_hits_total"] > 0, samples
+    # Preemption and prefix hits depend here on when the four requests reach the engine (a request that
+    # finishes before the last one arrives frees its blocks): tests/engine/test_moe.py asserts both on a
+    # fixed schedule; the text above must be exact whether or not they happened in this run.

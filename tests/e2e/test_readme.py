@@ -107,7 +107,16 @@ def check_curl_output(out: str) -> None:
 
 def test_the_readme_has_examples_of_every_kind() -> None:
     kinds = {example.kind for example in EXAMPLES}
-    assert kinds == {"sluice up", "sluice serve", "sluice model", "sluice health", "curl", "python"}, kinds
+    expected = {
+        "sluice up",
+        "sluice serve",
+        "sluice model",
+        "sluice models",
+        "sluice health",
+        "curl",
+        "python",
+    }
+    assert kinds == expected, kinds
     assert sum(example.kind == "python" for example in EXAMPLES) >= 3
 
 
