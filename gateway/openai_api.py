@@ -552,6 +552,12 @@ class _Choices:
         for future in self._reads:
             future.cancel()
 
+    async def close(self) -> None:
+        """`cancel()` as a coroutine function, for a response's background task: Starlette runs a plain
+        function there in its worker-thread pool (a thread per concurrent stream, up to the pool's limit,
+        touching the loop's futures from another thread); this runs on the event loop."""
+        self.cancel()
+
 
 class OpenAIHandlers:
     """The generation endpoints and the model list; routes are added by `http_app`."""
@@ -720,7 +726,7 @@ class OpenAIHandlers:
             send_timeout_s=self._settings.send_timeout_s,
             on_timeout=choices.cancel,
             headers=SSE_HEADERS,
-            background=BackgroundTask(choices.cancel),
+            background=BackgroundTask(choices.close),
         )
 
     async def _sse(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import socket
 
+import anyio.to_thread
 import httpx
 import openai
 import pytest
@@ -82,6 +83,29 @@ async def test_completion_stream(client: openai.AsyncOpenAI) -> None:
     chunks = [chunk async for chunk in stream]
     assert "".join(c.choices[0].text for c in chunks) == expected_text(6)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_streams_hand_nothing_to_worker_threads(
+    client: openai.AsyncOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SSE stream's clean-up runs on the event loop: no call per request goes to the worker-thread
+    pool (which grows a thread per concurrent call up to its limit, and whose threads may not touch the
+    loop's futures)."""
+    handed: list[str] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def recorded(func, *args, **kwargs):  # type: ignore[no-untyped-def]
+        handed.append(getattr(func, "__qualname__", repr(func)))
+        return await run_sync(func, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", recorded)
+    stream = await client.completions.create(model=MODEL, prompt="x", max_tokens=4, stream=True)
+    assert "".join([c.choices[0].text async for c in stream]) == expected_text(4)
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in chat if c.choices]) == expected_text(3)
+    reply = await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    assert reply.choices[0].text == expected_text(2)
+    assert handed == []
 
 
 async def test_chat_logprobs(client: openai.AsyncOpenAI) -> None:
