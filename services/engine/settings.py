@@ -184,8 +184,9 @@ class EngineSettings(StageTlsSettings):
     grammar_compile_timeout_s: float = field(
         default=10.0,
         metadata={
-            "help": "longest a request waits for its grammar's compile: a compile running longer ends it "
-            "invalid_argument (too complex), one still queued then ends it unavailable"
+            "help": "longest a grammar's compile may run: one running longer ends its requests "
+            "invalid_argument (too complex); time queued behind other compiles does not count (a queued "
+            "request's wait is bounded by its deadline)"
         },
     )
     grammar_compile_threads: int = field(

@@ -38,9 +38,11 @@ Structured outputs: a request with a grammar (`SamplingParams.grammar`) has it c
 by the engine's `GrammarCompiler` (services/engine/core/grammar.py, one per model, cached by key, on
 `grammar_compile_threads` threads) and is held back, outside the scheduler, until the compile is done: the
 step never waits for it, and a compile error ends the request (`invalid_argument`, the message naming the
-problem), as does a compile running longer than `grammar_compile_timeout_s` (one queued that long behind
-others: `unavailable`); a request that ends meanwhile cancels its wait (a queued compile nobody else waits
-for never runs). A grammar the library gives up on while the request generates (its parser's limits)
+problem), as does a compile that has been RUNNING longer than `grammar_compile_timeout_s` (the grammar is
+too complex: `invalid_argument`). Time spent queued behind other compiles never counts against it (a burst
+of distinct grammars on a loaded machine queues legitimately): a queued request's wait is bounded by its own
+deadline only. A request that ends meanwhile cancels its wait (a queued compile nobody else waits for never
+runs). A grammar the library gives up on while the request generates (its parser's limits)
 ends that request only (`invalid_argument`); one request's failure in postprocessing never fails the
 step's other requests, whose outputs are always delivered. Its `GrammarState` accepts
 each token the request keeps, in `_stopped` (never a token discarded after a stop, nor async scheduling's
@@ -399,31 +401,29 @@ class LLMEngine:
         return outputs
 
     def _compile_settled(self, handle: GrammarHandle, now: float) -> bool:
-        """Whether a request's compile is done or has taken longer than `grammar_compile_timeout_s`: running
-        that long (the grammar is too complex), or queued that long behind others."""
+        """Whether a request's compile is done or has been running longer than `grammar_compile_timeout_s`
+        (the grammar is too complex). A compile still queued is never settled: the queue's length says
+        nothing about the grammar, and the request's deadline (`_expire`) bounds its wait."""
         if handle.ready():
             return True
-        since = handle.started if handle.started is not None else handle.submitted
-        return now - since >= self.settings.grammar_compile_timeout_s
+        started = handle.started
+        return started is not None and now - started >= self.settings.grammar_compile_timeout_s
 
-    def _compile_timed_out(self, req: Request, handle: GrammarHandle) -> RequestOutput:
+    def _compile_timed_out(self, req: Request) -> RequestOutput:
         timeout = f"grammar_compile_timeout_s ({self.settings.grammar_compile_timeout_s:g}s)"
-        if handle.started is None:
-            detail = f"the grammar's compile waited longer than {timeout} behind others; try again"
-            return self._fail(req, UNAVAILABLE, detail)
         detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; simplify it"
         return self._fail(req, INVALID_ARGUMENT, detail)
 
     def _admit_compiled(self) -> list[RequestOutput]:
         """Hands the requests whose grammar compiled to the scheduler, in arrival order, each with its own
         grammar state; a compile that failed ends its request (`invalid_argument`, the compiler's words),
-        and so does one past its timeout (`_compile_settled`; `unavailable` if it never started)."""
+        and so does one that has run past its timeout (`_compile_settled`)."""
         outputs: list[RequestOutput] = []
         now = time.monotonic()
         for req, handle in list(self._compiling.items()):
             if not handle.ready():
                 if self._compile_settled(handle, now):
-                    outputs.append(self._compile_timed_out(req, handle))
+                    outputs.append(self._compile_timed_out(req))
                 continue
             del self._compiling[req]
             try:

@@ -281,7 +281,6 @@ class GrammarHandle:
 
     def __init__(self, job: _Job, future: Future[CompiledGrammar], compiler: GrammarCompiler) -> None:
         self.spec = job.spec
-        self.submitted = time.monotonic()
         self._job = job
         self._future = future
         self._compiler: GrammarCompiler | None = compiler
@@ -318,8 +317,9 @@ class GrammarCompiler:
     running Python), so compiles run beside the step thread. A compile whose every handle was cancelled
     before it started never runs. Successful compiles stay in a least-recently-used cache of `cache_size`
     keys; failed and cancelled ones are forgotten. Thread-safe. The compiler owns the executor it creates
-    (`close` shuts it down); one passed in stays the caller's. The engine bounds how long a request waits
-    (`grammar_compile_timeout_s`, services/engine/core/engine.py).
+    (`close` shuts it down); one passed in stays the caller's. The engine bounds how long a compile may run
+    (`grammar_compile_timeout_s`, services/engine/core/engine.py); a queued one waits for its turn, bounded
+    by its requests' deadlines.
     """
 
     def __init__(
