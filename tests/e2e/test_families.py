@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,25 +35,35 @@ ENGINE_ENV = {
 }
 
 
+def stream_prompts(ws_url: str) -> dict[str, dict[str, Any]]:
+    """Every one of PROMPTS greedy on one socket (ids r0, r1, ...): generate_all's results."""
+    requests = [
+        {
+            "type": "generate",
+            "id": f"r{i}",
+            "prompt": p,
+            "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
+        }
+        for i, p in enumerate(PROMPTS)
+    ]
+    return asyncio.run(generate_all(ws_url, requests))
+
+
+def assert_equals_generate(model_dir: Path, family: str, got: dict[str, dict[str, Any]]) -> None:
+    """Each prompt's streamed text and completion tokens equal transformers' `generate` decoded."""
+    for i, prompt in enumerate(PROMPTS):
+        text, _, completion_tokens = reference(model_dir, prompt, MAX_TOKENS)
+        assert got[f"r{i}"]["text"] == text, (family, prompt)
+        assert got[f"r{i}"]["done"]["usage"]["completion_tokens"] == completion_tokens
+
+
 @pytest.mark.parametrize("family", ["gemma2", "qwen3"])
 def test_streamed_greedy_text_equals_generate(family: str, family_model_dir: Callable[[str], Path]) -> None:
     model_dir = family_model_dir(family)
     pipeline = start_pipeline(model_dir, "--standby", "0", env=ENGINE_ENV)
     try:
-        requests = [
-            {
-                "type": "generate",
-                "id": f"r{i}",
-                "prompt": p,
-                "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
-            }
-            for i, p in enumerate(PROMPTS)
-        ]
-        got = asyncio.run(generate_all(pipeline.ws_url, requests))
+        got = stream_prompts(pipeline.ws_url)
     finally:
         code = pipeline.stop()
     assert code == 0, pipeline.output()
-    for i, prompt in enumerate(PROMPTS):
-        text, _, completion_tokens = reference(model_dir, prompt, MAX_TOKENS)
-        assert got[f"r{i}"]["text"] == text, (family, prompt)
-        assert got[f"r{i}"]["done"]["usage"]["completion_tokens"] == completion_tokens
+    assert_equals_generate(model_dir, family, got)

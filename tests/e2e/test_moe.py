@@ -6,20 +6,17 @@ cached blocks and are preempted (asserted on a fixed schedule in tests/engine/te
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from sluice.model.moe import make_moe_model
 from tests.e2e.conftest import _port_free, start_pipeline
-from tests.e2e.test_families import PROMPTS
-from tests.e2e.test_up import generate_all, reference
+from tests.e2e.test_families import assert_equals_generate, stream_prompts
 from tests.observability.processes import scrape
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 16
 # 16 blocks of 8 tokens for four requests of about 50-90 tokens each: preemption; 16 tokens a step:
 # chunked prefill.
 ENGINE_ENV = {
@@ -46,24 +43,12 @@ def test_streamed_greedy_text_equals_generate(family: str, tmp_path: Path) -> No
         model_dir, "--standby", "0", "--metrics-base-port", str(metrics_base), env=ENGINE_ENV
     )
     try:
-        requests = [
-            {
-                "type": "generate",
-                "id": f"r{i}",
-                "prompt": p,
-                "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
-            }
-            for i, p in enumerate(PROMPTS)
-        ]
-        got = asyncio.run(generate_all(pipeline.ws_url, requests))
+        got = stream_prompts(pipeline.ws_url)
         samples = scrape(f"http://127.0.0.1:{metrics_base + 1}/metrics")
     finally:
         code = pipeline.stop()
     assert code == 0, pipeline.output()
-    for i, prompt in enumerate(PROMPTS):
-        text, _, completion_tokens = reference(model_dir, prompt, MAX_TOKENS)
-        assert got[f"r{i}"]["text"] == text, (family, prompt)
-        assert got[f"r{i}"]["done"]["usage"]["completion_tokens"] == completion_tokens
+    assert_equals_generate(model_dir, family, got)
     per_layer = [
         sum(samples[f'{EXPERT_TOKENS}{{expert="{e}",layer="{layer}"}}'] for e in range(8)) for layer in (0, 1)
     ]
