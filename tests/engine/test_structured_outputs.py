@@ -433,13 +433,8 @@ def test_a_burst_of_distinct_grammars_queued_past_the_timeout_all_complete(
     assert not engine._compiling
 
 
-def test_a_queued_compile_waits_until_its_request_deadline(
-    engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event]
-) -> None:
-    """A queued compile's wait is bounded by its request's deadline: past it, the request ends
-    `deadline_exceeded` with no tokens and its compile leaves the queue (it never runs); the plain request
-    beside it is unharmed."""
-    compiler, gate = held_compiler
+def record_compiles(compiler: GrammarCompiler) -> list[GrammarSpec]:
+    """The specs `compiler` compiles from now on, in order (its `_compile` wrapped)."""
     compiled: list[GrammarSpec] = []
     real = compiler._compile
 
@@ -448,6 +443,17 @@ def test_a_queued_compile_waits_until_its_request_deadline(
         return real(spec)
 
     compiler._compile = compile_  # type: ignore[method-assign]
+    return compiled
+
+
+def test_a_queued_compile_waits_until_its_request_deadline(
+    engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event]
+) -> None:
+    """A queued compile's wait is bounded by its request's deadline: past it, the request ends
+    `deadline_exceeded` with no tokens and its compile leaves the queue (it never runs); the plain request
+    beside it is unharmed."""
+    compiler, gate = held_compiler
+    compiled = record_compiles(compiler)
     saved = engine.grammar_compiler, engine.settings
     engine.grammar_compiler = compiler
     engine.settings = dataclasses.replace(engine.settings, grammar_compile_timeout_s=0.05)
@@ -475,14 +481,7 @@ def test_an_aborted_request_cancels_its_queued_compile(
     engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event]
 ) -> None:
     compiler, gate = held_compiler
-    compiled: list[GrammarSpec] = []
-    real = compiler._compile
-
-    def compile_(spec: GrammarSpec) -> Any:
-        compiled.append(spec)
-        return real(spec)
-
-    compiler._compile = compile_  # type: ignore[method-assign]
+    compiled = record_compiles(compiler)
     engine.grammar_compiler, saved = compiler, engine.grammar_compiler
     try:
         dropped, kept = GrammarSpec("regex", "[a-z]{3} dropped"), GrammarSpec("regex", "[a-z]{3} kept")
