@@ -80,8 +80,8 @@ def test_padding_rows_write_only_the_scratch_block(llama_dir: Path) -> None:
         p = r.num_computed_tokens
         written[r.block_ids[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE] = True
     scratch = torch.zeros_like(written)
-    scratch[runner.scratch_slot :] = True
-    assert runner.scratch_slot == NUM_BLOCKS * BLOCK_SIZE
+    scratch[runner.scratch_slots[0] :] = True
+    assert runner.scratch_slots == [NUM_BLOCKS * BLOCK_SIZE]
     for (k0, v0), (k1, v1) in zip(before, runner.kv, strict=True):
         untouched = ~written & ~scratch
         assert torch.equal(k0[untouched.to(k0.device)], k1[untouched.to(k1.device)])

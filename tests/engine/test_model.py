@@ -46,8 +46,8 @@ def run_engine(
         for o in engine.step():
             outs.setdefault(o.request_id, []).append(o)
         step += 1
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    for bm in [engine.block_manager, *engine.group_block_managers]:  # every KV group's pool whole again
+        assert bm.num_free_blocks == bm.num_blocks
     for rid, seq in outs.items():
         assert sum(o.finished for o in seq) == 1 and seq[-1].finished, rid
     return {rid: [t for o in seq for t in o.new_token_ids] for rid, seq in outs.items()}

@@ -10,22 +10,47 @@ With `track_events` on, every change of the prefix cache map is recorded for `ta
 hash becoming reusable (registered) or forgotten (its block reallocated), so that a router outside the
 process can mirror the cache exactly.
 
-A model whose every layer has a sliding window never reads KV older than the window again: the
-scheduler frees such blocks while their request runs and puts `hole` in their place in its block
-table (the id of the pool's scratch block, which the block manager never hands out, so that every
-entry of a table still names a block of the pool); `free_blocks` skips holes.
+Groups of layers (`KVGroupSpec`): layers that attend alike share one block manager and one block table
+per request; a model whose layers all attend alike has one group, a hybrid model (sliding-window
+layers beside full-attention ones: Gemma 2/3, Cohere 2, GPT-OSS) one per kind, each with a pool of its
+own size (services/engine/executor/kv_sizing.py). Every group's table of a request has one entry per
+logical block of `block_size` positions. A group whose layers slide never reads KV older than its window
+again: the scheduler frees such blocks while their request runs and puts `hole` in their place in its
+table (the id of the group's scratch block, which the block manager never hands out, so that every entry
+of a table still names a block of the pool); `acquire`, `can_allocate` and `free_blocks` skip holes.
 
-Contract: callers check, then act. `can_allocate` must be true before `allocate`; every block handed
-out by `allocate` or `acquire` is given back exactly once per reference by `free`. With nothing running,
-`num_free_blocks == num_blocks`.
+Prefix hits per group (`longest_hit`): a full-attention group can start a request at block j when it
+holds the cached blocks 0..j-1; a sliding group when it holds those its window reaches back to from
+position j * block_size (earlier blocks read as holes). The scheduler takes the longest j every group
+allows.
+
+Contract (per group): callers check, then act. `can_allocate` must be true before `allocate`; every
+block handed out by `allocate` or `acquire` is given back exactly once per reference by `free`. With
+nothing running, `num_free_blocks == num_blocks`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.common.block_keys import BlockHash
+
+
+@dataclass(frozen=True)
+class KVGroupSpec:
+    """Layers that attend alike and share a block table: `window` positions (0: the whole context),
+    `layers` their indices, `num_blocks` the blocks of their pool (the scratch block not counted)."""
+
+    window: int
+    layers: tuple[int, ...]
+    num_blocks: int
+
+
+def first_seen_block(position: int, window: int, block_size: int) -> int:
+    """The first block a query at `position` reads with `window` (0: block 0)."""
+    return max(0, position - window + 1) // block_size if window else 0
 
 
 class BlockManager:
@@ -69,14 +94,40 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
+    def longest_hit(self, hashes: Sequence[BlockHash], window: int, limit: int) -> int:
+        """The largest j <= `limit` at which a request may start with the KV of blocks before j found in
+        this group: all of them (window 0), or those a query at position j * block_size reads (the
+        window's); 0 when prefix caching is off. Nothing is acquired."""
+        if not self.enable_prefix_caching:
+            return 0
+        if not window:
+            return min(limit, len(self.match_prefix(hashes[:limit])))
+        j = limit
+        while j > 0:
+            first = first_seen_block(j * self.block_size, window, self.block_size)
+            miss = next((i for i in range(j - 1, first - 1, -1) if hashes[i] not in self.cached), None)
+            if miss is None:
+                return j
+            j = miss  # every start past `miss` reads block `miss` too
+        return 0
+
+    def hit_table(self, hashes: Sequence[BlockHash], window: int) -> list[int]:
+        """This group's table for a hit of len(hashes) blocks (`longest_hit` allowed it): the cached
+        blocks, holes before the window of the first query."""
+        first = first_seen_block(len(hashes) * self.block_size, window, self.block_size)
+        return [self.hole] * first + [self.cached[h] for h in hashes[first:]]
+
     def can_allocate(self, num_new: int, hit_blocks: Sequence[int] = ()) -> bool:
         """True when `num_new` fresh blocks can be allocated after `hit_blocks` are acquired (those of them
         that are free now leave the free list)."""
-        return num_new + sum(1 for b in hit_blocks if self.ref_counts[b] == 0) <= len(self.free)
+        revived = sum(1 for b in hit_blocks if b != self.hole and self.ref_counts[b] == 0)
+        return num_new + revived <= len(self.free)
 
     def acquire(self, blocks: Sequence[int]) -> None:
-        """Takes one more reference on each cached block of a prefix hit."""
+        """Takes one more reference on each cached block of a prefix hit (holes skipped)."""
         for b in blocks:
+            if b == self.hole:
+                continue
             if self.ref_counts[b] == 0:
                 del self.free[b]
             self.ref_counts[b] += 1

@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_message
-from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager, KVGroupSpec
 from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarHandle
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
 from services.engine.core.request import PLACEHOLDER, Request
@@ -196,7 +196,7 @@ class LLMEngine:
         self.grammar_compiler = grammar_compiler
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
-        self.block_manager = BlockManager(runner.num_blocks, bs, settings.enable_prefix_caching)
+        self.block_manager, *self.group_block_managers = self._block_managers()
         self.max_model_len = context_length(settings, runner, bs)
         runner.prepare(self.max_model_len, settings.max_num_seqs)
         self.scheduler = self._new_scheduler()
@@ -239,8 +239,23 @@ class LLMEngine:
             policy=settings.batching,
             batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
             batch_wait_s=settings.batch_wait_ms / 1000.0,
-            sliding_window=int(getattr(self.runner, "sliding_window", 0)),
+            sliding_window=self.kv_groups[0].window,
+            extra_groups=[
+                (bm, g.window) for bm, g in zip(self.group_block_managers, self.kv_groups[1:], strict=True)
+            ],
         )
+
+    @property
+    def kv_groups(self) -> list[KVGroupSpec]:
+        """The runner's KV groups (ModelRunner.kv_groups); one group of every layer for a runner without
+        them (test fakes)."""
+        groups = getattr(self.runner, "kv_groups", None)
+        return list(groups) if groups else [KVGroupSpec(0, (), self.runner.num_blocks)]
+
+    def _block_managers(self) -> list[BlockManager]:
+        """A fresh block manager per KV group: every block free, no hash registered."""
+        s = self.settings
+        return [BlockManager(g.num_blocks, s.block_size, s.enable_prefix_caching) for g in self.kv_groups]
 
     def reset(self) -> None:
         """Drops every request and the whole prefix cache, keeping the loaded model, its KV tensors and
@@ -249,7 +264,7 @@ class LLMEngine:
         recovery after its loop failed (services/engine/core/async_engine.py) calls it once it has told
         every request's caller; the requests dropped here get no output."""
         old_bm, old_scheduler = self.block_manager, self.scheduler
-        bm = BlockManager(old_bm.num_blocks, old_bm.block_size, old_bm.enable_prefix_caching)
+        bm, *self.group_block_managers = self._block_managers()
         bm.track_events = old_bm.track_events
         bm.prefix_hit_blocks, bm.prefix_query_blocks = old_bm.prefix_hit_blocks, old_bm.prefix_query_blocks
         self.block_manager = bm

@@ -54,12 +54,15 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # the table of the first KV group (of layers)
+    # A hybrid model's tables of its other KV groups (block_manager.KVGroupSpec), one entry per logical
+    # block like `block_ids`; empty for a model with one group.
+    group_block_ids: list[list[int]] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
-    # Sliding windows on every layer: block_ids[:num_slid_blocks] slid out of every window and were
-    # freed; they read BlockManager.hole (the pool's scratch block) since.
-    num_slid_blocks: int = 0
+    # Per KV group whose layers slide: table[:slid_blocks[g]] slid out of the group's window and were
+    # freed (or never held: a prefix hit starts with holes); they read the group's hole since.
+    slid_blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -89,6 +92,11 @@ class Request:
             and not s.logit_bias
             and s.grammar is None
         )
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """The block table of every KV group, the first group's (`block_ids`) first."""
+        return [self.block_ids, *self.group_block_ids]
 
     @property
     def num_tokens(self) -> int:

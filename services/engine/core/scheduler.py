@@ -18,11 +18,19 @@ Batching policies share this code and differ only in admission:
   once it is full or its oldest request has waited `batch_wait_ms`; it runs to completion;
 - static: the same with a fixed batch size `static_batch_size`.
 
-Sliding windows: when every layer of the model attends within a window of `sliding_window` positions,
-a query at position p never reads keys before p - window + 1, and later queries read later ones: after
-each step the blocks wholly before the next position's window are freed (their table entries become
-the block manager's `hole`), so a long request holds about window / block_size + 1 blocks. A freed block
-keeps its prefix-cache content like any free block, until it is allocated again.
+KV groups: the layers of a model form groups that attend alike (block_manager.KVGroupSpec), each with
+its block manager and a block table per request: one group for most models, a full-attention and a
+sliding group for a hybrid one. Every group's table has an entry per logical block, so a step needs the
+same number of new blocks in each group: a request is scheduled (or admitted) only when every group has
+them, and one that lacks them in any group preempts as above.
+
+Sliding windows: in a group whose layers attend within a window of `window` positions, a query at
+position p never reads keys before p - window + 1, and later queries read later ones: after each step the
+blocks wholly before the next position's window are freed (their table entries become the group's
+`hole`), so a long request holds at most ceil((window - 1) / block_size) + 1 blocks of the group between
+steps. A freed block keeps its prefix-cache content like any free block, until it is allocated again. A
+prefix hit takes the longest prefix every group can serve (BlockManager.longest_hit): a sliding group
+needs only the blocks the first computed position's window reads.
 
 Speculative decoding: after `schedule`, the engine's `Speculator` may give drafts (`Request.draft_ids`)
 to decoding requests of the step (one token left to compute); `schedule_drafts` then fits them after
@@ -38,10 +46,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
-from services.engine.core.block_manager import BlockManager
+from services.engine.core.block_manager import BlockManager, first_seen_block
 from services.engine.core.request import Request, Status
 
 
@@ -80,7 +89,10 @@ class Scheduler:
         batch_size: int = 0,
         batch_wait_s: float = 0.0,
         sliding_window: int = 0,
+        extra_groups: Sequence[tuple[BlockManager, int]] = (),
     ) -> None:
+        """`block_manager` and `sliding_window` (0: none) are the first KV group's; `extra_groups` the
+        (block manager, window) of a hybrid model's other groups, of the same block size."""
         assert policy in ("continuous", "dynamic", "static")
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -90,7 +102,9 @@ class Scheduler:
         self.policy = policy
         self.batch_size = min(batch_size or max_num_seqs, max_num_seqs)
         self.batch_wait_s = batch_wait_s
-        self.sliding_window = sliding_window  # 0: some layer attends to the whole context
+        # (block manager, window) per KV group, the first one's first
+        self.groups: list[tuple[BlockManager, int]] = [(block_manager, sliding_window), *extra_groups]
+        assert all(bm.block_size == self.block_size for bm, _ in self.groups)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.batch: set[Request] = set()  # dynamic/static: members of the batch in progress
@@ -138,13 +152,13 @@ class Scheduler:
             assert n > 0, "a running request always has a token to compute"
             need = self._blocks_needed(req, n)
             if need > 0:
-                while not self.bm.can_allocate(need):
+                while not self._can_allocate(need):
                     victim = self.running.pop()
                     self._preempt(victim)
                     out.preempted.append(victim)
                     if victim is req:
                         return budget
-                req.block_ids.extend(self.bm.allocate(need))
+                self._allocate(req, need)
             out.scheduled.append((req, n))
             budget -= n
             i += 1
@@ -160,17 +174,22 @@ class Scheduler:
             req = self.waiting[i]
             if self.policy != "continuous" and req not in self.batch:
                 return
-            hit = self._prefix_hit(req)
+            hits = self._prefix_hit(req)  # per group, of one length
+            hit = hits[0]
             if pending and self._computed_elsewhere(req, len(hit), pending):
                 i += 1
                 continue
             computed = len(hit) * self.block_size
             n = min(req.num_tokens - computed, budget)
             need = -(-(computed + n) // self.block_size) - len(hit)
-            if not self.bm.can_allocate(need, hit):
+            if not self._can_allocate(need, hits):
                 return
-            self.bm.acquire(hit)
-            req.block_ids = [*hit, *self.bm.allocate(need)]
+            tables = []
+            for (bm, _), group_hit in zip(self.groups, hits, strict=True):
+                bm.acquire(group_hit)
+                tables.append([*group_hit, *bm.allocate(need)])
+            req.block_ids, *req.group_block_ids = tables
+            req.slid_blocks = [0] * len(self.groups)
             req.num_computed_tokens = computed
             # A prompt counts once, at its first admission: a recompute finding its own blocks is no hit
             # (nor in the prefix-cache statistics).
@@ -201,14 +220,16 @@ class Scheduler:
                 continue
             need = self._blocks_needed(req, 1 + d)
             if need > 0:
-                req.block_ids.extend(self.bm.allocate(need))
+                self._allocate(req, need)
             out.scheduled[i] = (req, 1 + d)
             out.num_draft_tokens += d
             budget -= d
 
     def _draft_room(self, req: Request) -> int:
-        """How many drafts after its own token `req` can hold in its blocks and the free ones."""
-        slots = (len(req.block_ids) + self.bm.num_free_blocks) * self.block_size
+        """How many drafts after its own token `req` can hold in its blocks and the free ones (of the
+        group with the fewest)."""
+        free = min(bm.num_free_blocks for bm, _ in self.groups)
+        slots = (len(req.block_ids) + free) * self.block_size
         return slots - req.num_computed_tokens - 1
 
     def _pending_hashes(self) -> set[BlockHash] | None:
@@ -267,9 +288,10 @@ class Scheduler:
         self._register_full_blocks(req)
         self._free_slid_out(req)
         keep = -(-req.num_tokens // self.block_size)
-        if len(req.block_ids) > keep:
-            self.bm.free_blocks(req.block_ids[keep:])
-            del req.block_ids[keep:]
+        for (bm, _), table in zip(self.groups, req.tables, strict=True):
+            if len(table) > keep:
+                bm.free_blocks(table[keep:])
+                del table[keep:]
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -281,20 +303,41 @@ class Scheduler:
         )
 
     def _blocks_needed(self, req: Request, n: int) -> int:
+        """New blocks `req` needs in each group to compute `n` more tokens."""
         return -(-(req.num_computed_tokens + n) // self.block_size) - len(req.block_ids)
+
+    def _can_allocate(self, need: int, hits: Sequence[Sequence[int]] | None = None) -> bool:
+        """Whether every group can allocate `need` fresh blocks (after acquiring its prefix hit)."""
+        if hits is None:
+            return all(bm.can_allocate(need) for bm, _ in self.groups)
+        return all(bm.can_allocate(need, hit) for (bm, _), hit in zip(self.groups, hits, strict=True))
+
+    def _allocate(self, req: Request, need: int) -> None:
+        """Extends every group's table of `req` by `need` fresh blocks (`_can_allocate` said so)."""
+        for (bm, _), table in zip(self.groups, req.tables, strict=True):
+            table.extend(bm.allocate(need))
 
     def _max_hit_blocks(self, req: Request) -> int:
         return max_hit_blocks(req.num_tokens, self.block_size)
 
-    def _prefix_hit(self, req: Request) -> list[int]:
-        """The cached blocks `req` would start from (a look-up only: a waiting request is looked up at
-        every step until it is admitted). None for a request that asks for prompt logprobs: its whole
-        prompt is computed, as they come from the prompt's rows."""
+    def _prefix_hit(self, req: Request) -> list[list[int]]:
+        """Per group, the table of cached blocks `req` would start from, all of one length: the longest
+        every group can serve (a look-up only: a waiting request is looked up at every step until it is
+        admitted). None for a request that asks for prompt logprobs: its whole prompt is computed, as
+        they come from the prompt's rows."""
         if not self.bm.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
-            return []
+            return [[] for _ in self.groups]
         max_blocks = self._max_hit_blocks(req)
         self._hash_blocks(req, max_blocks)
-        return self.bm.match_prefix(req.block_hashes[:max_blocks])
+        hashes = req.block_hashes[:max_blocks]
+        j, settled = max_blocks, False
+        while not settled:  # each group's longest hit up to j, until all agree (j only shrinks)
+            settled = True
+            for bm, window in self.groups:
+                k = bm.longest_hit(hashes, window, j)
+                settled &= k == j
+                j = k
+        return [bm.hit_table(hashes[:j], window) for bm, window in self.groups]
 
     def _hash_blocks(self, req: Request, n: int) -> None:
         """Extends `req.block_hashes` to its first `n` blocks."""
@@ -310,23 +353,26 @@ class Scheduler:
         if full <= req.num_registered_blocks:
             return
         self._hash_blocks(req, full)
-        for i in range(req.num_registered_blocks, full):
-            self.bm.register(req.block_ids[i], req.block_hashes[i])
+        for (bm, _), table in zip(self.groups, req.tables, strict=True):
+            for i in range(req.num_registered_blocks, full):
+                if table[i] != bm.hole:
+                    bm.register(table[i], req.block_hashes[i])
         req.num_registered_blocks = full
 
     def _free_slid_out(self, req: Request) -> None:
-        """Frees the blocks of `req` that lie wholly before the window of its next position (every later
-        query sees even later keys), after they were registered in the prefix cache."""
-        if not self.sliding_window:
-            return
-        first_seen = req.num_computed_tokens - self.sliding_window + 1
-        slid = min(max(0, first_seen) // self.block_size, len(req.block_ids))
-        if slid <= req.num_slid_blocks:
-            return
-        gone = req.block_ids[req.num_slid_blocks : slid]
-        self.bm.free_blocks(gone)
-        req.block_ids[req.num_slid_blocks : slid] = [self.bm.hole] * len(gone)
-        req.num_slid_blocks = slid
+        """Frees, in every sliding group, the blocks of `req` that lie wholly before the window of its
+        next position (every later query sees even later keys), after they were registered in the prefix
+        cache."""
+        for g, ((bm, window), table) in enumerate(zip(self.groups, req.tables, strict=True)):
+            if not window:
+                continue
+            slid = min(first_seen_block(req.num_computed_tokens, window, self.block_size), len(table))
+            done = req.slid_blocks[g]
+            if slid <= done:
+                continue
+            bm.free_blocks(table[done:slid])
+            table[done:slid] = [bm.hole] * (slid - done)
+            req.slid_blocks[g] = slid
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -336,10 +382,12 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
-        self.bm.free_blocks(req.block_ids)
+        for (bm, _), table in zip(self.groups, req.tables, strict=True):
+            bm.free_blocks(table)
         req.block_ids = []
+        req.group_block_ids = []
         if req.spec is not None:
             req.spec.drafts = []
         req.num_computed_tokens = 0
         req.num_registered_blocks = 0
-        req.num_slid_blocks = 0
+        req.slid_blocks = []

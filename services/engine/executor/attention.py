@@ -14,6 +14,10 @@ pool slots of each token, then attends per sequence, never across sequences:
 - each prefill chunk alone: causal, aligned bottom-right against its cached context (plain causal
   against its own K/V when it has no context). Without a sliding window the alignment is SDPA's
   `causal_lower_right` bias, not a mask tensor, so flash / memory-efficient kernels can run on CUDA.
+A hybrid model's layers come in KV groups with pools and block tables of their own
+(services/engine/core/block_manager.py): each layer reads the metadata of its group
+(`StepMeta.for_layer`); a sliding group's tables name its hole for the blocks that slid out of the
+window, which no query of the layer reads.
 What the model's layer hands over is honoured as given, per layer: `scaling` (query_pre_attn_scalar,
 Granite's multiplier: never recomputed from the head size), `sliding_window` (hides keys more than
 `window - 1` positions back), `softcap` (Gemma 2: scores become softcap * tanh(scores / softcap) before
@@ -31,7 +35,7 @@ fp32). A prefill chunk without cached context attends its own K/V at full precis
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -147,6 +151,15 @@ class StepMeta:
     block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int32 block ids of each decode row
     seq_lens: torch.Tensor | None = None  # (num_decodes,) int32 context length incl. the new token; 0 = pad
     block_size: int = 16
+    # A hybrid model's KV groups (block_manager.KVGroupSpec): the metadata of each group (this one is
+    # the first), built over that group's block tables and pool slots, and each layer's group. Empty for
+    # a model with one group.
+    group_metas: list[StepMeta] = field(default_factory=list)
+    layer_group: Sequence[int] = ()
+
+    def for_layer(self, layer: int) -> StepMeta:
+        """The metadata of `layer`'s KV group."""
+        return self.group_metas[self.layer_group[layer]] if self.group_metas else self
 
 
 def paged_attention(
@@ -165,6 +178,7 @@ def paged_attention(
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3]), None
     if not isinstance(meta, StepMeta):
         raise RuntimeError(f"attention '{ATTN_NAME}' needs the engine's step metadata in `{META_KWARG}`")
+    meta = meta.for_layer(module.layer_idx)
     window = int(kwargs.get("sliding_window") or 0)  # type: ignore[call-overload]
     sinks = kwargs.get("s_aux")
     extras = LayerExtras(

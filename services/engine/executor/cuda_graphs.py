@@ -96,10 +96,11 @@ class StaticDecode:
     """Fixed input buffers of decode-only steps, padded to the captured batch sizes, and on CUDA their
     graphs (one per size, captured largest first into one memory pool).
 
-    `run(ids, positions, slots, block_ids, seq_lens, pending)` fills the buffers for B <= max rows (the
-    host lists are the real rows; `pending` = (rows, prev row) device tensors of the rows whose input id
-    comes from `prev_tokens` on the device), replays (or runs) the padded forward and returns the logits
-    of the B real rows.
+    `run(ids, positions, slots, block_ids, pending)` fills the buffers for B <= max rows (the host lists
+    are the real rows; `slots` and `block_ids` per KV group of the pool (ModelRunner.kv_groups), each
+    group with its slot row, its block tables and its scratch slot in `scratch_slots`; `pending` = (rows,
+    prev row) device tensors of the rows whose input id comes from `prev_tokens` on the device), replays
+    (or runs) the padded forward and returns the logits of the B real rows.
     """
 
     def __init__(
@@ -110,7 +111,8 @@ class StaticDecode:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
-        scratch_slot: int,
+        scratch_slots: Sequence[int],
+        layer_group: Sequence[int],
     ) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
@@ -118,36 +120,49 @@ class StaticDecode:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_rows = self.sizes[-1]
         self.width = -(-max_model_len // block_size)
-        self.scratch_slot = scratch_slot
+        self.scratch_slots = list(scratch_slots)
+        self.layer_group = layer_group
+        groups = len(self.scratch_slots)
         rows = self.max_rows
         # Host buffers (pinned on CUDA) and their device copies (the host buffers themselves on CPU): ids,
-        # positions and slots as one (3, rows) int64 tensor, sequence lengths, block tables.
-        shapes = (((3, rows), torch.int64), ((rows,), torch.int32), ((rows, self.width), torch.int32))
+        # positions and each group's slots as one (2 + groups, rows) int64 tensor, sequence lengths, block
+        # tables (groups, rows, width).
+        shapes = (
+            ((2 + groups, rows), torch.int64),
+            ((rows,), torch.int32),
+            ((groups, rows, self.width), torch.int32),
+        )
         host = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for shape, dtype in shapes]
         self._host_long, self._host_lens, self._host_table = host
         self._long_np, self._lens_np, self._table_np = (t.numpy() for t in host)
         dev = [torch.zeros_like(t, device=device) for t in host] if self.cuda else host
         self._dev_long, self.seq_lens, self.block_tables = dev
-        self.input_ids, self.positions, self.slot_mapping = self._dev_long
+        self.input_ids, self.positions, *self.slot_mappings = self._dev_long
         self.kv = kv
         self._event: torch.cuda.Event | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool_bytes = 0
 
     def meta(self, size: int) -> StepMeta:
-        """The StepMeta of a padded batch of `size` rows: views of the static buffers, so that a replay
-        reads the data of the step being run."""
-        return StepMeta(
-            self.kv,
-            self.slot_mapping[:size],
-            [],
-            [],
-            backend="triton",
-            num_decodes=size,
-            block_tables=self.block_tables[:size],
-            seq_lens=self.seq_lens[:size],
-            block_size=self.block_size,
-        )
+        """The StepMeta of a padded batch of `size` rows (per KV group beyond one, in `group_metas`):
+        views of the static buffers, so that a replay reads the data of the step being run."""
+        metas = [
+            StepMeta(
+                self.kv,
+                slots[:size],
+                [],
+                [],
+                backend="triton",
+                num_decodes=size,
+                block_tables=self.block_tables[g, :size],
+                seq_lens=self.seq_lens[:size],
+                block_size=self.block_size,
+            )
+            for g, slots in enumerate(self.slot_mappings)
+        ]
+        if len(metas) > 1:
+            metas[0].group_metas, metas[0].layer_group = metas, self.layer_group
+        return metas[0]
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.input_ids[:size][None], self.positions[:size][None]
@@ -185,7 +200,8 @@ class StaticDecode:
     def _fill_padding(self, start: int, stop: int) -> None:
         """Padding rows: id 0 at position 0, written to the scratch slot, sequence length 0."""
         self._long_np[:2, start:stop] = 0
-        self._long_np[2, start:stop] = self.scratch_slot
+        for g, scratch in enumerate(self.scratch_slots):
+            self._long_np[2 + g, start:stop] = scratch
         self._lens_np[start:stop] = 0
 
     def _copy(self, size: int) -> None:
@@ -193,7 +209,8 @@ class StaticDecode:
             return
         self._dev_long.copy_(self._host_long, non_blocking=True)
         self.seq_lens.copy_(self._host_lens, non_blocking=True)
-        self.block_tables[:size].copy_(self._host_table[:size], non_blocking=True)
+        for g in range(self.block_tables.shape[0]):
+            self.block_tables[g, :size].copy_(self._host_table[g, :size], non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
 
@@ -201,8 +218,8 @@ class StaticDecode:
         self,
         ids: Sequence[int],
         positions: Sequence[int],
-        slots: Sequence[int],
-        block_ids: Sequence[Sequence[int]],
+        slots: Sequence[Sequence[int]],
+        block_ids: Sequence[Sequence[Sequence[int]]],
         pending: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
         forward: Forward,
     ) -> torch.Tensor:
@@ -214,11 +231,13 @@ class StaticDecode:
             self._event.synchronize()  # the previous step's copy out of the host buffers is done
         self._long_np[0, :b] = ids
         self._long_np[1, :b] = positions
-        self._long_np[2, :b] = slots
+        for g, group_slots in enumerate(slots):
+            self._long_np[2 + g, :b] = group_slots
         self._fill_padding(b, size)
         table = self._table_np
-        for i, blocks in enumerate(block_ids):
-            table[i, : len(blocks)] = blocks
+        for g, tables in enumerate(block_ids):
+            for i, blocks in enumerate(tables):
+                table[g, i, : len(blocks)] = blocks
         self._lens_np[:b] = np.asarray(positions) + 1
         self._copy(size)
         if pending is not None:

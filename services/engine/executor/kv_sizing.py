@@ -9,6 +9,15 @@ leaves room for the largest step: the pool takes what the model and its activati
 `gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU. It
 never takes more blocks than `max_num_seqs` requests at the full context length can fill.
 
+Hybrid models (`KVLayout`): layers whose windows differ form KV groups (full-attention layers first,
+then one group per window, the widest first), each with a pool of its own. `num_kv_blocks` is the first
+group's size: a block there holds `block_size` tokens of every layer of that group. A sliding group gets
+min(num_kv_blocks, `window_blocks`) blocks of `block_size` tokens of its own layers: what its running
+requests can ever hold at once (their windows, plus the chunks of one step), so its memory is bounded by
+window × requests and not by the context length. A budget in bytes (`kv_cache_gb`, or the device's free
+memory) goes to the largest `num_kv_blocks` whose groups together fit it (`KVLayout.blocks_for_bytes`):
+the sliding groups take their bounded share first, the full-attention group the rest.
+
 The warm-up step asks for prompt logprobs (at the most alternatives a request may ask for), since that is
 the largest step there is: the runner keeps a logits row per prompt position (up to
 `max_num_batched_tokens` − 1 rows × the vocabulary) and the sampler turns them into log-probabilities in
@@ -20,11 +29,13 @@ budget fits beside the pool instead of running the device out of memory.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from services.engine.core.block_manager import KVGroupSpec
 from services.engine.core.params import MAX_LOGPROBS, SamplingParams, StoppingParams
 from services.engine.core.request import Request
 from services.engine.executor.sampler import Sampler
@@ -63,6 +74,72 @@ def block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: i
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
 
 
+def group_layers(windows: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
+    """Layers grouped by window, as (window, layer indices): full attention (window 0) first, then one
+    group per window, the widest first (the first group's size is the pool's `num_blocks`)."""
+    order = sorted(set(windows), key=lambda w: (w != 0, -w))
+    return [(w, tuple(i for i, x in enumerate(windows) if x == w)) for w in order]
+
+
+def window_blocks(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The most blocks a sliding group's requests can hold at once: between steps a running request
+    holds at most ceil((window - 1) / block_size) + 1 (the scheduler frees the rest), and a step's chunks
+    of n tokens add at most ceil(n / block_size) + 1 each, max_num_batched_tokens tokens in all."""
+    per_request = -(-(window - 1) // block_size) + 2
+    return max_num_seqs * per_request + -(-max_num_batched_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How a pool of `num_blocks` blocks is split among the KV groups of a model (see the module
+    docstring): `groups` as `group_layers` gives them, `layer_block_bytes` one block of one layer (its K
+    and V), `max_num_seqs` and `max_num_batched_tokens` bounding what a sliding group can hold."""
+
+    groups: tuple[tuple[int, tuple[int, ...]], ...]
+    block_size: int
+    layer_block_bytes: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def group_blocks(self, num_blocks: int) -> list[int]:
+        """Blocks of each group's pool: the first group `num_blocks`, a later (sliding) one at most its
+        `window_blocks`."""
+        sizes = [num_blocks]
+        for window, _ in self.groups[1:]:
+            bound = window_blocks(window, self.block_size, self.max_num_seqs, self.max_num_batched_tokens)
+            sizes.append(min(num_blocks, bound))
+        return sizes
+
+    def specs(self, num_blocks: int) -> list[KVGroupSpec]:
+        return [
+            KVGroupSpec(window, layers, n)
+            for (window, layers), n in zip(self.groups, self.group_blocks(num_blocks), strict=True)
+        ]
+
+    def pool_bytes(self, num_blocks: int) -> int:
+        """Bytes of the pool of `num_blocks` (scratch blocks not counted)."""
+        sizes = self.group_blocks(num_blocks)
+        return sum(n * len(layers) for n, (_, layers) in zip(sizes, self.groups, strict=True)) * (
+            self.layer_block_bytes
+        )
+
+    def blocks_for_bytes(self, budget: int) -> int:
+        """The largest `num_blocks` whose pool fits in `budget` bytes (0 when not one block does)."""
+        lo, hi = 0, budget // (self.layer_block_bytes * len(self.groups[0][1])) + 1
+        while hi - lo > 1:  # pool_bytes(lo) <= budget < pool_bytes(hi)
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.pool_bytes(mid) <= budget else (lo, mid)
+        return lo
+
+    def describe(self, num_blocks: int) -> str:
+        """The pool per group for the start-up log: e.g. "full: 2 layers × 300 blocks; window 512: 2
+        layers × 96 blocks"."""
+        return "; ".join(
+            f"{f'window {s.window}' if s.window else 'full'}: {len(s.layers)} layers × {s.num_blocks} blocks"
+            for s in self.specs(num_blocks)
+        )
+
+
 def pool_block_bytes(runner: Any) -> int:
     """Bytes of one block of `runner`'s KV pool, in the pool's dtype (`kv_dtype`)."""
     element = torch.tensor([], dtype=runner.kv_dtype).element_size()
@@ -75,10 +152,19 @@ def blocks_from_free_memory(
     """Blocks in `fraction` of the memory the pool may use: `free_bytes` the device reports free after the
     warm-up, plus `released_bytes` of the provisional pool the new one replaces. Raises ValueError when
     not one block fits, or the fraction is not in (0, 1]."""
+    return checked_blocks(budget_from_free_memory(free_bytes, released_bytes, fraction), bytes_per_block)
+
+
+def budget_from_free_memory(free_bytes: int, released_bytes: int, fraction: float) -> int:
+    """`fraction` of the free memory plus the released pool, in bytes; ValueError for a bad fraction."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
-    budget = int((free_bytes + released_bytes) * fraction)
-    blocks = budget // bytes_per_block
+    return int((free_bytes + released_bytes) * fraction)
+
+
+def checked_blocks(budget: int, bytes_per_block: int, blocks: int | None = None) -> int:
+    """`blocks` (default budget // bytes_per_block); ValueError when not one block fits the budget."""
+    blocks = budget // bytes_per_block if blocks is None else blocks
     if blocks < 1:
         raise ValueError(
             f"KV cache: {budget / GiB:.2f} GiB of free device memory after the warm-up is less than one "
@@ -104,16 +190,18 @@ def fit_kv_pool(runner: Any, settings: SizingSettings, mem_get_info: MemGetInfo 
     per_block = pool_block_bytes(runner)
     warm_up(runner, settings.max_num_batched_tokens)
     free, _ = (mem_get_info or torch.cuda.mem_get_info)(runner.device)
-    released = runner.num_blocks * per_block
-    blocks = blocks_from_free_memory(free, released, settings.gpu_memory_utilization, per_block)
+    released = runner.kv_layout.pool_bytes(runner.num_blocks)
+    budget = budget_from_free_memory(free, released, settings.gpu_memory_utilization)
+    blocks = checked_blocks(budget, per_block, runner.kv_layout.blocks_for_bytes(budget))
     context_len = settings.max_model_len or runner.max_position_embeddings
     if context_len:
         blocks = min(blocks, useful_blocks(settings.max_num_seqs, context_len, runner.block_size))
     runner.allocate_pool(blocks)
     log.info(
-        "KV pool sized from free memory after a warm-up: %d blocks (%.2f GiB, %.0f%% of %.2f GiB)",
+        "KV pool sized from free memory after a warm-up: %d blocks (%s; %.2f GiB, %.0f%% of %.2f GiB)",
         blocks,
-        blocks * per_block / GiB,
+        runner.kv_layout.describe(blocks),
+        runner.kv_layout.pool_bytes(blocks) / GiB,
         100 * settings.gpu_memory_utilization,
         (free + released) / GiB,
     )
@@ -131,6 +219,7 @@ def warm_up(runner: Any, max_tokens: int) -> None:
     sampling = SamplingParams(prompt_logprobs=MAX_LOGPROBS)
     request = Request(WARM_UP_ID, [0] * n, sampling, StoppingParams(max_new_tokens=1))
     request.block_ids = list(range(-(-n // runner.block_size)))
+    request.group_block_ids = [list(request.block_ids) for _ in runner.kv_groups[1:]]
     runner.execute([(request, n)])
     sampler = Sampler(runner.device)
     for req, first, logits in runner.prompt_logits:  # (n - 1, V): every prompt position but the last

@@ -33,7 +33,7 @@ from services.engine.executor.attention import (
     paged_attention,
 )
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
-from services.engine.executor.kv_sizing import initial_kv_cache_gb, pool_block_bytes
+from services.engine.executor.kv_sizing import KVLayout, group_layers, initial_kv_cache_gb
 from services.engine.executor.moe import ExpertLoad, choose_experts_implementation, experts_modules
 from services.engine.executor.quantization import check_quantization, quantize_model
 from services.engine.settings import EngineSettings
@@ -124,9 +124,12 @@ def resolve_backend(name: str, device: torch.device) -> str:
 class ModelRunner:
     """The model, its KV pool, and `execute` (one step's forward).
 
-    Pool layout: per layer a K and a V tensor of shape ((num_blocks + 1) * block_size, Hkv, D); slot
-    `b * block_size + i` holds token i of block b. Block `num_blocks` is scratch, never handed out: the
-    padding rows of a padded decode batch write their K/V there.
+    Pool layout: the layers form KV groups (`kv_groups`, kv_sizing.KVLayout: one for most models, a
+    full-attention and a sliding group for a hybrid one), group g with `kv_groups[g].num_blocks` blocks;
+    per layer a K and a V tensor of shape ((its group's blocks + 1) * block_size, Hkv, D); slot
+    `b * block_size + i` holds token i of block b. The block past a group's blocks is scratch, never
+    handed out: the padding rows of a padded decode batch write their K/V there, and the blocks that slid
+    out of a window read it. A request's table of group g is `Request.tables[g]`.
 
     Built from the engine's settings; of them it reads `model` (the directory; '' = the embedded model),
     `device`, `dtype`, `block_size`, the pool's size (`num_kv_blocks`, else `kv_cache_gb` or its
@@ -166,8 +169,6 @@ class ModelRunner:
         self.num_heads = self.attention.num_heads
         self.num_kv_heads = self.attention.num_kv_heads
         self.head_dim = self.attention.head_dim
-        # KV older than this many positions is never read again when every layer slides (0: some do not).
-        self.sliding_window = self.attention.all_sliding_window
         self.backend = resolve_backend(settings.attention_backend, self.device)
         if self.backend == "triton" and self.device.type == "cuda":
             self.backend = self._checked_kernel(settings.attention_backend)
@@ -180,6 +181,18 @@ class ModelRunner:
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
         block_size = self.block_size = settings.block_size
+        element = torch.tensor([], dtype=self.kv_dtype).element_size()
+        self.kv_layout = KVLayout(
+            tuple(group_layers(self.attention.windows)),
+            block_size,
+            kv_sizing.block_bytes(1, block_size, self.num_kv_heads, self.head_dim, element),
+            settings.max_num_seqs,
+            settings.max_num_batched_tokens,
+        )
+        self.layer_group = [0] * self.num_layers  # each layer's KV group
+        for g, (_, layers) in enumerate(self.kv_layout.groups):
+            for i in layers:
+                self.layer_group[i] = g
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.allocate_pool(settings.num_kv_blocks or self._blocks_from_budget(initial_kv_cache_gb(settings)))
         self.max_model_len = 0  # set by prepare()
@@ -196,8 +209,8 @@ class ModelRunner:
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
         log.info(
-            "loaded %s (%s: %s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s; "
-            "decode attention %s%s",
+            "loaded %s (%s: %s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s (%s, "
+            "%.2f GiB); decode attention %s%s",
             self.model_dir,
             config.model_type,
             "; ".join(self.attention.features()),
@@ -207,6 +220,8 @@ class ModelRunner:
             self.num_blocks,
             block_size,
             self.kv_dtype,
+            self.kv_layout.describe(self.num_blocks),
+            self.kv_layout.pool_bytes(self.num_blocks) / GiB,
             self.backend,
             f"; MoE experts {self.moe_experts}" if self.moe_experts else "",
         )
@@ -255,31 +270,30 @@ class ModelRunner:
         return "torch"
 
     def allocate_pool(self, num_blocks: int) -> None:
-        """Releases the KV pool and allocates one of `num_blocks` blocks, plus the scratch block past them
-        that the block manager never hands out: per layer K and V of ((num_blocks + 1) * block_size, Hkv,
-        D) in `kv_dtype`."""
+        """Releases the KV pool and allocates one of `num_blocks` blocks in the first KV group (a sliding
+        group gets `kv_layout.group_blocks`), plus each group's scratch block past them that its block
+        manager never hands out: per layer K and V of ((its group's blocks + 1) * block_size, Hkv, D) in
+        `kv_dtype`."""
         self.kv = []  # the old pool is freed before the new one takes its memory
-        shape = ((num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv = [
-            (
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
-            )
-            for _ in range(self.num_layers)
-        ]
+        self.kv_groups = self.kv_layout.specs(num_blocks)
+        for g in self.layer_group:
+            shape = ((self.kv_groups[g].num_blocks + 1) * self.block_size, self.num_kv_heads, self.head_dim)
+            k = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            self.kv.append((k, torch.zeros_like(k)))
         self.num_blocks = num_blocks
 
     def _blocks_from_budget(self, kv_cache_gb: float) -> int:
-        per_block = pool_block_bytes(self)
-        blocks = int(kv_cache_gb * GiB) // per_block
+        blocks = self.kv_layout.blocks_for_bytes(int(kv_cache_gb * GiB))
         if blocks < 1:
-            raise ValueError(f"KV cache budget too small for one block of {per_block} bytes")
+            raise ValueError(
+                f"KV cache budget too small for one block of {self.kv_layout.pool_bytes(1)} bytes"
+            )
         return blocks
 
     @property
-    def scratch_slot(self) -> int:
-        """The first slot of the scratch block (past the blocks the block manager hands out)."""
-        return self.num_blocks * self.block_size
+    def scratch_slots(self) -> list[int]:
+        """Per KV group, the first slot of its scratch block (past the blocks its manager hands out)."""
+        return [g.num_blocks * self.block_size for g in self.kv_groups]
 
     @property
     def last_forward_s(self) -> float:
@@ -301,10 +315,12 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         # A full decode batch's inputs without growing the staging buffers: ids, positions, slots, sampled
-        # rows, pending rows (two), and the block table and lengths (int64 for torch, int32 for triton).
-        table = max_num_seqs * (-(-max_model_len // self.block_size) + 1)
-        self._long.reserve(6 * max_num_seqs + (table if self.backend == "torch" else 0))
-        self._int.reserve(table if self.backend == "triton" else 0)
+        # rows, pending rows (two), and per KV group the slots and the block table, the lengths (int64 for
+        # torch, int32 for triton).
+        groups = len(self.kv_groups)
+        table = groups * max_num_seqs * (-(-max_model_len // self.block_size) + 1)
+        self._long.reserve((5 + groups) * max_num_seqs + (table if self.backend == "torch" else 0))
+        self._int.reserve(table + max_num_seqs if self.backend == "triton" else 0)
         graphs, why = self._graphs_wanted()
         self._static = None
         if graphs or self.static_decode:
@@ -314,7 +330,8 @@ class ModelRunner:
                 block_size=self.block_size,
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len,
-                scratch_slot=self.scratch_slot,
+                scratch_slots=self.scratch_slots,
+                layer_group=self.layer_group,
             )
         if graphs:
             assert self._static is not None
@@ -382,7 +399,7 @@ class ModelRunner:
                 [[row for _, row in keep_rows], [a for a, _ in pending], [b for _, b in pending]]
             )
             prev = (rows, src, prev_tokens) if pending and prev_tokens is not None else None
-            blocks = [r.block_ids for r, _ in decodes]
+            blocks = [[r.tables[g] for r, _ in decodes] for g in range(len(self.kv_groups))]
             if self.expert_load is not None:  # the padding rows route too: they count 0
                 self.expert_load.begin(len(decodes), static.max_rows)
             all_logits = static.run(ids, pos, slots, blocks, prev, self._forward)
@@ -436,41 +453,52 @@ class ModelRunner:
         prefills: list[tuple[Request, int]],
         ids: list[int],
         pos: list[int],
-        slots: list[int],
+        slots: list[list[int]],
         keep_rows: list[int],
         pending: list[tuple[int, int]],
         prev_tokens: torch.Tensor | None,
     ) -> torch.Tensor:
         """The packed step as it is: every input in one staged copy (two with the triton backend); the
         logits of the rows `keep_rows`, in that order."""
-        triton = self.backend == "triton"
+        triton, bs = self.backend == "triton", self.block_size
         parts: list[Sequence[int] | np.ndarray] = [
             ids,
             pos,
-            slots,
             keep_rows,
             [a for a, _ in pending],
             [b for _, b in pending],
         ]
-        # The blocks holding each prefill chunk's tokens and the context before them.
-        parts.extend(r.block_ids[: -(-(r.num_computed_tokens + n) // self.block_size)] for r, n in prefills)
-        table = self._decode_table(decodes) if decodes else np.zeros((0, 0), dtype=np.int64)
+        lens = [r.num_computed_tokens + 1 for r, _ in decodes]
         if decodes and not triton:
-            parts.extend([table.reshape(-1), [r.num_computed_tokens + 1 for r, _ in decodes]])
+            parts.append(lens)
+        tables = [self._decode_table(decodes, g) for g in range(len(slots))]
+        for g, group_slots in enumerate(slots):  # per KV group: slots, prefill context blocks, decode table
+            parts.append(group_slots)
+            # The blocks holding each prefill chunk's tokens and the context before them.
+            parts.extend(r.tables[g][: -(-(r.num_computed_tokens + n) // bs)] for r, n in prefills)
+            if decodes and not triton:
+                parts.append(tables[g].reshape(-1))
         staged = self._long.stage(parts)
-        ids_t, pos_t, slots_t, keep, rows, src = staged[:6]
-        ctx_t = staged[6 : 6 + len(prefills)]
-        if triton:
-            lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-            table_t, lens_t = self._int.stage([table.reshape(-1), lens])
-            meta = self._meta(decodes, prefills, slots_t, ctx_t)
-            meta.block_tables = table_t.view(len(decodes), table.shape[1])
-            meta.seq_lens = lens_t
-        else:
-            meta = self._meta(decodes, prefills, slots_t, ctx_t)
-            if decodes:
-                table_t, lens_t = staged[6 + len(prefills) :]
-                meta.decode_groups = self._decode_groups(decodes, table_t.view(table.shape), lens_t)
+        ids_t, pos_t, keep, rows, src = staged[:5]
+        lens_t = staged[5] if decodes and not triton else None
+        int_staged = self._int.stage([*(t.reshape(-1) for t in tables), lens]) if triton else []
+        at = 6 if lens_t is not None else 5
+        metas = []
+        for g, table in enumerate(tables):
+            slots_t, ctx_t = staged[at], staged[at + 1 : at + 1 + len(prefills)]
+            at += 1 + len(prefills)
+            meta = self._meta(decodes, prefills, slots_t, ctx_t)  # over group g's slots and tables
+            if triton:
+                meta.block_tables = int_staged[g].view(table.shape)
+                meta.seq_lens = int_staged[-1]
+            elif decodes:
+                assert lens_t is not None
+                meta.decode_groups = self._decode_groups(decodes, staged[at].view(table.shape), lens_t)
+                at += 1
+            metas.append(meta)
+        meta = metas[0]
+        if len(metas) > 1:
+            meta.group_metas, meta.layer_group = metas, self.layer_group
         input_ids = ids_t[None]
         if pending:
             assert prev_tokens is not None
@@ -521,12 +549,12 @@ class ModelRunner:
 
     def _pack(
         self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]]
-    ) -> tuple[list[int], list[int], list[int], list[tuple[Request, int]]]:
-        """Token ids, positions and pool slots of the packed batch, and (request, row) to sample."""
+    ) -> tuple[list[int], list[int], list[list[int]], list[tuple[Request, int]]]:
+        """Token ids, positions and pool slots (per KV group) of the packed batch, and (request, row) to
+        sample."""
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         keep: list[tuple[Request, int]] = []
         for r, _ in decodes:
             p = r.num_computed_tokens
@@ -534,7 +562,6 @@ class ModelRunner:
                 keep.append((r, len(ids)))
             ids.append(r.token_ids[p] if r.prev_row < 0 else 0)  # 0: a placeholder, filled on the device
             pos.append(p)
-            slots.append(r.block_ids[p // bs] * bs + p % bs)
         for r, n in prefills:
             p0 = r.num_computed_tokens
             ids.extend(r.token_ids[p0 : p0 + n])
@@ -542,12 +569,14 @@ class ModelRunner:
             if drafts:  # speculative: the chunk is the last token and the drafts after it
                 assert p0 + n == r.num_tokens + drafts and r.prev_row < 0, "drafts come with the last token"
                 ids.extend(r.draft_ids)
-            rng = range(p0, p0 + n)
-            pos.extend(rng)
-            blocks = r.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in rng)
+            pos.extend(range(p0, p0 + n))
             if p0 + n == r.num_tokens + drafts:
                 keep.extend((r, len(ids) - 1 - j) for j in range(drafts, -1, -1))
+        reqs = [r for r, _ in decodes] + [r for r, n in prefills for _ in range(n)]  # the request of each row
+        slots = [
+            [r.tables[g][p // bs] * bs + p % bs for r, p in zip(reqs, pos, strict=True)]
+            for g in range(len(self.kv_groups))
+        ]
         return ids, pos, slots, keep
 
     def _meta(
@@ -574,12 +603,13 @@ class ModelRunner:
             block_size=self.block_size,
         )
 
-    def _decode_table(self, decodes: list[tuple[Request, int]]) -> np.ndarray:
-        """(Bd, max_blocks) block ids of the decode rows, padded with block 0."""
-        max_blocks = max(len(r.block_ids) for r, _ in decodes)
+    def _decode_table(self, decodes: list[tuple[Request, int]], group: int) -> np.ndarray:
+        """(Bd, max_blocks) block ids of the decode rows in KV group `group`, padded with block 0."""
+        max_blocks = max((len(r.block_ids) for r, _ in decodes), default=0)
         table = np.zeros((len(decodes), max_blocks), dtype=np.int64)
         for i, (r, _) in enumerate(decodes):
-            table[i, : len(r.block_ids)] = r.block_ids
+            blocks = r.tables[group]
+            table[i, : len(blocks)] = blocks
         return table
 
     def _decode_groups(
