@@ -552,7 +552,6 @@ class ModelRunner:
     ) -> tuple[list[int], list[int], list[list[int]], list[tuple[Request, int]]]:
         """Token ids, positions and pool slots (per KV group) of the packed batch, and (request, row) to
         sample."""
-        bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
         keep: list[tuple[Request, int]] = []
@@ -572,12 +571,21 @@ class ModelRunner:
             pos.extend(range(p0, p0 + n))
             if p0 + n == r.num_tokens + drafts:
                 keep.extend((r, len(ids) - 1 - j) for j in range(drafts, -1, -1))
-        reqs = [r for r, _ in decodes] + [r for r, n in prefills for _ in range(n)]  # the request of each row
-        slots = [
-            [r.tables[g][p // bs] * bs + p % bs for r, p in zip(reqs, pos, strict=True)]
-            for g in range(len(self.kv_groups))
-        ]
-        return ids, pos, slots, keep
+        return ids, pos, [self._slots(decodes, prefills, g) for g in range(len(self.kv_groups))], keep
+
+    def _slots(
+        self, decodes: list[tuple[Request, int]], prefills: list[tuple[Request, int]], group: int
+    ) -> list[int]:
+        """The pool slot in KV group `group` of every packed token, in `_pack`'s row order."""
+        bs = self.block_size
+        slots: list[int] = []
+        for r, _ in decodes:
+            p = r.num_computed_tokens
+            slots.append(r.tables[group][p // bs] * bs + p % bs)
+        for r, n in prefills:
+            table, p0 = r.tables[group], r.num_computed_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(p0, p0 + n))
+        return slots
 
     def _meta(
         self,
