@@ -139,6 +139,8 @@ def run_schedule(
     for step, scheduled in enumerate(schedule):
         for req, n in scheduled:
             req.block_ids = blocks[req.request_id][: -(-(req.num_computed_tokens + n) // BLOCK_SIZE)]
+            # A hybrid model's other KV groups (qwen2 here: a full and a sliding layer): the same ids.
+            req.group_block_ids = [list(req.block_ids) for _ in runner.kv_groups[1:]]
         prev_tokens = _feed_from_device(scheduled) if step == FED_STEP else None
         logits, reqs = runner.execute(scheduled, prev_tokens)
         for req, _ in scheduled:
