@@ -163,6 +163,21 @@ def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None 
     return pipeline
 
 
+def launch_service(*args: str, env: Mapping[str, str] | None = None) -> Pipeline:
+    """Starts `sluice serve ARGS` (one service, no launcher) and returns at once, as a `Pipeline` whose
+    ports are unknown (0) and whose `ready` is set only when it exits; it is stopped with the test like
+    any `sluice up`."""
+    cmd = [sys.executable, "-m", "sluice.cli", "serve", *args]
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, start_new_session=True
+    )
+    service = Pipeline(proc, 0, 0)
+    LAUNCHED.append(service)
+    threading.Thread(target=_pump, args=(service,), daemon=True).start()
+    return service
+
+
 def start_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
     """Starts `sluice up`; returns once it printed its ready line. Fails the test with the output on
     a start-up failure."""

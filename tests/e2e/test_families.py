@@ -3,12 +3,16 @@
 apart from hidden / heads, MQA) stream the same greedy text as transformers' `generate` decoded, with a
 pool and a step budget small enough that prompts are chunked, share cached blocks and are preempted.
 Every other dense family of sluice/model/families.py (the MoE ones are in test_moe.py) does the same in
-one test that starts all their pipelines at once, each engine on one torch thread, so that their
-start-ups overlap instead of adding up."""
+one test: one pipeline's tokenizer and detokenizer serve every family (they share the project's
+tokenizer), each other family adds only an engine (on one torch thread) and a gateway, and all start at
+once, so that the cost is about an engine start per family."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
+import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,8 +20,15 @@ from typing import Any
 import pytest
 
 from sluice.model.families import FAMILIES
-from tests.e2e.conftest import STARTUP_DEADLINE_S, Pipeline, launch_pipeline, start_pipeline
-from tests.e2e.test_up import generate_all, reference
+from tests.e2e.conftest import (
+    STARTUP_DEADLINE_S,
+    Pipeline,
+    free_ports,
+    launch_pipeline,
+    launch_service,
+    start_pipeline,
+)
+from tests.e2e.test_up import generate_all, references
 
 pytestmark = pytest.mark.e2e
 
@@ -72,8 +83,9 @@ def stream_prompts_to_all(ws_urls: Sequence[str]) -> list[dict[str, dict[str, An
 
 def assert_equals_generate(model_dir: Path, family: str, got: dict[str, dict[str, Any]]) -> None:
     """Each prompt's streamed text and completion tokens equal transformers' `generate` decoded."""
-    for i, prompt in enumerate(PROMPTS):
-        text, _, completion_tokens = reference(model_dir, prompt, MAX_TOKENS)
+    for i, (prompt, (text, _, completion_tokens)) in enumerate(
+        zip(PROMPTS, references(model_dir, PROMPTS, MAX_TOKENS), strict=True)
+    ):
         assert got[f"r{i}"]["text"] == text, (family, prompt)
         assert got[f"r{i}"]["done"]["usage"]["completion_tokens"] == completion_tokens
 
@@ -90,26 +102,58 @@ def test_streamed_greedy_text_equals_generate(family: str, family_model_dir: Cal
     assert_equals_generate(model_dir, family, got)
 
 
+def wait_ready(url: str, service: Pipeline, deadline: float) -> None:
+    """Polls the gateway's /readyz at `url` until 200 (every stage serving); fails the test with the
+    output of `service` when it exits or `deadline` (time.monotonic()) passes first."""
+    while True:
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/readyz", timeout=5) as response:
+            if response.status == 200:  # 503 (not ready) raises HTTPError, an OSError
+                return
+        if service.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"the gateway at {url} did not become ready:\n{service.output()}")
+        time.sleep(0.2)
+
+
 def test_every_other_family_streams_greedy_text_equal_to_generate(
     family_model_dir: Callable[[str], Path],
 ) -> None:
     """Llama, Qwen2, Mistral, Gemma 3, Phi-3, OLMo 2, Granite, SmolLM3, Cohere 2 and StarCoder2 (windows
     on every layer or alternating with full layers in a KV group of their own, partial rotary,
-    multipliers, QK norms, biases: sluice/model/families.py), each in a pipeline of its own, all started
-    at once."""
+    multipliers, QK norms, biases: sluice/model/families.py). Llama runs in a whole `sluice up`; each
+    other family gets an engine and a gateway of its own (`sluice serve`) in front of that pipeline's
+    tokenizer and detokenizer (every family has the project's tokenizer), all started at once."""
     model_dirs = {family: family_model_dir(family) for family in SHARED_RUN}
-    pipelines: dict[str, Pipeline] = {}
+    first, *others = SHARED_RUN
+    threads = ("--standby", "0", "--engine-threads", "1")
+    front = launch_pipeline(model_dirs[first], *threads, env=ENGINE_ENV)
+    tokenizer, detokenizer = (f"127.0.0.1:{front.grpc_base_port + i}" for i in (1, 3))
+    gateways: dict[str, tuple[str, Pipeline]] = {}
+    services = []
+    for family in others:
+        http, base = free_ports(2)
+        engine = f"127.0.0.1:{base + 1}"
+        services.append(
+            launch_service(
+                "engine", "--model", str(model_dirs[family]), "--port", str(base + 1), "--threads", "1",
+                env=ENGINE_ENV,
+            )
+        )  # fmt: skip
+        gateway = launch_service(
+            "gateway", "--port", str(http), "--grpc-port", str(base), "--tokenizer", tokenizer,
+            "--engine", engine, "--detokenizer", detokenizer,
+        )  # fmt: skip
+        gateways[family] = (f"http://127.0.0.1:{http}", gateway)
+        services.append(gateway)
     try:
-        for family, model_dir in model_dirs.items():
-            extra = ("--standby", "0", "--engine-threads", "1")
-            pipelines[family] = launch_pipeline(model_dir, *extra, env=ENGINE_ENV)
-        for family, pipeline in pipelines.items():
-            ready = pipeline.ready.wait(STARTUP_DEADLINE_S) and pipeline.proc.poll() is None
-            assert ready, f"{family}: sluice up did not become ready:\n{pipeline.output()}"
-        results = stream_prompts_to_all([p.ws_url for p in pipelines.values()])
+        if not front.ready.wait(STARTUP_DEADLINE_S) or front.proc.poll() is not None:
+            pytest.fail(f"sluice up did not become ready:\n{front.output()}")
+        deadline = time.monotonic() + STARTUP_DEADLINE_S
+        for url, gateway in gateways.values():
+            wait_ready(url, gateway, deadline)
+        urls = [front.ws_url] + [url.replace("http://", "ws://") + "/v1/ws" for url, _ in gateways.values()]
+        results = stream_prompts_to_all(urls)
     finally:
-        codes = {family: pipeline.stop() for family, pipeline in pipelines.items()}
-    for family, pipeline in pipelines.items():
-        assert codes[family] == 0, pipeline.output()
+        codes = [service.stop() for service in [*services, front]]
+    assert codes == [0] * len(codes), "\n".join(s.output() for s in [*services, front])
     for (family, model_dir), got in zip(model_dirs.items(), results, strict=True):
         assert_equals_generate(model_dir, family, got)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +44,23 @@ async def generate_all(url: str, requests: list[dict[str, Any]]) -> dict[str, di
 
 def reference(model_dir: Path, prompt: str, max_new_tokens: int) -> tuple[str, int, int]:
     """Greedy text and usage from transformers' own generate on the same model directory."""
+    return references(model_dir, [prompt], max_new_tokens)[0]
+
+
+def references(model_dir: Path, prompts: Sequence[str], max_new_tokens: int) -> list[tuple[str, int, int]]:
+    """`reference` of each prompt, the model loaded once."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = GenerationConfig.from_pretrained(model_dir)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    out = model.generate(
-        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=config.eos_token_id, pad_token_id=0
-    )
-    new_ids = out[0, ids.shape[1] :].tolist()
-    return tokenizer.decode(new_ids, skip_special_tokens=True), ids.shape[1], len(new_ids)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    out: list[tuple[str, int, int]] = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        generated = model.generate(
+            ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+        )
+        new_ids = generated[0, ids.shape[1] :].tolist()
+        out.append((tokenizer.decode(new_ids, skip_special_tokens=True), ids.shape[1], len(new_ids)))
+    return out
 
 
 def _requests() -> list[dict[str, Any]]:
