@@ -226,3 +226,27 @@ def test_a_context_length_that_fits_starts(
 def test_gpu_memory_utilization_defaults_to_0_9() -> None:
     assert EngineSettings().gpu_memory_utilization == 0.9
     assert load_settings(EngineSettings, [], environ={}).gpu_memory_utilization == 0.9
+
+
+def test_a_hybrid_models_budget_buys_more_full_blocks(family_model_dir) -> None:
+    """Gemma 2 (a sliding layer, window 8, beside a full one): a 1 MiB budget gives the sliding layer
+    only `window_blocks` (4 requests × 3 + 32 / 8 = 16 blocks of 8 tokens) and the full layer the rest,
+    each layer's tensors sized by its group, the whole within the budget and the largest that fits."""
+    settings = EngineSettings(
+        model=str(family_model_dir("gemma2")), device="cpu", dtype="float32", kv_cache_gb=1 / 1024,
+        block_size=8, max_num_seqs=4, max_num_batched_tokens=32,
+    )  # fmt: skip
+    runner = ModelRunner(settings)
+    layout = runner.kv_layout
+    layer_block = kv_sizing.block_bytes(1, 8, runner.num_kv_heads, runner.head_dim, 4)
+    assert layout.layer_block_bytes == layer_block
+    full, sliding = runner.kv_groups
+    assert (full.window, full.layers, sliding.window, sliding.layers) == (0, (1,), 8, (0,))
+    assert sliding.num_blocks == kv_sizing.window_blocks(8, 8, 4, 32) == 16
+    assert full.num_blocks == runner.num_blocks == (MiB - 16 * layer_block) // layer_block
+    assert layout.pool_bytes(runner.num_blocks) <= MiB < layout.pool_bytes(runner.num_blocks + 1)
+    uniform = MiB // (2 * layer_block)  # what every layer at full size would have bought
+    assert runner.num_blocks == 2 * uniform - 16  # nearly twice the full-attention blocks
+    for layer, group in ((0, sliding), (1, full)):
+        k, v = runner.kv[layer]
+        assert k.shape == v.shape == ((group.num_blocks + 1) * 8, runner.num_kv_heads, runner.head_dim)

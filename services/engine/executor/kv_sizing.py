@@ -135,7 +135,8 @@ class KVLayout:
         """The pool per group for the start-up log: e.g. "full: 2 layers × 300 blocks; window 512: 2
         layers × 96 blocks"."""
         return "; ".join(
-            f"{f'window {s.window}' if s.window else 'full'}: {len(s.layers)} layers × {s.num_blocks} blocks"
+            f"{f'window {s.window}' if s.window else 'full'}: {len(s.layers)} "
+            f"layer{'s' if len(s.layers) != 1 else ''} × {s.num_blocks} blocks"
             for s in self.specs(num_blocks)
         )
 
