@@ -18,7 +18,7 @@ from sluice.bench import engine_driver as drv
 from sluice.bench import sweep as sw
 from sluice.bench.common import figure, int_range, save_figure, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
-from sluice.launcher import default_engine_threads
+from sluice.plan import default_engine_threads
 
 WARMUP_REQUESTS = 4
 # Histograms read from each service's /metrics: (service, metric family, label filter, report name).
