@@ -12,7 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.tool_parsers import ChatParsers, chosen, infer_parser
+from gateway.chat_output import ChatParsers, chosen
+from gateway.tool_parsers import infer_parser
 from tests.gateway.fakes import FakeUpstreams
 from tests.gateway.test_chat_tools import TOOLS, Make, chat, script
 from tests.gateway.test_chat_tools import client_for as openai_clients
