@@ -369,7 +369,9 @@ def test_tool_request_defaults() -> None:
     assert json.loads(request.tools_json()) == [WEATHER, NOW]
     assert request.grammar(HermesToolCalls) is None
     off = tool_request({"tools": [NOW], "tool_choice": "none", "parallel_tool_calls": False})
-    assert off is not None and not off.parses_calls and not off.parallel and off.grammar(HermesToolCalls) is None
+    assert off is not None and not off.parses_calls and not off.parallel
+    assert off.grammar(HermesToolCalls) is None
+    assert off.grammar(HermesToolCalls) is None
     named = tool_request(
         {"tools": [WEATHER, NOW], "tool_choice": {"type": "function", "function": {"name": "now"}}}
     )
