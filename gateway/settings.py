@@ -85,7 +85,11 @@ class GatewaySettings(ValidatedSettings):
         },
     )
     max_prompt_tokens: int = field(
-        default=0, metadata={"help": "longest prompt in tokens (0 = the model's context length)"}
+        default=0,
+        metadata={
+            "help": "longest prompt in tokens (0 = the engine's rule, checked early: shorter than the "
+            "model's context length, which must hold at least one output token)"
+        },
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest HTTP request body"})
     max_ws_frame_bytes: int = field(default=1024 * 1024, metadata={"help": "largest WebSocket frame"})
