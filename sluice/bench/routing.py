@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-from gateway.settings import ROUTING_POLICIES
+from gateway.choices import ROUTING_POLICIES
 from sluice.bench import sweep as sw
 from sluice.bench.common import Column, column_table, fmt, names, positive_int, ratio, write_json
 from sluice.bench.serve_data import shared_prefix_requests
