@@ -16,22 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
-from sluice.bench.common import (
+from sluice.bench.common import add_count, names, positive_float, progress_bar
+from sluice.bench.engine_driver import BATCHING_POLICIES
+from sluice.bench.report import (
     Column,
-    add_count,
     column_rows,
     column_table,
     figure,
     fmt,
     format_table,
-    names,
-    positive_float,
-    progress_bar,
     ratio,
     save_figure,
     write_json,
 )
-from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
 
 PEER = "transformers-serve"  # `transformers serve --continuous-batching` on the same model

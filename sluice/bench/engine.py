@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from sluice.bench import engine_report as report
+from sluice.bench import engine_methods as em
+from sluice.bench import report
 from sluice.bench.common import (
     add_count,
     add_flags,
@@ -29,7 +30,6 @@ from sluice.bench.common import (
     quiet_torch,
     resolve_device,
     run_meta,
-    write_json,
 )
 from sluice.bench.engine_driver import Progress, on_cuda, release_memory
 from sluice.bench.engine_methods import (
@@ -49,6 +49,7 @@ from sluice.bench.engine_methods import (
     run_hf_static,
     run_sluice,
 )
+from sluice.bench.report import write_json
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)
@@ -214,7 +215,7 @@ def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[
     still leaves its finished figures; the complete JSON replaces it at the end."""
     ratios = [r for b in blocks for r in b.ratios()]
     write_json(
-        args.json, report.to_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
+        args.json, report.engine_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
     )
 
 
@@ -229,7 +230,7 @@ def run_block(
     check, ref = None, results.get(report.REFERENCE)
     if ref is not None:  # every method against the reference's own logits, scored after the timed runs
         logits = reference_logits(ctx, work, ref.outputs)
-        check = report.check_greedy(results, logits, report.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
+        check = em.check_greedy(results, logits, em.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
     return report.Block(label, concurrency, work, described, results, errors, skipped, check)
 
 
@@ -247,7 +248,7 @@ def run_decode(
     roofline; returns the figures and the error that stopped the measurement, if any."""
     if args.decode_batch == 0:
         return [], None
-    gbps, source = report.device_bandwidth(ctx.device, args.hbm_gbps)
+    gbps, source = em.device_bandwidth(ctx.device, args.hbm_gbps)
     element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
     context = decode_context(work)
     print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
@@ -259,7 +260,7 @@ def run_decode(
             return figures, error_text(exc)
         finally:
             release_memory(ctx.device)
-        roof = report.decode_roofline(config, element, step.batch, step.mean_context, gbps)
+        roof = em.decode_roofline(config, element, step.batch, step.mean_context, gbps)
         figures.append(report.DecodeFigure(step, roof, source))
     return figures, None
 
@@ -281,9 +282,9 @@ def _report(
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
-    write_json(args.json, report.to_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
+    write_json(args.json, report.engine_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
     rows = [(b, r) for b in blocks for r in b.rows]
     if args.plot is not None and rows:
-        report.write_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
+        report.engine_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
     failed = any(b.errors for b in blocks) or decode_error is not None
     return 1 if failed else 0

@@ -17,9 +17,9 @@ from typing import Any
 from transformers import AutoConfig
 
 from sluice.bench import engine_driver as drv
-from sluice.bench import latency_report as rep
 from sluice.bench import latency_run as lrun
 from sluice.bench import perplexity as ppl
+from sluice.bench import report as rep
 from sluice.bench.common import (
     add_count,
     add_flags,
@@ -30,9 +30,9 @@ from sluice.bench.common import (
     quiet_torch,
     resolve_device,
     run_meta,
-    write_json,
 )
 from sluice.bench.latency_run import RunFigures
+from sluice.bench.report import write_json
 from sluice.model.presets import PRESET_NAMES, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)
@@ -140,13 +140,13 @@ class Bench:
         self.model_dir = model_dir
         overrides = {name: getattr(args, name) for name in SPEC_FLAGS}
         self.spec = lrun.EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
-        self.report = rep.Report(label, args.concurrency, [])
+        self.report = rep.LatencyReport(label, args.concurrency, [])
         self.meta = meta
 
     def save(self, partial: bool) -> None:
         """Writes the JSON so far (`"partial": true` until the end), so that a run cut short keeps it."""
         if self.args.json is not None:
-            write_json(self.args.json, rep.to_json(self.report, {**self.meta, "partial": partial}))
+            write_json(self.args.json, rep.latency_json(self.report, {**self.meta, "partial": partial}))
 
     def workloads(self) -> list[lrun.LatencyWorkload]:
         args = self.args
@@ -404,7 +404,7 @@ def _stage_and_finish(args: argparse.Namespace, bench: Bench, name: str, stage: 
 
 def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) -> int:
     report = bench.report
-    tables = [rep.format_main(report), rep.format_shape(report.shape), rep.format_quality(report)]
+    tables = [rep.format_latency(report), rep.format_shape(report.shape), rep.format_quality(report)]
     print("\n" + "\n\n".join(tables[2:] if only_quality else tables))
     if not only_quality:
         print(rep.format_kv(report.kv))
@@ -412,7 +412,7 @@ def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) 
     if args.json is not None:
         print(f"wrote {args.json}")
     if args.plot is not None and report.cells:
-        rep.write_plot(
+        rep.latency_plot(
             args.plot, report, f"sluice bench latency: {report.model}, {args.device}, {args.dtype}"
         )
     failed = [v for v, why in report.errors.items() if not why.startswith("skipped")]

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
-from sluice.bench.common import fmt, format_table, int_range, names, positive_float, positive_int, write_json
+from sluice.bench.common import int_range, names, positive_float, positive_int
+from sluice.bench.report import fmt, format_table, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.bench.stack import POLL_S, free_port_run, process_cpu_s, tail
 

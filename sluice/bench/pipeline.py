@@ -16,7 +16,8 @@ from typing import Any
 
 from sluice.bench import engine_driver as drv
 from sluice.bench import sweep as sw
-from sluice.bench.common import figure, int_range, save_figure, write_json
+from sluice.bench.common import int_range
+from sluice.bench.report import figure, save_figure, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.launcher import default_engine_threads
 

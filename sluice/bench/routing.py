@@ -14,7 +14,8 @@ from typing import Any
 
 from gateway.settings import ROUTING_POLICIES
 from sluice.bench import sweep as sw
-from sluice.bench.common import Column, column_table, fmt, names, positive_int, ratio, write_json
+from sluice.bench.common import names, positive_int
+from sluice.bench.report import Column, column_table, fmt, ratio, write_json
 from sluice.bench.serve_data import shared_prefix_requests
 
 NUM_WARMUP = 2
