@@ -1,8 +1,8 @@
 """Every table, JSON document and plot of the benchmarks, as pure functions of measured figures: the
 shared renderers (one table renderer, one JSON writer, one figure canvas), then the reports of `serve`
 (vLLM's summary layout, latency CDFs, tokens/s over time), `engine` (a block of methods per concurrency,
-the decode steps, ratios) and its `latency` variant (speculation and quantized weights). No torch here:
-`sluice bench serve` reports without importing it.
+the decode steps, ratios), its `latency` variant (speculation and quantized weights) and the `sweep`
+presets (compare, pipeline, routing, peers). No torch here: `sluice bench serve` reports without it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+    from sluice.bench.compare import Point
     from sluice.bench.engine_methods import (
         DecodeStep,
         GreedyCheck,
@@ -29,8 +31,11 @@ if TYPE_CHECKING:
         Workload,
     )
     from sluice.bench.latency_run import RunFigures
+    from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
+    from sluice.bench.pipeline import Comparison
     from sluice.bench.serve import RequestRecord, ServeResult
+    from sluice.bench.sweep import SystemRun
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
 BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
@@ -39,6 +44,8 @@ GREEDY_RULE = (
     "token by token up to each request's first difference, which is a near-tie when the reference's logits "
     "score the other token within the near-tie threshold of its own"
 )
+PEER = "transformers-serve"  # sweep compare's peer: `transformers serve --continuous-batching`
+ROUTING_BASELINE = "round_robin"  # sweep routing's policies are set against this one
 OFF = "off"  # the latency variant every other is set against
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
 EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
@@ -772,3 +779,216 @@ def latency_plot(path: Path, report: LatencyReport, title: str) -> None:
         ax.margins(y=0.35)
     axes[0].legend(fontsize=8, loc="upper left", ncol=len(variants))
     save_figure(fig, path, title)
+
+
+# sweep presets: compare, pipeline, routing
+
+
+def rate_text(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def system_label(system: str) -> str:
+    return system if system == PEER else f"sluice-{system}"
+
+
+def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
+    def tokens(p: Point) -> str:
+        return f"{p.summary['total_output_tokens']}/{p.asked_tokens}" + (
+            " (EOS)" if p.short_of_tokens else ""
+        )
+
+    columns: list[Column] = [
+        ("system", lambda p: system_label(p.system)),
+        ("rate req/s", lambda p: rate_text(p.rate)),
+        ("done", lambda p: f"{p.completed}/{num_requests}"),
+        ("out tok/s", lambda p: fmt(p.tokens_per_s, ".1f")),
+        ("p50 TTFT ms", lambda p: fmt(p.summary["ttft_ms"]["p50"], ".0f")),
+        ("p99 TTFT ms", lambda p: fmt(p.ttft_p99_ms, ".0f")),
+        ("p50 TPOT ms", lambda p: fmt(p.summary["tpot_ms"]["p50"], ".1f")),
+        ("tokens out/asked", tokens),
+    ]
+    rows = column_rows(columns, [])
+    for run in runs.values():
+        if run.error is not None:
+            rows.append(
+                (system_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80])
+            )
+        rows += column_rows(columns, run.points)[1:]
+    return format_table(rows)
+
+
+def format_peer(rows: list[dict[str, Any]]) -> str:
+    def tokens(row: dict[str, Any]) -> str:
+        out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
+        note = " (EOS)" if out < asked else ""
+        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
+
+    columns: list[Column] = [
+        ("rate req/s", lambda row: rate_text(row["rate"])),
+        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
+        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
+        ("peer tokens out/asked", tokens),
+    ]
+    return column_table(columns, rows)
+
+
+def compare_json(
+    runs: dict[str, SystemRun],
+    capacities: dict[str, float | None],
+    capacity: tuple[float | None, str],
+    peer_rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """`sluice bench compare`'s document: every system's points, the capacities, their ratio (value, note)
+    and the peer ratios."""
+    systems = {
+        name: {
+            "label": system_label(name),
+            "error": run.error,
+            "points": [
+                {"rate": p.rate, "asked_tokens": p.asked_tokens, "cpu_s": p.cpu_s, **p.summary}
+                for p in run.points
+            ],
+        }
+        for name, run in runs.items()
+    }
+    value, note = capacity
+    return {
+        "meta": meta,
+        "systems": systems,
+        "highest_rate_under_ttft_bound": capacities,
+        "capacity_ratio": {"value": value, "note": note},
+        "peer_ratios": peer_rows,
+    }
+
+
+def _plot_x(rates: Sequence[float]) -> dict[float, float]:
+    """Where each rate sits on the log x axis: finite rates as they are, inf one doubling past the
+    highest finite rate (or at 1 when the sweep has no finite rate)."""
+    finite = [r for r in rates if math.isfinite(r)]
+    inf_x = 2 * max(finite) if finite else 1.0
+    return {r: (inf_x if math.isinf(r) else r) for r in rates}
+
+
+def compare_plot(
+    path: Path, runs: dict[str, SystemRun], rates: Sequence[float], bound_ms: float, title: str
+) -> None:
+    """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
+    tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
+    from matplotlib.ticker import NullLocator
+
+    xs = _plot_x(rates)
+    fig = figure(11, 4.5, dpi=110)
+    speed_ax, ttft_ax = fig.subplots(1, 2)
+    for run in runs.values():
+        points = [p for p in run.points if p.completed]
+        x = [xs[p.rate] for p in points]
+        style = {
+            "marker": "o",
+            "label": system_label(run.name),
+            "linestyle": "--" if run.name == PEER else "-",
+        }
+        speed_ax.plot(x, [p.tokens_per_s for p in points], **style)
+        ttft_ax.plot(x, [p.ttft_p99_ms for p in points], **style)
+    ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
+    ttft_ax.set_yscale("log")
+    for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
+        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
+        ax.set_xticks(list(xs.values()), [rate_text(r) for r in xs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, path, title)
+
+
+def pipeline_plot(path: Path, best: Comparison) -> None:
+    """A PNG of two panels: output tokens/s in-process and end to end, and the cores each process used
+    over the end-to-end run."""
+    fig = figure(10, 4)
+    speed, cores = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
+    rates = [best.in_process.tokens_per_s, best.end_to_end.tokens_per_s]
+    bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
+    speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
+    speed.set_ylabel("output tokens/s")
+    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
+    speed.set_title(title, fontsize=9)
+    speed.margins(y=0.15)
+    e2e = best.end_to_end
+    used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
+    cores.barh([name for name, _ in used], [seconds / e2e.wall_s for _, seconds in used], color="#1f77b4")
+    cores.axvline(os.cpu_count() or 1, color="grey", linestyle=":", label="cores of the machine")
+    cores.set_xlabel("cores used over the end-to-end run")
+    cores.legend(fontsize=8, loc="lower right")
+    save_figure(fig, path, "sluice bench pipeline")
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """One line per policy: its figures and its tokens/s and p90 TTFT over round_robin's."""
+    base = next((r for r in rows if r["policy"] == ROUTING_BASELINE), None)
+
+    def over_base(key: str) -> Callable[[dict[str, Any]], str]:
+        return lambda r: fmt(ratio(r[key], base and base[key]), ".2f", missing="nan")
+
+    columns: list[Column] = [
+        ("policy", lambda r: r["policy"]),
+        ("out tok/s", lambda r: f"{r['output_throughput']:.1f}"),
+        ("p90 TTFT ms", lambda r: f"{r['ttft_p90_ms']:.0f}"),
+        ("prefix hits", lambda r: f"{r['prefix_hit_rate']:.2f}"),
+        ("x tok/s", over_base("output_throughput")),
+        ("x p90", over_base("ttft_p90_ms")),
+        ("prompt-token share", lambda r: " ".join(f"{v:.2f}" for v in r["prompt_token_share"].values())),
+    ]
+    return column_table(columns, rows, right_from=1)
+
+
+def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str:
+    lines = [f"median over {num_rounds} rounds, relative to {ROUTING_BASELINE} in the same round:"]
+    for policy, m in medians.items():
+        lines.append(f"  {policy:<16} x tok/s {m['tok_s']:.2f}   x p90 TTFT {m['ttft_p90']:.2f}")
+    return "\n".join(lines)
+
+
+# sweep peers
+
+PEERS_HEADERS = ("server", "{n} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50")  # then a note
+
+
+def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str]) -> str:
+    """`sweep peers`' side-by-side table: a row per server (`labels`: its name as shown), its figures, or
+    dashes and why it has none."""
+    rows: list[Sequence[object]] = [
+        (PEERS_HEADERS[0], PEERS_HEADERS[1].format(n=streams), *PEERS_HEADERS[2:], "note")
+    ]
+    for name, run in runs.items():
+        if run.error is not None or not run.points:
+            why = (run.error or "no figures").splitlines()[0][:160]
+            rows.append((labels[name], "-", "-", "-", "-", why))
+            continue
+        f: PeerFigures = run.points[0]
+        seconds = None if f.ttft_p99_ms is None else f.ttft_p99_ms / 1000
+        cells = (fmt(f.streams_tok_s, ",.0f"), f"{fmt(seconds, '.2f')} s", fmt(f.batch1_tok_s, ",.0f"))
+        note = f"{f.failed} requests failed" if f.failed else ""
+        rows.append((labels[name], *cells, f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms", note))
+    return format_table(rows)
+
+
+def peers_json(
+    runs: dict[str, SystemRun], meta: dict[str, Any], labels: dict[str, str], not_installed: str
+) -> dict[str, Any]:
+    """`sweep peers`' document: per server its label, error (`not_installed` starts the error of a server
+    that is not installed), headline figures and both runs' summaries."""
+    servers = {}
+    for name, run in runs.items():
+        f: PeerFigures | None = run.points[0] if run.points else None
+        servers[name] = {
+            "label": labels[name],
+            "error": run.error,
+            "not_installed": bool(run.error and run.error.startswith(not_installed)),
+            "streams_tok_s": f and f.streams_tok_s,
+            "ttft_p99_ms": f and f.ttft_p99_ms,
+            "batch1_tok_s": f and f.batch1_tok_s,
+            "batch1_itl_p50_ms": f and f.batch1_itl_p50_ms,
+            **(dataclasses.asdict(f) if f else {}),
+        }
+    return {"meta": meta, "servers": servers}
