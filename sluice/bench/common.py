@@ -1,5 +1,6 @@
-"""What every benchmark shares: its common flags, the run's metadata, JSON, tables, plots and ratios.
-Argparse types raise argparse errors, so a bad value exits with status 2 and a usage line.
+"""What every benchmark shares besides its report (report.py: tables, JSON, plots, ratios): the common flags
+and their types, the run's metadata, torch's settings, progress bars and error text. Argparse types raise
+argparse errors, so a bad value exits with status 2 and a usage line.
 """
 
 from __future__ import annotations
