@@ -43,11 +43,12 @@ before consuming it; EOS accepted after the grammar has ended is not recorded by
 `GrammarState` counts those itself for `rollback`; regexes are Rust-regex syntax (no look-around or
 backreferences: a GrammarError).
 
-JSON whitespace is bounded (`JSON_WHITESPACE`: at most 20 characters between tokens), so a model cannot
-loop on blanks. `strict` JSON schemas (OpenAI's `strict: true`) reject keywords the library cannot
-enforce and close every object schema that does not say otherwise (`additionalProperties: false`, as
-OpenAI requires of strict schemas; an `allOf` of objects closed one by one admits only what each admits);
-non-strict ones ignore what cannot be enforced and follow JSON Schema's defaults.
+JSON whitespace is bounded (`JSON_WHITESPACE` of services/common/constraints.py: at most 20 characters
+between tokens), so a model cannot loop on blanks. `strict` JSON schemas (OpenAI's `strict: true`) reject
+keywords the library cannot enforce and close every object schema that does not say otherwise
+(`additionalProperties: false`, as OpenAI requires of strict schemas; an `allOf` of objects closed one by
+one admits only what each admits); non-strict ones ignore what cannot be enforced and follow JSON
+Schema's defaults.
 """
 
 from __future__ import annotations
@@ -66,14 +67,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import llguidance
 from tokenizers import Tokenizer
 
-from services.common.constraints import closed_schema
+from services.common.constraints import JSON_WHITESPACE, closed_schema
 
 if TYPE_CHECKING:
     import torch
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_THREADS = 2
 _MAX_ERROR_CHARS = 400

@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
+
+from services.common.limits import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    float32,
+)
+from services.common.limits import MIN_REPETITION_PENALTY as _MIN_REPETITION_PENALTY
 
 if TYPE_CHECKING:
     from services.engine.core.grammar import GrammarSpec
 
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (dividing by it overflows the logits)
-# A smaller repetition penalty (or a larger than the max) makes the logits overflow. The minimum is
-# 0.01 as the wire's float32 carries it (a little below 0.01), so that 0.01 sent as float32 passes.
-MIN_REPETITION_PENALTY = struct.unpack("f", struct.pack("f", 0.01))[0]
-MAX_REPETITION_PENALTY = 10.0
+# The bounds are services/common/limits.py's; the minimum repetition penalty as the wire's float32 carries
+# it (a little below 0.01), so that 0.01 sent as float32 passes.
+MIN_REPETITION_PENALTY = float32(_MIN_REPETITION_PENALTY)
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,11 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0:
                 raise ValueError(f"logit_bias: token id {token} is negative")
-            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
+            if not (math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be in "
+                    f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+                )
 
     @property
     def greedy(self) -> bool:
