@@ -47,6 +47,14 @@ class BlockManager:
         self.track_events = False
         self._events: dict[BlockHash, bool] = {}  # hash → reusable now, since the last take_events
 
+    def renewed(self) -> BlockManager:
+        """A fresh manager over the same pool (every block free, no hash registered) that keeps this one's
+        settings and cumulative prefix-cache figures: the engine's `reset` after a failed loop."""
+        bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        bm.track_events = self.track_events
+        bm.prefix_hit_blocks, bm.prefix_query_blocks = self.prefix_hit_blocks, self.prefix_query_blocks
+        return bm
+
     def take_events(self) -> dict[BlockHash, bool]:
         """The prefix cache's changes since the previous call (hash → True stored, False removed; only
         the latest change of each hash), when `track_events` is on."""

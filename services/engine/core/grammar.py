@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -68,15 +69,21 @@ import llguidance
 from tokenizers import Tokenizer
 
 from services.common.constraints import JSON_WHITESPACE, closed_schema
+from services.common.errors import INTERNAL, INVALID_ARGUMENT
 
 if TYPE_CHECKING:
     import torch
+
+    from services.engine.core.request import Request
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_THREADS = 2
+GRAMMAR_POLL_S = 0.001  # how often an engine with nothing else to do looks at grammars compiling
 _MAX_ERROR_CHARS = 400
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -318,7 +325,7 @@ class GrammarCompiler:
     before it started never runs. Successful compiles stay in a least-recently-used cache of `cache_size`
     keys; failed and cancelled ones are forgotten. Thread-safe. The compiler owns the executor it creates
     (`close` shuts it down); one passed in stays the caller's. The engine bounds how long a compile may run
-    (`grammar_compile_timeout_s`, services/engine/core/engine.py); a queued one waits for its turn, bounded
+    (`grammar_compile_timeout_s`, `GrammarQueue`); a queued one waits for its turn, bounded
     by its requests' deadlines.
     """
 
@@ -404,3 +411,89 @@ class GrammarCompiler:
                 job = self._cache.get(key)
                 if job is not None and job.future is future:
                     del self._cache[key]
+
+
+class GrammarQueue:
+    """The engine's grammar waiting room: requests held back, outside the scheduler, until their grammar
+    compiled (the step never waits for a compile). Used on the engine's thread only.
+
+    Contract: `take` hands out, in arrival order, the requests whose compile is done, each with its own
+    `GrammarState`, and the failures: a compile error (`invalid_argument`, the compiler's words), a compile
+    that has been RUNNING longer than `timeout_s` (the grammar is too complex: `invalid_argument`), a
+    failure of the compiler itself (`internal`). Time spent queued behind other compiles never counts (the
+    request's own deadline bounds that wait). `cancel` a request that ends meanwhile (a queued compile
+    nobody else waits for never runs)."""
+
+    def __init__(self, compiler: GrammarCompiler | None, timeout_s: float) -> None:
+        self.compiler = compiler
+        self.timeout_s = timeout_s
+        self.compiling: dict[Request, GrammarHandle] = {}
+
+    def __len__(self) -> int:
+        return len(self.compiling)
+
+    def submit(self, req: Request) -> None:
+        assert self.compiler is not None and req.sampling.grammar is not None, "validated"
+        self.compiling[req] = self.compiler.submit(req.sampling.grammar)
+
+    def cancel(self, req: Request) -> None:
+        """`req` no longer waits for its compile (nothing when it does not wait)."""
+        handle = self.compiling.pop(req, None)
+        if handle is not None:
+            handle.cancel()
+
+    def clear(self) -> None:
+        for handle in self.compiling.values():
+            handle.cancel()
+        self.compiling = {}
+
+    def take(self, now: float) -> tuple[list[Request], list[tuple[Request, str, str]]]:
+        """(ready requests, (request, error class, detail) of those that failed); see the class docstring.
+        A request that timed out stays here until the engine fails it (which cancels its wait)."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str, str]] = []
+        for req, handle in list(self.compiling.items()):
+            if not handle.ready():
+                if self.settled(handle, now):
+                    timeout = f"grammar_compile_timeout_s ({self.timeout_s:g}s)"
+                    detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; "
+                    failed.append((req, INVALID_ARGUMENT, detail + "simplify it"))
+                continue
+            del self.compiling[req]
+            try:
+                req.grammar = handle.result().new_state()
+            except GrammarError as exc:
+                failed.append((req, INVALID_ARGUMENT, str(exc)))
+            except Exception as exc:  # the compiler itself failed (or was closed)
+                failed.append((req, INTERNAL, f"grammar compile failed: {exc!r}"))
+            else:
+                ready.append(req)
+        return ready, failed
+
+    def idle_s(self, now: float) -> float:
+        """How long an engine with nothing else to do may wait before looking again: `GRAMMAR_POLL_S` while
+        every compile is unsettled (poll, never spin), 0 when one is settled or none waits."""
+        if self.compiling and not any(self.settled(h, now) for h in self.compiling.values()):
+            return GRAMMAR_POLL_S
+        return 0.0
+
+    def settled(self, handle: GrammarHandle, now: float) -> bool:
+        """Whether a compile is done or has been running longer than `timeout_s`. A compile still queued is
+        never settled: the queue's length says nothing about the grammar."""
+        if handle.ready():
+            return True
+        started = handle.started
+        return started is not None and now - started >= self.timeout_s
+
+
+def model_grammar_compiler(
+    model_dir: Path, vocab_size: int, eos_ids: frozenset[int], threads: int
+) -> GrammarCompiler | None:
+    """The model's grammar compiler, from its tokenizer.json (None, with a warning, without one: requests
+    with a grammar are then refused)."""
+    if not (model_dir / "tokenizer.json").exists():
+        log.warning("structured outputs off: %s has no tokenizer.json", model_dir)
+        return None
+    return GrammarCompiler.from_model_dir(
+        model_dir, vocab_size=vocab_size, eos_ids=eos_ids, max_workers=threads
+    )

@@ -62,7 +62,8 @@ class Request:
     num_slid_blocks: int = 0
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    error: str | None = None
+    error: str | None = None  # "error" finish: the detail, in plain words
+    error_code: str | None = None  # "error" finish: its class (services/common/errors.py)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     generator: Any = None  # torch.Generator of a seeded request, made by the sampler

@@ -263,3 +263,18 @@ class Speculator:
             return
         state.cooldown = min(2 * state.cooldown if state.cooldown else SPEC_COOLDOWN, SPEC_MAX_COOLDOWN)
         state.resume_at = req.num_output_tokens + state.cooldown
+
+
+def row_owners(rows: Sequence[Request]) -> list[Request]:
+    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(draft_ids)
+    consecutive rows (see `Runner.execute`)."""
+    owners: list[Request] = []
+    i = 0
+    while i < len(rows):
+        req = rows[i]
+        span = 1 + len(req.draft_ids)
+        if i + span > len(rows) or any(r is not req for r in rows[i : i + span]):
+            raise RuntimeError(f"request {req.request_id}: its {span} rows are not together in the step")
+        owners.append(req)
+        i += span
+    return owners
