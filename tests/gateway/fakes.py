@@ -106,8 +106,8 @@ class _Running:
 @dataclass
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """`fail_next_submit` breaks the Stream call (UNAVAILABLE) when the next submit arrives;
-    `error_next_submit` (`"<class>: <detail>"`: the final's error code and words) answers the next
-    submit with an ERROR final.
+    `error_next_submit` (`"<class>: <detail>"`: the final's error code and words; without a known class,
+    the code is unspecified) answers the next submit with an ERROR final.
     `report`, when set, is the first message of every Stream call (a load and cache snapshot);
     `paused` holds every request queued (no tokens); `kill_streams()` breaks every open Stream call
     (UNAVAILABLE) at its next step. Every final's usage says `cached_tokens`."""
@@ -153,6 +153,8 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                         broken.append("engine crashed")
                     elif self.error_next_submit:
                         code, _, detail = self.error_next_submit.partition(": ")
+                        if code not in errors.CLASSES:  # no class: the code stays unspecified
+                            code, detail = None, self.error_next_submit
                         final = engine_pb2.RequestFinal(
                             request_id=message.submit.request_id,
                             finish_reason=common_pb2.FINISH_REASON_ERROR,
