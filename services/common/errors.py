@@ -1,19 +1,14 @@
 """Classes of the engine's error finals, and how a request ends in every vocabulary of the pipeline.
 
 A request that ends with finish_reason "error" carries its class as `RequestFinal.error_code` (the
-`common_pb2.ErrorCode` enum) and its detail, in plain words, as `RequestFinal.error`; readers map the
-failure from the enum, never from the words. Inside the engine a class is one of the names below (the
-gateway's error codes):
-
-- `invalid_argument`: the request cannot be served as given (a prompt or prompt + max_new_tokens over
-  the context length, ids outside the vocabulary, parameters out of range, an id already in flight);
-- `deadline_exceeded`: the request's deadline passed inside the engine;
-- `unavailable`: the engine's loop stopped after an unrecoverable failure, or its step is broken;
-- `internal`: a failure of the engine itself (a step that raised).
-
-The one table of each vocabulary: `ERROR_CODES` (name ↔ `common_pb2.ErrorCode`), `STATUS_CODES` (name →
-gRPC status; `resource_exhausted` is the gateway's admission code, never a class), `FINISH_REASONS`
-(name → `common_pb2.FinishReason`). This module imports nothing of the engine (no torch for readers).
+`common_pb2.ErrorCode` enum) and plain words as `RequestFinal.error`: readers map the failure from the
+enum, never from the words. The classes (the gateway's error codes): `invalid_argument` (cannot be served
+as given: over the context length, ids outside the vocabulary, values out of range, an id in flight),
+`deadline_exceeded` (its deadline passed inside the engine), `unavailable` (the engine's loop stopped or
+its step is broken), `internal` (a failure of the engine itself). The one table of each vocabulary:
+`ERROR_CODES` (name ↔ `ErrorCode`), `STATUS_CODES` (name → gRPC status; `resource_exhausted` is the
+gateway's admission code, never a class), `FINISH_REASONS` (name → `FinishReason`). Imports nothing of the
+engine (no torch for readers).
 """
 
 from __future__ import annotations

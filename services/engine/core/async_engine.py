@@ -372,7 +372,9 @@ class AsyncEngine:
     def _recover(self, reason: str) -> bool:
         """After the loop failed with `reason`: within the budget, ends every caller's requests
         `unavailable`, rebuilds the engine's request state and hands every feed a new snapshot (True:
-        serve again); beyond it, or when the rebuild raises, fails for good (`_fail_callers`, False)."""
+        serve again); beyond it, or when the rebuild raises, fails for good (`_fail_callers`, False).
+        Meanwhile submits are refused `unavailable` and callers stay open; the count of failed steps
+        survives the rebuild (a step still broken fails the loop again at its first failure)."""
         settings = self.engine.settings
         window_s, budget = settings.loop_recovery_window_s, settings.loop_recoveries
         now = time.monotonic()

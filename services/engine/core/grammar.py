@@ -1,54 +1,14 @@
 """Structured outputs, host side: grammar specs, their compiles off the step thread, one state per request.
 
-A request's grammar is a `GrammarSpec` (OpenAI `response_format` json_object / json_schema, or a
-`structured_outputs` json, regex, choice or grammar). `GrammarCompiler.submit` compiles it in a thread
-pool against the model's tokenizer and caches the result by `GrammarSpec.key` (bounded LRU); the engine
-polls the returned `GrammarHandle.ready()` and schedules the request only once it is. Each request then
-holds a `GrammarState`, advanced only with the tokens it keeps (`accept`; `rollback` undoes rejected
-speculative drafts; `reset`/`replay` rebuild it from a list of kept tokens). The token masks are the
-executor's (services/engine/executor/grammar_mask.py): each step `GrammarBatch` writes one bitmask row
-per sampled row from these states and the sampler sets the logits of forbidden tokens to -inf, after
-logit bias and penalties, before temperature / top-k / top-p.
-
-A grammar that has ended (`GrammarState.is_terminated`) allows only the EOS ids; the engine finishes
-such a request with `stop`. Bad input (a schema that is not JSON, an unknown or, when strict,
-unsupported JSON-schema keyword, an unsatisfiable schema, a regex or grammar that does not parse) raises
-`GrammarError` naming the problem, which the server turns into INVALID_ARGUMENT (HTTP 400).
-
-The library is llguidance, chosen by measurement against xgrammar 0.2.9 on the 2-core development CPU
-(two threads for both; milliseconds; the tiny model's 8,192-token byte-level BPE, and a 151,643-token
-byte-level BPE trained on Python sources, masked at a Qwen2-0.5B-sized vocabulary of 151,936):
-
-    vocabulary                     8,192                 151,936
-                              llguidance xgrammar   llguidance xgrammar
-    tokenizer set-up                23      22          1037      907
-    JSON schema, cold              1.2     5.7           1.5      148
-    JSON schema, cached          0.001   0.003         0.001    0.005   (a copy / the compiler's cache)
-    json_object                   0.25     1.3          0.26      2.4
-    regex                         0.63     4.0          0.54     30
-    choice (4 strings)            0.60     4.0          0.69     0.63
-    mask, 1 row (mean of walk)   0.012   0.005         0.051     0.19
-    mask, 64 rows, schema         0.40     3.9           7.2      8.1   (p90 14 / 12)
-    mask, 64 rows, json_object    0.12     1.1           2.0      8.1
-
-(the schema has nested objects, an array, an enum, an integer range, a format and a pattern; masks are
-timed along seeded random walks that pick uniformly among the allowed tokens). Per-token masks cost
-about the same in both; compiling costs llguidance about 1 ms at any vocabulary and xgrammar up to
-150 ms at 152k tokens, which a request would wait for before its first step. llguidance also keeps
-rollback, cheap copies of a compiled matcher, EOS-only masks at the end, Lark and GBNF grammars, and
-errors for unsupported schema keywords in one library with no Python dependencies (xgrammar pulls in
-torch, transformers, triton and a runtime of its own). Correctness notes: llguidance's errors are
-sticky (a matcher never leaves an error state, not even by `reset`), so `GrammarState` checks each token
-before consuming it; EOS accepted after the grammar has ended is not recorded by the matcher, so
-`GrammarState` counts those itself for `rollback`; regexes are Rust-regex syntax (no look-around or
-backreferences: a GrammarError).
-
-JSON whitespace is bounded (`JSON_WHITESPACE` of services/common/constraints.py: at most 20 characters
-between tokens), so a model cannot loop on blanks. `strict` JSON schemas (OpenAI's `strict: true`) reject
-keywords the library cannot enforce and close every object schema that does not say otherwise
-(`additionalProperties: false`, as OpenAI requires of strict schemas; an `allOf` of objects closed one by
-one admits only what each admits); non-strict ones ignore what cannot be enforced and follow JSON
-Schema's defaults.
+A request's grammar is a `GrammarSpec` (a JSON schema or object, regex, choice or grammar). The model's
+`GrammarCompiler` compiles it on worker threads (llguidance, chosen by measurement: docs/benchmarks.md) and
+caches it by key; the engine's `GrammarQueue` holds the request back until it is ready. Each request then
+holds a `GrammarState`, advanced only with the tokens it keeps (`rollback`/`replay` for speculation and
+preemption); the executor's masks (executor/grammar_mask.py) forbid the rest. An ended grammar allows only
+EOS. Bad input raises `GrammarError` naming the problem (INVALID_ARGUMENT). llguidance's errors are sticky,
+so `GrammarState` checks each token before consuming it. JSON whitespace is bounded (`JSON_WHITESPACE`,
+services/common/constraints.py); `strict` schemas refuse keywords the library cannot enforce and close every
+object schema (`additionalProperties: false`), non-strict ones follow JSON Schema's defaults.
 """
 
 from __future__ import annotations
