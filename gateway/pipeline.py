@@ -385,7 +385,7 @@ class Pipeline:
         failed = request.engine_link
         if (  # the engine stopped serving (its loop failed) before the request's first token
             not _finish_reason(final)
-            and errors.error_class(final.error) == UNAVAILABLE
+            and errors.code_name(final.error_code) == UNAVAILABLE
             and failed is not None
             and self._retry_engine(request, failed.address)
         ):
@@ -393,7 +393,7 @@ class Pipeline:
         request.engine_final = final
         request.trace.engine_done(final.error)
         if not _finish_reason(final):
-            self._finish(request, engine_failure(request.id, final.error))
+            self._finish(request, engine_failure(request.id, final.error, final.error_code))
             return
         request.detok_closed = True
         close = detokenizer_pb2.DetokenizeClose(request_id=request.id)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common import errors
 from services.common.grpc_server import ServiceHealth, bind, new_server
 from services.common.pb import (
     common_pb2,
@@ -108,7 +109,8 @@ class _Running:
 @dataclass
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """`fail_next_submit` breaks the Stream call (UNAVAILABLE) when the next submit arrives;
-    `error_next_submit` (the final's error message) answers the next submit with an ERROR final.
+    `error_next_submit` (`"<class>: <detail>"`: the final's error code and words; without a known class,
+    the code is unspecified) answers the next submit with an ERROR final.
     `report`, when set, is the first message of every Stream call (a load and cache snapshot);
     `paused` holds every request queued (no tokens); `kill_streams()` breaks every open Stream call
     (UNAVAILABLE) at its next step. Every final's usage says `cached_tokens`."""
@@ -162,10 +164,14 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                         self.fail_next_submit = False
                         broken.append("engine crashed")
                     elif self.error_next_submit:
+                        code, _, detail = self.error_next_submit.partition(": ")
+                        if code not in errors.CLASSES:  # no class: the code stays unspecified
+                            code, detail = None, self.error_next_submit
                         final = engine_pb2.RequestFinal(
                             request_id=message.submit.request_id,
                             finish_reason=common_pb2.FINISH_REASON_ERROR,
-                            error=self.error_next_submit,
+                            error=detail,
+                            error_code=errors.code_value(code),
                         )
                         self.error_next_submit = ""
                         pending.append(engine_pb2.StepEntry(final=final))
