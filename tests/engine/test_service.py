@@ -300,8 +300,8 @@ async def test_stream_prompt_at_the_context_length_is_an_invalid_argument(
 
 
 async def test_the_engine_owns_the_context_limit(stub: engine_pb2_grpc.EngineStub) -> None:
-    """Wire max_new_tokens 0 is the rest of the context; a prompt plus max_new_tokens over the context is
-    refused invalid_argument, naming the limit."""
+    """Wire max_new_tokens 0 is the rest of the context; a max_new_tokens past the context ends at the
+    context, finish reason length."""
     max_model_len = (await stub.Stats(engine_pb2.StatsRequest())).max_model_len
     prompt = [5] * (max_model_len - 3)
     rest = gen_request("rest", prompt=prompt, n=0)
@@ -312,9 +312,8 @@ async def test_the_engine_owns_the_context_limit(stub: engine_pb2_grpc.EngineStu
     }
     assert finals["rest"].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert finals["rest"].usage.completion_tokens == 3
-    assert finals["over"].finish_reason == common_pb2.FINISH_REASON_ERROR
-    assert finals["over"].error_code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
-    assert f"exceed the context length {max_model_len} (max_model_len)" in finals["over"].error
+    assert finals["over"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert finals["over"].usage.completion_tokens == 3
 
 
 async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> None:

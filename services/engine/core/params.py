@@ -4,8 +4,8 @@
 the engine's fixed facts (`RequestLimits`: vocabulary, context length, grammar support), so any thread
 may call it; it reads nothing a step changes (the duplicate-id check is the engine's, on its thread).
 It also owns the context limit: `max_new_tokens` 0 (unset on the wire) becomes the rest of the context
-(`max_model_len` − prompt tokens, capped by `default_max_new_tokens` when that is set), and a prompt plus
-`max_new_tokens` over the context is refused (ValueError: the `invalid_argument` class).
+(`max_model_len` − prompt tokens, capped by `default_max_new_tokens` when that is set), and a larger
+`max_new_tokens` is cut to that rest: generation ends at the context with finish reason "length".
 A `RequestOutput` that ends with "error" carries its class (`error_code`, services/common/errors.py)
 and plain words (`error`).
 """
@@ -223,11 +223,8 @@ def validate_request(
     if stopping.max_new_tokens == 0:
         fill = min(rest, limits.default_max_new_tokens) if limits.default_max_new_tokens else rest
         return replace(stopping, max_new_tokens=fill)
-    if stopping.max_new_tokens > rest:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({stopping.max_new_tokens}) exceed the "
-            f"context length {context} (max_model_len): at most {rest} new tokens for this prompt"
-        )
+    if stopping.max_new_tokens > rest:  # ends at the context ("length"), as it always has
+        return replace(stopping, max_new_tokens=rest)
     return stopping
 
 
