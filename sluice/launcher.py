@@ -226,6 +226,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
+    add("--compile", default=None, choices=("auto", "on", "off"),
+        help="engine: torch.compile the model step (auto: on for CUDA, off on a CPU)")  # fmt: skip
     add(
         "--engine-threads",
         type=int,
@@ -409,6 +411,8 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
         engine_extra += ("--batching", args.batching)
     if args.device:
         engine_extra += ("--device", args.device)
+    if args.compile:
+        engine_extra += ("--compile", args.compile)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {}
     offset = 0
