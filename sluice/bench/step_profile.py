@@ -2,21 +2,22 @@
 steps at a few batch sizes, eager against compiled (`--compile`) in the same run.
 
 Per (model, batch) it builds one engine per compile mode (the benchmarks' driver, engine_driver.py),
-prefills `batch` requests of `--context` tokens, then alternates rounds of `--steps` timed decode steps
-between the modes (so that a shared machine's load falls on both alike) and reports fractions: of a step,
-the scheduler, the runner's host work (packing inputs), the model forward, the sampler and the rest of the
-engine; of the forward (one torch.profiler pass per mode), GEMMs, attention (attention.paged_attention,
-inclusive), the other operators or fused kernels, and what is left: Python and dispatch, also per layer.
-The GEMMs' GFLOP/s in the model are compared with torch.matmul of the same shapes and layouts on the same
-threads. Shapes: `tiny` (the benchmarks' tiny Llama) and `h1024` (hidden 1024, 8 layers, about 107M
-parameters, random weights). Prints one Markdown table; absolute times are noisy on a shared machine, the
-fractions and ratios are measured side by side.
+prefills `batch` requests of `--context` tokens, then times decode steps with the modes stepping in turn
+(so that a shared machine's load falls on both alike) and reports fractions: of a step, the scheduler,
+the runner's host work (packing inputs), the model forward, the sampler and the rest of the engine; of
+the forward (one torch.profiler pass per mode), GEMMs, attention (attention.paged_attention, inclusive),
+the other operators or fused kernels, and what is left: Python and dispatch (the profiler's own cost per
+operator included), also per layer. Step times are medians. The GEMMs' GFLOP/s in the model are compared
+with torch.mm of the same shapes and layouts on the same threads. Shapes: `tiny` (the benchmarks' tiny
+Llama) and `h1024` (hidden 1024, 8 layers, about 107M parameters, random weights). Prints one Markdown
+table; absolute times are noisy on a shared machine, the fractions and ratios are measured side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -176,17 +177,17 @@ def measure(args: argparse.Namespace, shape: str, batch: int) -> list[dict[str, 
     directory = model_dir(shape, args.scratch)
     modes = args.compile.split(",")
     engines = {m: decoding_engine(directory, batch, args.context, args.steps, m) for m in modes}
-    walls: dict[str, float] = defaultdict(float)
-    for _ in range(args.rounds):
+    walls: dict[str, list[float]] = defaultdict(list)
+    for _ in range(args.rounds * args.steps):  # the modes step in turn: a load burst falls on both
         for mode, (engine, timers) in engines.items():
-            start = time.perf_counter()
             with attention_timed(timers):
-                for _ in range(args.steps):
-                    engine.step()
-            walls[mode] += time.perf_counter() - start
+                start = time.perf_counter()
+                engine.step()
+                walls[mode].append(time.perf_counter() - start)
     rows = []
     for mode, (engine, timers) in engines.items():
-        timed_seconds = dict(timers.seconds)  # before the profiled pass adds to them
+        steps = args.rounds * args.steps
+        sec = {k: v / steps for k, v in timers.seconds.items()}
         with (
             profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
             attention_timed(Timers()),
@@ -194,37 +195,21 @@ def measure(args: argparse.Namespace, shape: str, batch: int) -> list[dict[str, 
             for _ in range(args.steps):
                 engine.step()
         parts = forward_parts(prof)
-        steps = args.rounds * args.steps
-        step = walls[mode] / steps
-        sec = {k: v / steps for k, v in timed_seconds.items()}
-        fwd = sec["forward"]
-        profiled_fwd = sum(e.cpu_time_total for e in prof.events() if e.name == "sluice.forward") / 1e6
-        scale = fwd / profiled_fwd if profiled_fwd else 1.0  # the profiler's own cost taken out
-        per = {k: parts[k] / args.steps * scale for k in ("gemm", "attention", "ops")}
-        python = max(0.0, fwd - sum(per.values()))
-        layers = engine.runner.num_layers
+        fwd = sum(e.cpu_time_total for e in prof.events() if e.name == "sluice.forward") / 1e6
+        python = max(0.0, fwd - parts["gemm"] - parts["attention"] - parts["ops"])
+        step = statistics.median(walls[mode])
+        mean = sum(walls[mode]) / steps
         in_model = parts["flops"] / (parts["gemm"] or 1.0) / 1e9
-        rows.append(
-            dict(
-                shape=shape,
-                batch=batch,
-                mode=mode,
-                step_ms=step * 1e3,
-                tok_s=batch / step,
-                schedule=sec["schedule"] / step,
-                host=(sec["execute"] - fwd) / step,
-                forward=fwd / step,
-                sample=sec["sample"] / step,
-                engine=1 - (sec["schedule"] + sec["execute"] + sec["sample"]) / step,
-                gemm=per["gemm"] / fwd,
-                attn=per["attention"] / fwd,
-                ops=per["ops"] / fwd,
-                python=python / fwd,
-                python_layer_us=python / layers * 1e6,
-                gemm_ratio=in_model / plain_gflops(parts["shapes"]),
-                gemm_gflops=in_model,
-            )
-        )
+        rows.append(dict(
+            shape=shape, batch=batch, mode=mode, step_ms=step * 1e3, tok_s=batch / step,
+            schedule=sec["schedule"] / mean, host=(sec["execute"] - sec["forward"]) / mean,
+            forward=sec["forward"] / mean, sample=sec["sample"] / mean,
+            engine=1 - (sec["schedule"] + sec["execute"] + sec["sample"]) / mean,
+            gemm=parts["gemm"] / fwd, attn=parts["attention"] / fwd, ops=parts["ops"] / fwd,
+            python=python / fwd,
+            python_layer_us=python / args.steps / engine.runner.num_layers * 1e6,
+            gemm_ratio=in_model / plain_gflops(parts["shapes"]), gemm_gflops=in_model,
+        ))  # fmt: skip
     base = rows[0]["step_ms"]
     for row in rows:
         row["vs_first"] = base / row["step_ms"]

@@ -427,8 +427,8 @@ class ModelRunner:
             logits = all_logits.index_select(0, keep)
         else:
             extra = [row for _, _, rows in prompt_rows for row in rows]
-            if self.expert_load is not None:
-                self.expert_load.begin(len(ids), len(ids))
+            if self.expert_load is not None:  # a compiled step's padding rows route too: they count 0
+                self.expert_load.begin(len(ids), self._rows_run(len(ids), len(keep_rows) + len(extra)))
             logits = self._execute_eager(
                 decodes,
                 prefills,
@@ -542,6 +542,14 @@ class ModelRunner:
                 **{META_KWARG: meta},
             )
         return out.logits[0]
+
+    def _rows_run(self, tokens: int, kept: int) -> int:
+        """The rows the forward of a step of `tokens` tokens keeping `kept` logits rows runs: its compiled
+        bucket's, else `tokens`."""
+        step = self._compiled
+        if step is None or not step.fits(tokens, kept):
+            return tokens
+        return compiled.bucket_for(step.sizes, tokens) or tokens
 
     def _start_timer(self) -> torch.cuda.Event | float:
         if self.device.type != "cuda":
