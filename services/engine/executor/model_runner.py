@@ -131,7 +131,8 @@ class ModelRunner:
     Built from the engine's settings; of them it reads `model` (the directory; '' = the embedded model),
     `device`, `dtype`, `block_size`, the pool's size (`num_kv_blocks`, else `kv_cache_gb` or its
     provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | triton, see
-    `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `quantization`
+    `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `compile` (auto |
+    on | off: the step under torch.compile, executor/compiled.py; auto = on for CUDA), `quantization`
     (none | int8 | fp8, applied to the weights after loading: executor/quantization.py) and
     `kv_cache_dtype` (auto: the model's dtype | fp8: a float8 e4m3 pool, `kv_dtype`, which attention reads
     back in the compute dtype and which halves a block's bytes against bf16). `static_decode`: run
@@ -300,7 +301,9 @@ class ModelRunner:
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         """Called once by the engine before its first step, with the pool final (see `Runner.prepare`):
-        the static decode buffers and, on CUDA with graphs on and the triton backend, the graphs."""
+        the compiled step (every bucket compiled now) when compile is wanted, the static decode buffers
+        and, on CUDA with graphs on and the triton backend, the graphs (captured from the compiled step
+        when there is one)."""
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         # A full decode batch's inputs without growing the staging buffers: ids, positions, slots, sampled
