@@ -164,6 +164,8 @@ def bucket_for(sizes: Sequence[int], tokens: int) -> int | None:
     return next((s for s in sizes if s >= tokens), None)
 
 
+_BUCKETS_IN_PROCESS = 0  # buckets of every CompiledStep made in this process
+
 Logits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | int], torch.Tensor]
 
 
@@ -178,8 +180,11 @@ class CompiledStep:
         self.sizes = list(sizes)
         self.max_rows = max_rows
         self.device = device
-        # One graph per bucket: dynamo's recompile limit (8 by default) must not send a bucket to eager.
-        limit = max(torch._dynamo.config.recompile_limit, len(self.sizes) + 2)
+        # One graph per bucket, and every CompiledStep of the process shares `logits`'s code object (and
+        # so dynamo's cache of it): the recompile limit (8 by default) must hold all their buckets.
+        global _BUCKETS_IN_PROCESS
+        _BUCKETS_IN_PROCESS += len(self.sizes)
+        limit = max(torch._dynamo.config.recompile_limit, _BUCKETS_IN_PROCESS + 2)
         torch._dynamo.config.recompile_limit = limit
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 4 * limit
