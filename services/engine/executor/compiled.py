@@ -74,24 +74,27 @@ def paged_attention_op(
         raise RuntimeError("sluice::paged_attention runs only inside current_step(meta)")
     _, h, t, d = query.shape
     n = meta.slot_mapping.shape[0]
+    if n == 0:
+        return query.new_zeros((1, t, h, d))
+    kwargs: dict[str, object] = {attention.META_KWARG: meta, "sliding_window": sliding_window}
+    if softcap:
+        kwargs["softcap"] = softcap
+    if sinks is not None:
+        kwargs["s_aux"] = sinks
+    rows = slice(0, n)
+    real, _ = attention.paged_attention(
+        _Layer(layer_idx),  # type: ignore[arg-type]
+        query[:, :, rows],
+        key[:, :, rows],
+        value[:, :, rows],
+        None,
+        scaling,
+        **kwargs,
+    )
+    if n == t:  # no padding: the eager result itself (a new tensor, aliasing no input)
+        return real
     out = query.new_zeros((1, t, h, d))
-    if n:
-        kwargs: dict[str, object] = {attention.META_KWARG: meta, "sliding_window": sliding_window}
-        if softcap:
-            kwargs["softcap"] = softcap
-        if sinks is not None:
-            kwargs["s_aux"] = sinks
-        rows = slice(0, n)
-        real, _ = attention.paged_attention(
-            _Layer(layer_idx),  # type: ignore[arg-type]
-            query[:, :, rows],
-            key[:, :, rows],
-            value[:, :, rows],
-            None,
-            scaling,
-            **kwargs,
-        )
-        out[:, rows] = real
+    out[:, :n] = real
     return out
 
 
