@@ -84,6 +84,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
+    add("--compile", default=None, choices=("auto", "on", "off"),
+        help="engine: torch.compile the model step (auto: on for CUDA, off on a CPU)")  # fmt: skip
     add(
         "--engine-threads",
         type=int,

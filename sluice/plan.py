@@ -87,6 +87,8 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
         engine_extra += ("--batching", args.batching)
     if args.device:
         engine_extra += ("--device", args.device)
+    if args.compile:
+        engine_extra += ("--compile", args.compile)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {}
     offset = 0

@@ -16,6 +16,7 @@ CHOICES = (
     ("dtype", ("auto", "float32", "bfloat16", "float16")),
     ("attention_backend", ("auto", "torch", "triton")),
     ("cuda_graphs", ("on", "off")),
+    ("compile", ("auto", "on", "off")),
     ("async_scheduling", ("auto", "on", "off")),
     ("speculative", SPECULATIVE_METHODS),
     ("quantization", QUANTIZATIONS),
@@ -96,6 +97,15 @@ class EngineSettings(StageTlsSettings):
         metadata={
             "help": "on | off: on CUDA, replay decode-only steps from CUDA graphs captured at start-up "
             "for batch sizes 1, 2, 4, 8, ... up to max_num_seqs (ignored on CPU)"
+        },
+    )
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (on for CUDA, off on a CPU) | on | off: torch.compile the model step (inductor; "
+            "decode batches padded to 1, 2, 4, ... max_num_seqs rows, prefill steps to x4 token buckets "
+            "up to max_num_batched_tokens, all compiled at start-up; on CUDA the graphs are captured from "
+            "it); a model that does not compile runs eagerly, the reason logged"
         },
     )
     async_scheduling: str = field(
