@@ -22,6 +22,7 @@ up: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 # The chat page's browser test drives Debian's chromium; installed here when missing (needs root).
 browser:

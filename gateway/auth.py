@@ -12,11 +12,11 @@ hijacking). `origin_allowed` decides which origins may open `/v1/ws`.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from gateway.choices import host_name
 from gateway.settings import GatewaySettings
 
 
@@ -115,31 +115,6 @@ def allowed_hosts(configured: Iterable[str], bound_host: str) -> frozenset[str]:
     return frozenset({*LOOPBACK_HOSTS, bound_host.strip("[]").lower()})
 
 
-def check_allowed_hosts(configured: Iterable[str]) -> None:
-    """Raises ValueError naming the first `--allowed-hosts` entry that is not a host name, an IP
-    address (IPv6 bare or in brackets) or "*": one with a port (`api.example:8000`) or a scheme would
-    never match, since a Host header is matched by its name alone, whatever its port."""
-    for entry in configured:
-        text = entry.strip()
-        if not text or text == "*" or _is_ipv6(text):
-            continue
-        name = host_name(text)
-        if name is None or name != text.lower().removeprefix("[").removesuffix("]"):
-            hint = f"; give {name!r}: any port of that host is allowed" if name else ""
-            raise ValueError(
-                f"allowed_hosts: {text!r} is not a host name (the allow-list matches the Host header's "
-                f"name, whatever its port){hint}"
-            )
-
-
-def _is_ipv6(text: str) -> bool:
-    try:
-        ipaddress.IPv6Address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
     """Whether a request's `Host` header (name or address, any port) is in `allowed`: a browser page
     whose name was rebound to this gateway's address (DNS rebinding) sends its own name, which is not."""
@@ -147,14 +122,3 @@ def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
         return True
     name = host_name(host)
     return name is not None and name in allowed
-
-
-def host_name(host: str | None) -> str | None:
-    """The host name of a `Host` header value, lower case, without port or brackets; None if unusable."""
-    if not host:
-        return None
-    try:
-        name = urlsplit("//" + host.strip()).hostname
-    except ValueError:
-        return None
-    return name or None

@@ -3,17 +3,24 @@ then content, then tool calls (`--tool-call-parser`, when the request's tools ar
 
 `ChatOutput` chains the two incremental parsers: the text goes to the reasoning splitter when one is
 on, and what it gives as content goes to the tool-call parser when there is one. Both parsers are
-split invariant (see `gateway.reasoning` and `gateway.tool_calls`), so the chain is: however the text
-arrives, the merged deltas are the same.
+split invariant (see `gateway.reasoning` and `gateway.tool_parsers.base`), so the chain is: however the
+text arrives, the merged deltas are the same.
+
+`chosen` gives the served model's `ChatParsers` from its chat template: `--tool-call-parser auto` (the
+default) takes the format the template writes (`tool_parsers.infer_parser`), hermes when none or several
+do; `--reasoning-parser auto` splits `<think>` blocks out when the template writes `<think>`, and starts
+a reply inside one when the template's generation prompt opens it (`reasoning.opens_reasoning`). The
+template and its generation prompt come from the tokenizer's `Info`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from gateway.reasoning import ReasoningDelta, ReasoningStream
-from gateway.tool_calls import ParsedDelta, ToolCall, ToolCallStream, finish_reason, merge
-from gateway.tool_parsers import tool_call_stream
+from gateway.reasoning import THINK_CLOSE, THINK_OPEN, ReasoningDelta, ReasoningStream, opens_reasoning
+from gateway.tool_parsers import DEFAULT_PARSER, PARSERS, infer_parser, tool_call_stream
+from gateway.tool_parsers.base import ParsedDelta, ToolCall, ToolCallStream, finish_reason, merge
 
 
 @dataclass
@@ -70,3 +77,49 @@ class ChatOutput:
             last = self._tools.finish()
             parsed = ParsedDelta(parsed.content + last.content, parsed.tool_calls + last.tool_calls)
         return ChatDelta(parsed.content, parsed.tool_calls, split.reasoning)
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """How the served model's chat replies are read: `tool_parser` (a name of `tool_parsers.PARSERS`),
+    `reasoning` (split `<think>` text out) and `in_reasoning` (a reply starts inside a think block: the
+    generation prompt opened it). `special_ids` maps the text of the tokenizer's special tokens to
+    their ids, to keep the parsers' marks in the text (`keep_special_ids`)."""
+
+    tool_parser: str = DEFAULT_PARSER
+    reasoning: bool = False
+    in_reasoning: bool = False
+    special_ids: Mapping[str, int] = field(default_factory=dict, compare=False)
+
+    @property
+    def tool_format(self) -> type[ToolCallStream]:
+        """The format's class, whose grammar a required call follows."""
+        return PARSERS[self.tool_parser]
+
+    def keep_special_ids(self, *, reads_calls: bool) -> tuple[int, ...]:
+        """The special tokens a reply's text must keep for its parsers (the detokenizer skips the
+        others): the tool-call format's marks when the request reads calls, the think tags when
+        reasoning is split."""
+        marks = (
+            *(self.tool_format.MARKS if reads_calls else ()),
+            *((THINK_OPEN, THINK_CLOSE) if self.reasoning else ()),
+        )
+        return tuple(sorted({self.special_ids[m] for m in marks if m in self.special_ids}))
+
+
+def chosen(
+    tool_setting: str,
+    reasoning_setting: str,
+    chat_template: str,
+    generation_prompt: str,
+    special_ids: Mapping[str, int] | None = None,
+) -> ChatParsers:
+    """The parsers for a model whose chat template, generation prompt and special tokens (text → id)
+    are these, under the settings `--tool-call-parser` (auto or a name) and `--reasoning-parser` (auto,
+    think or none)."""
+    tool_parser = tool_setting
+    if tool_setting == "auto":
+        tool_parser = infer_parser(chat_template) or DEFAULT_PARSER
+    thinks = reasoning_setting == "think" or (reasoning_setting == "auto" and THINK_OPEN in chat_template)
+    in_reasoning = thinks and opens_reasoning(generation_prompt)
+    return ChatParsers(tool_parser, thinks, in_reasoning, dict(special_ids or {}))

@@ -183,13 +183,13 @@ def tokenizer_failure(exc: grpc.aio.AioRpcError) -> Failed:
     return Failed(code, f"tokenizer {words}")
 
 
-def engine_failure(request_id: str, error: str) -> Failed:
+def engine_failure(request_id: str, error: str, error_code: int) -> Failed:
     """An engine error final (`services.common.errors`) as the client sees it: its class, with the
     engine's words (`client_words`) only when it refused the request as given (the log has the rest)."""
-    code = errors.error_class(error)
+    code = errors.code_name(error_code)
     if code == errors.INVALID_ARGUMENT:
-        words = client_words(errors.error_detail(error))
-        if words != errors.error_detail(error):
+        words = client_words(error)
+        if words != error:
             log.info("engine refused request %s: %s", request_id, error)
         return Failed(code, f"engine: {words}")
     log.warning("engine failed request %s: %s", request_id, error)

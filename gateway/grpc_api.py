@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
 
 import grpc
 
@@ -28,11 +27,11 @@ from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: GatewaySettings) -> GenerateInput:
-    """The pipeline's input for a request, its sampling and stopping values checked by
-    `params.generation_params` as the other APIs' are (a protobuf 0 is the field's off or default,
-    not a value; temperature 0 is greedy), its messages by `params.check_chat_message` and its
-    output constraint by `structured.check_structured`. Raises ParamError on the first problem."""
+def generation_input(request: gateway_pb2.PublicGenerateRequest) -> GenerateInput:
+    """The pipeline's input for a request, its sampling and stopping protobufs checked where they are
+    by `params.proto_generation_params` (the rules of the other APIs; a protobuf 0 is the field's off
+    or default, not a value; temperature 0 is greedy), its messages by `params.check_chat_message` and
+    its output constraint by `structured.check_structured`. Raises ParamError on the first problem."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise ParamError(None, "set 'prompt' or 'chat'")
@@ -45,10 +44,9 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
         )
     if request.sampling.HasField("prompt_logprobs"):
         raise ParamError("sampling.prompt_logprobs", "'sampling.prompt_logprobs' is not supported here")
-    sampling, stopping = params.generation_params(_generation_values(request), settings)
+    sampling, stopping = params.proto_generation_params(request.sampling, request.stopping)
     sampling.structured.CopyFrom(check_structured(request.sampling.structured, "sampling.structured"))
     sampling.logprobs = params.logprobs(request.sampling.logprobs, "sampling.logprobs")
-    stopping.include_stop_str_in_output = request.stopping.include_stop_str_in_output
     return GenerateInput(
         prompt=request.prompt if kind == "prompt" else None,
         messages=messages,
@@ -58,33 +56,6 @@ def generation_input(request: gateway_pb2.PublicGenerateRequest, settings: Gatew
         return_token_ids=request.return_token_ids,
         request_id=params.client_request_id(request.request_id) or "",
     )
-
-
-def _generation_values(request: gateway_pb2.PublicGenerateRequest) -> dict[str, Any]:
-    """The request's sampling and stopping fields under the names `params.GENERATION_KEYS` uses."""
-    s, t = request.sampling, request.stopping
-    values: dict[str, Any] = {
-        "temperature": s.temperature,
-        "ignore_eos": t.ignore_eos,
-        "stop": list(t.stop),
-        "stop_token_ids": list(t.stop_token_ids),
-    }
-    unless_zero = {
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "min_p": s.min_p,
-        "presence_penalty": s.presence_penalty,
-        "frequency_penalty": s.frequency_penalty,
-        "repetition_penalty": s.repetition_penalty,
-        "max_tokens": t.max_new_tokens,
-        "min_tokens": t.min_new_tokens,
-    }
-    values.update((name, value) for name, value in unless_zero.items() if value)  # NaN is kept: refused
-    if s.HasField("seed"):
-        values["seed"] = s.seed
-    if s.logit_bias:
-        values["logit_bias"] = dict(s.logit_bias)
-    return values
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
@@ -118,15 +89,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed: authorization: Bearer KEY"
                 )
         try:
-            inp = generation_input(request, self._settings)
+            inp = generation_input(request)
             asked = [inp.stopping.max_new_tokens]
             label = "stopping.max_new_tokens"
-            await params.check_request_tokens(asked, self._settings, self._pipeline.max_model_len, label)
+            cap, context_length = self._settings.max_request_tokens, self._pipeline.context_length
+            await params.check_request_tokens(asked, cap, context_length, label)
         except ParamError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         except grpc.aio.AioRpcError as exc:
-            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine unavailable")
+            log.warning("model info failed: %s: %s", exc.code().name, exc.details())
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "tokenizer unavailable")
         # The trace context in metadata is the current span's (server interceptor).
         inp = dataclasses.replace(inp, timeout_s=context.time_remaining(), api="grpc")
         generation = self._pipeline.generate(inp)

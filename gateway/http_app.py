@@ -28,8 +28,10 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import params
-from gateway.auth import ApiKeys, allowed_hosts, host_allowed, host_name, origin_allowed
-from gateway.openai_api import DROP_CONNECTION, REQUEST_ID, ApiError, OpenAIHandlers
+from gateway.auth import ApiKeys, allowed_hosts, host_allowed, origin_allowed
+from gateway.choices import host_name
+from gateway.openai_api import OpenAIHandlers
+from gateway.openai_protocol import DROP_CONNECTION, REQUEST_ID, ApiError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
 from gateway.tokenize_api import TokenizeHandlers

@@ -1,22 +1,25 @@
 """Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and
 public gRPC APIs: `generation_params` turns the sampling and stopping values of any of them into the
-protobufs the pipeline takes. The gateway's defaults and limits live here, and only here: the default
-max tokens (`max_new_tokens`: the rest of the context) and the logprob limits included.
+protobufs the pipeline takes. The gateway's defaults and limits live here, and only here; the bounds
+the engine checks as well (logprobs, logit bias, penalties) come from `services.common.limits`. An
+unset max tokens is 0 on the wire: the engine, which owns the context limit, fills it with the rest of
+the context and refuses a prompt and max tokens that pass it. This module imports no other module of
+the gateway: the settings it applies come in as plain values.
 
-Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a
-positive int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0.01 to 10
-(0 = off), seed 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1,
-logit_bias at most `MAX_LOGIT_BIAS` token ids (0 to 2**31 - 1; the engine refuses one outside the
-vocabulary) each biased by -100 to 100, at most
-`MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS` characters each (the
-detokenizer matches each one against the text after every token), at most `MAX_STOP_TOKEN_IDS` stop
-token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary, refuses an id outside it);
-logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's `top_logprobs`, the gRPC
-API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI completions' `logprobs`.
+Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a positive
+int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0.01 to 10 (0 = off),
+seed 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, logit_bias at most
+`MAX_LOGIT_BIAS_ENTRIES` token ids (0 to 2**31 - 1; the engine refuses one outside the vocabulary) each
+biased by -100 to 100, at most `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS`
+characters each (the detokenizer matches each one against the text after every token), at most
+`MAX_STOP_TOKEN_IDS` stop token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary,
+refuses an id outside it); logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's
+`top_logprobs`, the gRPC API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI
+completions' `logprobs`.
 One request's size (the same on every API): at most `max_generations` generations (OpenAI: prompts
 times n; the other APIs ask for one), and at most `max_request_tokens` tokens asked for over them, each
-generation counted as its max_tokens, or the whole context when it gives none (the rest of the context
-once its prompt is known: at most that), and never more than the context (default cap:
+generation counted as its max_tokens, or the whole context (the model's, from the tokenizer's Info)
+when it gives none, and never more than the context (default cap:
 `REQUEST_CONTEXTS` contexts), so that one request cannot take every generation slot of the gateway or
 the engines' whole capacity (`check_generations`, `check_request_tokens`).
 A client's own request id (`client_request_id`: HTTP `X-Request-Id`, the gRPC API's `request_id`) is
@@ -38,7 +41,14 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from gateway.settings import GatewaySettings
+from services.common.limits import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+)
 from services.common.pb import common_pb2
 
 MAX_STOP_STRINGS = 16
@@ -48,11 +58,7 @@ MAX_TEMPERATURE = 2.0
 MAX_SEED = 2**64 - 1
 MAX_INT32 = 2**31 - 1
 FLOAT32_TINY = 2.0**-126  # the smallest normal float32
-MAX_LOGPROBS = 20
-MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 10.0  # the engine's own bounds
 MAX_LOGPROBS_COMPLETIONS = 5
-MAX_LOGIT_BIAS = 300
-MAX_BIAS = 100.0
 MAX_REQUEST_ID_CHARS = 128
 MAX_N = 128
 REQUEST_CONTEXTS = 16  # the default cap on one request's tokens, in contexts (`check_request_tokens`)
@@ -120,9 +126,11 @@ def number(
 ) -> float | None:
     """`obj[name]` as a float in [lo, hi] ((lo, hi] with `above_lo`), or None when absent or null."""
     value = obj.get(name)
-    if value is None:
-        return None
-    label = where + name
+    return None if value is None else bounded(value, where + name, lo, hi, above_lo=above_lo)
+
+
+def bounded(value: Any, label: str, lo: float, hi: float, *, above_lo: bool = False) -> float:
+    """`value` (named `label`) as a float in [lo, hi] ((lo, hi] with `above_lo`)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ParamError(label, f"{label} must be a number")
     if isinstance(value, float) and not math.isfinite(value):  # an int is compared exactly, however long
@@ -138,8 +146,11 @@ def repetition_penalty(obj: dict[str, Any], *, where: str = "") -> float:
     """`obj["repetition_penalty"]` from MIN_ to MAX_REPETITION_PENALTY, or 0 (off) when 0, absent or
     null. A tiny positive one is refused: dividing the logits by it overflows them."""
     value = number(obj, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY, where=where) or 0.0
+    return _repetition_penalty(value, where + "repetition_penalty")
+
+
+def _repetition_penalty(value: float, label: str) -> float:
     if 0.0 < value < MIN_REPETITION_PENALTY:
-        label = where + "repetition_penalty"
         raise ParamError(
             label,
             f"{label} must be 0 (off) or between {MIN_REPETITION_PENALTY:g} and {MAX_REPETITION_PENALTY:g}",
@@ -152,15 +163,21 @@ def top_p(obj: dict[str, Any], *, where: str = "") -> float:
     A 0 is refused, not read as off; a value too small for the protobuf's float32 (which would round
     to 0, off) is raised to the smallest normal float32."""
     value = number(obj, "top_p", 0.0, 1.0, where=where, above_lo=True)
-    return 0.0 if value is None else max(value, FLOAT32_TINY)
+    return 0.0 if value is None else _top_p(value)
+
+
+def _top_p(value: float) -> float:
+    return max(value, FLOAT32_TINY)
 
 
 def integer(obj: dict[str, Any], name: str, lo: int, hi: int, *, where: str = "") -> int | None:
     """`obj[name]` as an int in [lo, hi], or None when absent or null."""
     value = obj.get(name)
-    if value is None:
-        return None
-    label = where + name
+    return None if value is None else bounded_int(value, where + name, lo, hi)
+
+
+def bounded_int(value: Any, label: str, lo: int, hi: int) -> int:
+    """`value` (named `label`) as an int in [lo, hi]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ParamError(label, f"{label} must be an integer")
     if not lo <= value <= hi:
@@ -335,18 +352,15 @@ def length_controls(obj: dict[str, Any], stopping: common_pb2.StoppingParams, *,
     if ignore_eos is not None:
         stopping.ignore_eos = ignore_eos
     min_tokens = integer(obj, "min_tokens", 0, MAX_INT32, where=where)
-    if min_tokens is None:
-        return
-    if stopping.max_new_tokens and min_tokens > stopping.max_new_tokens:
-        label, most = where + "min_tokens", stopping.max_new_tokens
-        raise ParamError(label, f"{label} ({min_tokens}) must not exceed max_tokens ({most})")
-    stopping.min_new_tokens = min_tokens
+    if min_tokens is not None:
+        stopping.min_new_tokens = _min_tokens(min_tokens, stopping.max_new_tokens, where + "min_tokens")
 
 
-def max_new_tokens(asked: int, prompt_tokens: int, max_model_len: int) -> int:
-    """The most tokens a request may generate: `asked`, or when it asked none (0) the rest of the
-    context, `max_model_len` less the prompt (at least 1: the engine refuses a prompt that fills it)."""
-    return asked or max(1, max_model_len - prompt_tokens)
+def _min_tokens(min_tokens: int, max_tokens: int, label: str) -> int:
+    """`min_tokens`, at most `max_tokens` when one is given (not 0)."""
+    if max_tokens and min_tokens > max_tokens:
+        raise ParamError(label, f"{label} ({min_tokens}) must not exceed max_tokens ({max_tokens})")
+    return min_tokens
 
 
 def logit_bias(raw: Any, label: str) -> dict[int, float]:
@@ -356,14 +370,14 @@ def logit_bias(raw: Any, label: str) -> dict[int, float]:
         return {}
     if not isinstance(raw, dict):
         raise ParamError(label, f"{label} must be an object of token ids to biases")
-    if len(raw) > MAX_LOGIT_BIAS:
-        raise ParamError(label, f"{label} takes at most {MAX_LOGIT_BIAS} token ids")
+    if len(raw) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ParamError(label, f"{label} takes at most {MAX_LOGIT_BIAS_ENTRIES} token ids")
     biases: dict[int, float] = {}
     for key, value in raw.items():
         text = str(key)
         if not (text.isascii() and text.isdigit()) or int(text) > MAX_INT32:
             raise ParamError(label, f"{label}: {text!r} is not a token id (0 to {MAX_INT32})")
-        bias = number({text: value}, text, -MAX_BIAS, MAX_BIAS, where=f"{label}.")
+        bias = number({text: value}, text, -MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS, where=f"{label}.")
         if bias is None:
             raise ParamError(f"{label}.{text}", f"{label}.{text} must be a number")
         biases[int(text)] = bias
@@ -409,10 +423,9 @@ def choices_per_prompt(body: dict[str, Any]) -> int:
     return n
 
 
-def check_generations(count: int, settings: GatewaySettings, label: str = "n") -> None:
-    """Raises ParamError (naming `label`) when a request asks for more than `max_generations`
-    generations."""
-    cap = settings.max_generations
+def check_generations(count: int, cap: int, label: str = "n") -> None:
+    """Raises ParamError (naming `label`) when a request asks for more than `cap` generations (the
+    gateway's `max_generations`)."""
     if count > cap:
         raise ParamError(
             label, f"the request asks for {count} generations (prompts times n); at most {cap} are allowed "
@@ -422,21 +435,24 @@ def check_generations(count: int, settings: GatewaySettings, label: str = "n") -
 
 async def check_request_tokens(
     max_tokens: Sequence[int],
-    settings: GatewaySettings,
-    max_model_len: Callable[[], Awaitable[int]],
+    cap: int,
+    context_length: Callable[[], Awaitable[int]],
     label: str = "max_tokens",
 ) -> None:
     """Raises ParamError (naming `label`) when a request's generations, whose `max_tokens` are given
-    (0: none, the rest of the context), ask for more tokens together than `max_request_tokens` (0:
-    `REQUEST_CONTEXTS` times the context length); each counts as its max_tokens, or the whole context
-    when it gives none, and at most the context. `max_model_len` (the engines' context length) is
-    awaited only when the sum could pass the cap; its AioRpcError is raised as it is."""
-    cap = settings.max_request_tokens
+    (0: none, the rest of the context, which the engine fills), ask for more tokens together than
+    `cap` (the gateway's `max_request_tokens`; 0: `REQUEST_CONTEXTS` times the context length); each
+    counts as its max_tokens, or the whole context when it gives none, and at most the context.
+    `context_length` (the model's, from the tokenizer's Info: this cap is the gateway's own, the
+    engine owns the limit of one generation) is awaited only when the sum could pass the cap; its
+    AioRpcError is raised as it is. A context length of 0 (unknown) counts no more than max_tokens."""
     if not cap and len(max_tokens) <= REQUEST_CONTEXTS:
         return  # each generation asks for at most the context
     if cap and all(max_tokens) and sum(max_tokens) <= cap:
         return
-    context = await max_model_len()
+    context = await context_length()
+    if not context:
+        context = max(max_tokens)  # unknown: unset max_tokens count as nothing
     limit = cap or REQUEST_CONTEXTS * context
     asked = sum(min(m or context, context) for m in max_tokens)
     if asked > limit:
@@ -483,20 +499,25 @@ GENERATION_KEYS = frozenset({
 
 
 def generation_params(
-    values: dict[str, Any], settings: GatewaySettings, *, where: str = ""
+    values: dict[str, Any], default_temperature: float, *, where: str = ""
 ) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
     """The sampling and stopping protobufs for the values of `GENERATION_KEYS` in `values` (other
-    keys are not read; absent or null = the default: `settings.default_temperature`, max tokens 0
-    (the rest of the context, `max_new_tokens`), off for the rest). `where` prefixes the names in errors
+    keys are not read; absent or null = the default: `default_temperature` (the gateway's setting),
+    max tokens 0 (the rest of the context: the engine, which owns the context limit, fills it), off
+    for the rest). `where` prefixes the names in errors
     ("params."). Raises ParamError on the first value outside the limits of the module docstring."""
     sampling = common_pb2.SamplingParams()
     temperature = number(values, "temperature", 0.0, MAX_TEMPERATURE, where=where)
-    sampling.temperature = settings.default_temperature if temperature is None else temperature
+    sampling.temperature = default_temperature if temperature is None else temperature
     sampling.top_p = top_p(values, where=where)
     sampling.top_k = max(0, integer(values, "top_k", -1, MAX_INT32, where=where) or 0)  # -1, 0: off
     sampling.min_p = number(values, "min_p", 0.0, 1.0, where=where) or 0.0
-    sampling.presence_penalty = number(values, "presence_penalty", -2.0, 2.0, where=where) or 0.0
-    sampling.frequency_penalty = number(values, "frequency_penalty", -2.0, 2.0, where=where) or 0.0
+    sampling.presence_penalty = (
+        number(values, "presence_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY, where=where) or 0.0
+    )
+    sampling.frequency_penalty = (
+        number(values, "frequency_penalty", -MAX_ABS_PENALTY, MAX_ABS_PENALTY, where=where) or 0.0
+    )
     sampling.repetition_penalty = repetition_penalty(values, where=where)
     seed = integer(values, "seed", 0, MAX_SEED, where=where)
     if seed is not None:
@@ -507,4 +528,43 @@ def generation_params(
     stopping.stop.extend(stop_strings(values.get("stop"), where + "stop"))
     stopping.stop_token_ids.extend(stop_token_ids(values.get("stop_token_ids"), where + "stop_token_ids"))
     length_controls(values, stopping, where=where)
+    return sampling, stopping
+
+
+def proto_generation_params(
+    sampling_in: common_pb2.SamplingParams, stopping_in: common_pb2.StoppingParams
+) -> tuple[common_pb2.SamplingParams, common_pb2.StoppingParams]:
+    """A copy of the gRPC API's own sampling and stopping protobufs, each field checked where it is
+    (no dict in between) by the rules and in the order of `generation_params`, the names in errors
+    those of `GENERATION_KEYS`. A protobuf 0 is the field's off or default, not a value (temperature
+    0 is greedy; max tokens 0 is the rest of the context, which the engine fills); NaN is not 0, so it
+    is refused. Fields other than these (logprobs, the output constraint) are the caller's to check.
+    Raises ParamError on the first value outside the limits of the module docstring."""
+    sampling, stopping = common_pb2.SamplingParams(), common_pb2.StoppingParams()
+    sampling.CopyFrom(sampling_in)
+    stopping.CopyFrom(stopping_in)
+    s = sampling
+    s.temperature = bounded(s.temperature, "temperature", 0.0, MAX_TEMPERATURE)
+    if s.top_p:
+        s.top_p = _top_p(bounded(s.top_p, "top_p", 0.0, 1.0, above_lo=True))
+    if s.top_k:
+        s.top_k = max(0, bounded_int(s.top_k, "top_k", -1, MAX_INT32))  # -1: off
+    if s.min_p:
+        bounded(s.min_p, "min_p", 0.0, 1.0)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(s, name):
+            bounded(getattr(s, name), name, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+    if s.repetition_penalty:
+        value = bounded(s.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
+        _repetition_penalty(value, "repetition_penalty")
+    if s.logit_bias:
+        logit_bias(dict(s.logit_bias), "logit_bias")
+    t = stopping
+    if t.max_new_tokens:
+        bounded_int(t.max_new_tokens, "max_tokens", 1, MAX_INT32)
+    stop_strings(list(t.stop) or None, "stop")
+    stop_token_ids(list(t.stop_token_ids) or None, "stop_token_ids")
+    if t.min_new_tokens:
+        bounded_int(t.min_new_tokens, "min_tokens", 0, MAX_INT32)
+        _min_tokens(t.min_new_tokens, t.max_new_tokens, "min_tokens")
     return sampling, stopping

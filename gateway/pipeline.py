@@ -10,10 +10,11 @@ close finishes with the engine's reason. Ids and logprobs go out with the text: 
 many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
 after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
 handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens` (by default the model's context
-length) fails after tokenizing, before it is routed (routing hashes the prompt's blocks); a prompt of
-token ids skips the tokenizer. A request that asked no max tokens may generate the rest of the
-context: the engines' `max_model_len` (an engine's `Stats`, asked once) less its prompt. A request that
+generation fails at once; a prompt longer than `max_prompt_tokens`, or by default one that leaves the
+model's context no room for a token (the engine's rule, which it owns, refused early), fails after
+tokenizing, before it is routed (routing hashes the prompt's blocks); a prompt of token ids skips the
+tokenizer. A request that asked no max tokens goes to the engine with max_new_tokens 0, which the
+engine fills with the rest of its context: the engine owns the context limit. A request that
 asked for prompt logprobs gets them, with the prompt's ids, once, from the engine's first chunk.
 `Done.cached_tokens` comes from the engine's final: 0 when a stop string ended the request first.
 
@@ -50,7 +51,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from gateway import params
 from gateway.events import (
     Done,
     EventSlot,
@@ -142,7 +142,7 @@ class Pipeline:
         # What the edges ask the stages besides generations (see `Stages`; each raises AioRpcError).
         self.check_ready = self._stages.check_ready
         self.model_info = self._stages.model_info
-        self.max_model_len = self._stages.max_model_len
+        self.max_model_len = self._stages.max_model_len  # shown by /v1/models and /tokenize only
         self.token_pieces = self._stages.token_pieces
         self.decode = self._stages.decode
 
@@ -151,6 +151,11 @@ class Pipeline:
     @property
     def in_flight(self) -> int:
         return len(self._requests)
+
+    async def context_length(self) -> int:
+        """The model's context length, from the tokenizer's Info (fetched once): what the gateway's own
+        caps count in. The engine owns the limit itself. Raises AioRpcError."""
+        return (await self._stages.model_info()).context_length
 
     def generate(self, inp: GenerateInput) -> Generation:
         """Starts one generation at once (tokenizing runs in the background) and returns its handle."""
@@ -261,9 +266,6 @@ class Pipeline:
         if refusal is not None:  # before routing, which hashes the prompt's blocks
             self._finish(request, refusal)
             return
-        max_new_tokens = await self._max_new_tokens(request, len(ids))
-        if request.finished or max_new_tokens is None:
-            return
         if self._stages.info is not None:
             request.trace.set_attribute("gen_ai.request.model", self._stages.info.model)
         wait_until = min(time.monotonic() + self._settings.upstream_wait_s, deadline)
@@ -272,7 +274,7 @@ class Pipeline:
         if request.finished:
             return
         try:
-            self._submit(request, ids, deadline, detok, engine, max_new_tokens)
+            self._submit(request, ids, deadline, detok, engine)
         except Exception:
             log.exception("cannot submit request %s", request.id)
             self._finish(request, Failed(INTERNAL, "internal error while submitting the request"))
@@ -284,31 +286,23 @@ class Pipeline:
         with request.trace.active():
             return await self._stages.tokenize(request.id, request.input, deadline)
 
-    async def _max_new_tokens(self, request: _Request, prompt_tokens: int) -> int | None:
-        """The most tokens the request may generate (`params.max_new_tokens`), asking the engines'
-        context length when it gave none; None when that fails (the request is then finished)."""
-        asked = request.input.stopping.max_new_tokens
-        if asked:
-            return asked
-        try:
-            limit = await self._stages.max_model_len()
-        except grpc.aio.AioRpcError as exc:
-            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
-            self._finish(request, Failed(UNAVAILABLE, "engine unavailable"))
-            return None
-        max_new_tokens = params.max_new_tokens(asked, prompt_tokens, limit)
-        request.trace.set_attribute("gen_ai.request.max_tokens", max_new_tokens)
-        return max_new_tokens
-
     def _prompt_refusal(self, ids: list[int]) -> Failed | None:
-        """Why a tokenized prompt cannot be submitted (empty, or over `max_prompt_tokens`, by default
-        the model's context length once the tokenizer's Info is known), or None."""
+        """Why a tokenized prompt cannot be submitted, or None: empty; over `max_prompt_tokens` (the
+        gateway's own cap, when set); else, once the tokenizer's Info is known, the engine's rule
+        early: a prompt must leave the context room for one token (prompt < context length). The
+        engine owns that rule (it refuses the same prompt, and a prompt and max tokens past its
+        context); refusing it here spares routing, which hashes the prompt's blocks."""
         if not ids:
             return Failed(INVALID_ARGUMENT, "the prompt is empty")
-        info = self._stages.info
-        cap = self._settings.max_prompt_tokens or (info.context_length if info is not None else 0)
+        cap = self._settings.max_prompt_tokens
         if cap and len(ids) > cap:
             return Failed(INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens, more than the {cap} allowed")
+        context = self._stages.info.context_length if self._stages.info is not None else 0
+        if not cap and context and len(ids) >= context:
+            return Failed(
+                INVALID_ARGUMENT, f"the prompt has {len(ids)} tokens, more than the {context - 1} allowed "
+                f"(the context length is {context}, and the output needs at least one token of it)"
+            )  # fmt: skip
         return None
 
     def _submit(
@@ -318,12 +312,11 @@ class Pipeline:
         deadline: float,
         detok_address: str,
         engine_address: str,
-        max_new_tokens: int,
     ) -> None:
         """Opens the request's decoding state, then submits it to the engine (in that order, so that
-        its first chunk always finds the state), on the replicas given, to generate at most
-        `max_new_tokens`. The engine gets the time left until `deadline` (`time.monotonic()`), so it
-        ends the request itself if the gateway's own timer cannot."""
+        its first chunk always finds the state), on the replicas given. The engine gets the time left
+        until `deadline` (`time.monotonic()`), so it ends the request itself if the gateway's own timer
+        cannot."""
         request.prompt_tokens = len(ids)
         request.deadline = deadline
         detok_context, engine_context = request.trace.submit_contexts()
@@ -343,14 +336,11 @@ class Pipeline:
             trace_context=detok_context,
         )
         detok.send(detokenizer_pb2.DetokenizeInEntry(start=start))
-        stopping = common_pb2.StoppingParams()
-        stopping.CopyFrom(inp.stopping)
-        stopping.max_new_tokens = max_new_tokens
         request.submit = engine_pb2.GenerateRequest(
             request_id=request.id,
             prompt_ids=ids,
             sampling=inp.sampling,
-            stopping=stopping,
+            stopping=inp.stopping,  # max_new_tokens 0: the engine fills the rest of its context
             trace_context=engine_context,
         )
         self._send_submit(request, engine)
@@ -395,7 +385,7 @@ class Pipeline:
         failed = request.engine_link
         if (  # the engine stopped serving (its loop failed) before the request's first token
             not _finish_reason(final)
-            and errors.error_class(final.error) == UNAVAILABLE
+            and errors.code_name(final.error_code) == UNAVAILABLE
             and failed is not None
             and self._retry_engine(request, failed.address)
         ):
@@ -403,7 +393,7 @@ class Pipeline:
         request.engine_final = final
         request.trace.engine_done(final.error)
         if not _finish_reason(final):
-            self._finish(request, engine_failure(request.id, final.error))
+            self._finish(request, engine_failure(request.id, final.error, final.error_code))
             return
         request.detok_closed = True
         close = detokenizer_pb2.DetokenizeClose(request_id=request.id)

@@ -15,14 +15,14 @@ back; `parse(text)` does both at once. Contract:
 - `in_reasoning=True` starts inside a block, as if after `<think>`, for templates whose generation
   prompt opens it (the output then holds only `</think>`); `opens_reasoning(prompt)` tells whether a
   rendered prompt does that (the gateway asks it of the template's generation prompt, which the
-  tokenizer's Info carries: `gateway.tool_parsers.chosen`).
+  tokenizer's Info carries: `gateway.chat_output.chosen`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.tool_calls import emittable
+from gateway.tool_parsers.base import emittable
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from gateway.settings import ROUTING_POLICIES as POLICIES
+from gateway.choices import ROUTING_POLICIES as POLICIES
 from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
 from services.common.pb import engine_pb2
 

@@ -1,12 +1,19 @@
-"""Settings of the gateway (flags `--field-name`, environment `SLUICE_FIELD_NAME`)."""
+"""Settings of the gateway (flags `--field-name`, environment `SLUICE_FIELD_NAME`). Above
+`gateway.choices` alone (the names and address forms the settings accept); every other module of the
+gateway may read them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.choices import (
+    REASONING_PARSERS,
+    ROUTING_POLICIES,
+    TOOL_CALL_PARSERS,
+    Endpoint,
+    check_allowed_hosts,
+)
 from services.common.settings import ValidatedSettings, check_bounds, check_choices
-
-ROUTING_POLICIES = ("round_robin", "least_load", "prefix_affinity")
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,11 @@ class GatewaySettings(ValidatedSettings):
         },
     )
     max_prompt_tokens: int = field(
-        default=0, metadata={"help": "longest prompt in tokens (0 = the model's context length)"}
+        default=0,
+        metadata={
+            "help": "longest prompt in tokens (0 = the engine's rule, checked early: shorter than the "
+            "model's context length, which must hold at least one output token)"
+        },
     )
     max_body_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "largest HTTP request body"})
     max_ws_frame_bytes: int = field(default=1024 * 1024, metadata={"help": "largest WebSocket frame"})
@@ -178,10 +189,6 @@ class GatewaySettings(ValidatedSettings):
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad value."""
-        from gateway.auth import check_allowed_hosts
-        from gateway.tool_parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-        from gateway.upstream import Endpoint
-
         for name in ("tokenizer", "engine", "detokenizer"):
             if not getattr(self, name):
                 raise ValueError(f"{name} needs at least one host:port address")

@@ -216,7 +216,8 @@ class Stages:
     async def max_model_len(self) -> int:
         """The engines' context length (prompt and output tokens of one request), from the `Stats` of
         a connected engine replica, fetched once: every replica serves the same model with the same
-        settings. Raises AioRpcError."""
+        settings. A figure the APIs show (`/v1/models`, `/tokenize`), never a limit the gateway
+        applies: the engine owns the context limit. Raises AioRpcError."""
         if not self._max_model_len:
             stub = await self._ready_stub(self.engines, engine_pb2_grpc.EngineStub)
             stats = await stub.Stats(engine_pb2.StatsRequest(), timeout=self._settings.tokenize_timeout_s)

@@ -31,7 +31,7 @@ import json
 from typing import Any
 
 from gateway.params import ParamError, parse_json_field
-from gateway.tool_calls import check_schema, check_schema_rows, named_schema_fields
+from gateway.tools import check_schema, check_schema_rows, named_schema_fields
 from services.common.constraints import MAX_CONSTRAINT_CHARS, MAX_ROW_ITEMS, closed_schema, grammar_row_items
 from services.common.pb import common_pb2
 

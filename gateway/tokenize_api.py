@@ -18,14 +18,8 @@ from fastapi.responses import JSONResponse
 
 from gateway import params
 from gateway.events import GenerateInput, tokenizer_failure
-from gateway.openai_api import (
-    ApiError,
-    OpenAIHandlers,
-    decode_error,
-    failure_error,
-    read_json,
-    requested_model,
-)
+from gateway.openai_api import OpenAIHandlers, read_json
+from gateway.openai_protocol import ApiError, decode_error, failure_error, requested_model
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings

@@ -17,12 +17,12 @@ import logging
 import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.choices import DNS_SCHEME, Endpoint
 from gateway.routing import Picker
 from services.common import telemetry
 from services.common.grpc_server import CHANNEL_OPTIONS, ChannelTls, client_channel
@@ -46,7 +46,6 @@ Item = TypeVar("Item")
 Resolve = Callable[[str, int], Awaitable[Sequence[str]]]
 """`resolve(host, port)`: the IP addresses a name stands for now; raises OSError when it cannot say."""
 
-DNS_SCHEME = "dns:///"
 MIN_RESOLVE_GAP_S = 1.0  # re-resolutions asked for because no replica is connected: at most this often
 MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
 # While waiting for a channel to be READY, it is asked to connect again this often: a wait for its next
@@ -54,29 +53,6 @@ MIN_WATCH_GAP_S = 0.5  # between two health watches of one member
 # maximum connection age) in between, which leaves the channel IDLE with nobody asking it to connect.
 CONNECT_AGAIN_S = 0.25
 RETIRE_GRACE_S = 600.0  # calls in flight on a retired replica's channel may run this long (a request's)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One entry of a stage's endpoints: a fixed `host:port` (one replica; gRPC resolves the host
-    itself), or `dns:///host:port`, a name that stands for every address it resolves to (a headless
-    Kubernetes Service, `docker compose --scale`), one replica each, re-resolved as they come and go."""
-
-    target: str
-    host: str
-    port: int
-    dns: bool
-
-    @classmethod
-    def parse(cls, text: str) -> Endpoint:
-        """Raises ValueError unless `text` is `host:port` or `dns:///host:port` (IPv6 in brackets)."""
-        dns = text.startswith(DNS_SCHEME)
-        rest = text[len(DNS_SCHEME) :] if dns else text
-        host, sep, port = rest.rpartition(":")
-        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{text!r} is not host:port or dns:///host:port")
-        return cls(text, host, int(port), dns)
 
 
 async def resolve_host(host: str, port: int) -> list[str]:

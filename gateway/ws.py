@@ -34,7 +34,7 @@ from gateway import params
 from gateway.auth import ApiKeys, origin_allowed
 from gateway.events import Delta, Done, Failed, GenerateInput, Generation
 from gateway.observability import TRACE_KEYS, trace_context_from
-from gateway.openai_api import DROP_CONNECTION
+from gateway.openai_protocol import DROP_CONNECTION
 from gateway.params import ParamError
 from gateway.pipeline import Pipeline
 from gateway.settings import GatewaySettings
@@ -126,7 +126,7 @@ def _parse_generate(frame: dict[str, Any], settings: GatewaySettings) -> Generat
     if not isinstance(given, dict):
         raise ParamError("params", "'params' must be an object")
     params.only_keys(given, params.GENERATION_KEYS | set(STRUCTURED_KEYS), "params")
-    sampling, stopping = params.generation_params(given, settings, where="params.")
+    sampling, stopping = params.generation_params(given, settings.default_temperature, where="params.")
     constraint = structured_output(given, where="params.")
     if constraint is not None:
         sampling.structured.CopyFrom(constraint[1])
@@ -317,12 +317,13 @@ class SocketSession:
         """The error frame for a generate that asks for more tokens than one request may, or None."""
         asked = [inp.stopping.max_new_tokens]
         try:
-            await params.check_request_tokens(asked, self._settings, self._pipeline.max_model_len, MAX_TOKENS)
+            cap, context_length = self._settings.max_request_tokens, self._pipeline.context_length
+            await params.check_request_tokens(asked, cap, context_length, MAX_TOKENS)
         except ParamError as exc:
             return error_frame(frame_id, errors.INVALID_ARGUMENT, exc.message)
         except grpc.aio.AioRpcError as exc:
-            log.warning("engine stats failed: %s: %s", exc.code().name, exc.details())
-            return error_frame(frame_id, errors.UNAVAILABLE, "engine unavailable")
+            log.warning("model info failed: %s: %s", exc.code().name, exc.details())
+            return error_frame(frame_id, errors.UNAVAILABLE, "tokenizer unavailable")
         return None
 
     async def _stream(self, frame_id: str, generation: Generation) -> None:

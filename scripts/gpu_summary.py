@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sluice.bench.common import fmt, format_table
+from sluice.bench.report import fmt, format_table
 
 TIMED_OUT = (124, 137)  # timeout's status, and a process killed after its grace
 HEADER = (

@@ -3,13 +3,12 @@
     sluice up [--model DIR] [--port 8000] [--grpc-base-port 50050]   the whole pipeline on this host
     sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
     sluice model tiny DIR [--preset test|chat]                      write the embedded model (or a preset)
-    sluice bench engine|tokenizer|detokenizer [FLAGS]               benchmarks of one component
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
+    sluice bench engine [throughput|latency|perplexity] [FLAGS]     the engine in-process against transformers
     sluice bench sweep compare|pipeline|routing|peers [FLAGS]        serve over systems and rates, by preset
-    sluice bench compare [--no-peer] [--json FILE] [--plot FILE]    policies and a peer against request rate
-    sluice bench pipeline [--json FILE] [--plot FILE]               four services against the engine alone
-    sluice bench routing [--engines 2] [--json FILE]                engine routing policies across replicas
-    sluice bench latency [--variants off,ngram,int8] [--json FILE]  speculation and quantized weights
+    sluice bench tokenizer|detokenizer [FLAGS]                      the two text services against in-process
+    sluice bench compare|pipeline|routing [FLAGS]                   older names of the sweep presets
+    sluice bench latency [--variants off,ngram,int8] [--json FILE]  older name of `engine latency`
     sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
     sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
     sluice models [--markdown]                                      model families served, and refused (why)
@@ -31,17 +30,13 @@ SERVICES = {
     "gateway": "gateway.server",
 }
 MODELS = {"tiny": "sluice.model.tiny"}
-BENCHMARKS = (
-    "engine",
-    "tokenizer",
-    "detokenizer",
-    "serve",
-    "sweep",
-    "pipeline",
-    "compare",
-    "routing",
-    "latency",
-)
+BENCHMARKS = ("serve", "engine", "sweep", "tokenizer", "detokenizer")  # `sluice bench NAME`: bench/NAME.py
+BENCHMARK_ALIASES = {  # an older name → the command it is a variant or preset of, under that name
+    "latency": "engine",
+    "compare": "sweep",
+    "pipeline": "sweep",
+    "routing": "sweep",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -56,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     model = sub.add_parser("model", help="write a model directory (sluice model tiny --help)", add_help=False)
     model.add_argument("kind", choices=sorted(MODELS))
     bench = sub.add_parser("bench", help="run a benchmark (sluice bench NAME --help)", add_help=False)
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("name", choices=sorted([*BENCHMARKS, *BENCHMARK_ALIASES]))
     sub.add_parser("models", help="model families served and refused (sluice models --help)", add_help=False)
     health = sub.add_parser("health", help="check a service's grpc.health.v1 status")
     health.add_argument("address", help="HOST:PORT")
@@ -99,7 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _hand_over(MODELS[args.kind], rest)
     if args.command == "models":
         return _hand_over("services.engine.executor.families", rest)
-    return _hand_over(f"sluice.bench.{args.name}", rest)  # `sluice bench NAME` runs sluice/bench/NAME.py
+    return _bench(args.name, rest)
+
+
+def _bench(name: str, argv: list[str]) -> int:
+    """`sluice bench NAME` runs sluice/bench/NAME.py; an older name runs its variant or preset, its usage
+    line and recorded command keeping the older name."""
+    if name not in BENCHMARK_ALIASES:
+        return _hand_over(f"sluice.bench.{name}", argv)
+    module = importlib.import_module(f"sluice.bench.{BENCHMARK_ALIASES[name]}")
+    return int(module.main([name, *argv], prog=f"sluice bench {name}") or 0)
 
 
 if __name__ == "__main__":

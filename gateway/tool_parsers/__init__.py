@@ -1,36 +1,32 @@
-"""Tool-call parsers by name (`--tool-call-parser`), and the parsers of a chat reply chosen for the
-served model from its chat template (`chosen`).
+"""The tool-call formats, one class each, by name (`--tool-call-parser`). Each class (a
+`base.ToolCallStream`) owns both sides of its format: the parser that reads calls out of generated
+text, and the grammar that makes the engine write calls in that format when a request requires one
+(`tool_choice` "required" or a named function), so that what a required call writes is what the same
+format reads back.
 
-- `hermes` (`gateway.tool_calls.HermesToolCalls`): `<tool_call>` blocks (Qwen 2.5 and 3, Hermes, the
-  tiny model).
-- `llama3_json` (`gateway.tool_calls.Llama3JsonToolCalls`): JSON calls, optionally after
-  `<|python_tag|>` (Llama 3.1 to 3.3).
-- `mistral` (`gateway.tool_parsers.mistral.MistralToolCalls`): calls after `[TOOL_CALLS]`.
+- `hermes` (`hermes.HermesToolCalls`): `<tool_call>` blocks (Qwen 2.5 and 3, Hermes, the tiny model).
+- `llama3_json` (`llama3_json.Llama3JsonToolCalls`): JSON calls, optionally after `<|python_tag|>`
+  (Llama 3.1 to 3.3).
+- `mistral` (`mistral.MistralToolCalls`): calls after `[TOOL_CALLS]`.
 
-`--tool-call-parser auto` (the default) takes the parser whose format the template writes (each
-parser class `recognises` its own), hermes when none or several do; `--reasoning-parser auto` splits
-`<think>` blocks out when the template writes `<think>`, and starts a reply inside one when the
-template's generation prompt opens it (`reasoning.opens_reasoning`). The template and its generation
-prompt come from the tokenizer's `Info`.
+`--tool-call-parser auto` (the default) takes the format the model's chat template writes
+(`infer_parser`: each class `recognises` its own), hermes when none or several do; the choice is made in
+`gateway.chat_output.chosen`. The names are `gateway.choices.TOOL_CALL_PARSERS` (a test checks).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from gateway.reasoning import THINK_CLOSE, THINK_OPEN, opens_reasoning
-from gateway.tool_calls import HermesToolCalls, Llama3JsonToolCalls, ToolCallStream, new_call_id
+from gateway.tool_parsers.base import ToolCallStream, new_call_id
+from gateway.tool_parsers.hermes import HermesToolCalls
+from gateway.tool_parsers.llama3_json import Llama3JsonToolCalls
 from gateway.tool_parsers.mistral import MistralToolCalls
 
 PARSERS: dict[str, type[ToolCallStream]] = {
-    "hermes": HermesToolCalls,
-    "llama3_json": Llama3JsonToolCalls,
-    "mistral": MistralToolCalls,
+    cls.NAME: cls for cls in (HermesToolCalls, Llama3JsonToolCalls, MistralToolCalls)
 }
-DEFAULT_PARSER = "hermes"
-TOOL_CALL_PARSERS = ("auto", *PARSERS)
-REASONING_PARSERS = ("auto", "think", "none")
+DEFAULT_PARSER = HermesToolCalls.NAME
 
 
 def infer_parser(chat_template: str | None) -> str | None:
@@ -47,49 +43,3 @@ def tool_call_stream(parser: str, new_id: Callable[[], str] = new_call_id) -> To
     if parser not in PARSERS:
         raise ValueError(f"unknown tool call parser {parser!r}; choose one of {', '.join(PARSERS)}")
     return PARSERS[parser](new_id)
-
-
-@dataclass(frozen=True)
-class ChatParsers:
-    """How the served model's chat replies are read: `tool_parser` (a name of PARSERS), `reasoning`
-    (split `<think>` text out) and `in_reasoning` (a reply starts inside a think block: the
-    generation prompt opened it). `special_ids` maps the text of the tokenizer's special tokens to
-    their ids, to keep the parsers' marks in the text (`keep_special_ids`)."""
-
-    tool_parser: str = DEFAULT_PARSER
-    reasoning: bool = False
-    in_reasoning: bool = False
-    special_ids: Mapping[str, int] = field(default_factory=dict, compare=False)
-
-    @property
-    def tool_format(self) -> type[ToolCallStream]:
-        """The parser class, whose format the grammar of a required call follows."""
-        return PARSERS[self.tool_parser]
-
-    def keep_special_ids(self, *, reads_calls: bool) -> tuple[int, ...]:
-        """The special tokens a reply's text must keep for its parsers (the detokenizer skips the
-        others): the tool-call parser's marks when the request reads calls, the think tags when
-        reasoning is split."""
-        marks = (
-            *(self.tool_format.MARKS if reads_calls else ()),
-            *((THINK_OPEN, THINK_CLOSE) if self.reasoning else ()),
-        )
-        return tuple(sorted({self.special_ids[m] for m in marks if m in self.special_ids}))
-
-
-def chosen(
-    tool_setting: str,
-    reasoning_setting: str,
-    chat_template: str,
-    generation_prompt: str,
-    special_ids: Mapping[str, int] | None = None,
-) -> ChatParsers:
-    """The parsers for a model whose chat template, generation prompt and special tokens (text → id)
-    are these, under the settings `--tool-call-parser` (auto or a name) and `--reasoning-parser` (auto,
-    think or none)."""
-    tool_parser = tool_setting
-    if tool_setting == "auto":
-        tool_parser = infer_parser(chat_template) or DEFAULT_PARSER
-    thinks = reasoning_setting == "think" or (reasoning_setting == "auto" and THINK_OPEN in chat_template)
-    in_reasoning = thinks and opens_reasoning(generation_prompt)
-    return ChatParsers(tool_parser, thinks, in_reasoning, dict(special_ids or {}))

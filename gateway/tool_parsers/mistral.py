@@ -10,7 +10,8 @@ Mistral's chat templates write:
 
 Text before the first marker is content, and so is text after the calls. An object without a string
 "name" makes it and the rest content; a broken object or value after its name ends the calls (the rest
-is dropped), as in `llama3_json`. Streaming follows the contract of `gateway.tool_calls`.
+is dropped), as in `llama3_json`. A required call's grammar writes the v3 array form. Streaming
+follows the contract of `gateway.tool_parsers.base`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from gateway.tool_calls import (
+from gateway.tool_parsers.base import (
+    JsonValue,
+    PendingCall,
     ToolCallDelta,
     ToolCallStream,
-    _Call,
-    _JsonValue,
     emittable,
     new_call_id,
     tag_prefix_len,
@@ -36,7 +37,8 @@ _ARRAY_SEPARATORS = re.compile(r"[\s,]*")
 class MistralToolCalls(ToolCallStream):
     """`[TOOL_CALLS]` calls (see the module docstring). One instance per request."""
 
-    # What `tool_calls.ToolRequest.grammar` writes around a required call: the v3 array form.
+    NAME = "mistral"
+    # How the grammar of a required call writes calls: the v3 array form.
     CALLS_OPEN, CALLS_SEPARATOR, CALLS_CLOSE = MARK + "[", ", ", "]"
     CALL_OPEN, CALL_CLOSE = '{{"name": "{name}", "arguments": ', "}"
     MARKS = (MARK, ARGS)  # special tokens in Mistral's tokenizers, kept in the text for the parser
@@ -45,7 +47,7 @@ class MistralToolCalls(ToolCallStream):
         super().__init__(new_id)
         # start (nothing seen yet), text, marked (after a marker), array, name, args, after, drop
         self._mode = "start"
-        self._value = _JsonValue()
+        self._value = JsonValue()
         self._index = 0  # the call whose [ARGS] value is being read
 
     @classmethod
@@ -70,7 +72,7 @@ class MistralToolCalls(ToolCallStream):
             if not rest and not final:
                 return False
             if rest.startswith("{"):
-                self._call = _Call(self._buf[: len(self._buf) - len(rest)])
+                self._call = PendingCall(self._buf[: len(self._buf) - len(rest)])
                 self._buf, self._mode = rest, "array"
                 return True
         self._mode = "text"
@@ -111,7 +113,7 @@ class MistralToolCalls(ToolCallStream):
             if not text.startswith("{"):
                 self._mode = "after"
                 return True
-            self._call = _Call("")
+            self._call = PendingCall("")
         call = self._call
         used = call.obj.feed(self._buf)
         call.raw.append(self._buf[:used])
@@ -134,7 +136,7 @@ class MistralToolCalls(ToolCallStream):
             self._count += 1
             name = self._buf[:at].strip()
             self._out.tool_calls.append(ToolCallDelta(self._index, "", self._new_id(), name))
-            self._buf, self._mode, self._value = self._buf[at + len(ARGS) :], "args", _JsonValue()
+            self._buf, self._mode, self._value = self._buf[at + len(ARGS) :], "args", JsonValue()
             return True
         head = self._buf[: len(self._buf) - tag_prefix_len(self._buf, ARGS)].strip()
         if at < 0 and not final and (not head or _NAME.fullmatch(head)):

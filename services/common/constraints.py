@@ -16,6 +16,10 @@ Limits:
   middle of a generation. The estimates here follow those measurements; the limit is half the
   library's, a margin for what an estimate misses.
 
+`JSON_WHITESPACE`: the whitespace a constrained JSON output may hold between tokens (at most 20 characters),
+so that a model cannot loop on blanks; the engine's response formats and the gateway's tool-call grammars
+both pass it to the grammar library as its `whitespace_pattern`.
+
 `closed_schema` gives an object schema that does not say otherwise `additionalProperties: false`: the
 output then holds only the properties the schema declares. Every JSON schema the gateway sends is
 closed where it declares `properties` (xgrammar's strict mode, vLLM's default); OpenAI's `strict`
@@ -29,6 +33,7 @@ from typing import Any
 MAX_CONSTRAINT_CHARS = 256 * 1024
 MAX_SCHEMA_DEPTH = 32
 MAX_ROW_ITEMS = 1000
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 _OPTIONAL_PROPERTY_ITEMS = 4  # row items an object's optional property takes (measured: 4 N + 7)
 _ARRAY_ITEMS = 3  # row items an array schema takes where it may start
 

@@ -1,19 +1,14 @@
 """Classes of the engine's error finals, and how a request ends in every vocabulary of the pipeline.
 
-A request that ends with finish_reason "error" carries the message `"<class>: <detail>"`, the class
-being one of the names below (the gateway's error codes), so that a reader of `RequestFinal.error`
-maps the failure without parsing prose:
-
-- `invalid_argument`: the request cannot be served as given (a prompt at or over the context length,
-  ids outside the vocabulary, parameters out of range, an id already in flight);
-- `deadline_exceeded`: the request's deadline passed inside the engine;
-- `unavailable`: the engine's loop stopped after an unrecoverable failure;
-- `internal`: a failure of the engine itself (a step that raised).
-
-Also the one table of each vocabulary: `STATUS_CODES` (error code → gRPC status; `resource_exhausted`
-is the gateway's admission code, never a class), `FINISH_REASONS` (name → `common_pb2.FinishReason`).
-
-This module imports nothing of the engine, so readers of finals can use it without torch.
+A request that ends with finish_reason "error" carries its class as `RequestFinal.error_code` (the
+`common_pb2.ErrorCode` enum) and plain words as `RequestFinal.error`: readers map the failure from the
+enum, never from the words. The classes (the gateway's error codes): `invalid_argument` (cannot be served
+as given: over the context length, ids outside the vocabulary, values out of range, an id in flight),
+`deadline_exceeded` (its deadline passed inside the engine), `unavailable` (the engine's loop stopped or
+its step is broken), `internal` (a failure of the engine itself). The one table of each vocabulary:
+`ERROR_CODES` (name ↔ `ErrorCode`), `STATUS_CODES` (name → gRPC status; `resource_exhausted` is the
+gateway's admission code, never a class), `FINISH_REASONS` (name → `FinishReason`). Imports nothing of the
+engine (no torch for readers).
 """
 
 from __future__ import annotations
@@ -29,25 +24,26 @@ INTERNAL = "internal"
 CLASSES = frozenset({INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL})
 RESOURCE_EXHAUSTED = "resource_exhausted"
 
-_SEPARATOR = ": "
+ERROR_CODES: dict[str, int] = {
+    INVALID_ARGUMENT: common_pb2.ERROR_CODE_INVALID_ARGUMENT,
+    DEADLINE_EXCEEDED: common_pb2.ERROR_CODE_DEADLINE_EXCEEDED,
+    UNAVAILABLE: common_pb2.ERROR_CODE_UNAVAILABLE,
+    INTERNAL: common_pb2.ERROR_CODE_INTERNAL,
+}
+_NAMES_OF_ERROR_CODES = {value: name for name, value in ERROR_CODES.items()}
 
 
-def error_message(error_class: str, detail: str) -> str:
-    """The message of an error final of `error_class` (one of CLASSES)."""
-    assert error_class in CLASSES, error_class
-    return f"{error_class}{_SEPARATOR}{detail}"
+def code_value(name: str | None) -> int:
+    """The `common_pb2.ErrorCode` of a class name (UNSPECIFIED for None: no error)."""
+    if name is None:
+        return common_pb2.ERROR_CODE_UNSPECIFIED
+    assert name in CLASSES, name
+    return ERROR_CODES[name]
 
 
-def error_detail(message: str) -> str:
-    """An error final's words without its class prefix (the whole message when it has none)."""
-    prefix, separator, detail = message.partition(_SEPARATOR)
-    return detail if separator and prefix in CLASSES else message
-
-
-def error_class(message: str) -> str:
-    """The class of an error final's message; `internal` for a message without a known class."""
-    prefix, separator, _ = message.partition(_SEPARATOR)
-    return prefix if separator and prefix in CLASSES else INTERNAL
+def code_name(value: int) -> str:
+    """The class name of a final's `error_code`; `internal` for UNSPECIFIED or an unknown value."""
+    return _NAMES_OF_ERROR_CODES.get(value, INTERNAL)
 
 
 STATUS_CODES: dict[str, grpc.StatusCode] = {

@@ -265,7 +265,7 @@ class EngineObserver:
             span.set_attribute("sluice.time_to_first_token_s", timeline.first_token - request.arrival_time)
             span.set_attribute("sluice.batch_size_at_first_token", timeline.batch_at_first_token)
         if out.finish_reason == "error":
-            span.set_status(Status(StatusCode.ERROR, out.error or "error"))
+            span.set_status(Status(StatusCode.ERROR, f"{out.error_code or 'error'}: {out.error or ''}"))
         span.end(end_time=self._wall_ns(now))
 
     # ---- per step -------------------------------------------------------------------------------

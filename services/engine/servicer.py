@@ -13,9 +13,10 @@ from google.protobuf.message import Message
 
 from services.common import errors, telemetry
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
-from services.engine.core.async_engine import AsyncEngine, Caller, Report, ReportFeed
+from services.engine.core.async_engine import AsyncEngine, Caller
 from services.engine.core.grammar import GrammarSpec
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
+from services.engine.core.reports import Report, ReportFeed
 
 log = logging.getLogger(__name__)
 
@@ -23,11 +24,10 @@ M = TypeVar("M", bound=Message)
 Entry = TypeVar("Entry", engine_pb2.StepEntry, engine_pb2.GenerateResponse)
 
 
-def params_from_proto(
-    request: engine_pb2.GenerateRequest, default_max_new_tokens: int
-) -> tuple[SamplingParams, StoppingParams]:
-    """Maps protobuf parameters to the core's, zero values meaning the documented defaults. Their ranges
-    are checked once, by the engine when the request is submitted (`LLMEngine.validate_request`); a
+def params_from_proto(request: engine_pb2.GenerateRequest) -> tuple[SamplingParams, StoppingParams]:
+    """Maps protobuf parameters to the core's, zero values meaning the documented defaults
+    (`max_new_tokens` 0: the rest of the context, filled by the engine). Their ranges are checked once,
+    by the engine when the request is submitted (`validate_request`, services/engine/core/params.py); a
     structured output whose kind is unknown or whose text is malformed JSON raises GrammarError (a
     ValueError) here."""
     s = request.sampling
@@ -49,7 +49,7 @@ def params_from_proto(
     )
     st = request.stopping
     stopping = StoppingParams(
-        max_new_tokens=st.max_new_tokens or default_max_new_tokens,
+        max_new_tokens=st.max_new_tokens,
         min_new_tokens=st.min_new_tokens,
         stop_token_ids=tuple(st.stop_token_ids),
         ignore_eos=st.ignore_eos,
@@ -80,6 +80,7 @@ def final_to_proto(out: RequestOutput) -> engine_pb2.RequestFinal:
             cached_tokens=out.cached_tokens,
         ),
         error=out.error or "",
+        error_code=errors.code_value(out.error_code),
     )
 
 
@@ -137,7 +138,6 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         settings = engine.engine.settings
-        self.default_max_new_tokens = settings.default_max_new_tokens
         self.report_interval_s = settings.report_interval_ms / 1000.0
 
     async def Stream(
@@ -211,7 +211,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> None:
         """Submits `request` under its own trace context (a multiplexed stream's request), else `trace`
         (the call's); raises ValueError for parameters the engine refuses."""
-        sampling, stopping = params_from_proto(request, self.default_max_new_tokens)
+        sampling, stopping = params_from_proto(request)
         trace = dict(request.trace_context) or trace
         prompt = list(request.prompt_ids)
         caller.submit(request.request_id, prompt, sampling, stopping, trace_context=trace, deadline=deadline)

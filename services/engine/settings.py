@@ -16,6 +16,7 @@ CHOICES = (
     ("dtype", ("auto", "float32", "bfloat16", "float16")),
     ("attention_backend", ("auto", "torch", "triton")),
     ("cuda_graphs", ("on", "off")),
+    ("compile", ("auto", "on", "off")),
     ("async_scheduling", ("auto", "on", "off")),
     ("speculative", SPECULATIVE_METHODS),
     ("quantization", QUANTIZATIONS),
@@ -24,8 +25,8 @@ CHOICES = (
 )
 BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recoveries 0 = none
     (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),
-    (">=", 1, ("default_max_new_tokens", "num_speculative_tokens", "speculative_disable_batch_size")),
-    (">=", 0, ("threads", "kv_cache_gb", "report_interval_ms", "loop_recoveries")),
+    (">=", 1, ("num_speculative_tokens", "speculative_disable_batch_size")),
+    (">=", 0, ("default_max_new_tokens", "threads", "kv_cache_gb", "report_interval_ms", "loop_recoveries")),
     (">", 0, ("loop_recovery_window_s", "grammar_compile_timeout_s")),
     (">=", 1, ("max_step_failures", "grammar_compile_threads")),
 )
@@ -98,6 +99,15 @@ class EngineSettings(StageTlsSettings):
             "for batch sizes 1, 2, 4, 8, ... up to max_num_seqs (ignored on CPU)"
         },
     )
+    compile: str = field(
+        default="auto",
+        metadata={
+            "help": "auto (on for CUDA, off on a CPU) | on | off: torch.compile the model step (inductor; "
+            "decode batches padded to 1, 2, 4, ... max_num_seqs rows, prefill steps to x4 token buckets "
+            "up to max_num_batched_tokens, all compiled at start-up; on CUDA the graphs are captured from "
+            "it); a model that does not compile runs eagerly, the reason logged"
+        },
+    )
     async_scheduling: str = field(
         default="auto",
         metadata={"help": "auto (on for CUDA) | on | off: schedule step N+1 while the device runs step N"},
@@ -150,7 +160,11 @@ class EngineSettings(StageTlsSettings):
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV blocks of shared prefixes"})
     max_model_len: int = field(default=0, metadata={"help": "context length; 0 = the model's own"})
     default_max_new_tokens: int = field(
-        default=256, metadata={"help": "max_new_tokens when a request gives 0"}
+        default=0,
+        metadata={
+            "help": "max_new_tokens when a request gives 0: the rest of the context (max_model_len - prompt "
+            "tokens), capped at this when > 0 (0 = no cap)"
+        },
     )
     seed: int = field(default=0, metadata={"help": "seed of the generator shared by unseeded requests"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port (0 = none)"})

@@ -1,5 +1,6 @@
-"""What every benchmark shares: its common flags, the run's metadata, JSON, tables, plots and ratios.
-Argparse types raise argparse errors, so a bad value exits with status 2 and a usage line.
+"""What every benchmark shares besides its report (report.py: tables, JSON, plots, ratios): the common flags
+and their types, the run's metadata, torch's settings, progress bars and error text. Argparse types raise
+argparse errors, so a bad value exits with status 2 and a usage line.
 """
 
 from __future__ import annotations
@@ -7,22 +8,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
-import math
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
+    pass
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -180,79 +179,3 @@ def run_meta(bench_argv: Sequence[str], device: str | None = None) -> dict[str, 
         "machine": machine_info(device),
         "git_commit": _git_commit(),
     }
-
-
-def ratio(value: float | None, base: float | None) -> float | None:
-    """value ÷ base; None when either is missing or base is not positive."""
-    return None if value is None or base is None or not base > 0 else value / base
-
-
-def fmt(value: float | None, spec: str, missing: str = "-") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None) -> str:
-    """Rows (the first is the header) in columns two spaces apart, a rule under the header; columns from
-    `right_from` on aligned right."""
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-
-    def line(row: list[str]) -> str:
-        right = right_from is not None
-        return "  ".join(c.rjust(w) if right and i >= right_from else c.ljust(w)  # type: ignore[operator]
-                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()  # fmt: skip
-
-    lines = [line(row) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-Column = tuple[str, Callable[[Any], object]]  # header, the cell of one item
-
-
-def column_rows(columns: Sequence[Column], items: Iterable[Any]) -> list[Sequence[object]]:
-    """The columns' headers, then a row per item: each column's cell of it."""
-    return [[header for header, _ in columns], *([cell(item) for _, cell in columns] for item in items)]
-
-
-def column_table(columns: Sequence[Column], items: Iterable[Any], right_from: int | None = None) -> str:
-    return format_table(column_rows(columns, items), right_from)
-
-
-def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float written as the string "inf", "-inf" or "nan" (JSON has none)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    return value
-
-
-def write_json(path: Path | None, doc: dict[str, Any], announce: bool = False) -> None:
-    """Writes `doc` to `path` (nothing when None) as JSON, non-finite floats as strings (see
-    `json_safe`), making the folder if needed; `announce` prints where."""
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(doc), indent=2, allow_nan=False, default=str) + "\n", "utf-8")
-    if announce:
-        print(f"wrote {path}")
-
-
-def figure(width: float, height: float, dpi: int = 120) -> Figure:
-    """A matplotlib figure on the Agg canvas (no pyplot state)."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=dpi)
-
-
-def save_figure(fig: Figure, path: Path, title: str = "") -> None:
-    """Titles, lays out and writes `fig` as a PNG to `path` (making the folder), then prints where."""
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    print(f"wrote {path}")

@@ -16,25 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
-from sluice.bench.common import (
-    Column,
-    add_count,
-    column_rows,
-    column_table,
-    figure,
+from sluice.bench.common import add_count, names, positive_float, progress_bar
+from sluice.bench.engine_driver import BATCHING_POLICIES
+from sluice.bench.report import (
+    PEER,
+    compare_json,
+    compare_plot,
     fmt,
-    format_table,
-    names,
-    positive_float,
-    progress_bar,
+    format_peer,
+    format_points,
+    rate_text,
     ratio,
-    save_figure,
+    system_label,
     write_json,
 )
-from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
 
-PEER = "transformers-serve"  # `transformers serve --continuous-batching` on the same model
 HEADLINE = "continuous"
 BASELINE = "static"
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
@@ -119,14 +116,6 @@ def run_point(
     return Point(system, rate, result.summary(), asked, sw.cpu_used(before, endpoint.cpu_seconds()))
 
 
-def _rate_text(rate: float) -> str:
-    return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def _label(system: str) -> str:
-    return system if system == PEER else f"sluice-{system}"
-
-
 def highest_rate_under(run: sw.SystemRun, bound_ms: float, num_requests: int) -> float | None:
     """The highest rate r such that at every rate up to r every request completed with p99 TTFT within
     `bound_ms`; None when the lowest rate already missed (or the system did not run)."""
@@ -189,103 +178,6 @@ def peer_ratios(head: sw.SystemRun, peer: sw.SystemRun) -> list[dict[str, Any]]:
     return rows
 
 
-def format_points(runs: Runs, num_requests: int) -> str:
-    def tokens(p: Point) -> str:
-        return f"{p.summary['total_output_tokens']}/{p.asked_tokens}" + (
-            " (EOS)" if p.short_of_tokens else ""
-        )
-
-    columns: list[Column] = [
-        ("system", lambda p: _label(p.system)),
-        ("rate req/s", lambda p: _rate_text(p.rate)),
-        ("done", lambda p: f"{p.completed}/{num_requests}"),
-        ("out tok/s", lambda p: fmt(p.tokens_per_s, ".1f")),
-        ("p50 TTFT ms", lambda p: fmt(p.summary["ttft_ms"]["p50"], ".0f")),
-        ("p99 TTFT ms", lambda p: fmt(p.ttft_p99_ms, ".0f")),
-        ("p50 TPOT ms", lambda p: fmt(p.summary["tpot_ms"]["p50"], ".1f")),
-        ("tokens out/asked", tokens),
-    ]
-    rows = column_rows(columns, [])
-    for run in runs.values():
-        if run.error is not None:
-            rows.append((_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80]))
-        rows += column_rows(columns, run.points)[1:]
-    return format_table(rows)
-
-
-def format_peer(rows: list[dict[str, Any]]) -> str:
-    def tokens(row: dict[str, Any]) -> str:
-        out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
-        note = " (EOS)" if out < asked else ""
-        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
-
-    columns: list[Column] = [
-        ("rate req/s", lambda row: _rate_text(row["rate"])),
-        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
-        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
-        ("peer tokens out/asked", tokens),
-    ]
-    return column_table(columns, rows)
-
-
-def to_json(
-    runs: Runs, capacities: dict[str, float | None], rates: list[float], meta: dict[str, Any]
-) -> dict[str, Any]:
-    systems = {
-        name: {
-            "label": _label(name),
-            "error": run.error,
-            "points": [
-                {"rate": p.rate, "asked_tokens": p.asked_tokens, "cpu_s": p.cpu_s, **p.summary}
-                for p in run.points
-            ],
-        }
-        for name, run in runs.items()
-    }
-    head, peer = runs.get(HEADLINE), runs.get(PEER)
-    value, note = capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), rates)
-    return {
-        "meta": meta,
-        "systems": systems,
-        "highest_rate_under_ttft_bound": capacities,
-        "capacity_ratio": {"value": value, "note": note},
-        "peer_ratios": peer_ratios(head, peer) if head and peer else [],
-    }
-
-
-def _plot_x(rates: Sequence[float]) -> dict[float, float]:
-    """Where each rate sits on the log x axis: finite rates as they are, inf one doubling past the
-    highest finite rate (or at 1 when the sweep has no finite rate)."""
-    finite = [r for r in rates if math.isfinite(r)]
-    inf_x = 2 * max(finite) if finite else 1.0
-    return {r: (inf_x if math.isinf(r) else r) for r in rates}
-
-
-def write_plot(path: Path, runs: Runs, rates: Sequence[float], bound_ms: float, title: str) -> None:
-    """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
-    tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
-    from matplotlib.ticker import NullLocator
-
-    xs = _plot_x(rates)
-    fig = figure(11, 4.5, dpi=110)
-    speed_ax, ttft_ax = fig.subplots(1, 2)
-    for run in runs.values():
-        points = [p for p in run.points if p.completed]
-        x = [xs[p.rate] for p in points]
-        style = {"marker": "o", "label": _label(run.name), "linestyle": "--" if run.name == PEER else "-"}
-        speed_ax.plot(x, [p.tokens_per_s for p in points], **style)
-        ttft_ax.plot(x, [p.ttft_p99_ms for p in points], **style)
-    ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
-    ttft_ax.set_yscale("log")
-    for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
-        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
-        ax.set_xticks(list(xs.values()), [_rate_text(r) for r in xs])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path, title)
-
-
 def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
     """Prints the tables, capacities and their ratio, writes the JSON and the plot; returns the exit
     status."""
@@ -303,17 +195,18 @@ def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
             print(format_peer(peer_ratios(head, peer)))
     print(f"\nhighest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
     for name, best in capacities.items():
-        shown = "none of the rates tried" if best is None else f"{_rate_text(best)} req/s"
-        print(f"  {_label(name):<22} {shown}")
+        shown = "none of the rates tried" if best is None else f"{rate_text(best)} req/s"
+        print(f"  {system_label(name):<22} {shown}")
     value, note = capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), args.rates)
     print(f"{HEADLINE}'s highest rate ÷ {BASELINE}'s: {fmt(value, '.3g')}" + (f" ({note})" if note else ""))
-    write_json(args.json, to_json(runs, capacities, list(args.rates), meta), announce=True)
+    rows = peer_ratios(head, peer) if head and peer else []
+    write_json(args.json, compare_json(runs, capacities, (value, note), rows, meta), announce=True)
     if args.plot is not None:
         title = (
             f"sluice bench compare: {args.num_requests} requests per point, ~{args.input_len} prompt + "
             f"{args.output_len} output tokens, {Path(meta['model']).name}"
         )
-        write_plot(args.plot, runs, args.rates, args.ttft_bound_ms, title)
+        compare_plot(args.plot, runs, args.rates, args.ttft_bound_ms, title)
     failed = any(run.error is not None or any(not p.completed for p in run.points) for run in runs.values())
     return 1 if failed else 0
 
@@ -342,7 +235,7 @@ def main(argv: list[str]) -> int:
     }
     if not args.no_peer:
         openers[PEER] = partial(sw.peer_endpoint, model)
-    rates = ", ".join(map(_rate_text, args.rates))
+    rates = ", ".join(map(rate_text, args.rates))
     print(f"model: {model}; {args.num_requests} requests per point; rates {rates} req/s")
 
     def measure(system: str, endpoint: sw.Endpoint, rate: float, k: int) -> Point:

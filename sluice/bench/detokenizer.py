@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from sluice.bench.common import write_json
+from sluice.bench.report import write_json
 from sluice.bench.tokenizer import Service, channels, corpus_ids, parser, run_cells, uvloop_run
 
 HEADLINE_CONCURRENCY = 256

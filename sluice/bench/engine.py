@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from sluice.bench import engine_report as report
+from sluice.bench import engine_methods as em
+from sluice.bench import report
 from sluice.bench.common import (
     add_count,
     add_flags,
@@ -29,7 +30,6 @@ from sluice.bench.common import (
     quiet_torch,
     resolve_device,
     run_meta,
-    write_json,
 )
 from sluice.bench.engine_driver import Progress, on_cuda, release_memory
 from sluice.bench.engine_methods import (
@@ -49,6 +49,7 @@ from sluice.bench.engine_methods import (
     run_hf_static,
     run_sluice,
 )
+from sluice.bench.report import write_json
 from sluice.model.presets import PRESET_NAMES, TINY, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)
@@ -63,20 +64,50 @@ GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the
 
 
 VARIANTS = ("throughput", "latency", "perplexity")  # `sluice bench engine [VARIANT]`; throughput the default
+DESCRIPTIONS = {  # variant → its --help description
+    "throughput": "Time the sluice engine's batching policies against transformers on one fixed workload. "
+    "Variants: `sluice bench engine [throughput]` (this), `... latency`, `... perplexity` (--help each).",
+    "latency": "Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
+    "perplexity": "Perplexity on held-out text of the unquantized model and each quantization asked for.",
+}
+PRESET_HELP = {
+    "throughput": "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a "
+    "real model's shape (cached)",
+    "latency": "random weights in a model's shape (default: the embedded chat model)",
+}
+RUN_HELP = {  # variant → rewordings of the shared flags
+    "throughput": {
+        "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
+        "repeat": "run each method N times, report its fastest",
+        "quick": "a small workload (4 short requests) for smoke tests",
+    },
+    "latency": {
+        "dtype": "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
+        "repeat": "N rounds of every measurement, the best kept",
+        "quick": "tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
+    },
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench engine",
-        description="Time the sluice engine's batching policies against transformers on one fixed workload. "
-        "Variants: `sluice bench engine [throughput]` (this), `... latency`, `... perplexity` (--help each).",
-    )
-    add = parser.add_argument
+def build_parser(variant: str = "throughput", prog: str = "sluice bench engine") -> argparse.ArgumentParser:
+    """The one parser of every variant: the model (--preset or --model), the variant's own flags, then the
+    run's (seed, device, dtype, json, plot, threads, repeat, quick, no-progress)."""
+    from sluice.bench import latency
+
+    kind = "throughput" if variant == "throughput" else "latency"
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTIONS[variant])
     model = parser.add_mutually_exclusive_group()
-    about = "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a real "
-    about += "model's shape (cached)"
-    model.add_argument("--preset", default=TINY, choices=PRESET_NAMES, help=about)
+    preset = TINY if kind == "throughput" else None
+    model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
     add_flags(model, "model", model="a local Hugging Face model")
+    (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
+    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    add_flags(parser, *flags, **RUN_HELP[kind])
+    return parser
+
+
+def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
     about += "other than tiny)"
     add("--concurrency", type=int_list, metavar="LIST", help=about)
@@ -92,37 +123,38 @@ def build_parser() -> argparse.ArgumentParser:
     add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
     about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
     add("--hf-batch-tokens", type=int_list, metavar="LIST", help=about)
-    helps = {
-        "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
-        "repeat": "run each method N times, report its fastest",
-        "quick": "a small workload (4 short requests) for smoke tests",
-    }
-    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
-    add_flags(parser, *flags, **helps)
-    return parser
+
+
+def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real_model: bool) -> bool:
+    """What every variant resolves: the device (returns whether it is CUDA), the dtype (bfloat16 on CUDA
+    for a `real_model`, else float32), the unset options of `defaults` (option → (with --quick, without))
+    and --model's directory. ValueError names a bad option."""
+    cuda = resolve_device(args)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if cuda and real_model else "float32"
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
+    return cuda
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """Fills unset options from the quick or full defaults (on CUDA, bfloat16 and 64,256 requests for a
-    model other than tiny) and picks the device."""
+    """The throughput variant's options: --num-requests as --concurrency; on CUDA, for a model other than
+    tiny, bfloat16 and 64,256 requests; the quick or full defaults; the methods by device."""
     if args.num_requests is not None:
         if args.concurrency not in (None, (args.num_requests,)):
             raise ValueError("--num-requests N is --concurrency N; give one of them")
         args.concurrency = (args.num_requests,)
-    real_model_on_gpu = resolve_device(args) and (args.model is not None or args.preset != TINY)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if real_model_on_gpu else "float32"
-    if args.concurrency is None and real_model_on_gpu and not args.quick:
+    real_model = args.model is not None or args.preset != TINY
+    if args.concurrency is None and real_model and resolve_device(args) and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
-    for name, (quick, full) in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+    resolve(args, DEFAULTS, real_model)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
     if args.decode_batch < 0:
         raise ValueError("--decode-batch must be >= 0")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
 
 
 HF_RUNNERS = {
@@ -175,37 +207,60 @@ def run_methods(
 
 
 def model_label(args: argparse.Namespace) -> str:
-    return args.model.name if args.model is not None else args.preset
+    if args.model is not None:
+        return args.model.name
+    return args.preset or "embedded chat model"
 
 
-def main(argv: list[str]) -> int:
-    """`sluice bench engine [VARIANT] [FLAGS]`: throughput here; latency and perplexity in latency.py."""
-    if argv and argv[0] in VARIANTS[1:]:
-        from sluice.bench import latency
+def model_dir(args: argparse.Namespace, scratch: Path) -> Path:
+    """--model, the preset's random weights (cached, else written under `scratch`), or the embedded model."""
+    if args.model is not None:
+        return args.model
+    if args.preset is not None:
+        return preset_model_dir(args.preset, args.dtype, args.seed, scratch)
+    from services.common.models import resolve_model_dir
 
-        return latency.main(argv[1:], argv[0], f"sluice bench engine {argv[0]}")
-    argv = argv[1:] if argv and argv[0] == VARIANTS[0] else argv
-    parser = build_parser()
+    return resolve_model_dir("")
+
+
+def main(argv: list[str], prog: str | None = None) -> int:
+    """`sluice bench engine [VARIANT] [FLAGS]`, the one driver of every variant: parses and resolves the
+    flags, quiets torch, starts the run's metadata and a scratch folder for preset weights, then runs the
+    variant (throughput here; latency and perplexity in latency.py) and returns its exit status. `prog`:
+    the command as typed when an older name stands for a variant (`sluice bench latency`)."""
+    from sluice.bench import latency
+
+    variant = argv[0] if argv and argv[0] in VARIANTS else VARIANTS[0]
+    argv = argv[1:] if argv and argv[0] in VARIANTS else argv
+    prog = prog or " ".join(["sluice bench engine", *([variant] if variant != VARIANTS[0] else [])])
+    parser = build_parser(variant, prog)
     args = parser.parse_args(argv)
     try:
-        _resolve(args)
+        _resolve(args) if variant == VARIANTS[0] else latency.resolve_variant(args)
     except ValueError as exc:
         parser.error(str(exc))
     quiet_torch(args.threads)
+    meta = run_meta([*prog.split()[2:], *argv], args.device)
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
+        if variant != VARIANTS[0]:
+            return latency.run(args, variant, meta, model_label(args), Path(tmp))
+        return _run_throughput(args, meta, Path(tmp))
+
+
+def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Path) -> int:
+    """Every concurrency's block of methods (the JSON rewritten after each), then the decode steps."""
     label = model_label(args)
-    meta = {**run_meta(["engine", *argv], args.device), "model": label, "dtype": args.dtype}
-    meta["repeat"] = args.repeat
+    meta.update(model=label, dtype=args.dtype, repeat=args.repeat)
     print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
     print(f"machine: {meta['machine']}")
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-") as tmp:
-        model_dir = args.model or preset_model_dir(args.preset, args.dtype, args.seed, Path(tmp))
-        config = AutoConfig.from_pretrained(model_dir)
-        ctx = BenchContext(model_dir, args.device, args.dtype, args.hf_batch_tokens)
-        blocks: list[report.Block] = []
-        for concurrency in args.concurrency:
-            blocks.append(run_block(args, ctx, config, label, concurrency))
-            _write_partial(args, meta, blocks)
-        decode, decode_error = run_decode(args, ctx, config, blocks[0].work)
+    path = model_dir(args, scratch)
+    config = AutoConfig.from_pretrained(path)
+    ctx = BenchContext(path, args.device, args.dtype, args.hf_batch_tokens)
+    blocks: list[report.Block] = []
+    for concurrency in args.concurrency:
+        blocks.append(run_block(args, ctx, config, label, concurrency))
+        _write_partial(args, meta, blocks)
+    decode, decode_error = run_decode(args, ctx, config, blocks[0].work)
     return _report(args, meta, blocks, decode, decode_error)
 
 
@@ -214,7 +269,7 @@ def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[
     still leaves its finished figures; the complete JSON replaces it at the end."""
     ratios = [r for b in blocks for r in b.ratios()]
     write_json(
-        args.json, report.to_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
+        args.json, report.engine_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
     )
 
 
@@ -229,7 +284,7 @@ def run_block(
     check, ref = None, results.get(report.REFERENCE)
     if ref is not None:  # every method against the reference's own logits, scored after the timed runs
         logits = reference_logits(ctx, work, ref.outputs)
-        check = report.check_greedy(results, logits, report.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
+        check = em.check_greedy(results, logits, em.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
     return report.Block(label, concurrency, work, described, results, errors, skipped, check)
 
 
@@ -247,7 +302,7 @@ def run_decode(
     roofline; returns the figures and the error that stopped the measurement, if any."""
     if args.decode_batch == 0:
         return [], None
-    gbps, source = report.device_bandwidth(ctx.device, args.hbm_gbps)
+    gbps, source = em.device_bandwidth(ctx.device, args.hbm_gbps)
     element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
     context = decode_context(work)
     print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
@@ -259,7 +314,7 @@ def run_decode(
             return figures, error_text(exc)
         finally:
             release_memory(ctx.device)
-        roof = report.decode_roofline(config, element, step.batch, step.mean_context, gbps)
+        roof = em.decode_roofline(config, element, step.batch, step.mean_context, gbps)
         figures.append(report.DecodeFigure(step, roof, source))
     return figures, None
 
@@ -281,9 +336,9 @@ def _report(
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
-    write_json(args.json, report.to_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
+    write_json(args.json, report.engine_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
     rows = [(b, r) for b in blocks for r in b.rows]
     if args.plot is not None and rows:
-        report.write_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
+        report.engine_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
     failed = any(b.errors for b in blocks) or decode_error is not None
     return 1 if failed else 0

@@ -1,7 +1,11 @@
 """The engine benchmark's fixed workload (random-token requests, a pure function of the seed), the methods
 it times (transformers baselines, the engine's policies) and the decode-step measurement. Every method
 returns, per request in workload order, exactly its `max_new_tokens[i]` greedy tokens (EOS never ends a
-request), and runs a short warm-up outside the timed region.
+request), and runs a short warm-up outside the timed region. Then what the report rests on: the greedy
+comparison with the reference's logits, and the memory roofline of a decode step: (weight bytes + KV bytes
+read) ÷ memory bandwidth. A step of batch B reads every weight the forward multiplies by (a tied embedding
+whole, as the output projection; an untied input embedding only at B rows) and B × context × layers × 2 ×
+KV heads × head_dim KV elements.
 """
 
 from __future__ import annotations
@@ -9,25 +13,23 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
 
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import Progress, on_cuda, timed
-from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID
+from sluice.bench.report import EAGER, GREEDY_RULE, HF_METHODS, NOT_ON_CPU, REFERENCE, SLUICE_METHODS
+from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID, meta_model
 
-HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
-EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
-SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous", EAGER)
 ALL_METHODS = HF_METHODS + SLUICE_METHODS
 DEFAULT_METHODS = HF_METHODS + SLUICE_METHODS[:3]  # CPU: the eager method is the same engine there
 STATIC_BATCH_SIZE = 16
-NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
 
 
 @dataclass(frozen=True)
@@ -377,3 +379,173 @@ def measure_decode_step(
     start = prompt_len + sum(len(t) for t in produced.values()) / batch + 1
     mean_context = start + (steps - 1) / 2
     return DecodeStep(_graphs_state(ctx, cuda_graphs), batch, mean_context, steps, elapsed[0] / steps)
+
+
+# Logit gap under which two correct greedy paths may pick different tokens by float noise alone, per dtype.
+# Measured on the benchmark model on CPU (logits within ±1.7): the largest logit difference between
+# hf-sequential and hf-static or a teacher-forced forward, up to their first differing token, is 1.7e-6 in
+# float32, 1.2e-2 in bfloat16 and 1.5e-3 in float16 (1.5 units in the last place at 1). Each threshold is
+# at least five times that (8 units in the last place at 1 for the 16-bit types).
+NEAR_TIE_THRESHOLD = {torch.float32: 1e-4, torch.bfloat16: 6.25e-2, torch.float16: 7.8e-3}
+
+
+# Peak memory bandwidth in GB/s (10^9 bytes/s) by torch.cuda.get_device_name, first match wins.
+HBM_GBPS: tuple[tuple[str, float], ...] = (
+    (r"H200", 4800.0),
+    (r"H100.*PCIe", 2000.0),
+    (r"H100", 3350.0),  # SXM (HBM3)
+    (r"A100.*80\s*GB", 2039.0),
+    (r"A100", 1555.0),  # 40 GB
+    (r"L40S", 864.0),
+    (r"\bL4\b", 300.0),
+)
+
+
+def hbm_gbps(device_name: str) -> float | None:
+    """The bandwidth of a known GPU by its name, None for any other device."""
+    for pattern, gbps in HBM_GBPS:
+        if re.search(pattern, device_name):
+            return gbps
+    return None
+
+
+def device_bandwidth(device: str, override: float | None) -> tuple[float | None, str]:
+    """(GB/s, where the figure comes from): `override` when given, else the table for a CUDA device, else
+    None (a CPU has no entry)."""
+    if override is not None:
+        return override, "--hbm-gbps"
+    if not device.startswith("cuda"):
+        return None, "a CPU has no entry; give --hbm-gbps"
+    name = torch.cuda.get_device_name(torch.device(device))
+    gbps = hbm_gbps(name)
+    return gbps, (name if gbps is not None else f"{name} not in the table; give --hbm-gbps")
+
+
+def weight_bytes_per_step(config: PretrainedConfig, element_size: int) -> int:
+    """Bytes of weights one decode step reads: every parameter but an untied input embedding."""
+    model = meta_model(config)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if not config.tie_word_embeddings:
+        total -= embedding.numel()
+    return total * element_size
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """The bytes one decode step reads and, given a bandwidth, the least time it takes."""
+
+    weight_bytes: int
+    kv_bytes: int
+    gbps: float | None
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        return None if not self.gbps else self.total_bytes / (self.gbps * 1e9)
+
+
+def decode_roofline(
+    config: PretrainedConfig, element_size: int, batch: int, context: float, gbps: float | None
+) -> Roofline:
+    """The roofline of a decode step of `batch` rows with `context` tokens each (mean, new token included)."""
+    kv = round(batch * context * drv.kv_bytes_per_token(config, element_size))
+    return Roofline(weight_bytes_per_step(config, element_size), kv, gbps)
+
+
+@dataclass(frozen=True)
+class GreedyMatch:
+    """One method's greedy outputs against REFERENCE's, each request compared up to its first differing
+    token: *equal* without one, *equal up to a near-tie* when the reference's logits there score the method's
+    token within the threshold of its own (float noise can flip such a choice between two correct paths),
+    else *differing* (a token the reference clearly ranks lower, or an output of another length)."""
+
+    differing: int  # requests with a real difference
+    near_ties: int  # requests equal up to a near-tie
+    tokens_compared: int  # every position of an equal request; of another, up to its first difference
+
+    @property
+    def equal(self) -> bool:
+        """Equal to the reference up to near-ties: no request differs."""
+        return self.differing == 0
+
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    """The greedy comparison of every method with REFERENCE, and the reference margins it rested on."""
+
+    threshold: float  # logit gap below which a first difference is a near-tie
+    reference_tokens: int  # output positions of the reference, all requests
+    close_calls: int  # of those, positions whose top-two logit margin is below the threshold
+    min_margin: float  # smallest top-two logit margin of the reference over all its output positions
+    methods: dict[str, GreedyMatch]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "reference": REFERENCE,
+            "rule": GREEDY_RULE,
+            "near_tie_threshold": self.threshold,
+            "reference_tokens": self.reference_tokens,
+            "reference_close_calls": self.close_calls,
+            "reference_min_top2_margin": self.min_margin,
+        }
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first position where the two token lists differ (a missing token counts); None when equal."""
+    for pos, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return pos
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def compare_request(
+    got: list[int], want: list[int], logits: torch.Tensor, threshold: float
+) -> tuple[str, int]:
+    """Classifies one request as "equal", "near-tie" or "differs" (see GreedyMatch); returns the verdict and
+    the positions compared. `logits` (len(want), vocab) are the reference's at each of its output positions.
+    """
+    pos = first_difference(got, want)
+    if pos is None:
+        return "equal", len(want)
+    if pos == len(got) or pos == len(want) or not 0 <= got[pos] < logits.shape[-1]:
+        return "differs", pos + 1
+    gap = (logits[pos, want[pos]] - logits[pos, got[pos]]).item()
+    return ("near-tie" if gap < threshold else "differs"), pos + 1
+
+
+def top2_margins(logits: torch.Tensor) -> torch.Tensor:
+    """(n, vocab) logits → (n,) gap between the largest and the second largest logit of each row."""
+    top = logits.topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
+
+
+def check_greedy(
+    results: dict[str, MethodResult], reference_logits: Iterable[torch.Tensor], threshold: float
+) -> GreedyCheck:
+    """Compares every method's outputs with REFERENCE's (which must be in `results`).
+
+    `reference_logits` yields, in workload order, each request's (len(output), vocab) reference logits.
+    """
+    want = results[REFERENCE].outputs
+    verdicts: dict[str, list[tuple[str, int]]] = {name: [] for name in results}
+    min_margin, close_calls = math.inf, 0
+    for i, logits in enumerate(reference_logits):
+        margins = top2_margins(logits)
+        min_margin = min(min_margin, margins.min().item())
+        close_calls += int((margins < threshold).sum())
+        for name, result in results.items():
+            verdicts[name].append(compare_request(result.outputs[i], want[i], logits, threshold))
+    methods = {name: _match(v) for name, v in verdicts.items()}
+    return GreedyCheck(threshold, sum(len(w) for w in want), close_calls, min_margin, methods)
+
+
+def _match(verdicts: list[tuple[str, int]]) -> GreedyMatch:
+    return GreedyMatch(
+        differing=sum(v == "differs" for v, _ in verdicts),
+        near_ties=sum(v == "near-tie" for v, _ in verdicts),
+        tokens_compared=sum(n for _, n in verdicts),
+    )

@@ -1,6 +1,7 @@
-"""`sluice bench latency`: speculative decoding and quantized weights against the plain engine, one
-in-process engine per variant at a time (docs/benchmarks.md describes the stages and figures). Exit status
-0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
+"""The latency and perplexity variants of `sluice bench engine` (also `sluice bench latency`): speculative
+decoding and quantized weights against the plain engine, one in-process engine per variant at a time
+(docs/benchmarks.md describes the stages and figures). Exit status 0 when every variant asked for ran (fp8
+on a CPU is skipped, not failed), 1 otherwise, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -8,7 +9,6 @@ from __future__ import annotations
 import argparse
 import functools
 import random
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,23 +16,20 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from sluice.bench import engine
 from sluice.bench import engine_driver as drv
-from sluice.bench import latency_report as rep
 from sluice.bench import latency_run as lrun
 from sluice.bench import perplexity as ppl
+from sluice.bench import report as rep
 from sluice.bench.common import (
     add_count,
-    add_flags,
     error_text,
     names,
     positive_float,
     progress_bar,
-    quiet_torch,
-    resolve_device,
-    run_meta,
-    write_json,
 )
 from sluice.bench.latency_run import RunFigures
+from sluice.bench.report import write_json
 from sluice.model.presets import PRESET_NAMES, preset_model_dir
 
 DEFAULTS = {  # option: (with --quick, without)
@@ -55,25 +52,13 @@ SPEC_FLAGS = (
 )
 
 
-DESCRIPTIONS = {  # variant of `sluice bench engine` → its --help description
-    "latency": "Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
-    "perplexity": "Perplexity on held-out text of the unquantized model and each quantization asked for.",
-}
-
-
-def build_parser(prog: str = "sluice bench latency", variant: str = "latency") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTIONS[variant])
+def add_variant_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the latency and perplexity variants (engine.build_parser adds the model and the run's)."""
     add = parser.add_argument
-    model = parser.add_mutually_exclusive_group()
-    add_flags(model, "model", model="a local Hugging Face model")
-    about = "random weights in a model's shape (default: the embedded chat model)"
-    model.add_argument("--preset", choices=PRESET_NAMES, help=about)
     about = f"comma list of {', '.join(lrun.VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
     add("--variants", type=names(tuple(lrun.VARIANTS), "variant(s)"), metavar="LIST", help=about)
     workloads = names(lrun.WORKLOADS, "workload(s)")
     add("--workloads", type=workloads, default=lrun.WORKLOADS, metavar="LIST", help=",".join(lrun.WORKLOADS))
-    about = "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)"
-    add_flags(parser, "seed", "device", "dtype", dtype=about)
     about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
     add("--int8-preset", choices=(*PRESET_NAMES, "none"), help=about)
     for flag, about in (
@@ -102,28 +87,19 @@ def build_parser(prog: str = "sluice bench latency", variant: str = "latency") -
         "and leave perplexity out instead of training the model first (minutes)"
     )
     add("--if-no-embedded", choices=PRESET_NAMES, metavar="PRESET", help=about)
-    repeat = "N rounds of every measurement, the best kept"
-    quick = "tiny counts (2 / 4 requests, 12 tokens) for smoke tests"
-    add_flags(parser, "repeat", "threads", "json", "plot", "quick", "no-progress", repeat=repeat, quick=quick)
-    return parser
 
 
-def _resolve(args: argparse.Namespace) -> None:
-    """Fills unset options from the quick or full defaults and checks them; ValueError names a bad one."""
-    cuda = resolve_device(args)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if cuda else "float32"
-    for name, (quick, full) in DEFAULTS.items():
-        if getattr(args, name) is None:
-            setattr(args, name, quick if args.quick else full)
+def resolve_variant(args: argparse.Namespace) -> None:
+    """Resolves the options (engine.resolve, bfloat16 on CUDA for any model), the variants by device, and
+    checks the rest; ValueError names a bad one. Then `--if-no-embedded` (see `_fall_back`)."""
+    cuda = engine.resolve(args, DEFAULTS, real_model=True)
     if args.variants is None:
         args.variants = ("off", "ngram", "int8", "fp8") if cuda else ("off", "ngram", "int8")
     if args.perplexity_tokens < 0:
         raise ValueError("--perplexity-tokens must be >= 0")
-    if args.model is not None and not (args.model / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: not a Hugging Face model directory (no config.json)")
     if args.quality_model is not None and not (args.quality_model / "tokenizer.json").is_file():
         raise ValueError(f"--quality-model {args.quality_model}: no tokenizer.json there")
+    _fall_back(args)
 
 
 def _skip_reason(variant: str, device: str) -> str | None:
@@ -140,13 +116,13 @@ class Bench:
         self.model_dir = model_dir
         overrides = {name: getattr(args, name) for name in SPEC_FLAGS}
         self.spec = lrun.EngineSpec(model_dir, args.device, args.dtype, overrides, args.threads or 0)
-        self.report = rep.Report(label, args.concurrency, [])
+        self.report = rep.LatencyReport(label, args.concurrency, [])
         self.meta = meta
 
     def save(self, partial: bool) -> None:
         """Writes the JSON so far (`"partial": true` until the end), so that a run cut short keeps it."""
         if self.args.json is not None:
-            write_json(self.args.json, rep.to_json(self.report, {**self.meta, "partial": partial}))
+            write_json(self.args.json, rep.latency_json(self.report, {**self.meta, "partial": partial}))
 
     def workloads(self) -> list[lrun.LatencyWorkload]:
         args = self.args
@@ -337,62 +313,41 @@ def _fall_back(args: argparse.Namespace) -> None:
         print("perplexity: left out, the embedded chat model is not built on this machine")
 
 
-def model_label(args: argparse.Namespace) -> str:
-    if args.model is not None:
-        return args.model.name
-    return args.preset or "embedded chat model"
-
-
-def _model_dir(args: argparse.Namespace, scratch: Path) -> Path:
-    if args.model is not None:
-        return args.model
-    if args.preset is not None:
-        return preset_model_dir(args.preset, args.dtype, args.seed, scratch)
-    from services.common.models import resolve_model_dir
-
-    return resolve_model_dir("")
-
-
-def main(argv: list[str], variant: str = "latency", prog: str = "sluice bench latency") -> int:
-    """`sluice bench latency` (variant "latency": every stage) or `sluice bench engine perplexity` (the
-    perplexity stage alone, same flags and JSON)."""
-    parser = build_parser(prog, variant)
-    args = parser.parse_args(argv)
-    try:
-        _resolve(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    _fall_back(args)
-    quiet_torch(args.threads)
-    meta = {**run_meta([*prog.split()[2:], *argv], args.device), "dtype": args.dtype}
-    label = model_label(args)
+def run(args: argparse.Namespace, variant: str, meta: dict[str, Any], label: str, scratch: Path) -> int:
+    """The latency variant (every stage) or the perplexity variant (the perplexity stage alone, same flags
+    and JSON), under engine.main; returns the exit status."""
+    meta["dtype"] = args.dtype
     print(f"model: {label}, {args.dtype}, {args.device}; variants {','.join(args.variants)}")
-    with tempfile.TemporaryDirectory(prefix="sluice-latency-") as tmp:
-        bench = Bench(args, _model_dir(args, Path(tmp)), label, meta)
-        bench.meta["stage_s"] = {}
-        if variant == "perplexity":
-            return _stage_and_finish(args, bench, "perplexity", bench.run_quality)
+    bench = Bench(args, engine.model_dir(args, scratch), label, meta)
+    bench.meta["stage_s"] = {}
+    if variant == "perplexity":
+        return _stage_and_finish(args, bench, "perplexity", bench.run_quality)
+    start = time.perf_counter()
+    workloads = bench.workloads()
+    bench.meta["stage_s"]["workloads"] = time.perf_counter() - start
+    # --repeat N: N rounds over the variants in turn, so that a busy spell of the machine falls on
+    # one round of each rather than on every run of one variant.
+    stages: list[tuple[str, Callable[[], None]]] = [
+        (v, lambda k=k, v=v: bench.run_variant(k, v, workloads))
+        for _ in range(args.repeat)
+        for k, v in enumerate(args.variants, 1)
+    ]
+    stages += [
+        ("shape", lambda: bench.run_shape(scratch)),
+        ("kv_blocks", bench.run_kv_blocks),
+        ("perplexity", bench.run_quality),
+    ]
+    for name, stage in stages:
         start = time.perf_counter()
-        workloads = bench.workloads()
-        bench.meta["stage_s"]["workloads"] = time.perf_counter() - start
-        # --repeat N: N rounds over the variants in turn, so that a busy spell of the machine falls on
-        # one round of each rather than on every run of one variant.
-        stages: list[tuple[str, Callable[[], None]]] = [
-            (v, lambda k=k, v=v: bench.run_variant(k, v, workloads))
-            for _ in range(args.repeat)
-            for k, v in enumerate(args.variants, 1)
-        ]
-        stages += [
-            ("shape", lambda: bench.run_shape(Path(tmp))),
-            ("kv_blocks", bench.run_kv_blocks),
-            ("perplexity", bench.run_quality),
-        ]
-        for name, stage in stages:
-            start = time.perf_counter()
-            stage()
-            bench.meta["stage_s"][name] = bench.meta["stage_s"].get(name, 0.0) + time.perf_counter() - start
+        stage()
+        bench.meta["stage_s"][name] = bench.meta["stage_s"].get(name, 0.0) + time.perf_counter() - start
     print("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in bench.meta["stage_s"].items()))
     return _finish(args, bench)
+
+
+def main(argv: list[str]) -> int:
+    """`sluice bench latency`: the engine command's latency variant under its older name."""
+    return engine.main(["latency", *argv], prog="sluice bench latency")
 
 
 def _stage_and_finish(args: argparse.Namespace, bench: Bench, name: str, stage: Callable[[], None]) -> int:
@@ -404,7 +359,7 @@ def _stage_and_finish(args: argparse.Namespace, bench: Bench, name: str, stage: 
 
 def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) -> int:
     report = bench.report
-    tables = [rep.format_main(report), rep.format_shape(report.shape), rep.format_quality(report)]
+    tables = [rep.format_latency(report), rep.format_shape(report.shape), rep.format_quality(report)]
     print("\n" + "\n\n".join(tables[2:] if only_quality else tables))
     if not only_quality:
         print(rep.format_kv(report.kv))
@@ -412,7 +367,7 @@ def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) 
     if args.json is not None:
         print(f"wrote {args.json}")
     if args.plot is not None and report.cells:
-        rep.write_plot(
+        rep.latency_plot(
             args.plot, report, f"sluice bench latency: {report.model}, {args.device}, {args.dtype}"
         )
     failed = [v for v, why in report.errors.items() if not why.startswith("skipped")]

@@ -21,6 +21,7 @@ import numpy as np
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import LLMEngine, Progress
 from sluice.bench.perplexity import held_out_texts
+from sluice.bench.report import OFF
 
 REPETITIVE = "repetitive"
 NON_REPETITIVE = "non-repetitive"
@@ -187,7 +188,6 @@ def mean_fraction(
     return sum(fraction(p, o) * len(o) for p, o in zip(prompts, outputs, strict=True)) / total
 
 
-OFF = "off"
 VARIANTS: dict[str, dict[str, str]] = {
     OFF: {},
     "ngram": {"speculative": "ngram"},

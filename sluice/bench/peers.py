@@ -24,13 +24,14 @@ import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
-from sluice.bench.common import fmt, format_table, int_range, names, positive_float, positive_int, write_json
+from sluice.bench.common import int_range, names, positive_float, positive_int
+from sluice.bench.report import format_peers, peers_json, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.bench.stack import POLL_S, free_port_run, process_cpu_s, tail
 
@@ -44,7 +45,6 @@ SERVERS = (SLUICE, *PEERS)
 WARMUP_REQUESTS = 4  # sent and awaited before the concurrent run (first compiles, caches)
 REQUEST_TIMEOUT_S = 900.0
 NOT_INSTALLED = "not installed at"
-HEADERS = ("server", "{n} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50")  # then a note
 
 
 def default_peers_dir() -> Path:
@@ -233,39 +233,6 @@ def label(name: str) -> str:
     return PEERS[name][0] if name in PEERS else f"{SLUICE} (`sluice up`)"
 
 
-def format_peers(runs: dict[str, sw.SystemRun], streams: int) -> str:
-    """The side-by-side table: a row per server, its figures, or dashes and why it has none."""
-    rows: list[Sequence[object]] = [(HEADERS[0], HEADERS[1].format(n=streams), *HEADERS[2:], "note")]
-    for name, run in runs.items():
-        if run.error is not None or not run.points:
-            why = (run.error or "no figures").splitlines()[0][:160]
-            rows.append((label(name), "-", "-", "-", "-", why))
-            continue
-        f: PeerFigures = run.points[0]
-        seconds = None if f.ttft_p99_ms is None else f.ttft_p99_ms / 1000
-        cells = (fmt(f.streams_tok_s, ",.0f"), f"{fmt(seconds, '.2f')} s", fmt(f.batch1_tok_s, ",.0f"))
-        note = f"{f.failed} requests failed" if f.failed else ""
-        rows.append((label(name), *cells, f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms", note))
-    return format_table(rows)
-
-
-def to_json(runs: dict[str, sw.SystemRun], meta: dict[str, Any]) -> dict[str, Any]:
-    servers = {}
-    for name, run in runs.items():
-        f: PeerFigures | None = run.points[0] if run.points else None
-        servers[name] = {
-            "label": label(name),
-            "error": run.error,
-            "not_installed": bool(run.error and run.error.startswith(NOT_INSTALLED)),
-            "streams_tok_s": f and f.streams_tok_s,
-            "ttft_p99_ms": f and f.ttft_p99_ms,
-            "batch1_tok_s": f and f.batch1_tok_s,
-            "batch1_itl_p50_ms": f and f.batch1_itl_p50_ms,
-            **(asdict(f) if f else {}),
-        }
-    return {"meta": meta, "servers": servers}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench sweep peers",
@@ -324,9 +291,10 @@ def main(argv: list[str]) -> int:
     runs = sw.sweep(
         openers(args, model, engine_flags), [0], lambda _s, e, _p, _k: measure(e, streams, batch1, progress)
     )
-    print("\n" + format_peers(runs, len(streams)))
+    labels = {name: label(name) for name in runs}
+    print("\n" + format_peers(runs, len(streams), labels))
     meta = sw.sweep_meta("sweep peers", argv, model, peers_dir=str(args.peers_dir))
-    write_json(args.json, to_json(runs, meta), announce=True)
+    write_json(args.json, peers_json(runs, meta, labels, NOT_INSTALLED), announce=True)
     failed = [
         r for r in runs.values() if (r.error and not r.error.startswith(NOT_INSTALLED)) or _has_failures(r)
     ]

@@ -11,14 +11,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from sluice.bench import engine_driver as drv
 from sluice.bench import sweep as sw
-from sluice.bench.common import figure, int_range, save_figure, write_json
+from sluice.bench.common import int_range
+from sluice.bench.report import pipeline_plot, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
-from sluice.launcher import default_engine_threads
+from sluice.plan import default_engine_threads
 
 WARMUP_REQUESTS = 4
 # Histograms read from each service's /metrics: (service, metric family, label filter, report name).
@@ -175,27 +175,6 @@ class Comparison:
         }
 
 
-def write_plot(path: Path, best: Comparison) -> None:
-    """A PNG of two panels: output tokens/s in-process and end to end, and the cores each process used
-    over the end-to-end run."""
-    fig = figure(10, 4)
-    speed, cores = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    rates = [best.in_process.tokens_per_s, best.end_to_end.tokens_per_s]
-    bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
-    speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
-    speed.set_ylabel("output tokens/s")
-    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
-    speed.set_title(title, fontsize=9)
-    speed.margins(y=0.15)
-    e2e = best.end_to_end
-    used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
-    cores.barh([name for name, _ in used], [seconds / e2e.wall_s for _, seconds in used], color="#1f77b4")
-    cores.axvline(os.cpu_count() or 1, color="grey", linestyle=":", label="cores of the machine")
-    cores.set_xlabel("cores used over the end-to-end run")
-    cores.legend(fontsize=8, loc="lower right")
-    save_figure(fig, path, "sluice bench pipeline")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sluice bench pipeline",
@@ -247,5 +226,5 @@ def main(argv: list[str]) -> int:
     doc = {"meta": sw.sweep_meta("pipeline", argv, model), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
-        write_plot(args.plot, best)
+        pipeline_plot(args.plot, best)
     return 1 if any(c.end_to_end.summary["failed"] for c in run.points) else 0

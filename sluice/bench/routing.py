@@ -8,17 +8,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from gateway.settings import ROUTING_POLICIES
+from gateway.choices import ROUTING_POLICIES
 from sluice.bench import sweep as sw
-from sluice.bench.common import Column, column_table, fmt, names, positive_int, ratio, write_json
+from sluice.bench.common import names, positive_int
+from sluice.bench.report import ROUTING_BASELINE, format_medians, format_rows, ratio, write_json
 from sluice.bench.serve_data import shared_prefix_requests
 
 NUM_WARMUP = 2
-BASELINE = "round_robin"
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -75,25 +75,6 @@ def measure(
     }
 
 
-def format_rows(rows: list[dict[str, Any]]) -> str:
-    """One line per policy: its figures and its tokens/s and p90 TTFT over round_robin's."""
-    base = next((r for r in rows if r["policy"] == BASELINE), None)
-
-    def over_base(key: str) -> Callable[[dict[str, Any]], str]:
-        return lambda r: fmt(ratio(r[key], base and base[key]), ".2f", missing="nan")
-
-    columns: list[Column] = [
-        ("policy", lambda r: r["policy"]),
-        ("out tok/s", lambda r: f"{r['output_throughput']:.1f}"),
-        ("p90 TTFT ms", lambda r: f"{r['ttft_p90_ms']:.0f}"),
-        ("prefix hits", lambda r: f"{r['prefix_hit_rate']:.2f}"),
-        ("x tok/s", over_base("output_throughput")),
-        ("x p90", over_base("ttft_p90_ms")),
-        ("prompt-token share", lambda r: " ".join(f"{v:.2f}" for v in r["prompt_token_share"].values())),
-    ]
-    return column_table(columns, rows, right_from=1)
-
-
 def round_order(policies: list[str], index: int) -> list[str]:
     """The order of round `index`: as given in even rounds, reversed in odd ones."""
     return list(policies) if index % 2 == 0 else list(reversed(policies))
@@ -104,7 +85,7 @@ def median_ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, flo
     in the same round (rounds without round_robin are left out)."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for rows in rounds:
-        base = next((r for r in rows if r["policy"] == BASELINE), None)
+        base = next((r for r in rows if r["policy"] == ROUTING_BASELINE), None)
         if base is None:
             continue
         for r in rows:
@@ -112,13 +93,6 @@ def median_ratios(rounds: list[list[dict[str, Any]]]) -> dict[str, dict[str, flo
             entry["tok_s"].append(r["output_throughput"] / base["output_throughput"])
             entry["ttft_p90"].append(r["ttft_p90_ms"] / base["ttft_p90_ms"])
     return {p: {k: statistics.median(v) for k, v in e.items()} for p, e in ratios.items()}
-
-
-def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str:
-    lines = [f"median over {num_rounds} rounds, relative to {BASELINE} in the same round:"]
-    for policy, m in medians.items():
-        lines.append(f"  {policy:<16} x tok/s {m['tok_s']:.2f}   x p90 TTFT {m['ttft_p90']:.2f}")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,16 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.bench.common import (
-    add_count,
-    add_flags,
-    figure,
-    positive_float,
-    progress_bar,
-    run_meta,
-    save_figure,
-    write_json,
-)
+from sluice.bench.common import add_count, add_flags, positive_float, progress_bar, run_meta
+from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_plots, write_result
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import (
     STRUCTURED_KINDS,
@@ -80,15 +72,7 @@ class ServeConfig:
     tools: bool = False
 
 
-PERCENTILES = (50, 90, 99)
 MAX_ERRORS = 5  # distinct error messages kept in the summary
-METRICS = (  # summary key, short name, table heading
-    ("ttft_ms", "TTFT", "Time to First Token"),
-    ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st)"),
-    ("itl_ms", "ITL", "Inter-token Latency"),
-    ("e2el_ms", "E2EL", "End-to-end Latency"),
-)
-CDF_NAMES = ("TTFT", "TPOT", "ITL", "E2E")  # the latency CDFs' axis names, in METRICS' order
 
 
 @dataclass
@@ -116,17 +100,6 @@ class RequestRecord:
         if self.output_tokens < 2:
             return None
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def latency_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
-    """The latencies in seconds of the successful requests, by summary key (METRICS' order)."""
-    ok = [r for r in records if r.ok]
-    return {
-        "ttft_ms": [r.ttft_s for r in ok],
-        "tpot_ms": [t for r in ok if (t := r.tpot_s) is not None],
-        "itl_ms": [gap for r in ok for gap in r.itl_s],
-        "e2el_ms": [r.e2e_s for r in ok],
-    }
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
@@ -192,111 +165,6 @@ class ServeResult:
             "valid_fraction": sum(checked) / len(checked) if checked else None,
             "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
         }
-
-
-def _line(label: str, value: object, spec: str = "") -> str:
-    shown = "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
-    return f"{label:<40}{shown:>12}"
-
-
-def format_summary(result: ServeResult) -> str:
-    """The summary as a readable table, in the layout of vLLM's serving benchmark."""
-    s = result.summary()
-    width = 52
-    lines = [" Serving Benchmark Result ".center(width, "=")]
-    lines += [
-        _line("Successful requests:", s["completed"]),
-        _line("Failed requests:", s["failed"]),
-        _line("Benchmark duration (s):", s["duration_s"], ".2f"),
-        _line("Total input tokens:", s["total_input_tokens"]),
-        _line("Total generated tokens:", s["total_output_tokens"]),
-        _line("Request throughput (req/s):", s["request_throughput"], ".2f"),
-        _line("Output token throughput (tok/s):", s["output_throughput"], ".2f"),
-        _line("Total token throughput (tok/s):", s["total_token_throughput"], ".2f"),
-        _line("Mean concurrency:", s["mean_concurrency"], ".2f"),
-        _line("Load generator CPU (s):", s["client_cpu_s"], ".2f"),
-    ]
-    if s["valid_fraction"] is not None:
-        what = "tool calls" if result.config.tools else f"{result.config.structured} outputs"
-        lines.append(_line(f"Valid {what} (fraction):", s["valid_fraction"], ".3f"))
-    if s["goodput"] is not None:
-        slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
-        lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]
-    for key, short, title in METRICS:
-        lines.append(f" {title} ".center(width, "-"))
-        stats = s[key]
-        lines.append(_line(f"Mean {short} (ms):", stats["mean"], ".2f"))
-        lines += [_line(f"P{p} {short} (ms):", stats[f"p{p}"], ".2f") for p in PERCENTILES]
-    if s["errors"]:
-        lines.append(" Errors ".center(width, "-"))
-        lines += [f"{e['count']:>5} × {e['message'][:200]}" for e in s["errors"]]
-    lines.append("=" * width)
-    return "\n".join(lines)
-
-
-def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
-    """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
-    doc = {
-        "meta": meta,
-        "config": dataclasses.asdict(result.config),
-        "summary": result.summary(),
-        "started_at": result.started_at,
-        "records": [dataclasses.asdict(r) for r in result.records],
-    }
-    write_json(path, doc)
-
-
-def chunk_times(record: RequestRecord) -> np.ndarray:
-    """When each text-carrying chunk of a successful request arrived, in seconds from the run's start.
-    Shape (len(itl_s) + 1,), or (0,) for a request that produced no chunk."""
-    if not record.ok or record.output_tokens == 0:
-        return np.zeros(0)
-    return record.start + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
-
-
-def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Output tokens/s in bins of `bin_s` from the run's start: (bin starts, rates), each shape (bins,).
-    A request's tokens are spread evenly over its chunks (a chunk may carry several)."""
-    times, weights = [], []
-    for record in records:
-        at = chunk_times(record)
-        if at.size:
-            times.append(at)
-            weights.append(np.full(at.size, record.output_tokens / at.size))
-    if not times:
-        return np.zeros(0), np.zeros(0)
-    all_times = np.concatenate(times)
-    bins = int(all_times.max() // bin_s) + 1
-    index = (all_times // bin_s).astype(np.int64)
-    counts = np.bincount(index, weights=np.concatenate(weights), minlength=bins)
-    return np.arange(bins) * bin_s, counts / bin_s
-
-
-def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
-    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
-    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
-    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    completed = sum(r.ok for r in result.records)
-    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
-    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
-    fig = figure(10, 7, dpi=110)
-    series = zip(fig.subplots(2, 2).flat, CDF_NAMES, latency_series(result.records).values(), strict=True)
-    for ax, name, values in series:
-        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
-        if ms.size:
-            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
-        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
-        ax.grid(alpha=0.3)
-    save_figure(fig, cdf, title)
-    starts, rates = tokens_per_second(result.records)
-    fig = figure(8, 4.5, dpi=110)
-    ax = fig.subplots()
-    if starts.size:
-        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
-    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
-    ax.grid(alpha=0.3)
-    save_figure(fig, throughput, title)
-    return [cdf, throughput]
 
 
 def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> np.ndarray:

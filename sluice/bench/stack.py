@@ -26,7 +26,9 @@ from typing import IO, Self
 
 import psutil
 
-from sluice.launcher import Child, Supervisor, child_env, parse_args, plan_children
+from sluice.launcher import parse_args
+from sluice.plan import Child, child_env, plan_children
+from sluice.supervise import Supervisor
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2

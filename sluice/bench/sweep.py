@@ -158,10 +158,11 @@ PRESETS = {  # preset → the module whose main(argv) runs it
 }
 
 
-def main(argv: list[str]) -> int:
-    """`sluice bench sweep PRESET [FLAGS]`: hands FLAGS to the preset (`PRESET --help` lists them)."""
+def main(argv: list[str], prog: str = "sluice bench sweep") -> int:
+    """`sluice bench sweep PRESET [FLAGS]`: hands FLAGS to the preset (`PRESET --help` lists them); each
+    preset names itself `sluice bench PRESET` in its usage line and recorded command."""
     parser = argparse.ArgumentParser(
-        prog="sluice bench sweep",
+        prog=prog,
         description=__doc__.split("\n\n")[0] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

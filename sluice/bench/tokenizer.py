@@ -23,7 +23,8 @@ from typing import Any
 import grpc
 from tokenizers import Tokenizer
 
-from sluice.bench.common import add_flags, int_list, write_json
+from sluice.bench.common import add_flags, int_list
+from sluice.bench.report import write_json
 from sluice.bench.stack import process_cpu_s
 
 HEADLINE_LENGTH, HEADLINE_CONCURRENCY = 1024, 64

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from sluice.bench import compare
+from sluice.bench import compare, report
 from sluice.bench.compare import PEER, Point, capacity_ratio, highest_rate_under
 from sluice.bench.serve_data import synthetic_requests
 from sluice.bench.sweep import SystemRun
@@ -81,7 +81,7 @@ def test_ratios_from_points() -> None:
     assert rows[-1]["tokens_per_s_ratio"] == pytest.approx(3.0)
     assert rows[-1]["ttft_p99_ratio"] == pytest.approx(0.4)
     assert [(row["peer_output_tokens"], row["peer_asked_tokens"]) for row in rows] == [(20, 40)] * 3
-    assert "20/40 (EOS)" in compare.format_peer(rows)
+    assert "20/40 (EOS)" in report.format_peer(rows)
 
 
 def test_a_lower_bound_is_reported_as_one() -> None:

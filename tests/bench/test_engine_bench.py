@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sluice.bench import engine as bench
-from sluice.bench import engine_report as report
+from sluice.bench import engine_methods as report
 from sluice.bench.engine_driver import Progress
 from sluice.bench.engine_methods import (
     ALL_METHODS,

@@ -6,23 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sluice.bench.engine_methods import NOT_ON_CPU, DecodeStep, MethodResult, Workload
-from sluice.bench.engine_report import (
+from sluice.bench.engine_methods import (
+    NOT_ON_CPU,
+    DecodeStep,
+    GreedyCheck,
+    MethodResult,
+    Roofline,
+    Workload,
+    check_greedy,
+    compare_request,
+)
+from sluice.bench.report import (
     REFERENCE,
     Block,
     DecodeFigure,
-    GreedyCheck,
-    Roofline,
     build_rows,
-    check_greedy,
-    compare_request,
+    engine_json,
+    engine_json_runs,
     format_decode,
     format_greedy_check,
     format_methods,
     graphs_ratio,
     headline_ratios,
-    to_json,
-    to_json_runs,
 )
 
 REF = [[5, 6, 7], [8, 9]]
@@ -105,7 +110,7 @@ def test_a_near_tie_is_reported_and_is_not_a_difference() -> None:
     rows = build_rows(results, check)
     assert sum(g.differing for g in check.methods.values()) == 0
     assert "yes (1 near-tie)" in format_methods(rows, {}, 2)
-    doc = to_json(rows, {}, {}, check)
+    doc = engine_json(rows, {}, {}, check)
     head = doc["methods"]["sluice-continuous"]
     assert head["greedy_equals_hf-sequential"] is True
     assert (head["mismatching_requests"], head["near_tie_requests"], head["tokens_compared"]) == (0, 1, 4)
@@ -127,7 +132,7 @@ def test_without_the_reference_nothing_is_compared() -> None:
     del results[REFERENCE]
     rows = build_rows(results, None)
     assert headline_ratios(results)[2].value is None
-    assert to_json(rows, {}, {}, None)["methods"]["hf-static"]["mismatching_requests"] is None
+    assert engine_json(rows, {}, {}, None)["methods"]["hf-static"]["mismatching_requests"] is None
 
 
 def test_a_failed_sluice_method_is_shown_as_failed() -> None:
@@ -186,7 +191,7 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
         for c, speed in ((64, 1000.0), (256, 700.0))
     ]
     ratios = [r for b in blocks for r in b.ratios()] + [graphs_ratio([], "tiny", 64)]
-    doc = to_json_runs(blocks, [_decode("on", 0.002)], None, ratios, {"model": "tiny"})
+    doc = engine_json_runs(blocks, [_decode("on", 0.002)], None, ratios, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
     assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench import engine, latency
+from sluice.bench import engine
 from sluice.cli import main as cli_main
 
 
@@ -58,6 +58,7 @@ def test_every_variant_and_preset_has_its_help(
 
 
 def test_the_latency_variant_has_the_latency_flags() -> None:
-    ours = {a.dest for a in latency.build_parser("sluice bench engine latency")._actions}
-    assert ours == {a.dest for a in latency.build_parser()._actions}
-    assert latency.build_parser("x", "perplexity").description == latency.DESCRIPTIONS["perplexity"]
+    ours = {a.dest for a in engine.build_parser("latency", "sluice bench engine latency")._actions}
+    assert ours == {a.dest for a in engine.build_parser("latency", "sluice bench latency")._actions}
+    assert {"variants", "perplexity_tokens", "quality_model"} <= ours
+    assert engine.build_parser("perplexity").description == engine.DESCRIPTIONS["perplexity"]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from sluice.bench import latency_report as rep
+from sluice.bench import report as rep
 from sluice.bench.latency import faster
 from sluice.bench.latency_run import (
     NON_REPETITIVE,
@@ -39,14 +39,14 @@ def _cell(variant: str, workload: str, b1: float, many: float) -> rep.Cell:
     return rep.Cell(variant, workload, _run(1, b1), _run(64, many))
 
 
-def _report(ngram_b1: float, ngram_rep: float, ngram_non: float) -> rep.Report:
+def _report(ngram_b1: float, ngram_rep: float, ngram_non: float) -> rep.LatencyReport:
     cells = [
         _cell("off", REPETITIVE, 100.0, 1000.0),
         _cell("off", NON_REPETITIVE, 100.0, 2000.0),
         _cell("ngram", REPETITIVE, ngram_b1, ngram_rep),
         _cell("ngram", NON_REPETITIVE, 100.0, ngram_non),
     ]
-    return rep.Report("m", 64, cells)
+    return rep.LatencyReport("m", 64, cells)
 
 
 def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
@@ -71,7 +71,7 @@ def test_shape_quality_and_kv_ratios() -> None:
     assert report.kv.ratio == 2.0
     assert "1.60x" in rep.format_shape(report.shape) and "1.0250" in rep.format_quality(report)
     assert "(2.00x)" in rep.format_kv(report.kv)
-    doc = rep.to_json(report, {})
+    doc = rep.latency_json(report, {})
     assert doc["shape"]["ratios_to_off"]["int8"] == pytest.approx(1.6) and doc["kv_blocks"]["ratio"] == 2.0
     assert "targets" not in doc
 
@@ -80,9 +80,9 @@ def test_tables_and_json_carry_the_figures() -> None:
     report = _report(ngram_b1=250.0, ngram_rep=1000.0, ngram_non=2000.0)
     report.cells[2].batch1 = _run(1, 250.0, {"spec_acceptance_rate": 0.8, "spec_mean_accepted_length": 3.5})
     report.errors["fp8"] = "skipped: CUDA only"
-    table = rep.format_main(report)
+    table = rep.format_latency(report)
     assert "2.50x" in table and "80% / 3.50" in table and "fp8: no figures (skipped: CUDA only)" in table
-    doc = rep.to_json(report, {"command": "x"})
+    doc = rep.latency_json(report, {"command": "x"})
     assert doc["bench"] == "latency" and doc["command"] == "x"
     ngram = next(c for c in doc["cells"] if c["variant"] == "ngram" and c["workload"] == REPETITIVE)
     assert ngram["batch1_ratio_to_off"] == pytest.approx(2.5)

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from sluice.bench.routing import format_medians, format_rows, median_ratios, parse_args, round_order
+from sluice.bench.report import format_medians, format_rows
+from sluice.bench.routing import median_ratios, parse_args, round_order
 
 
 def row(policy: str, tok_s: float, ttft: float) -> dict[str, Any]:

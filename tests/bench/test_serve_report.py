@@ -9,15 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.serve import (
-    RequestRecord,
-    ServeConfig,
-    ServeResult,
-    format_summary,
-    tokens_per_second,
-    write_plots,
-    write_result,
-)
+from sluice.bench.report import format_summary, tokens_per_second, write_plots, write_result
+from sluice.bench.serve import RequestRecord, ServeConfig, ServeResult
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

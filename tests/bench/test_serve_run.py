@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sluice.bench import serve
+from sluice.bench import report, serve
 from sluice.bench.serve import ServeConfig, arrival_times, run_serve
 from sluice.bench.serve_clients import ChunkClock, Reply, RequestFailed, Usage
 from sluice.bench.serve_data import CONSTRAINTS, BenchRequest
@@ -111,10 +111,10 @@ async def test_outputs_are_checked_against_their_constraint(fake: FakeClient) ->
     assert result.records[1].text == "2026-12-1"
     summary = result.summary()
     assert (summary["valid_outputs"], summary["valid_fraction"]) == (2, pytest.approx(2 / 3))
-    assert "Valid regex outputs (fraction):" in serve.format_summary(result)
+    assert "Valid regex outputs (fraction):" in report.format_summary(result)
     plain = await run_serve(_config(), [BenchRequest("good", 3)])
     assert plain.summary()["valid_fraction"] is None
-    assert "Valid" not in serve.format_summary(plain)
+    assert "Valid" not in report.format_summary(plain)
 
 
 async def test_max_concurrency_holds_requests_back(fake: FakeClient) -> None:

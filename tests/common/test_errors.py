@@ -6,36 +6,28 @@ import grpc
 import pytest
 
 from services.common.errors import (
-    DEADLINE_EXCEEDED,
+    CLASSES,
     FINISH_REASONS,
     INTERNAL,
-    INVALID_ARGUMENT,
     STATUS_CODES,
-    UNAVAILABLE,
+    code_name,
     code_of_status,
-    error_class,
-    error_detail,
-    error_message,
+    code_value,
     finish_reason_name,
 )
 from services.common.pb import common_pb2
 
 
-@pytest.mark.parametrize("cls", [INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE, INTERNAL])
-def test_a_message_carries_its_class(cls: str) -> None:
-    message = error_message(cls, "prompt has 9: tokens")
-    assert message.startswith(f"{cls}: ")
-    assert error_class(message) == cls
+@pytest.mark.parametrize("cls", sorted(CLASSES))
+def test_a_class_crosses_the_wire_as_its_enum_and_reads_back(cls: str) -> None:
+    assert code_value(cls) != common_pb2.ERROR_CODE_UNSPECIFIED
+    assert code_name(code_value(cls)) == cls
 
 
-@pytest.mark.parametrize("message", ["", "deadline exceeded", "engine: broken", "unknown_class: detail"])
-def test_a_message_without_a_known_class_is_internal(message: str) -> None:
-    assert error_class(message) == INTERNAL
-
-
-def test_the_detail_is_the_message_without_its_class() -> None:
-    assert error_detail(error_message(INVALID_ARGUMENT, "prompt has 9: tokens")) == "prompt has 9: tokens"
-    assert error_detail("engine: broken") == "engine: broken"
+def test_no_error_is_unspecified_and_an_unspecified_or_unknown_code_reads_as_internal() -> None:
+    assert code_value(None) == common_pb2.ERROR_CODE_UNSPECIFIED
+    assert code_name(common_pb2.ERROR_CODE_UNSPECIFIED) == INTERNAL
+    assert code_name(99) == INTERNAL
 
 
 def test_finish_reasons_and_status_codes_read_back() -> None:

@@ -15,7 +15,7 @@ import transformers
 
 from services.common import models
 from services.common.models import ModelNotFound, model_name, resolve_model_dir
-from sluice import launcher
+from sluice import launcher, plan
 from tests.conftest import TinyModelFactory
 
 REPO = "acme/tiny-chat"
@@ -166,7 +166,7 @@ def test_sluice_up_resolves_once_and_hands_the_directory_down(
     args = launcher.parse_args(["--model", REPO, "--revision", "main"])
     model = launcher.resolve_model(args.model, args.revision)
     assert model == str(snapshot)
-    stages = [c for c in launcher.plan_children(args, model) if "--model" in c.flags]
+    stages = [c for c in plan.plan_children(args, model) if "--model" in c.flags]
     assert {c.kind for c in stages} == {"tokenizer", "engine", "detokenizer"}
     for child in stages:
         assert child.flags[child.flags.index("--model") + 1] == str(snapshot)

@@ -24,9 +24,9 @@ from services.common.grpc_server import ServiceHealth
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
 from sluice import cli
-from sluice.launcher import child_env, default_engine_threads, plan_children
 from sluice.launcher import parse_args as parse_up_args
 from sluice.model import tiny
+from sluice.plan import child_env, default_engine_threads, plan_children
 from tests.deploy import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.launcher import STAGES, parse_args
+from sluice.launcher import parse_args
+from sluice.plan import STAGES
 
 STARTUP_DEADLINE_S = 300.0
 READY_MARK = "sluice is up"

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.launcher import STAGES
+from sluice.plan import STAGES
 from tests.e2e.conftest import Pipeline, launch_pipeline, start_pipeline
 from tests.e2e.test_restart import _one_generation, _wait_ready, standbys
 

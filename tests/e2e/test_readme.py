@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice import launcher
+from sluice import launcher, plan
 from sluice.model import tiny
 from tests.e2e.conftest import Pipeline, start_pipeline
 
@@ -79,7 +79,7 @@ EXAMPLES = examples()
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    running = start_pipeline(tiny_model_dir, "--served-model-name", launcher.EMBEDDED_MODEL_NAME)
+    running = start_pipeline(tiny_model_dir, "--served-model-name", plan.EMBEDDED_MODEL_NAME)
     yield running
     assert running.stop() == 0, running.output()
 
@@ -121,8 +121,8 @@ def test_the_readme_has_examples_of_every_kind() -> None:
 
 
 def test_the_readme_sends_the_name_sluice_up_serves() -> None:
-    name = launcher.EMBEDDED_MODEL_NAME
-    assert launcher.served_name_flags(launcher.parse_args([])) == ("--served-model-name", name)
+    name = plan.EMBEDDED_MODEL_NAME
+    assert plan.served_name_flags(launcher.parse_args([])) == ("--served-model-name", name)
     assert f'"model": "{name}"' in README.read_text()
 
 

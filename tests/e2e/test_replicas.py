@@ -17,7 +17,8 @@ import pytest
 from gateway.server import create_server
 from gateway.settings import GatewaySettings
 from services.common.settings import load_settings
-from sluice.launcher import busy_port, parse_args, plan_children
+from sluice.launcher import parse_args
+from sluice.plan import busy_port, plan_children
 from tests.e2e.conftest import _port_free, start_pipeline
 from tests.e2e.test_up import generate_all
 from tests.gateway.conftest import gateway_settings

@@ -27,8 +27,9 @@ import psutil
 import pytest
 import websockets
 
-from sluice import launcher
-from sluice.launcher import Child, RestartPolicy, RestartTracker, Supervisor, Watcher, describe_exit
+from sluice import launcher, plan, supervise
+from sluice.plan import Child
+from sluice.supervise import RestartPolicy, RestartTracker, Supervisor, Watcher, describe_exit
 from tests.e2e.conftest import Pipeline
 
 CHILDREN = ("tokenizer", "engine", "detokenizer", "gateway")
@@ -140,7 +141,7 @@ def test_a_child_that_refuses_its_configuration_stops_everything_at_once(
     supervisor.procs["tokenizer"].code = 1  # type: ignore[attr-defined]
     assert watcher.check(1.0) is None
     assert watcher.check(1.5) is None and supervisor.starts.count("tokenizer") == 2
-    supervisor.procs["engine"].code = launcher.CONFIG_ERROR_STATUS  # type: ignore[attr-defined]
+    supervisor.procs["engine"].code = supervise.CONFIG_ERROR_STATUS  # type: ignore[attr-defined]
     assert watcher.check(2.0) == "engine"
     assert watcher.give_up_status == 2
     assert supervisor.starts.count("engine") == 1
@@ -208,9 +209,9 @@ def test_a_served_child_that_stops_answering_is_terminated_then_killed_and_resta
     assert watcher.check(11.1) is None
     assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
     assert supervisor.procs["tokenizer"].signals == []  # answered within the window
-    assert watcher.check(11.1 + launcher.KILL_GRACE_S - 0.1) is None
+    assert watcher.check(11.1 + supervise.KILL_GRACE_S - 0.1) is None
     assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
-    assert watcher.check(11.1 + launcher.KILL_GRACE_S) is None
+    assert watcher.check(11.1 + supervise.KILL_GRACE_S) is None
     assert engine.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
     assert "engine has not answered SERVING for 10.1s" in capsys.readouterr().err
     supervisor.kill("engine")
@@ -277,8 +278,8 @@ def test_planned_ports_that_clash_are_refused_naming_both(capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "engine-1's gRPC port" in err and "tokenizer's metrics port" in err
     args = launcher.parse_args(["--engines", "2", "--metrics-base-port", "9300"])
-    planned = {port for port, _ in launcher.planned_ports(args)}
-    children = launcher.plan_children(args, "/m")
+    planned = {port for port, _ in plan.planned_ports(args)}
+    children = plan.plan_children(args, "/m")
     assert {c.grpc_port for c in children} | {args.port} | set(range(9300, 9304)) == planned
 
 
@@ -286,14 +287,14 @@ def test_ports_among_outgoing_connections_local_ports_get_a_warning(tmp_path: Pa
     """A restart cannot bind a port that a client's connection took as its local port meanwhile."""
     proc_file = tmp_path / "ip_local_port_range"
     proc_file.write_text("32768\t60999\n")
-    ephemeral = launcher.ephemeral_ports(proc_file)
+    ephemeral = plan.ephemeral_ports(proc_file)
     assert ephemeral == range(32768, 61000)
     args = launcher.parse_args(["--port", "8000", "--grpc-base-port", "50050"])
-    warning = launcher.ephemeral_warning(launcher.planned_ports(args), ephemeral)
+    warning = plan.ephemeral_warning(plan.planned_ports(args), ephemeral)
     assert warning is not None and "50050, 50051, 50052, 50053" in warning and "8000" not in warning
     low = launcher.parse_args(["--port", "8000", "--grpc-base-port", "20050"])
-    assert launcher.ephemeral_warning(launcher.planned_ports(low), ephemeral) is None
-    assert launcher.ephemeral_ports(tmp_path / "absent") is None
+    assert plan.ephemeral_warning(plan.planned_ports(low), ephemeral) is None
+    assert plan.ephemeral_ports(tmp_path / "absent") is None
 
 
 def test_exit_codes_name_the_signal() -> None:
@@ -435,7 +436,7 @@ def test_a_restarted_child_that_never_serves_is_killed_and_restarted(
     assert watcher.check(32.6) is None
     assert engine.signals == [signal.SIGTERM, signal.SIGCONT]
     assert "engine has not answered SERVING 30.1s after its restart" in capsys.readouterr().err
-    assert watcher.check(32.6 + launcher.KILL_GRACE_S) is None
+    assert watcher.check(32.6 + supervise.KILL_GRACE_S) is None
     assert engine.signals == [signal.SIGTERM, signal.SIGCONT, signal.SIGKILL]
     supervisor.kill("engine")
     assert watcher.check(40.0) is None
@@ -484,7 +485,7 @@ def test_a_standby_that_exits_by_itself_turns_its_kind_off(
 ) -> None:
     """Top-ups keep one standby per settled kind; one that exits (an import failing, say) is not
     replaced, its kind restarts cold from then on, and the line says so; other kinds keep theirs."""
-    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(supervise, "Standby", _FakeStandby)
     _FakeStandby.made = []
     supervisor = Supervisor([Child(n, 0, ()) for n in ("tokenizer", "engine")], env={}, standby=1)
     for _ in range(2):
@@ -507,8 +508,8 @@ def test_a_start_takes_a_ready_standby_and_starts_cold_when_it_cannot(
 ) -> None:
     """A ready standby of the child's kind is handed the child's arguments; one still importing is
     left alone; one whose hand-over fails (it died since it said ready) gives way to a cold start."""
-    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    monkeypatch.setattr(supervise, "Standby", _FakeStandby)
+    monkeypatch.setattr(supervise.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
     _FakeStandby.made = []
     handed: list[list[str]] = []
     engine = Child("engine", 0, ("--port", "1"))
@@ -542,8 +543,8 @@ def test_the_engines_standby_starts_with_the_children_and_the_ready_line_waits_f
     """A restart right after the ready line must be a take-over: the engine's standby starts beside the
     children and readiness (of the launcher's ready line) waits until it is imported, or has failed
     (then its kind restarts cold, as the line says); with --standby 0 there is nothing to wait for."""
-    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
+    monkeypatch.setattr(supervise, "Standby", _FakeStandby)
+    monkeypatch.setattr(supervise.subprocess, "Popen", lambda *args, **kw: _Exited(pid=7))
     names = ("tokenizer", "engine", "detokenizer", "gateway")
     _FakeStandby.made = []
     supervisor = Supervisor([Child(n, 0, ()) for n in names], env={}, standby=1)
@@ -566,7 +567,7 @@ def test_the_engines_standby_starts_with_the_children_and_the_ready_line_waits_f
 def test_standbys_start_one_at_a_time_the_engines_first(monkeypatch: pytest.MonkeyPatch) -> None:
     """No standby starts while another still imports (the spares' imports take one core at most),
     and the engine's, whose cold start costs the most, comes first."""
-    monkeypatch.setattr(launcher, "Standby", _FakeStandby)
+    monkeypatch.setattr(supervise, "Standby", _FakeStandby)
     _FakeStandby.made = []
     kinds = {"tokenizer", "engine", "detokenizer"}
     supervisor = Supervisor([Child(n, 0, ()) for n in sorted(kinds)], env={}, standby=1)
@@ -588,16 +589,16 @@ def test_a_standby_imports_at_a_lower_priority_and_becomes_a_replica_at_its_own(
     """Where the process may raise its priority back (this test's root, or an RLIMIT_NICE allowing it),
     the standby's imports run STANDBY_NICE lower and the replica it becomes runs at the launcher's."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    if not launcher._may_raise_priority(before):
-        launcher._yield_while_importing()()
+    if not supervise._may_raise_priority(before):
+        supervise._yield_while_importing()()
         assert os.getpriority(os.PRIO_PROCESS, 0) == before
         return
     code = (
-        "import os; from sluice import launcher; restore = launcher._yield_while_importing(); "
+        "import os; from sluice import supervise; restore = supervise._yield_while_importing(); "
         "low = os.getpriority(os.PRIO_PROCESS, 0); restore(); print(low, os.getpriority(os.PRIO_PROCESS, 0))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == [str(before + launcher.STANDBY_NICE), str(before)]
+    assert out.split() == [str(before + supervise.STANDBY_NICE), str(before)]
 
 
 def thread_nice_values(pid: int) -> dict[int, int]:
@@ -616,13 +617,13 @@ def test_threads_started_while_a_standby_imports_get_the_replicas_priority_back(
     each thread's own, so after the hand-over every thread, not only the main one, runs at the
     launcher's priority."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
-    if not launcher._may_raise_priority(before):
+    if not supervise._may_raise_priority(before):
         pytest.skip("this process may not raise a priority back: a standby imports at its own priority")
     # The child names the threads it had before it lowered its priority (an import may start one): those
     # keep the priority they had; every thread started after must be low until the hand-over.
     code = (
-        "import os, sys, threading; from sluice import launcher; early = os.listdir('/proc/self/task'); "
-        "restore = launcher._yield_while_importing(); "
+        "import os, sys, threading; from sluice import supervise; early = os.listdir('/proc/self/task'); "
+        "restore = supervise._yield_while_importing(); "
         "stop = threading.Event(); workers = [threading.Thread(target=stop.wait) for _ in range(3)]; "
         "[w.start() for w in workers]; print('low', *early, flush=True); sys.stdin.readline(); restore(); "
         "print('restored', flush=True); sys.stdin.readline(); stop.set()"
@@ -635,7 +636,7 @@ def test_threads_started_while_a_standby_imports_get_the_replicas_priority_back(
         word, *early = child.stdout.readline().split()
         assert word == "low"
         low = {tid: nice for tid, nice in thread_nice_values(child.pid).items() if str(tid) not in early}
-        assert len(low) >= 3 and set(low.values()) == {before + launcher.STANDBY_NICE}, (low, early)
+        assert len(low) >= 3 and set(low.values()) == {before + supervise.STANDBY_NICE}, (low, early)
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline() == "restored\n"

@@ -16,7 +16,7 @@ import httpx
 import psutil
 import pytest
 
-from sluice.launcher import STAGES
+from sluice.plan import STAGES
 from tests.e2e.conftest import Pipeline, start_pipeline
 from tests.e2e.test_faults import WAIT_S, _others_unchanged, _recovered, _status
 from tests.e2e.test_restart import standbys

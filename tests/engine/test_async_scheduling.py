@@ -6,13 +6,14 @@ discarded token is never emitted, and the free list returns to full."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from pathlib import Path
 
 import pytest
 
-from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, error_class
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
@@ -27,7 +28,8 @@ Outputs = dict[str, list[RequestOutput]]
 
 def mixed_items(seed: int, vocab: int, n: int, max_prompt: int, long_prompt: int) -> list[Item]:
     """Greedy and seeded sampling, stop ids met early, min_new_tokens over a stop id, logprobs,
-    penalties that change the pick, max_new_tokens 1 and more, prompts that reach the context length."""
+    penalties that change the pick, max_new_tokens 1 and more, prompts that reach the context length (their
+    max_new_tokens 0: the rest of the context)."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, vocab) for _ in range(12)]
     items: list[Item] = []
@@ -53,6 +55,8 @@ def mixed_items(seed: int, vocab: int, n: int, max_prompt: int, long_prompt: int
             sampling = SamplingParams(temperature=2.0, seed=100 + i, logprobs=3)
         elif kind == 5:
             sampling = SamplingParams(frequency_penalty=25.0, presence_penalty=0.5, repetition_penalty=1.3)
+        if len(prompt) == long_prompt:  # max_new_tokens 0: the rest of the context
+            stopping = dataclasses.replace(stopping, max_new_tokens=0)
         items.append((rng.randint(0, 12), prompt, sampling, stopping))
     return items
 
@@ -138,7 +142,7 @@ def test_a_request_stopped_at_step_n_has_its_token_of_step_n_plus_1_discarded() 
 def test_a_request_whose_pending_token_is_its_last_is_not_scheduled_again() -> None:
     engine, runner = fake("on", max_model_len=8)
     engine.add_request("n", [5], GREEDY, StoppingParams(max_new_tokens=3))
-    engine.add_request("ctx", [5, 6, 7, 8, 9], GREEDY, StoppingParams(max_new_tokens=10))
+    engine.add_request("ctx", [5, 6, 7, 8, 9], GREEDY, StoppingParams(max_new_tokens=0))
     outs = drive(engine, [])
     assert tokens(outs["n"]) == expected_output([5], 3) and outs["n"][-1].finish_reason == "length"
     assert (
@@ -185,7 +189,7 @@ def test_a_deadline_ends_the_request_at_the_next_step_without_its_pending_token(
     engine.requests["a"].deadline = time.monotonic() - 1.0  # passed: no waiting in the test
     out = engine.step()
     assert len(out) == 1 and out[0].finish_reason == "error" and out[0].new_token_ids == []
-    assert error_class(out[0].error or "") == DEADLINE_EXCEEDED and out[0].completion_tokens == 2
+    assert out[0].error_code == DEADLINE_EXCEEDED and out[0].completion_tokens == 2
     outs["a"] += out
     drive(engine, [], outs)
     assert len(outs["a"]) == 3
@@ -205,7 +209,7 @@ def test_a_failing_step_fails_only_its_requests(mode: str) -> None:
         got.setdefault(o.request_id, []).append(o)
     for rid, prompt in (("a", [5, 6]), ("b", [5, 7])):
         assert got[rid][-1].finish_reason == "error" and "injected failure" in (got[rid][-1].error or "")
-        assert error_class(got[rid][-1].error or "") == INTERNAL
+        assert got[rid][-1].error_code == INTERNAL
         assert tokens(got[rid]) == expected_output(prompt, 2)  # both steps before the failing one
         assert got[rid][-1].completion_tokens == 2
     engine.add_request("late", [5, 9], GREEDY, StoppingParams(max_new_tokens=4))

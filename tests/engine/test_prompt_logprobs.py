@@ -149,18 +149,19 @@ def test_the_servicer_maps_the_new_fields_both_ways() -> None:
             prompt_logprobs=0,
         ),
     )
-    sampling, _ = params_from_proto(request, 16)
+    sampling, _ = params_from_proto(request)
     assert sampling.grammar is not None and sampling.grammar.kind == "json_schema" and sampling.grammar.strict
     assert json.loads(sampling.grammar.text) == {"type": "object"}
     assert sampling.logit_bias == ((3, -100.0), (7, 2.5))
     assert sampling.prompt_logprobs == 0  # set to 0: the logprobs without alternatives
-    unset, _ = params_from_proto(engine_pb2.GenerateRequest(request_id="u", prompt_ids=[5]), 16)
+    unset, unset_stopping = params_from_proto(engine_pb2.GenerateRequest(request_id="u", prompt_ids=[5]))
     assert unset.grammar is None and unset.logit_bias == () and unset.prompt_logprobs is None
+    assert unset_stopping.max_new_tokens == 0  # the rest of the context: the engine fills it in
     bad = engine_pb2.GenerateRequest(
         request_id="b", sampling=common_pb2.SamplingParams(structured=common_pb2.StructuredOutput(kind="xml"))
     )
     with pytest.raises(ValueError, match="unknown grammar kind 'xml'"):
-        params_from_proto(bad, 16)
+        params_from_proto(bad)
     out = RequestOutput(
         "r",
         [9],

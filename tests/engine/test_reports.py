@@ -11,9 +11,10 @@ from prometheus_client import generate_latest
 
 from services.common.block_keys import chain_hashes
 from services.common.metrics import EngineMetrics
-from services.engine.core.async_engine import AsyncEngine, EngineLoad, Report, ReportFeed
+from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.params import SamplingParams, StoppingParams
+from services.engine.core.reports import EngineLoad, Report, ReportFeed, engine_load
 from services.engine.observability import EngineObserver
 from tests.engine.fakes import fake_engine
 
@@ -118,12 +119,11 @@ async def test_snapshot_and_changes_mirror_the_cache_through_evictions(small: As
 
 def test_the_load_counts_queued_prompt_tokens_until_computed() -> None:
     core, _ = fake_engine(12, block_size=4, max_num_batched_tokens=16)
-    engine = AsyncEngine(core)  # not started: stepped here
     core.add_request("a", list(range(1, 40)), SamplingParams(), StoppingParams(max_new_tokens=2))
-    load = engine._load()
+    load = engine_load(core)
     assert (load.waiting, load.running, load.queued_prompt_tokens) == (1, 0, 39)
     core.step()  # a chunk of 16 prompt tokens
-    load = engine._load()
+    load = engine_load(core)
     assert (load.waiting, load.running, load.queued_prompt_tokens) == (0, 1, 23)
     assert load.kv_blocks_used == 4 and load.prefix_caching
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_class
+from services.common.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE
 from services.engine.core.async_engine import AsyncEngine
 from services.engine.core.engine import LLMEngine
 from services.engine.core.grammar import GrammarSpec
@@ -89,7 +89,7 @@ def test_a_grammar_the_matcher_gives_up_on_ends_only_its_request(
         assert ids(seq) == expected[f"p{i}"] and len(ids(seq)) == n
     final = outs["bad"][-1]
     assert final.finished and final.finish_reason == "error"
-    assert error_class(final.error or "") == INVALID_ARGUMENT
+    assert final.error_code == INVALID_ARGUMENT
     assert "grammar" in (final.error or "") and "2000" in (final.error or "")
     assert len(final.error or "") < 1000, "the library's parser-state dump is not passed on"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -110,7 +110,7 @@ async def test_an_async_engine_keeps_serving_the_others_of_the_step(tiny_model_d
             by_request(batch, outs)
     finally:
         eng.stop()
-    assert error_class(outs["bad"][-1].error or "") == INVALID_ARGUMENT
+    assert outs["bad"][-1].error_code == INVALID_ARGUMENT
     for i in range(4):
         assert outs[f"p{i}"][-1].finish_reason == "length" and len(ids(outs[f"p{i}"])) == 1 + i
     assert eng.failure() is None
@@ -147,7 +147,7 @@ def test_the_engine_counts_consecutive_failed_steps_and_a_success_resets_the_cou
         finals += [o for o in core.step() if o.finished]
         assert core.failed_steps_in_a_row == n
     # Below the budget a failed step's requests end `internal`; the step that reaches it, `unavailable`.
-    assert [error_class(o.error or "") for o in finals] == [INTERNAL, INTERNAL, UNAVAILABLE]
+    assert [o.error_code for o in finals] == [INTERNAL, INTERNAL, UNAVAILABLE]
     core.add_request("ok", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=2))
     got: list[int] = []
     while core.has_unfinished_requests():
@@ -176,7 +176,7 @@ async def test_a_step_that_always_fails_goes_to_recovery_then_not_serving() -> N
             caller.submit(f"r{n}", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3))
             final = await until_final(caller)
             assert final.finish_reason == "error" and not final.new_token_ids
-            classes.append(error_class(final.error or ""))
+            classes.append(final.error_code)
             await asyncio.sleep(0.001)
     finally:
         eng.stop()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.common.block_keys import chain_hashes
-from services.common.errors import INTERNAL, error_class
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL
 from services.engine.core.block_manager import BlockManager
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
@@ -356,7 +356,8 @@ def test_stop_conditions(engines: list[LLMEngine]) -> None:
     first = expected_output(prompt, 3)
     engine.add_request("stop_id", prompt, GREEDY, stop(10, stop_token_ids=(first[1],)))
     engine.add_request("min_new", prompt, GREEDY, stop(10, stop_token_ids=(first[0],), min_new_tokens=2))
-    engine.add_request("ctx", list(range(3, 23)), GREEDY, stop(100))
+    engine.add_request("ctx", list(range(3, 23)), GREEDY, stop(0))  # 0: the rest of the context
+    engine.add_request("over", list(range(3, 23)), GREEDY, stop(5))  # past the context: cut to its 4
     outs = run(engine)
     assert tokens(outs["stop_id"]) == first[:2] and outs["stop_id"][-1].finish_reason == "stop"
     # The stop id is kept out until min_new_tokens, so generation goes on past it.
@@ -398,7 +399,7 @@ def test_bad_requests_are_refused(engines: list[LLMEngine]) -> None:
         ("lp", [5], SamplingParams(logprobs=21), stop(2)),
         ("temp", [5], SamplingParams(temperature=-1.0), stop(2)),
         ("nan", [5], SamplingParams(top_p=float("nan")), stop(2)),
-        ("max", [5], GREEDY, stop(0)),
+        ("max", [5], GREEDY, stop(-1)),
     ]
     for rid, prompt, sampling, stopping in bad:
         with pytest.raises(ValueError):
@@ -428,7 +429,7 @@ def test_an_injected_step_fault_fails_only_that_steps_requests(engines: list[LLM
     failed = engine.step()
     assert sorted((o.request_id, o.finish_reason) for o in failed) == [("a", "error"), ("b", "error")]
     for out in failed:
-        assert error_class(out.error or "") == INTERNAL and "injected failure" in (out.error or "")
+        assert out.error_code == INTERNAL and "injected failure" in (out.error or "")
     engine.add_request("late", [5, 9], GREEDY, stop(4))
     rest = run(engine)
     assert sorted(rest) == ["late", "w"]
@@ -504,7 +505,7 @@ def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
     engine, _ = fake_engine(32)
     now = time.monotonic()
     engine.add_request(
-        "late", [5, 6, 7], SamplingParams(), StoppingParams(max_new_tokens=1000), deadline=now + 3600
+        "late", [5, 6, 7], SamplingParams(), StoppingParams(max_new_tokens=0), deadline=now + 3600
     )
     engine.add_request(
         "on-time", [5, 6], SamplingParams(), StoppingParams(max_new_tokens=3), deadline=now + 3600
@@ -517,7 +518,7 @@ def test_a_request_past_its_deadline_fails_and_frees_its_blocks() -> None:
         outputs += engine.step()
     finals = {o.request_id: o for o in outputs if o.finished}
     assert finals["late"].finish_reason == "error"
-    assert finals["late"].error == "deadline_exceeded: deadline exceeded"
+    assert finals["late"].error == "deadline exceeded" and finals["late"].error_code == DEADLINE_EXCEEDED
     assert finals["on-time"].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

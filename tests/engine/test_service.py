@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.block_keys import chain_hashes
-from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, error_class
+from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, UNAVAILABLE, code_name
 from services.common.grpc_server import CHANNEL_OPTIONS, wait_healthy
 from services.common.pb import common_pb2, engine_pb2, engine_pb2_grpc
 from services.engine.core.async_engine import AsyncEngine
@@ -177,7 +177,7 @@ async def test_stream_multiplexes_requests(stub: engine_pb2_grpc.EngineStub, lla
     steps_before = (await stub.Stats(engine_pb2.StatsRequest())).steps
     call = stub.Stream(requests())
     # "long" stays in flight until aborted, so the duplicate below always meets it in flight.
-    await queue.put(engine_pb2.EngineIn(submit=gen_request("long", n=100_000)))
+    await queue.put(engine_pb2.EngineIn(submit=gen_request("long", n=0)))
     for rid, prompt in prompts.items():
         await queue.put(engine_pb2.EngineIn(submit=gen_request(rid, prompt=prompt, n=5)))
     await queue.put(engine_pb2.EngineIn(submit=gen_request("long", prompt=[5], n=3)))  # duplicate in flight
@@ -267,7 +267,7 @@ async def test_concurrent_generate_calls(stub: engine_pb2_grpc.EngineStub, llama
 
 
 async def test_stream_request_past_its_timeout_ends_with_an_error(stub: engine_pb2_grpc.EngineStub) -> None:
-    request = gen_request("slow", n=100_000)
+    request = gen_request("slow", n=0)
     request.timeout_ms = 200
     replies = stub.Stream(iter([engine_pb2.EngineIn(submit=request)]))
     final = None
@@ -279,8 +279,8 @@ async def test_stream_request_past_its_timeout_ends_with_an_error(stub: engine_p
     replies.cancel()
     assert final is not None and final.request_id == "slow"
     assert final.finish_reason == common_pb2.FINISH_REASON_ERROR
-    assert final.error == "deadline_exceeded: deadline exceeded"
-    assert error_class(final.error) == DEADLINE_EXCEEDED
+    assert final.error == "deadline exceeded" and final.error_code == common_pb2.ERROR_CODE_DEADLINE_EXCEEDED
+    assert code_name(final.error_code) == DEADLINE_EXCEEDED
     assert 0 < final.usage.completion_tokens < 100_000
     stats = await wait_idle(stub)
     assert stats.free_blocks == stats.num_blocks
@@ -295,8 +295,25 @@ async def test_stream_prompt_at_the_context_length_is_an_invalid_argument(
     finals = [e.final async for out in replies for e in out.entries if e.HasField("final")]
     assert [f.request_id for f in finals] == ["long"]
     assert finals[0].finish_reason == common_pb2.FINISH_REASON_ERROR
-    assert error_class(finals[0].error) == INVALID_ARGUMENT
+    assert code_name(finals[0].error_code) == INVALID_ARGUMENT
     assert "context length" in finals[0].error
+
+
+async def test_the_engine_owns_the_context_limit(stub: engine_pb2_grpc.EngineStub) -> None:
+    """Wire max_new_tokens 0 is the rest of the context; a max_new_tokens past the context ends at the
+    context, finish reason length."""
+    max_model_len = (await stub.Stats(engine_pb2.StatsRequest())).max_model_len
+    prompt = [5] * (max_model_len - 3)
+    rest = gen_request("rest", prompt=prompt, n=0)
+    over = gen_request("over", prompt=prompt, n=4)
+    replies = stub.Stream(iter([engine_pb2.EngineIn(submit=rest), engine_pb2.EngineIn(submit=over)]))
+    finals = {
+        e.final.request_id: e.final async for out in replies for e in out.entries if e.HasField("final")
+    }
+    assert finals["rest"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert finals["rest"].usage.completion_tokens == 3
+    assert finals["over"].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert finals["over"].usage.completion_tokens == 3
 
 
 async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> None:
@@ -322,7 +339,7 @@ async def test_a_dead_engine_loop_fails_callers_and_health(llama_dir: Path) -> N
             replies = stub.Stream(iter([engine_pb2.EngineIn(submit=gen_request("a"))]))
             finals = await asyncio.wait_for(_finals(replies), 30)
             assert [f.request_id for f in finals] == ["a"]
-            assert error_class(finals[0].error) == UNAVAILABLE and "broken engine" in finals[0].error
+            assert code_name(finals[0].error_code) == UNAVAILABLE and "broken engine" in finals[0].error
             health_stub = health_pb2_grpc.HealthStub(channel)
             status = health_pb2.HealthCheckResponse.SERVING
             for _ in range(500):
@@ -465,7 +482,7 @@ async def test_a_failed_loop_recovers_in_process(llama_dir: Path) -> None:
             await stream.until(lambda: prompt_keys <= stream.cached())
             release.set()
             final = await stream.until_final("long")
-            assert error_class(final.error) == UNAVAILABLE and "injected fault" in final.error
+            assert code_name(final.error_code) == UNAVAILABLE and "injected fault" in final.error
             assert await _until_health(channel, not_serving) == not_serving
             rebuild.set()
             assert await _until_health(channel, serving) == serving
@@ -499,7 +516,7 @@ async def test_a_loop_failing_past_its_budget_stays_not_serving(llama_dir: Path)
             stream = StreamCall(engine_pb2_grpc.EngineStub(channel))
             arm()
             await stream.send(gen_request("first", n=200))
-            assert error_class((await stream.until_final("first")).error) == UNAVAILABLE
+            assert code_name((await stream.until_final("first")).error_code) == UNAVAILABLE
             for _ in range(1000):  # recovered: counted, and SERVING
                 if handle.metrics.registry.get_sample_value("sluice_engine_loop_recoveries_total"):
                     break
@@ -507,13 +524,13 @@ async def test_a_loop_failing_past_its_budget_stays_not_serving(llama_dir: Path)
             assert await _until_health(channel, serving) == serving
             arm()
             await stream.send(gen_request("second", n=200))
-            assert error_class((await stream.until_final("second")).error) == UNAVAILABLE
+            assert code_name((await stream.until_final("second")).error_code) == UNAVAILABLE
             assert await _until_health(channel, not_serving) == not_serving
             assert engine.failure() is not None and "1 recoveries within 60s already" in engine.failure()
             await handle.health.set_serving(True)  # a failed service stays NOT_SERVING
             assert await _health(channel) == not_serving
             await stream.send(gen_request("late"))
-            assert error_class((await stream.until_final("late")).error) == UNAVAILABLE
+            assert code_name((await stream.until_final("late")).error_code) == UNAVAILABLE
             await stream.close()
     finally:
         await handle.stop(None)
@@ -551,7 +568,7 @@ async def test_a_step_that_always_fails_turns_the_service_not_serving(llama_dir:
                     break
                 await stream.send(gen_request(f"r{n}"))
                 final = await stream.until_final(f"r{n}")
-                classes.append(error_class(final.error))
+                classes.append(code_name(final.error_code))
             assert await _until_health(channel, not_serving) == not_serving
             await stream.close()
     finally:

@@ -187,7 +187,7 @@ def test_max_new_tokens_inside_an_accepted_run(max_new: int) -> None:
 
 def test_context_length_inside_an_accepted_run() -> None:
     prompt = list(range(3, 13))
-    stopping = StoppingParams(max_new_tokens=100)
+    stopping = StoppingParams(max_new_tokens=0)  # the rest of the context: 17 tokens
     base = run(fake_engine(64, max_model_len=27)[0], [(0, "a", prompt, stopping)])["a"]
     proposer = OracleProposer(k=4)
     spec = run(spec_engine(proposer, max_model_len=27)[0], [(0, "a", prompt, stopping)])["a"]

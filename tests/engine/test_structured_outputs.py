@@ -6,7 +6,6 @@ greedy's pick; a request with none of these takes none of their paths."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import threading
@@ -20,7 +19,7 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT, error_class
+from services.common.errors import DEADLINE_EXCEEDED, INVALID_ARGUMENT
 from services.engine.core.engine import LLMEngine
 from services.engine.core.grammar import GrammarCompiler, GrammarSpec
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
@@ -306,7 +305,7 @@ def test_a_grammar_that_does_not_compile_ends_its_request_with_invalid_argument(
     )
     final = outs["bad0"][-1]
     assert final.finish_reason == "error" and not ids(outs["bad0"])
-    assert final.error is not None and error_class(final.error) == INVALID_ARGUMENT and words in final.error
+    assert final.error is not None and final.error_code == INVALID_ARGUMENT and words in final.error
     assert outs["bad1"][-1].finish_reason == "length" and len(ids(outs["bad1"])) == 4
 
 
@@ -329,7 +328,7 @@ def test_the_step_never_waits_for_a_compile(
     tiny_model_dir: Path, engine: LLMEngine, held_compiler: tuple[GrammarCompiler, threading.Event]
 ) -> None:
     compiler, gate = held_compiler
-    engine.grammar_compiler, saved = compiler, engine.grammar_compiler
+    engine.grammars.compiler, saved = compiler, engine.grammars.compiler
     try:
         spec = GrammarSpec("regex", "[a-z]{3} held")
         engine.add_request("g", [5, 6], SamplingParams(grammar=spec), StoppingParams(max_new_tokens=30))
@@ -341,7 +340,7 @@ def test_the_step_never_waits_for_a_compile(
         assert outs["p"][-1].finished and "g" not in outs
         assert engine.idle_s() > 0, "nothing but a compile to wait for: the driver polls, never spins"
         gate.set()
-        for handle in list(engine._compiling.values()):
+        for handle in list(engine.grammars.compiling.values()):
             handle.result(timeout=30)
         assert engine.idle_s() == 0, "a finished compile must wake the driver (it waits while idle_s > 0)"
         while engine.has_unfinished_requests():
@@ -349,7 +348,7 @@ def test_the_step_never_waits_for_a_compile(
                 outs.setdefault(o.request_id, []).append(o)
         assert outs["g"][-1].finish_reason == "stop"
     finally:
-        engine.grammar_compiler = saved
+        engine.grammars.compiler = saved
 
 
 def drive(engine: LLMEngine, outs: dict[str, list[RequestOutput]]) -> None:
@@ -377,9 +376,9 @@ def test_a_compile_past_its_timeout_ends_its_request_only(
         return real(spec)
 
     compiler._compile = compile_  # type: ignore[method-assign]
-    saved = engine.grammar_compiler, engine.settings
-    engine.grammar_compiler = compiler
-    engine.settings = dataclasses.replace(engine.settings, grammar_compile_timeout_s=0.2)
+    saved = engine.grammars.compiler, engine.grammars.timeout_s
+    engine.grammars.compiler = compiler
+    engine.grammars.timeout_s = 0.2
     try:
         spec = GrammarSpec("regex", "[a-z]{3} running")
         engine.add_request("g", [5, 6], SamplingParams(grammar=spec), StoppingParams(max_new_tokens=30))
@@ -387,14 +386,14 @@ def test_a_compile_past_its_timeout_ends_its_request_only(
         outs: dict[str, list[RequestOutput]] = {}
         drive(engine, outs)
     finally:
-        engine.grammar_compiler, engine.settings = saved
+        engine.grammars.compiler, engine.grammars.timeout_s = saved
         hold.set()
     final = outs["g"][-1]
     assert final.finish_reason == "error" and not ids(outs["g"]) and final.error is not None
     assert "grammar_compile_timeout_s (0.2s)" in final.error
-    assert error_class(final.error) == INVALID_ARGUMENT
+    assert final.error_code == INVALID_ARGUMENT
     assert outs["p"][-1].finish_reason == "length" and len(ids(outs["p"])) == 3
-    assert not engine._compiling
+    assert not engine.grammars.compiling
 
 
 def test_a_burst_of_distinct_grammars_queued_past_the_timeout_all_complete(
@@ -405,9 +404,9 @@ def test_a_burst_of_distinct_grammars_queued_past_the_timeout_all_complete(
     ends with a valid output (a queued wait used to end them `unavailable`, with no tokens)."""
     compiler, gate = held_compiler
     timeout = 0.5
-    saved = engine.grammar_compiler, engine.settings
-    engine.grammar_compiler = compiler
-    engine.settings = dataclasses.replace(engine.settings, grammar_compile_timeout_s=timeout)
+    saved = engine.grammars.compiler, engine.grammars.timeout_s
+    engine.grammars.compiler = compiler
+    engine.grammars.timeout_s = timeout
     specs_ = [GrammarSpec("regex", f"[a-z]{{2}} burst{i}") for i in range(12)]
     outs: dict[str, list[RequestOutput]] = {}
     try:
@@ -420,17 +419,17 @@ def test_a_burst_of_distinct_grammars_queued_past_the_timeout_all_complete(
                 outs.setdefault(o.request_id, []).append(o)
             time.sleep(min(engine.idle_s(), 0.05))
         assert not outs, "no request may end while its compile is only queued"
-        assert len(engine._compiling) == len(specs_)
+        assert len(engine.grammars.compiling) == len(specs_)
         gate.set()
         drive(engine, outs)
     finally:
-        engine.grammar_compiler, engine.settings = saved
+        engine.grammars.compiler, engine.grammars.timeout_s = saved
     for i in range(len(specs_)):
         final = outs[f"b{i}"][-1]
         assert final.finish_reason == "stop", (i, final.finish_reason, final.error)
         text = text_of(outs[f"b{i}"], tokenizer)
         assert re.fullmatch(f"[a-z]{{2}} burst{i}", text), (i, text)
-    assert not engine._compiling
+    assert not engine.grammars.compiling
 
 
 def record_compiles(compiler: GrammarCompiler) -> list[GrammarSpec]:
@@ -454,9 +453,9 @@ def test_a_queued_compile_waits_until_its_request_deadline(
     beside it is unharmed."""
     compiler, gate = held_compiler
     compiled = record_compiles(compiler)
-    saved = engine.grammar_compiler, engine.settings
-    engine.grammar_compiler = compiler
-    engine.settings = dataclasses.replace(engine.settings, grammar_compile_timeout_s=0.05)
+    saved = engine.grammars.compiler, engine.grammars.timeout_s
+    engine.grammars.compiler = compiler
+    engine.grammars.timeout_s = 0.05
     try:
         spec = GrammarSpec("regex", "[a-z]{3} queued")
         deadline = time.monotonic() + 0.5
@@ -467,12 +466,12 @@ def test_a_queued_compile_waits_until_its_request_deadline(
         drive(engine, outs)
         gate.set()
     finally:
-        engine.grammar_compiler, engine.settings = saved
+        engine.grammars.compiler, engine.grammars.timeout_s = saved
     final = outs["g"][-1]
     assert final.finish_reason == "error" and not ids(outs["g"]) and final.error is not None
-    assert error_class(final.error) == DEADLINE_EXCEEDED, final.error
+    assert final.error_code == DEADLINE_EXCEEDED, final.error
     assert outs["p"][-1].finish_reason == "length" and len(ids(outs["p"])) == 3
-    assert not engine._compiling
+    assert not engine.grammars.compiling
     compiler.submit(GrammarSpec("regex", "[a-z]{3} after")).result(timeout=30)  # the queue has moved on
     assert spec not in compiled, "the expired request's queued compile never ran"
 
@@ -482,7 +481,7 @@ def test_an_aborted_request_cancels_its_queued_compile(
 ) -> None:
     compiler, gate = held_compiler
     compiled = record_compiles(compiler)
-    engine.grammar_compiler, saved = compiler, engine.grammar_compiler
+    engine.grammars.compiler, saved = compiler, engine.grammars.compiler
     try:
         dropped, kept = GrammarSpec("regex", "[a-z]{3} dropped"), GrammarSpec("regex", "[a-z]{3} kept")
         engine.add_request("g", [5, 6], SamplingParams(grammar=dropped), StoppingParams(max_new_tokens=30))
@@ -492,7 +491,7 @@ def test_an_aborted_request_cancels_its_queued_compile(
         outs: dict[str, list[RequestOutput]] = {}
         drive(engine, outs)
     finally:
-        engine.grammar_compiler = saved
+        engine.grammars.compiler = saved
     assert outs["g"][-1].finish_reason == "cancelled"
     assert outs["k"][-1].finish_reason == "stop"
     assert compiled == [kept], "the aborted request's compile never ran"

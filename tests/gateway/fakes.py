@@ -1,13 +1,14 @@
 """Fake upstream services for gateway tests: the simplest servicers that honour the protos.
 
-Tokenizer: id 1 (bos) then one id per character (its code point); a conversation renders as
-"role: content\n" lines then "assistant: " (bos and "assistant: " left out when the request's options
-say so). Engine: one token per step per request (`tokens_per_step`),
-cycling through the code points of `OUTPUT` (or through `output_ids`); finishes with LENGTH at
-max_new_tokens; prompt logprobs (when asked) are `PROMPT_LOGPROB` for every prompt token after the
+Tokenizer: id 1 (bos) then one id per character (its code point); a conversation renders as "role:
+content\n" lines then "assistant: " (bos and "assistant: " left out when the request's options say so);
+Info's context length is `CONTEXT_LENGTH`, the fake engine's `max_model_len`. Engine: one token per step
+per request (`tokens_per_step`), cycling through the code points of `OUTPUT` (or through `output_ids`);
+finishes with LENGTH at max_new_tokens (0: the rest of its context, `max_model_len` less the prompt, as a
+real engine fills it); prompt logprobs (when asked) are `PROMPT_LOGPROB` for every prompt token after the
 first, its top alternative the token itself; `Stats` gives `max_model_len`. Detokenizer: id → chr(id)
-(bos skipped), stop strings matched across chunks with the possible prefix held back; each delta
-carries the running count of ids consumed.
+(bos skipped), stop strings matched across chunks with the possible prefix held back; each delta carries
+the running count of ids consumed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common import errors
 from services.common.grpc_server import ServiceHealth, bind, new_server
 from services.common.pb import (
     common_pb2,
@@ -34,6 +36,7 @@ BOS = 1
 OUTPUT = "hello world. "
 MODEL = "fake-model"
 PROMPT_LOGPROB = -0.25
+CONTEXT_LENGTH = 64  # the model's context: the tokenizer's Info and the engine's max_model_len
 
 
 def expected_text(n: int) -> str:
@@ -57,6 +60,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         self.chat_template = ""  # what Info says of the model's template
         self.generation_prompt = ""
         self.special_tokens: dict[str, int] = {}  # and of its special tokens (text → id)
+        self.context_length = CONTEXT_LENGTH
 
     async def Tokenize(
         self, request: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
@@ -86,7 +90,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.InfoResponse(
             model=MODEL,
             vocab_size=0x110000,
-            context_length=4096,
+            context_length=self.context_length,
             chat_template=self.chat_template,
             generation_prompt=self.generation_prompt,
             special_tokens=[
@@ -105,7 +109,8 @@ class _Running:
 @dataclass
 class FakeEngine(engine_pb2_grpc.EngineServicer):
     """`fail_next_submit` breaks the Stream call (UNAVAILABLE) when the next submit arrives;
-    `error_next_submit` (the final's error message) answers the next submit with an ERROR final.
+    `error_next_submit` (`"<class>: <detail>"`: the final's error code and words; without a known class,
+    the code is unspecified) answers the next submit with an ERROR final.
     `report`, when set, is the first message of every Stream call (a load and cache snapshot);
     `paused` holds every request queued (no tokens); `kill_streams()` breaks every open Stream call
     (UNAVAILABLE) at its next step. Every final's usage says `cached_tokens`."""
@@ -123,9 +128,18 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
     output_ids: list[int] = field(default_factory=list)  # cycled through instead of OUTPUT's code points
     report: engine_pb2.EngineReport | None = None
     paused: bool = False
-    max_model_len: int = 64
+    max_model_len: int = CONTEXT_LENGTH
     cached_tokens: int = 0
     _open: list[tuple[list[str], asyncio.Event]] = field(default_factory=list)
+
+    def _filled(self, submit: engine_pb2.GenerateRequest) -> engine_pb2.GenerateRequest:
+        """`submit` with max_new_tokens 0 filled with the rest of the context."""
+        if submit.stopping.max_new_tokens:
+            return submit
+        filled = engine_pb2.GenerateRequest()
+        filled.CopyFrom(submit)
+        filled.stopping.max_new_tokens = max(1, self.max_model_len - len(submit.prompt_ids))
+        return filled
 
     def kill_streams(self) -> None:
         for broken, wake in self._open:
@@ -150,15 +164,19 @@ class FakeEngine(engine_pb2_grpc.EngineServicer):
                         self.fail_next_submit = False
                         broken.append("engine crashed")
                     elif self.error_next_submit:
+                        code, _, detail = self.error_next_submit.partition(": ")
+                        if code not in errors.CLASSES:  # no class: the code stays unspecified
+                            code, detail = None, self.error_next_submit
                         final = engine_pb2.RequestFinal(
                             request_id=message.submit.request_id,
                             finish_reason=common_pb2.FINISH_REASON_ERROR,
-                            error=self.error_next_submit,
+                            error=detail,
+                            error_code=errors.code_value(code),
                         )
                         self.error_next_submit = ""
                         pending.append(engine_pb2.StepEntry(final=final))
                     else:
-                        running[message.submit.request_id] = _Running(message.submit)
+                        running[message.submit.request_id] = _Running(self._filled(message.submit))
                 else:
                     request_id = message.abort.request_id
                     self.aborts.append(request_id)

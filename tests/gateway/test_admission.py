@@ -168,10 +168,12 @@ async def test_api_keys_on_grpc(make_gateway: MakeGateway) -> None:
 async def test_a_prompt_past_the_context_length_is_refused_before_it_is_hashed(
     make_gateway: MakeGateway, upstreams: FakeUpstreams, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Routing hashes a prompt's blocks on the event loop: a prompt longer than the model's context
-    length (the fake's 4096) is refused before any block is hashed, and one within it hashes at most
-    the context length's blocks."""
+    """Routing hashes a prompt's blocks on the event loop: a prompt that leaves the model's context
+    (4096 here) no room for a token is refused before any block is hashed, by the engine's own rule
+    (prompt < context), and one within it hashes at most the context length's blocks."""
     second = await start_upstreams()
+    upstreams.tokenizer.context_length = 4096
+    upstreams.engine.max_model_len = second.engine.max_model_len = 4096
     report = engine_pb2.EngineReport(
         snapshot=True, prefix_caching=True, load=engine_pb2.EngineLoad(block_size=16)
     )
@@ -197,6 +199,7 @@ async def test_a_prompt_past_the_context_length_is_refused_before_it_is_hashed(
                 while len(engines.picker._views) < 2:
                     await asyncio.sleep(0.01)
             big = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * (1 << 20)})
+            full = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 4095})  # + bos
             assert hashed == []
             fits = await http.post(
                 "/v1/completions", json={"model": MODEL, "prompt": "b" * 4000, "max_tokens": 2}
@@ -204,6 +207,7 @@ async def test_a_prompt_past_the_context_length_is_refused_before_it_is_hashed(
     finally:
         await second.stop()
     assert big.status_code == 400, big.text
-    assert "more than the 4096 allowed" in big.json()["error"]["message"]
+    assert "more than the 4095 allowed (the context length is 4096" in big.json()["error"]["message"]
+    assert full.status_code == 400 and "the prompt has 4096 tokens" in full.json()["error"]["message"]
     assert fits.status_code == 200, fits.text
     assert hashed and max(hashed) <= 4096 // 16

@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from gateway.chat_output import ChatOutput
-from gateway.tool_calls import ParsedDelta, merge
+from gateway.tool_parsers.base import ParsedDelta, merge
 
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": [1, "</think>"]}}\n</tool_call>'
 TEXTS = [

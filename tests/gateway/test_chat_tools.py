@@ -16,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.server import GatewayHandle, create_server
+from gateway.tool_parsers import PARSERS
 from services.tokenizer.server import create_server as create_tokenizer
 from services.tokenizer.settings import TokenizerSettings
 from tests.gateway.conftest import WAIT_S, gateway_settings
@@ -156,6 +157,31 @@ async def test_a_required_call_is_the_engines_grammar(
     structured = upstreams.engine.submits[-1].sampling.structured
     assert structured.kind == "grammar"
     assert [n for n in ("get_weather", "get_time") if f'\\"name\\": \\"{n}\\"' in structured.text] == names
+
+
+@pytest.mark.parametrize("parser", sorted(PARSERS))
+async def test_a_required_call_is_written_in_the_format_the_parser_reads(
+    make_gateway: Make,
+    upstreams: FakeUpstreams,
+    client_for: Callable[[GatewayHandle], openai.AsyncOpenAI],
+    parser: str,
+) -> None:
+    """With `--tool-call-parser llama3_json` (or any other), `tool_choice: required` constrains the
+    engine to that format's calls, not hermes' `<tool_call>` blocks, which the llama3_json parser would
+    read as content: the call the grammar makes the model write comes back as a tool call."""
+    fmt = PARSERS[parser]
+    server = await make_gateway(tool_call_parser=parser)
+    arguments = '{"city": "Paris"}'
+    written = fmt.CALLS_OPEN + fmt.CALL_OPEN.format(name="get_weather") + arguments + fmt.CALL_CLOSE
+    script(upstreams, written + fmt.CALLS_CLOSE)
+    reply = await chat(client_for(server), tools=TOOLS, tool_choice="required")
+    grammar = upstreams.engine.submits[-1].sampling.structured.text
+    assert json.dumps(fmt.CALL_OPEN.format(name="get_weather")) in grammar
+    assert ("<tool_call>" in grammar) == (parser == "hermes")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
 
 
 async def test_tool_choice_none_renders_the_tools_and_reads_no_calls(

@@ -16,7 +16,8 @@ import pytest
 
 from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
-from gateway.tool_calls import tool_request
+from gateway.tool_parsers.hermes import HermesToolCalls
+from gateway.tools import tool_request
 from services.detokenizer.server import create_server as create_detokenizer
 from services.detokenizer.settings import DetokenizerSettings
 from services.engine.server import create_server as create_engine
@@ -105,7 +106,7 @@ def arguments_schema(parameters: dict[str, Any], *, strict: bool = False) -> dic
     function = {"name": "f", "parameters": parameters, "strict": strict}
     tools = tool_request({"tools": [{"type": "function", "function": function}], "tool_choice": "required"})
     assert tools is not None
-    grammar = tools.grammar()
+    grammar = tools.grammar(HermesToolCalls)
     assert grammar is not None
     return json.loads(grammar[1].split(" %json ")[1].rsplit(" ", 1)[0])
 

@@ -21,7 +21,7 @@ import pytest
 from tokenizers import Tokenizer
 from websockets.asyncio.client import connect
 
-from gateway import openai_api
+from gateway import openai_protocol
 from gateway.server import GatewayHandle
 from gateway.structured import structured_output
 from services.common.constraints import MAX_CONSTRAINT_CHARS, MAX_ROW_ITEMS, schema_row_items
@@ -98,7 +98,7 @@ def test_the_limit_follows_the_parser(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize("schema", [schema for schema, _ in TOO_WIDE])
 def test_schemas_too_wide_are_refused_naming_the_field(schema: dict[str, Any]) -> None:
     body = {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
-    with pytest.raises(openai_api.ParamError, match=f"more than the {MAX_ROW_ITEMS} allowed") as caught:
+    with pytest.raises(openai_protocol.ParamError, match=f"more than the {MAX_ROW_ITEMS} allowed") as caught:
         structured_output(body)
     assert caught.value.param == "response_format.json_schema.schema"
 
@@ -234,20 +234,20 @@ async def test_a_large_tools_body_is_validated_off_the_event_loop(
     (and this test: the other request could not be served until the hold times out)."""
     holding, release = threading.Event(), threading.Event()
     served_meanwhile: list[bool] = []
-    validate = openai_api.tool_request
+    validate = openai_protocol.tool_request
 
     def held(body: dict[str, Any]) -> Any:
         holding.set()
         served_meanwhile.append(release.wait(WAIT_S))
         return validate(body)
 
-    monkeypatch.setattr(openai_api, "tool_request", held)
+    monkeypatch.setattr(openai_protocol, "tool_request", held)
     server = await make_gateway()
     big = asyncio.ensure_future(post(server, {"tools": big_tools(16, 120), "max_tokens": 2}))
     async with asyncio.timeout(WAIT_S):
         while not holding.is_set():
             await asyncio.sleep(0.01)
-    monkeypatch.setattr(openai_api, "tool_request", validate)
+    monkeypatch.setattr(openai_protocol, "tool_request", validate)
     other = await post(server, {"max_tokens": 3})
     release.set()
     assert other.status_code == 200, other.text

@@ -81,7 +81,7 @@ def check_valid(sampling: common_pb2.SamplingParams, stopping: common_pb2.Stoppi
     assert penalty == 0 or params.MIN_REPETITION_PENALTY <= round(penalty, 6) <= params.MAX_REPETITION_PENALTY
     assert 0 <= stopping.max_new_tokens <= params.MAX_INT32  # 0: the rest of the context
     assert 0 <= stopping.min_new_tokens <= (stopping.max_new_tokens or params.MAX_INT32)
-    assert len(sampling.logit_bias) <= params.MAX_LOGIT_BIAS
+    assert len(sampling.logit_bias) <= params.MAX_LOGIT_BIAS_ENTRIES
     assert all(0 <= t <= params.MAX_INT32 and -100 <= b <= 100 for t, b in sampling.logit_bias.items())
     assert len(stopping.stop) <= params.MAX_STOP_STRINGS
     assert all(0 < len(s) <= params.MAX_STOP_CHARS for s in stopping.stop)
@@ -105,7 +105,7 @@ def test_validator_gives_valid_params_or_a_param_error(values: dict[str, Any]) -
     document = {"params": values}
     try:
         params.check_text(document)  # as every API does with the whole document first
-        sampling, stopping = params.generation_params(values, SETTINGS, where="params.")
+        sampling, stopping = params.generation_params(values, SETTINGS.default_temperature, where="params.")
     except params.ParamError as exc:
         check_refusal(exc, set(values) | {"params"}, "params.")
         return
@@ -124,7 +124,7 @@ def test_validator_takes_any_json_values(document: dict[str, Any]) -> None:
     try:
         values = params.parse_json(raw)
         params.check_text(values)
-        sampling, stopping = params.generation_params(values, SETTINGS)
+        sampling, stopping = params.generation_params(values, SETTINGS.default_temperature)
     except params.ParamError as exc:
         check_refusal(exc, set(document), "")
         return
@@ -169,7 +169,7 @@ def test_grpc_requests_give_valid_params_or_a_param_error(
     for role in chat_roles:  # any role turns the request into a chat
         request.chat.messages.add(role=role, content="x")
     try:
-        inp = grpc_api.generation_input(request, SETTINGS)
+        inp = grpc_api.generation_input(request)
     except params.ParamError as exc:
         assert isinstance(exc.message, str) and exc.message
         return

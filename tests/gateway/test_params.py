@@ -106,7 +106,7 @@ async def test_out_of_range_values_are_refused_alike_on_every_api(
 
 def test_limits_are_inclusive() -> None:
     values = {"temperature": 2, "stop": ["y" * params.MAX_STOP_CHARS] * params.MAX_STOP_STRINGS}
-    sampling, stopping = params.generation_params(values, GatewaySettings())
+    sampling, stopping = params.generation_params(values, GatewaySettings().default_temperature)
     assert sampling.temperature == 2.0 and len(stopping.stop) == params.MAX_STOP_STRINGS
     assert stopping.stop[0] == "y" * params.MAX_STOP_CHARS
 
@@ -192,11 +192,11 @@ def test_the_readme_documents_exactly_the_accepted_extensions() -> None:
 
 
 def test_stop_token_ids_are_checked_and_kept_in_order() -> None:
-    _, stopping = params.generation_params({"stop_token_ids": [0, 2**31 - 1, 3]}, GatewaySettings())
+    _, stopping = params.generation_params({"stop_token_ids": [0, 2**31 - 1, 3]}, 1.0)
     assert list(stopping.stop_token_ids) == [0, 2**31 - 1, 3]
     for bad in ([1.0], [True], [2**31], "7", {"a": 1}):
         with pytest.raises(params.ParamError) as caught:
-            params.generation_params({"stop_token_ids": bad}, GatewaySettings(), where="params.")
+            params.generation_params({"stop_token_ids": bad}, 1.0, where="params.")
         assert caught.value.param == "params.stop_token_ids"
 
 
@@ -218,11 +218,11 @@ async def test_a_tiny_top_p_is_not_read_as_off(
     assert upstreams.engine.submits[-1].sampling.top_p > 0  # float32 0 would be off: the whole nucleus
 
 
-def test_the_default_max_tokens_is_the_rest_of_the_context() -> None:
-    assert params.generation_params({}, GatewaySettings())[1].max_new_tokens == 0  # decided after tokenizing
-    assert params.max_new_tokens(0, prompt_tokens=10, max_model_len=64) == 54
-    assert params.max_new_tokens(3, prompt_tokens=10, max_model_len=64) == 3
-    assert params.max_new_tokens(0, prompt_tokens=64, max_model_len=64) == 1  # the engine refuses the prompt
+def test_the_default_max_tokens_is_0_on_the_wire() -> None:
+    """Unset max tokens go to the engine as 0: the engine, which owns the context limit, fills the rest
+    of the context (`test_an_unset_max_tokens_reaches_the_engine_as_0`)."""
+    assert params.generation_params({}, 1.0)[1].max_new_tokens == 0
+    assert params.generation_params({"max_tokens": 3}, 1.0)[1].max_new_tokens == 3
 
 
 def test_logprobs_above_the_limit_are_refused() -> None:

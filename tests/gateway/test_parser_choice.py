@@ -12,7 +12,9 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.tool_parsers import ChatParsers, chosen, infer_parser
+from gateway.chat_output import ChatParsers, chosen
+from gateway.choices import TOOL_CALL_PARSERS
+from gateway.tool_parsers import PARSERS, infer_parser
 from tests.gateway.fakes import FakeUpstreams
 from tests.gateway.test_chat_tools import TOOLS, Make, chat, script
 from tests.gateway.test_chat_tools import client_for as openai_clients
@@ -172,3 +174,9 @@ async def test_the_detokenizer_is_asked_to_keep_the_marks(
     assert list(upstreams.detokenizer.starts[-1].keep_special_ids) == [5, 6]
     await chat(client_for(server))  # no tools: nothing to keep
     assert list(upstreams.detokenizer.starts[-1].keep_special_ids) == []
+
+
+def test_the_settings_accept_the_formats_by_their_names() -> None:
+    """`--tool-call-parser` takes auto or the name of one format's class, and each class is named once."""
+    assert ("auto", *PARSERS) == TOOL_CALL_PARSERS
+    assert all(name == cls.NAME for name, cls in PARSERS.items())

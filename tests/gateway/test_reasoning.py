@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.reasoning import ReasoningDelta, ReasoningStream, opens_reasoning
-from gateway.tool_calls import ToolCall, merge
 from gateway.tool_parsers import tool_call_stream
+from gateway.tool_parsers.base import ToolCall, merge
 
 CASES: list[tuple[str, bool, str, str]] = [
     ("plain answer", False, "", "plain answer"),

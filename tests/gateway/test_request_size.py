@@ -81,14 +81,12 @@ async def test_generations_without_max_tokens_count_the_whole_context(
 
 
 async def test_a_max_tokens_past_the_context_counts_as_the_context() -> None:
-    settings = GatewaySettings(max_request_tokens=200)
-
     async def context() -> int:
         return 64
 
-    await params.check_request_tokens([10**6] * 3, settings, context)  # 3 contexts: 192 tokens
+    await params.check_request_tokens([10**6] * 3, 200, context)  # 3 contexts: 192 tokens
     with pytest.raises(ParamError, match="up to 256 tokens over its 4 generation"):
-        await params.check_request_tokens([10**6] * 4, settings, context)
+        await params.check_request_tokens([10**6] * 4, 200, context)
 
 
 async def test_the_token_cap_on_chat_completions(make_gateway: MakeGateway, upstreams: FakeUpstreams) -> None:

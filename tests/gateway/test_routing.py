@@ -211,6 +211,8 @@ async def test_a_prompt_sharing_a_long_prefix_goes_to_the_replica_that_reported_
     two: tuple[FakeUpstreams, FakeUpstreams],
 ) -> None:
     first, second = two
+    for upstreams in two:  # a context that holds the prompts
+        upstreams.tokenizer.context_length = upstreams.engine.max_model_len = 4096
     context = "You are a helpful assistant for the tenant acme. " * 4
     second.engine.report = report(prompt_keys(encode(context), BLOCK))
     first.engine.report = report([])

@@ -331,13 +331,15 @@ async def test_models_carry_the_context_length(http: httpx.AsyncClient) -> None:
     assert (card["id"], card["max_model_len"]) == (MODEL, 64)
 
 
-async def test_the_default_max_tokens_is_the_rest_of_the_context(
+async def test_an_unset_max_tokens_reaches_the_engine_as_0(
     client: openai.AsyncOpenAI, upstreams: FakeUpstreams
 ) -> None:
+    """The engine owns the context limit: an unset max tokens goes to it as 0, which it fills with the
+    rest of its context (the fake does as the engine does)."""
     reply = await client.completions.create(model=MODEL, prompt="abcd")
     assert reply.usage is not None
     assert reply.usage.completion_tokens == upstreams.engine.max_model_len - len(encode("abcd"))
-    assert upstreams.engine.submits[-1].stopping.max_new_tokens == reply.usage.completion_tokens
+    assert upstreams.engine.submits[-1].stopping.max_new_tokens == 0
 
 
 # ----- X-Request-Id

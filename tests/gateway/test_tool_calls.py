@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from gateway.params import ParamError, history_tool_calls
-from gateway.tool_calls import (
+from gateway.tool_parsers import PARSERS, infer_parser, tool_call_stream
+from gateway.tool_parsers.base import (
     ParsedDelta,
     ToolCall,
     ToolCallDelta,
@@ -28,9 +29,9 @@ from gateway.tool_calls import (
     finish_reason,
     merge,
     new_call_id,
-    tool_request,
 )
-from gateway.tool_parsers import PARSERS, infer_parser, tool_call_stream
+from gateway.tool_parsers.hermes import HermesToolCalls
+from gateway.tools import tool_request
 from services.tokenizer.core import TokenizerCore, chat_message
 from sluice.model.tokenizer import CHAT_TEMPLATE
 
@@ -366,9 +367,11 @@ def test_tool_request_defaults() -> None:
         True,
     )
     assert json.loads(request.tools_json()) == [WEATHER, NOW]
-    assert request.grammar() is None
+    assert request.grammar(HermesToolCalls) is None
     off = tool_request({"tools": [NOW], "tool_choice": "none", "parallel_tool_calls": False})
-    assert off is not None and not off.parses_calls and not off.parallel and off.grammar() is None
+    assert off is not None and not off.parses_calls and not off.parallel
+    assert off.grammar(HermesToolCalls) is None
+    assert off.grammar(HermesToolCalls) is None
     named = tool_request(
         {"tools": [WEATHER, NOW], "tool_choice": {"type": "function", "function": {"name": "now"}}}
     )
@@ -625,6 +628,7 @@ def test_strict_tools_refuse_keywords_the_grammar_cannot_enforce(strict: bool) -
         "tool_choice": "required",
     }
     request = tool_request(body)
-    assert request is not None and request.grammar() is not None
-    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", request.grammar()[1]))
+    grammar = request.grammar(HermesToolCalls) if request is not None else None
+    assert grammar is not None
+    error = llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", grammar[1]))
     assert ("uniqueItems" in error) if strict else error == ""

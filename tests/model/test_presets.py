@@ -11,7 +11,7 @@ import torch
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from sluice.bench.engine_driver import kv_bytes_per_token
-from sluice.bench.engine_report import decode_roofline, device_bandwidth, hbm_gbps, weight_bytes_per_step
+from sluice.bench.engine_methods import decode_roofline, device_bandwidth, hbm_gbps, weight_bytes_per_step
 from sluice.model import presets
 from sluice.model.presets import PRESETS, count_parameters, preset_config, write_random_model
 

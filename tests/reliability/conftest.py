@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
-from sluice.launcher import default_engine_threads
+from sluice.plan import default_engine_threads
 
 SERVICES = ("gateway", "tokenizer", "engine", "detokenizer")
 WAIT_S = 30.0  # upper bound on one wait for a reply; replies normally come in milliseconds

@@ -668,7 +668,8 @@ async def engine_bad_submit_then_good(stack: RealStack) -> None:
         stream.send(submit("good", [5, 6]))
         finals = await engine_finals(stream, {"bad", "good"})
         assert finals["bad"].finish_reason == common_pb2.FINISH_REASON_ERROR
-        assert finals["bad"].error.startswith("invalid_argument: ") and "vocabulary" in finals["bad"].error
+        assert finals["bad"].error_code == common_pb2.ERROR_CODE_INVALID_ARGUMENT
+        assert "vocabulary" in finals["bad"].error
         assert finals["good"].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert finals["good"].usage.completion_tokens == 3
         assert await stream.close() == grpc.StatusCode.OK

@@ -14,11 +14,24 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_ARGUMENT: _ClassVar[ErrorCode]
+    ERROR_CODE_DEADLINE_EXCEEDED: _ClassVar[ErrorCode]
+    ERROR_CODE_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_ERROR: FinishReason
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_INVALID_ARGUMENT: ErrorCode
+ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode
+ERROR_CODE_UNAVAILABLE: ErrorCode
+ERROR_CODE_INTERNAL: ErrorCode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs", "structured", "logit_bias", "prompt_logprobs")

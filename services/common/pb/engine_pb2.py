@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb import common_pb2 as sluice_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/engine.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.sluice.v1.StoppingParams\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.sluice.v1.GenerateRequest.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"c\n\x08\x45ngineIn\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12!\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x10.sluice.v1.AbortH\x00\x42\x06\n\x04kind\"\x90\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"\x82\x01\n\x0cRequestFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.sluice.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"e\n\tStepEntry\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.sluice.v1.RequestFinalH\x00\x42\x06\n\x04kind\"o\n\tEngineOut\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.sluice.v1.StepEntry\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\'\n\x06report\x18\x03 \x01(\x0b\x32\x17.sluice.v1.EngineReport\"\x91\x01\n\nEngineLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\"~\n\x0c\x45ngineReport\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x16\n\x0eprefix_caching\x18\x05 \x01(\x08\"l\n\x10GenerateResponse\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.sluice.v1.RequestFinalH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xa3\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r2\xc4\x01\n\x06\x45ngine\x12\x37\n\x06Stream\x12\x13.sluice.v1.EngineIn\x1a\x14.sluice.v1.EngineOut(\x01\x30\x01\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.sluice.v1.StatsRequest\x1a\x18.sluice.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16sluice/v1/engine.proto\x12\tsluice.v1\x1a\x16sluice/v1/common.proto\"\xa1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.sluice.v1.SamplingParams\x12+\n\x08stopping\x18\x04 \x01(\x0b\x32\x19.sluice.v1.StoppingParams\x12\x43\n\rtrace_context\x18\x05 \x03(\x0b\x32,.sluice.v1.GenerateRequest.TraceContextEntry\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1b\n\x05\x41\x62ort\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"c\n\x08\x45ngineIn\x12,\n\x06submit\x18\x01 \x01(\x0b\x32\x1a.sluice.v1.GenerateRequestH\x00\x12!\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x10.sluice.v1.AbortH\x00\x42\x06\n\x04kind\"\x90\x01\n\nTokenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x17.sluice.v1.TokenLogprob\"\xac\x01\n\x0cRequestFinal\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x17.sluice.v1.FinishReason\x12\x1f\n\x05usage\x18\x03 \x01(\x0b\x32\x10.sluice.v1.Usage\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12(\n\nerror_code\x18\x05 \x01(\x0e\x32\x14.sluice.v1.ErrorCode\"e\n\tStepEntry\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.sluice.v1.RequestFinalH\x00\x42\x06\n\x04kind\"o\n\tEngineOut\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.sluice.v1.StepEntry\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\'\n\x06report\x18\x03 \x01(\x0b\x32\x17.sluice.v1.EngineReport\"\x91\x01\n\nEngineLoad\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x1c\n\x14queued_prompt_tokens\x18\x05 \x01(\x04\x12\x12\n\nblock_size\x18\x06 \x01(\r\"~\n\x0c\x45ngineReport\x12#\n\x04load\x18\x01 \x01(\x0b\x32\x15.sluice.v1.EngineLoad\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\x12\x0e\n\x06stored\x18\x03 \x03(\x0c\x12\x0f\n\x07removed\x18\x04 \x03(\x0c\x12\x16\n\x0eprefix_caching\x18\x05 \x01(\x08\"l\n\x10GenerateResponse\x12&\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x15.sluice.v1.TokenChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.sluice.v1.RequestFinalH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xa3\x01\n\rStatsResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05steps\x18\x06 \x01(\x04\x12\r\n\x05model\x18\x07 \x01(\t\x12\x15\n\rmax_model_len\x18\x08 \x01(\r2\xc4\x01\n\x06\x45ngine\x12\x37\n\x06Stream\x12\x13.sluice.v1.EngineIn\x1a\x14.sluice.v1.EngineOut(\x01\x30\x01\x12\x45\n\x08Generate\x12\x1a.sluice.v1.GenerateRequest\x1a\x1b.sluice.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.sluice.v1.StatsRequest\x1a\x18.sluice.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,21 +45,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_start=484
   _globals['_TOKENCHUNK']._serialized_end=628
   _globals['_REQUESTFINAL']._serialized_start=631
-  _globals['_REQUESTFINAL']._serialized_end=761
-  _globals['_STEPENTRY']._serialized_start=763
-  _globals['_STEPENTRY']._serialized_end=864
-  _globals['_ENGINEOUT']._serialized_start=866
-  _globals['_ENGINEOUT']._serialized_end=977
-  _globals['_ENGINELOAD']._serialized_start=980
-  _globals['_ENGINELOAD']._serialized_end=1125
-  _globals['_ENGINEREPORT']._serialized_start=1127
-  _globals['_ENGINEREPORT']._serialized_end=1253
-  _globals['_GENERATERESPONSE']._serialized_start=1255
-  _globals['_GENERATERESPONSE']._serialized_end=1363
-  _globals['_STATSREQUEST']._serialized_start=1365
-  _globals['_STATSREQUEST']._serialized_end=1379
-  _globals['_STATSRESPONSE']._serialized_start=1382
-  _globals['_STATSRESPONSE']._serialized_end=1545
-  _globals['_ENGINE']._serialized_start=1548
-  _globals['_ENGINE']._serialized_end=1744
+  _globals['_REQUESTFINAL']._serialized_end=803
+  _globals['_STEPENTRY']._serialized_start=805
+  _globals['_STEPENTRY']._serialized_end=906
+  _globals['_ENGINEOUT']._serialized_start=908
+  _globals['_ENGINEOUT']._serialized_end=1019
+  _globals['_ENGINELOAD']._serialized_start=1022
+  _globals['_ENGINELOAD']._serialized_end=1167
+  _globals['_ENGINEREPORT']._serialized_start=1169
+  _globals['_ENGINEREPORT']._serialized_end=1295
+  _globals['_GENERATERESPONSE']._serialized_start=1297
+  _globals['_GENERATERESPONSE']._serialized_end=1405
+  _globals['_STATSREQUEST']._serialized_start=1407
+  _globals['_STATSREQUEST']._serialized_end=1421
+  _globals['_STATSRESPONSE']._serialized_start=1424
+  _globals['_STATSRESPONSE']._serialized_end=1587
+  _globals['_ENGINE']._serialized_start=1590
+  _globals['_ENGINE']._serialized_end=1786
 # @@protoc_insertion_point(module_scope)

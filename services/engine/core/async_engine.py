@@ -1,47 +1,15 @@
 """AsyncEngine: the engine's step loop on its own thread, with asyncio-facing callers.
 
-The loop thread owns the `LLMEngine`: it applies queued submits and aborts, runs `step()`, and
-hands outputs to their callers; it sleeps on a condition when there is nothing to do, and while a
-dynamic or static batch forms (`LLMEngine.idle_s`), so that a submit or an abort wakes it at once. The
-event loop never runs the model.
-
-`AsyncEngine.build(factory)` also constructs the engine on that thread, so that every torch operation of
-the process runs on one thread. On CPU this matters: torch's OpenMP runtime (libgomp) keeps one worker
-pool per thread that runs parallel work, and once the process has more pool threads than cores, its
-workers stop spinning and sleep at every barrier. A model loaded on one thread and stepped on another
-made two pools, and on 2 cores the step thread then stood waiting for its woken worker about 45% of
-the time (measured with per-thread CPU times: 5.2 s on CPU in 9.8 s of stepping).
-
-A `Caller` is one consumer (a multiplexed gRPC stream or one `Generate` call). Its outputs are
-coalesced per request in a single slot: a reader that falls behind gets several steps' tokens merged
-into one `RequestOutput`, never a growing queue. `await caller.get()` returns everything pending for
-all of the caller's requests at once, so a stream sends one message per step (or fewer).
-
-Request ids are scoped per caller; inside the engine a request is known as `<caller key>/<id>`.
-
-A `ReportFeed` is one consumer's view of the engine's load and prefix cache: it opens with a snapshot
-of every cached block hash, taken on the loop thread between steps, and then gets, after each step, the
-cache changes (`BlockManager.take_events`) and the new load, merged until the consumer takes them: a
-consumer that applies the snapshot and then every report in order knows the cache exactly.
-
-With async scheduling (services/engine/core/engine.py) a step's outputs are those of the step launched before
-it; the loop keeps stepping while a launched step is unread (`LLMEngine.has_unfinished_requests`), and
-aborts applied between steps take effect at the next one.
-
-A step that raises fails the engine's requests and the loop goes on (outputs it produced before are
-delivered). A step that fails `max_step_failures` times in a row (EngineSettings: the step itself is
-broken, not one request) counts as a failure of the loop. If the loop itself fails (that, failing a
-broken step's requests raised too, or `inject_fault`), it ends every caller's requests with an
-`unavailable` error final at once and recovers in-process: the `on_recovery` callbacks learn it failed
-(the server turns NOT_SERVING), submits meanwhile are refused `unavailable`, `LLMEngine.reset` rebuilds
-the request state over the loaded model (every KV block free, the prefix cache dropped), every report
-feed gets a new snapshot (an empty cache: a gateway mirroring it forgets every key; a feed opened
-meanwhile gets its first one), the loop starts again and the callbacks learn it serves (SERVING again).
-The count of failed steps survives the rebuild: a step still broken after it fails the loop again at its
-first failure. Callers stay open. The budget: `loop_recoveries` recoveries within
-`loop_recovery_window_s` (EngineSettings). One failure more, a rebuild that raises, or a failure that is
-not an `Exception`, is for good: later submits are refused `unavailable` and the `on_fatal` callbacks
-run (the server marks itself NOT_SERVING for good, for its supervisor to restart it).
+The loop thread owns the `LLMEngine` (`build` constructs it there too: on CPU, one thread for every torch
+operation keeps one OpenMP pool): it applies queued submits and aborts between steps, runs `step()`, hands
+outputs to their callers and publishes the routing reports (services/engine/core/reports.py); it sleeps
+while there is nothing to do or a batch forms. A `Caller` (a gRPC stream or one `Generate`) validates a
+request once, on its event loop (`LLMEngine.make_request`); the loop adds it (`LLMEngine.add`: the
+duplicate-id check). Outputs are coalesced per request in one slot (never a growing queue); request ids
+are scoped per caller (`<caller key>/<id>` inside). A step that raises fails the engine's requests and the
+loop goes on; a failure of the loop itself (or `max_step_failures` in a row) ends every caller's requests
+`unavailable` and rebuilds in-process (`LLMEngine.reset`, an empty snapshot on every feed) within
+`loop_recoveries` per `loop_recovery_window_s`; past that, for good (`on_fatal`).
 """
 
 from __future__ import annotations
@@ -56,9 +24,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE, error_message
+from services.common.errors import INVALID_ARGUMENT, UNAVAILABLE
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.reports import ReportFeed, Reports
+from services.engine.core.request import Request
 from services.engine.core.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -68,109 +38,13 @@ THREAD_NAME = "engine-loop"
 
 @dataclass
 class _Submit:
-    engine_id: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    stopping: StoppingParams
+    request: Request  # validated (`LLMEngine.make_request`)
     trace_context: Mapping[str, str] | None
-    deadline: float | None
 
 
 @dataclass
 class _Abort:
     engine_id: str
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """The engine's load after a step (all callers together)."""
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    queued_prompt_tokens: int  # prompt tokens not yet computed, waiting and part-prefilled requests
-    block_size: int
-    prefix_caching: bool
-
-
-@dataclass
-class Report:
-    """What a `ReportFeed` hands out: the load, and the cache changes since the previous report
-    (`snapshot`: `stored` is the whole cache). A hash is in at most one of `stored` and `removed`."""
-
-    load: EngineLoad
-    snapshot: bool
-    stored: list[bytes]
-    removed: list[bytes]
-
-
-class ReportFeed:
-    """Load and prefix-cache reports for one consumer (see the module docstring). Use `next()` from one
-    event loop; `close()` detaches it."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._snapshot: list[bytes] | None = None
-        self._changes: dict[bytes, bool] = {}
-        self._load: EngineLoad | None = None
-        self._sent_load: EngineLoad | None = None
-        self._event = asyncio.Event()
-        self.closed = False
-
-    async def next(self) -> Report:
-        """Waits until the load or the cache changed since the previous report (the first report: the
-        snapshot) and returns the change."""
-        while True:
-            self._event.clear()
-            with self._lock:
-                report = self._take()
-            if report is not None:
-                return report
-            await self._event.wait()
-
-    def close(self) -> None:
-        self.closed = True
-
-    def _take(self) -> Report | None:
-        load = self._load
-        if load is None:
-            return None
-        if self._snapshot is not None:
-            # Changes published after the snapshot was taken stay queued for the next report.
-            stored, self._snapshot = self._snapshot, None
-            self._sent_load = load
-            return Report(load, True, stored, [])
-        if not self._changes and load == self._sent_load:
-            return None
-        changes, self._changes = self._changes, {}
-        self._sent_load = load
-        stored = [h for h, kept in changes.items() if kept]
-        removed = [h for h, kept in changes.items() if not kept]
-        return Report(load, False, stored, removed)
-
-    # ---- called on the loop thread -------------------------------------------------------------
-
-    def _start(self, cached: list[bytes], load: EngineLoad) -> None:
-        with self._lock:
-            self._snapshot, self._load = cached, load
-            self._changes.clear()  # everything before the snapshot is in it
-        self._wake()
-
-    def _publish(self, changes: dict[bytes, bool], load: EngineLoad) -> None:
-        with self._lock:
-            if self._load is None:
-                return
-            self._changes.update(changes)
-            self._load = load
-        self._wake()
-
-    def _wake(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._event.set)
-        except RuntimeError:  # the consumer's event loop is gone
-            self.closed = True
 
 
 @dataclass
@@ -180,8 +54,7 @@ class _Subscribe:
 
 def error_final(request_id: str, error_class: str, detail: str) -> RequestOutput:
     """The final output of a request that ends with an error before or outside the engine's steps."""
-    message = error_message(error_class, detail)
-    return RequestOutput(request_id, [], None, True, "error", 0, 0, error=message)
+    return RequestOutput(request_id, [], None, True, "error", 0, 0, error=detail, error_code=error_class)
 
 
 class Caller:
@@ -218,11 +91,10 @@ class Caller:
             raise ValueError("request_id must not be empty")
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        engine_id = self._engine_id(request_id)
-        self._engine.engine.validate_request(engine_id, prompt_ids, sampling, stopping)
+        engine = self._engine.engine
+        request = engine.make_request(self._engine_id(request_id), prompt_ids, sampling, stopping, deadline)
         self._in_flight.add(request_id)
-        submit = _Submit(engine_id, list(prompt_ids), sampling, stopping, trace_context, deadline)
-        self._engine._post(submit, self, request_id)
+        self._engine._post(_Submit(request, trace_context), self, request_id)
 
     def reject(self, request_id: str, message: str) -> None:
         """Reports a bad submit as a final output with finish_reason "error", class `invalid_argument`
@@ -305,8 +177,7 @@ class AsyncEngine:
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: list[tuple[_Submit | _Abort | _Subscribe, Caller | None, str]] = []
-        self._feeds: list[ReportFeed] = []
-        self._last_load: EngineLoad | None = None
+        self._reports = Reports()
         engine.block_manager.track_events = True
         self._owners: dict[str, tuple[Caller, str]] = {}  # engine id → (caller, caller's request id)
         self._keys = itertools.count()
@@ -329,7 +200,11 @@ class AsyncEngine:
     @classmethod
     async def build(cls, factory: Callable[[], LLMEngine]) -> AsyncEngine:
         """Calls `factory()` on a new thread and runs the loop on that same thread; returns once the
-        engine is built (the loop is running). An exception from `factory` is raised here."""
+        engine is built (the loop is running). An exception from `factory` is raised here. On CPU this
+        matters: torch's OpenMP runtime keeps one worker pool per thread that runs parallel work, and with
+        more pool threads than cores its workers sleep at every barrier; a model loaded on one thread and
+        stepped on another left the step thread waiting for its woken worker about 45% of the time on 2
+        cores (5.2 s on CPU in 9.8 s of stepping)."""
         loop = asyncio.get_running_loop()
         built: asyncio.Future[AsyncEngine] = loop.create_future()
 
@@ -450,7 +325,7 @@ class AsyncEngine:
                 outputs = self.engine.fail_all(f"internal error in engine step: {exc}")  # may raise: fatal
             self._stats = self.engine.stats()  # before the outputs: a caller that saw them sees these figures
             self._dispatch(outputs)  # outputs already produced are delivered, even by a broken step
-            self._report()
+            self._reports.publish(self.engine)
             if self.engine.step_broken:  # the step fails every time: rebuild, as after a loop failure
                 failed = self.engine.failed_steps_in_a_row
                 raise RuntimeError(f"{failed} engine steps failed in a row: {self.engine.last_step_error}")
@@ -470,52 +345,15 @@ class AsyncEngine:
             self.engine.abort_request(command.engine_id)
             return
         if isinstance(command, _Subscribe):
-            # Between steps: every change before now was taken by the previous `_report`.
-            command.feed._start(list(self.engine.block_manager.cached), self._load())
-            self._feeds.append(command.feed)
+            self._reports.subscribe(command.feed, self.engine)  # between steps
             return
         assert caller is not None
         try:
-            self.engine.add_request(
-                command.engine_id,
-                command.prompt_ids,
-                command.sampling,
-                command.stopping,
-                trace_context=command.trace_context,
-                deadline=command.deadline,
-            )
-        except ValueError as exc:
+            self.engine.add(command.request, trace_context=command.trace_context)
+        except ValueError as exc:  # an id already in flight
             caller._deliver([(request_id, error_final(request_id, INVALID_ARGUMENT, str(exc)))])
             return
-        self._owners[command.engine_id] = (caller, request_id)
-
-    def _load(self) -> EngineLoad:
-        engine = self.engine
-        scheduler, bm = engine.scheduler, engine.block_manager
-        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
-        queued += sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in scheduler.running)
-        return EngineLoad(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            kv_blocks_used=bm.num_blocks - bm.num_free_blocks,
-            kv_blocks_total=bm.num_blocks,
-            queued_prompt_tokens=queued,
-            block_size=bm.block_size,
-            prefix_caching=bm.enable_prefix_caching,
-        )
-
-    def _report(self) -> None:
-        """Hands the step's cache changes and the load to every open feed."""
-        changes = self.engine.block_manager.take_events()
-        if not self._feeds:
-            return
-        load = self._load()
-        if not changes and load == self._last_load:
-            return
-        self._last_load = load
-        self._feeds = [feed for feed in self._feeds if not feed.closed]
-        for feed in self._feeds:
-            feed._publish(changes, load)
+        self._owners[command.request.request_id] = (caller, request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hands one step's outputs to their callers: one delivery per caller per step."""
@@ -534,7 +372,9 @@ class AsyncEngine:
     def _recover(self, reason: str) -> bool:
         """After the loop failed with `reason`: within the budget, ends every caller's requests
         `unavailable`, rebuilds the engine's request state and hands every feed a new snapshot (True:
-        serve again); beyond it, or when the rebuild raises, fails for good (`_fail_callers`, False)."""
+        serve again); beyond it, or when the rebuild raises, fails for good (`_fail_callers`, False).
+        Meanwhile submits are refused `unavailable` and callers stay open; the count of failed steps
+        survives the rebuild (a step still broken fails the loop again at its first failure)."""
         settings = self.engine.settings
         window_s, budget = settings.loop_recovery_window_s, settings.loop_recoveries
         now = time.monotonic()
@@ -554,13 +394,9 @@ class AsyncEngine:
         try:
             self.engine.reset()
             self._stats = self.engine.stats()
-            self._last_load = None
             with self._cond:  # submits are queued again, for the loop's next pass
                 self._recovering = None
-            self._feeds = [feed for feed in self._feeds if not feed.closed]
-            load = self._load()
-            for feed in self._feeds:
-                feed._start([], load)  # the cache is empty now: the consumer forgets every key
+            self._reports.restart(self.engine)  # the cache is empty now: the consumer forgets every key
         except Exception as exc:
             log.exception("engine rebuild failed")
             self._fail_callers(f"{reason}; rebuilding the engine failed: {exc}")

@@ -1,32 +1,16 @@
 """Paged KV cache bookkeeping: which block of the pool belongs to whom (no tensors here).
 
-The pool holds `num_blocks` blocks of `block_size` token slots each (the tensors live in the model
-runner). A block is either in use (`ref_count > 0`, owned by one or more requests through their block
-tables) or free (`ref_count == 0`, on the free list). A free block may still hold the KV of a full block
-whose content hash is registered: a later request with the same prefix revives it without recomputing
-(prefix caching). Allocating a fresh block takes the least recently freed one and forgets its hash.
-
-With `track_events` on, every change of the prefix cache map is recorded for `take_events`: a content
-hash becoming reusable (registered) or forgotten (its block reallocated), so that a router outside the
-process can mirror the cache exactly.
-
-Groups of layers (`KVGroupSpec`): layers that attend alike share one block manager and one block table
-per request; a model whose layers all attend alike has one group, a hybrid model (sliding-window
-layers beside full-attention ones: Gemma 2/3, Cohere 2, GPT-OSS) one per kind, each with a pool of its
-own size (services/engine/executor/kv_sizing.py). Every group's table of a request has one entry per
-logical block of `block_size` positions. A group whose layers slide never reads KV older than its window
-again: the scheduler frees such blocks while their request runs and puts `hole` in their place in its
-table (the id of the group's scratch block, which the block manager never hands out, so that every entry
-of a table still names a block of the pool); `acquire`, `can_allocate` and `free_blocks` skip holes.
-
-Prefix hits per group (`longest_hit`): a full-attention group can start a request at block j when it
-holds the cached blocks 0..j-1; a sliding group when it holds those its window reaches back to from
-position j * block_size (earlier blocks read as holes). The scheduler takes the longest j every group
-allows.
-
-Contract (per group): callers check, then act. `can_allocate` must be true before `allocate`; every
-block handed out by `allocate` or `acquire` is given back exactly once per reference by `free`. With
-nothing running, `num_free_blocks == num_blocks`.
+`num_blocks` blocks of `block_size` slots (the tensors live in the model runner). A block is in use
+(`ref_count > 0`, in one or more requests' block tables) or free (on the free list); a free block may
+still hold a full block whose content hash is registered, which a later request with that prefix revives
+(prefix caching); allocating takes the least recently freed block and forgets its hash. `track_events`
+records every change of the hash map for `take_events`, so a router can mirror the cache exactly.
+One manager per group of layers that attend alike (`KVGroupSpec`; a hybrid model has a full and a
+sliding group, docs/architecture.md "KV pool"): a sliding group's blocks behind the window are freed while
+their request runs and `hole` (the scratch block, never handed out) takes their table entries, which
+`acquire`, `can_allocate` and `free_blocks` skip; `longest_hit` is how far a prefix hit may go per group.
+Contract: callers check, then act (`can_allocate` before `allocate`); every block from `allocate` or
+`acquire` is given back exactly once per reference; with nothing running, `num_free_blocks == num_blocks`.
 """
 
 from __future__ import annotations
@@ -71,6 +55,14 @@ class BlockManager:
         self.prefix_query_blocks = 0
         self.track_events = False
         self._events: dict[BlockHash, bool] = {}  # hash → reusable now, since the last take_events
+
+    def renewed(self) -> BlockManager:
+        """A fresh manager over the same pool (every block free, no hash registered) that keeps this one's
+        settings and cumulative prefix-cache figures: the engine's `reset` after a failed loop."""
+        bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
+        bm.track_events = self.track_events
+        bm.prefix_hit_blocks, bm.prefix_query_blocks = self.prefix_hit_blocks, self.prefix_query_blocks
+        return bm
 
     def take_events(self) -> dict[BlockHash, bool]:
         """The prefix cache's changes since the previous call (hash → True stored, False removed; only

@@ -1,63 +1,14 @@
-"""LLMEngine: the synchronous engine core (no gRPC, no asyncio, no device code).
+"""LLMEngine: the synchronous engine core (no gRPC, no asyncio, no device code): `outputs = engine.step()`.
 
-    outputs = engine.step()   # schedule → execute the model → sample → postprocess
-
-One thread drives it: `add_request`, `abort_request` and `step` are not thread-safe
-(services/engine/core/async_engine.py runs it on its own thread for asyncio callers).
-A request leaves the engine with exactly one finished `RequestOutput`: on EOS / a stop token
-("stop"), max_new_tokens or the context length ("length"), `abort_request` ("cancelled", emitted by
-the next step), or a failure inside a step ("error"; the loop goes on). Error messages carry their class
-(services/common/errors.py). A failure belongs to the request that caused it: one request's grammar or
-postprocessing failure ends that request only; only a failure of the step itself (the runner, the
-sampler, reading the results) fails the step's requests, `internal`, and the engine counts such steps in
-a row (`failed_steps_in_a_row`; a step that runs resets it): the one that reaches `max_step_failures`
-fails its requests `unavailable` and is `step_broken`, for the driver to rebuild the loop.
-
-A step runs in one of three modes:
-- synchronous (`_run_scheduled`): execute, sample, read the sampled ids, postprocess;
-- async scheduling (`EngineSettings.async_scheduling`; auto = on for CUDA; also `_run_scheduled`): a step
-  launches step N+1 on the device (execute and sample, results left there) before it reads step N's
-  sampled ids, then postprocesses step N and returns its outputs, so that the host's work overlaps the
-  device's. A request sampled in step N holds `PLACEHOLDER` as its last token until step N is read; step
-  N+1 feeds it from the device (`Request.prev_row`). Outputs are the same as without it:
-  - a request that stops at step N and was scheduled again in N+1 has that step's token discarded; one
-    whose pending token is its last by count (max_new_tokens, context length) is not scheduled again;
-  - aborts, deadlines and failures end a request at once, dropping its pending token; its blocks are
-    freed at once (a later step's writes to them follow the in-flight step's in stream order);
-  - a step that needs the host's values of pending tokens (penalties over the output) reads step N first;
-    a request preempted while its token is pending is not scheduled again before step N is read.
-- speculative (`EngineSettings.speculative` ngram; synchronous steps only; `_run_speculative`): after
-  scheduling, the `Speculator` (services/engine/core/speculative.py) gives drafts to the decoding requests
-  that pass its gate, and the scheduler fits them into the step when it has budget and blocks to spare.
-  `Sampler.verify` accepts the longest run the model agrees with plus one more token (rejection sampling
-  for temperature > 0: the output distribution is the model's); the request appends them one by one under
-  the stop rules, counts the accepted drafts as computed and frees blocks that held only rejected ones
-  (`Scheduler.accept_drafts`).
-
-Structured outputs: a request with a grammar (`SamplingParams.grammar`) has it compiled off the step thread
-by the engine's `GrammarCompiler` (services/engine/core/grammar.py, one per model, cached by key, on
-`grammar_compile_threads` threads) and is held back, outside the scheduler, until the compile is done: the
-step never waits for it, and a compile error ends the request (`invalid_argument`, the message naming the
-problem), as does a compile that has been RUNNING longer than `grammar_compile_timeout_s` (the grammar is
-too complex: `invalid_argument`). Time spent queued behind other compiles never counts against it (a burst
-of distinct grammars on a loaded machine queues legitimately): a queued request's wait is bounded by its own
-deadline only. A request that ends meanwhile cancels its wait (a queued compile nobody else waits for never
-runs). A grammar the library gives up on while the request generates (its parser's limits)
-ends that request only (`invalid_argument`); one request's failure in postprocessing never fails the
-step's other requests, whose outputs are always delivered. Its `GrammarState` accepts
-each token the request keeps, in `_stopped` (never a token discarded after a stop, nor async scheduling's
-discarded token); the sampler masks what the state forbids. Async scheduling reads a grammar request's
-pending token before the next step, as for penalties; speculation gives it no drafts. Preemption keeps
-`token_ids` (recompute), so the state, which holds exactly the kept output, stays as it is. A request
-whose grammar has ended after a kept token finishes with "stop" (only EOS could follow).
-
-Prompt logprobs: the runner keeps the prompt rows of a request that asks for them (`Runner.prompt_logits`)
-through its chunked prefill; the engine turns them into log-probabilities with the sampler, collects them
-on the request when the step is read, and sends them once, with its first token.
-
-The figures (`stats()`) are kept by a `StatsRecorder` (services/engine/core/stats.py), one call per step.
-Torch appears here only as types (the runner's device and logits, the sampler's handle), imported for type
-checking; the executor (runner, sampler) is imported when an engine is built.
+One thread drives it (`add`, `abort_request`, `step`); `make_request` (the one validation) is safe on any
+thread. A request leaves with exactly one finished `RequestOutput`: "stop", "length", "cancelled" (emitted
+by the next step) or "error" with its class (services/common/errors.py). A failure belongs to the request
+that caused it; only a failure of the step itself fails the step's requests (`internal`), and the step that
+makes `max_step_failures` in a row fails them `unavailable` and is `step_broken`, for the driver to rebuild.
+Each mode is one path below: plain and async-scheduled steps (`_run_scheduled`: with async scheduling, step
+N+1 is launched before step N is read, with the same outputs), speculative steps (`_run_speculative`).
+Tokens are accepted by the scheduler (`update_from_output`); grammars wait in a `GrammarQueue` until
+compiled. docs/architecture.md walks the modes and their invariants.
 """
 
 from __future__ import annotations
@@ -67,106 +18,37 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
-from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, error_message
+from services.common.errors import DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE
+from services.engine.core import prompt_logprobs
 from services.engine.core.block_manager import BlockManager, KVGroupSpec
-from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarHandle
-from services.engine.core.params import RequestOutput, SamplingParams, StoppingParams, TokenLogprob
+from services.engine.core.grammar import GrammarCompiler, GrammarQueue, model_grammar_compiler
+from services.engine.core.interfaces import Runner, StepObserver, context_length, uses_async_scheduling
+from services.engine.core.params import RequestLimits, RequestOutput, SamplingParams, StoppingParams
+from services.engine.core.params import validate_request as check_request
+from services.engine.core.prompt_logprobs import PromptRows
 from services.engine.core.request import PLACEHOLDER, Request
 from services.engine.core.scheduler import Scheduler, SchedulerOutput
-from services.engine.core.speculative import Speculator
+from services.engine.core.speculative import Speculator, row_owners
 from services.engine.core.stats import EngineStats, StatsRecorder
+from services.engine.core.stopping import drop_placeholder, request_output
 from services.engine.settings import EngineSettings
 
 if TYPE_CHECKING:
-    import torch
-
     from services.engine.executor.sampler import SampleHandle
 
 log = logging.getLogger(__name__)
 
-GRAMMAR_POLL_S = 0.001  # how often an engine with nothing else to do looks at grammars compiling
-
-
-class Runner(Protocol):
-    """What the engine needs from a model runner (executor/model_runner.py, or a fake in tests)."""
-
-    device: torch.device
-    num_blocks: int
-    vocab_size: int
-    eos_ids: frozenset[int]
-    max_position_embeddings: int
-    last_forward_s: float  # forward seconds finished since the previous read (each reported once)
-    # The prompt rows the latest `execute` kept: (request, first position, logits (n, V)), row j predicting
-    # the prompt token at position first + j + 1. Only for requests with `wants_prompt_logprobs`.
-    prompt_logits: list[tuple[Request, int, torch.Tensor]]
-
-    def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
-        """Called once by the engine before its first step, with the pool final: static buffers and CUDA
-        graphs sized for `max_num_seqs` requests of up to `max_model_len` tokens."""
-        ...
-
-    def execute(
-        self, scheduled: Sequence[tuple[Request, int]], prev_tokens: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, list[Request]]:
-        """Runs one step; returns the logits (N, V) of the requests that sample (those whose chunk reaches
-        their last token) and those requests, row i for logits row i. A request with `prev_row >= 0`
-        takes its last input token from `prev_tokens[prev_row]` (the previous step's sampled ids, still on
-        the device) instead of `token_ids[-1]`.
-
-        Speculative decoding: a request with drafts (`draft_ids`) is scheduled for its last token plus
-        them (positions num_tokens - 1 ...); its input is `token_ids + draft_ids` from
-        `num_computed_tokens`, and it has 1 + len(draft_ids) consecutive rows in position order (row j:
-        the distribution after its first j drafts), the request repeated once per row. Requests may come
-        in any order, each one's rows together."""
-        ...
-
-
-class StepObserver(Protocol):
-    """Metrics and tracing hooks (services/engine/observability.py), called on the engine's thread.
-    A failing hook is logged and never fails a request or the step."""
-
-    def on_arrival(self, request: Request, trace_context: Mapping[str, str] | None = None) -> None: ...
-
-    def on_scheduled(self, sched: SchedulerOutput) -> None: ...
-
-    def on_step_end(
-        self, sched: SchedulerOutput | None, outputs: list[RequestOutput], step_s: float
-    ) -> None: ...
-
 
 @dataclass
 class _Launched:
-    """A step on the device: its schedule, the requests that sample (row i of the sampled ids) and the
-    sampling, whose results the host has not read yet."""
+    """A step on the device: its schedule, its sampling requests (row i) and its unread sampling."""
 
     sched: SchedulerOutput
     reqs: list[Request]
     handle: SampleHandle
-    prompts: list[tuple[Request, int, SampleHandle]]  # prompt logprobs: (request, first position, handle)
-
-
-def context_length(settings: EngineSettings, runner: Runner, block_size: int) -> int:
-    """The context length: `max_model_len`, else the model's own. A request alone must always fit in the
-    pool, so a context length the pool cannot hold is refused with the numbers (never cut silently)."""
-    capacity = runner.num_blocks * block_size
-    model_len = settings.max_model_len or runner.max_position_embeddings or capacity
-    if model_len > capacity:
-        source = "max_model_len" if settings.max_model_len else "the model's max_position_embeddings"
-        raise ValueError(
-            f"context length {model_len} ({source}) does not fit the KV pool: {runner.num_blocks} blocks of "
-            f"{block_size} tokens hold {capacity} tokens; give the pool more memory (kv_cache_gb, "
-            "num_kv_blocks, gpu_memory_utilization) or set a smaller max_model_len"
-        )
-    return model_len
-
-
-def uses_async_scheduling(settings: EngineSettings, runner: Runner) -> bool:
-    """`async_scheduling` resolved: auto is on for CUDA, except with speculation (it proposes from the
-    host's tokens; validate() refuses "on" with it)."""
-    mode = settings.async_scheduling
-    return mode == "on" or (mode == "auto" and runner.device.type == "cuda" and settings.speculative == "off")
+    prompts: PromptRows  # prompt logprobs, launched with the step
 
 
 class LLMEngine:
@@ -188,7 +70,7 @@ class LLMEngine:
             from services.engine.executor.model_runner import load_runner
 
             loaded = load_runner(settings)
-            grammar_compiler = _grammar_compiler(
+            grammar_compiler = model_grammar_compiler(
                 loaded.model_dir, loaded.vocab_size, loaded.eos_ids, settings.grammar_compile_threads
             )
             runner = loaded
@@ -198,6 +80,10 @@ class LLMEngine:
         bs = settings.block_size
         self.block_manager, *self.group_block_managers = self._block_managers()
         self.max_model_len = context_length(settings, runner, bs)
+        served = grammar_compiler is not None
+        self.limits = RequestLimits(
+            runner.vocab_size, self.max_model_len, served, settings.default_max_new_tokens
+        )
         runner.prepare(self.max_model_len, settings.max_num_seqs)
         self.scheduler = self._new_scheduler()
         masks = GrammarBatch(grammar_compiler.vocab_size) if grammar_compiler is not None else None
@@ -214,7 +100,7 @@ class LLMEngine:
         )
         self._in_flight: _Launched | None = None  # async: the launched step whose results are not read
         self.requests: dict[str, Request] = {}
-        self._compiling: dict[Request, GrammarHandle] = {}  # held back until their grammar compiled
+        self.grammars = GrammarQueue(grammar_compiler, settings.grammar_compile_timeout_s)
         self.observer: StepObserver | None = None  # set by the service when metrics or tracing are on
         self._pending: list[RequestOutput] = []  # finals of aborted requests, emitted by the next step
         self._forming_until = 0.0  # time.monotonic() until which the forming batch leaves nothing to run
@@ -225,8 +111,7 @@ class LLMEngine:
     @property
     def step_broken(self) -> bool:
         """True when the latest step failed and made `max_step_failures` failed steps in a row: the step
-        itself is broken (a sticky device error, a repeated OOM), not one request. The driver then rebuilds
-        the loop (services/engine/core/async_engine.py)."""
+        itself is broken (a sticky device error, a repeated OOM), not one request; the driver rebuilds."""
         return self._step_failed and self.failed_steps_in_a_row >= self.settings.max_step_failures
 
     def _new_scheduler(self) -> Scheduler:
@@ -258,59 +143,55 @@ class LLMEngine:
         return [BlockManager(g.num_blocks, s.block_size, s.enable_prefix_caching) for g in self.kv_groups]
 
     def reset(self) -> None:
-        """Drops every request and the whole prefix cache, keeping the loaded model, its KV tensors and
-        the cumulative figures: a fresh block manager (every block free, no hash registered, since a
-        failed step may have left blocks half-written) and scheduler over the same runner. The driver's
-        recovery after its loop failed (services/engine/core/async_engine.py) calls it once it has told
-        every request's caller; the requests dropped here get no output."""
-        old_bm, old_scheduler = self.block_manager, self.scheduler
-        bm, *self.group_block_managers = self._block_managers()
-        bm.track_events = old_bm.track_events
-        bm.prefix_hit_blocks, bm.prefix_query_blocks = old_bm.prefix_hit_blocks, old_bm.prefix_query_blocks
-        self.block_manager = bm
+        """Drops every request and the whole prefix cache (a failed step may have left blocks half-written),
+        keeping the loaded model, its KV tensors and the cumulative figures. The driver's recovery after its
+        loop failed (services/engine/core/async_engine.py) calls it once it has told every request's
+        caller; the requests dropped here get no output."""
+        old_scheduler = self.scheduler
+        self.block_manager = bm = self.block_manager.renewed()
+        self.group_block_managers = [m.renewed() for m in self.group_block_managers]
         self.scheduler = self._new_scheduler()
         self.scheduler.num_preemptions = old_scheduler.num_preemptions
         self.recorder.scheduler, self.recorder.block_manager = self.scheduler, bm
         self._in_flight = None  # its results are of no use now; the device finishes it in stream order
         self.requests = {}
-        for handle in self._compiling.values():
-            handle.cancel()
-        self._compiling = {}
+        self.grammars.clear()
         self._pending = []
         self._forming_until = 0.0
         self._step_failed = False  # the count of failed steps stays: one more failure rebuilds at once
 
     # ---- requests ------------------------------------------------------------------------------
 
-    def validate_request(
-        self, request_id: str, prompt_ids: Sequence[int], sampling: SamplingParams, stopping: StoppingParams
-    ) -> None:
-        """Raises ValueError with a clear message when the request cannot be served as given."""
+    def make_request(
+        self,
+        request_id: str,
+        prompt_ids: Sequence[int],
+        sampling: SamplingParams,
+        stopping: StoppingParams,
+        deadline: float | None = None,
+    ) -> Request:
+        """A validated request (`params.validate_request`: ValueError on bad input; `max_new_tokens` 0
+        filled with the rest of the context). Safe on any thread. Past `deadline` (`time.monotonic()`),
+        the request ends with finish_reason "error" (class `deadline_exceeded`)."""
         if not request_id:
             raise ValueError("request_id must not be empty")
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; the context length is {self.max_model_len}, "
-                "so at most max_model_len - 1 prompt tokens"
-            )
-        vocab = self.runner.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        sampling.validate()
-        stopping.validate()
-        bad = next((t for t, _ in sampling.logit_bias if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab})")
-        if sampling.grammar is not None and self.grammar_compiler is None:
-            raise ValueError("structured outputs are not served: the model directory has no tokenizer.json")
-        bad = next((t for t in stopping.stop_token_ids if t >= vocab), None)
-        if bad is not None:  # it could never be generated: a stop that silently never stops
-            raise ValueError(f"stop_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        stopping = check_request(prompt_ids, sampling, stopping, self.limits)
+        arrival, eos_ids = time.monotonic(), self.runner.eos_ids
+        return Request(request_id, list(prompt_ids), sampling, stopping, arrival, deadline, eos_ids)
+
+    def add(self, req: Request, *, trace_context: Mapping[str, str] | None = None) -> None:
+        """Queues a request from `make_request`; it joins the batch at a coming step (a grammar request once
+        its grammar compiled). ValueError when its id is already in flight. `trace_context` (W3C
+        traceparent/tracestate) goes to the observer only."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        if req.sampling.grammar is not None:
+            self.grammars.submit(req)
+        else:
+            self.scheduler.add(req)
+        if self.observer is not None:
+            self._observe(self.observer.on_arrival, req, trace_context)
 
     def add_request(
         self,
@@ -322,27 +203,9 @@ class LLMEngine:
         trace_context: Mapping[str, str] | None = None,
         deadline: float | None = None,
     ) -> None:
-        """Queues a request; it joins the batch at a coming step. ValueError on bad input.
-        `trace_context` (W3C traceparent/tracestate) goes to the observer only. Past `deadline`
-        (`time.monotonic()`), the request ends with finish_reason "error" (class `deadline_exceeded`)."""
-        self.validate_request(request_id, prompt_ids, sampling, stopping)
-        req = Request(
-            request_id,
-            list(prompt_ids),
-            sampling,
-            stopping,
-            arrival_time=time.monotonic(),
-            deadline=deadline,
-            eos_ids=self.runner.eos_ids,
-        )
-        self.requests[request_id] = req
-        if sampling.grammar is not None:
-            assert self.grammar_compiler is not None, "validated"
-            self._compiling[req] = self.grammar_compiler.submit(sampling.grammar)
-        else:
-            self.scheduler.add(req)
-        if self.observer is not None:
-            self._observe(self.observer.on_arrival, req, trace_context)
+        """`add(make_request(...))`, for a caller on the engine's thread. ValueError on bad input."""
+        req = self.make_request(request_id, prompt_ids, sampling, stopping, deadline)
+        self.add(req, trace_context=trace_context)
 
     def abort_request(self, request_id: str) -> None:
         """Ends the request and frees its blocks now; its final output ("cancelled") comes with the next
@@ -350,10 +213,10 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None or req.finished:
             return
-        self._drop_placeholder(req)
-        self._stop_compile(req)
+        drop_placeholder(req)
+        self.grammars.cancel(req)
         self.scheduler.finish(req, "cancelled")
-        self._pending.append(self._output(req, []))
+        self._pending.append(request_output(req, []))
 
     def fail_all(self, detail: str) -> list[RequestOutput]:
         """Ends every request with finish_reason "error" after an unexpected failure of a step outside the
@@ -382,9 +245,8 @@ class LLMEngine:
             return 0.0
         now = time.monotonic()
         idle = max(0.0, self._forming_until - now)
-        compiling = self._compiling and not self.scheduler.running and not self.scheduler.waiting
-        if compiling and not any(self._compile_settled(h, now) for h in self._compiling.values()):
-            idle = max(idle, GRAMMAR_POLL_S)  # only compiles to wait for: poll, never spin
+        if not self.scheduler.running and not self.scheduler.waiting:
+            idle = max(idle, self.grammars.idle_s(now))  # only compiles to wait for: poll, never spin
         return idle
 
     def step(self) -> list[RequestOutput]:
@@ -395,62 +257,31 @@ class LLMEngine:
         self._step_failed = False
         outputs, self._pending = self._pending, []
         outputs.extend(self._expire(time.monotonic()))
-        if self._compiling:
-            outputs.extend(self._admit_compiled())
-        if self._in_flight is not None and self._needs_host_tokens():
+        outputs.extend(self._admit_compiled())
+        if self._in_flight is not None and self.scheduler.needs_host_tokens():
             outputs.extend(self._drain())
         sched = self._schedule()
         if sched.empty:
-            drained = self._run_nothing(sched, outputs)
-            if drained and not self._step_failed:
-                self.failed_steps_in_a_row = 0
-            self._end_step(None, outputs, start, timed=drained)
-            return outputs
-        if self.observer is not None:
-            self._observe(self.observer.on_scheduled, sched)
-        run = self._run_speculative if sched.num_draft_tokens else self._run_scheduled
-        ok = run(sched, outputs)
+            ok = self._run_nothing(sched, outputs)
+        else:
+            if self.observer is not None:
+                self._observe(self.observer.on_scheduled, sched)
+            run = self._run_speculative if sched.num_draft_tokens else self._run_scheduled
+            ok = run(sched, outputs)
         if ok and not self._step_failed:
             self.failed_steps_in_a_row = 0
-        self._end_step(sched, outputs, start, timed=ok)
+        self._forget_finished(outputs)
+        self._end_step(None if sched.empty else sched, outputs, start, timed=ok)
         return outputs
-
-    def _compile_settled(self, handle: GrammarHandle, now: float) -> bool:
-        """Whether a request's compile is done or has been running longer than `grammar_compile_timeout_s`
-        (the grammar is too complex). A compile still queued is never settled: the queue's length says
-        nothing about the grammar, and the request's deadline (`_expire`) bounds its wait."""
-        if handle.ready():
-            return True
-        started = handle.started
-        return started is not None and now - started >= self.settings.grammar_compile_timeout_s
-
-    def _compile_timed_out(self, req: Request) -> RequestOutput:
-        timeout = f"grammar_compile_timeout_s ({self.settings.grammar_compile_timeout_s:g}s)"
-        detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; simplify it"
-        return self._fail(req, INVALID_ARGUMENT, detail)
 
     def _admit_compiled(self) -> list[RequestOutput]:
-        """Hands the requests whose grammar compiled to the scheduler, in arrival order, each with its own
-        grammar state; a compile that failed ends its request (`invalid_argument`, the compiler's words),
-        and so does one that has run past its timeout (`_compile_settled`)."""
-        outputs: list[RequestOutput] = []
-        now = time.monotonic()
-        for req, handle in list(self._compiling.items()):
-            if not handle.ready():
-                if self._compile_settled(handle, now):
-                    outputs.append(self._compile_timed_out(req))
-                continue
-            del self._compiling[req]
-            try:
-                req.grammar = handle.result().new_state()
-            except GrammarError as exc:
-                outputs.append(self._fail(req, INVALID_ARGUMENT, str(exc)))
-                continue
-            except Exception as exc:  # the compiler itself failed (or was closed)
-                outputs.append(self._fail(req, INTERNAL, f"grammar compile failed: {exc!r}"))
-                continue
+        """Hands the requests whose grammar compiled to the scheduler; fails those whose compile failed."""
+        if not len(self.grammars):
+            return []
+        ready, failed = self.grammars.take(time.monotonic())
+        for req in ready:
             self.scheduler.add(req)
-        return outputs
+        return [self._fail(req, code, detail) for req, code, detail in failed]
 
     def _schedule(self) -> SchedulerOutput:
         """The scheduler's step, with the Speculator's drafts fitted into it."""
@@ -468,10 +299,16 @@ class LLMEngine:
             return True
         if sched.wait_s <= 0 and self.scheduler.waiting and not self.scheduler.running:
             # Unreachable while the context length fits the pool; never spin on a stuck request.
-            stuck = self.scheduler.waiting[0]
             detail = "request cannot be scheduled: the KV cache is too small"
-            outputs.append(self._fail(stuck, INTERNAL, detail))
+            outputs.append(self._fail(self.scheduler.waiting[0], INTERNAL, detail))
         return False
+
+    def _forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """Drops the requests that ended in this step (the scheduler ended them) from `requests`."""
+        for out in outputs:
+            req = self.requests.get(out.request_id) if out.finished else None
+            if req is not None and req.finished:
+                del self.requests[out.request_id]
 
     def _end_step(
         self, sched: SchedulerOutput | None, outputs: list[RequestOutput], start: float, timed: bool
@@ -483,6 +320,8 @@ class LLMEngine:
         self.recorder.record(outputs, step_s, ran=ran, timed=timed)
         if self.observer is not None and (sched is not None or outputs):
             self._observe(self.observer.on_step_end, sched, outputs, step_s)
+
+    # ---- plain and async-scheduled steps ---------------------------------------------------------
 
     def _run_scheduled(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
         """Launches `sched`, reads the step launched before it (async), settles `sched` and, without async
@@ -517,28 +356,8 @@ class LLMEngine:
             logits, sampling = self.runner.execute(sched.scheduled)
         else:
             logits, sampling = self.runner.execute(sched.scheduled, prev.handle.token_ids)
-        prompts = self._launch_prompt_logprobs()
+        prompts = prompt_logprobs.launch(self.runner, self.sampler)
         return _Launched(sched, sampling, self.sampler.launch(logits, sampling), prompts)
-
-    def _launch_prompt_logprobs(self) -> list[tuple[Request, int, SampleHandle]]:
-        """The log-probabilities of the prompt rows the runner kept in its latest execute, launched."""
-        launched = []
-        for req, first, logits in self.runner.prompt_logits:
-            targets = req.token_ids[first + 1 : first + 1 + logits.shape[0]]
-            k = req.sampling.prompt_logprobs or 0
-            launched.append((req, first, self.sampler.prompt_logprobs(logits, targets, k)))
-        return launched
-
-    @staticmethod
-    def _collect_prompt_logprobs(prompts: list[tuple[Request, int, SampleHandle]]) -> None:
-        """Appends read prompt log-probabilities to their requests, from the first position each lacks
-        (a recompute after preemption may cover positions again)."""
-        for req, first, handle in prompts:
-            have = len(req.prompt_logprobs)
-            if req.finished or first > have:
-                continue
-            entries = handle.result().logprobs[have - first :]
-            req.prompt_logprobs.extend(e for e in entries if e is not None)
 
     def _settle(self, launched: _Launched) -> None:
         """Once the tokens before `launched` are on the host: counts its computed tokens (registering full
@@ -552,63 +371,52 @@ class LLMEngine:
                 req.prev_row = row
 
     def _read(self, launched: _Launched, outputs: list[RequestOutput]) -> Exception | None:
-        """Waits for the step's sampled ids and postprocesses its requests into `outputs`. On a failure,
-        fails them instead and returns the exception."""
+        """Waits for the step's sampled ids and hands them to the scheduler (`update_from_output`), its
+        outputs into `outputs`. On a failure, fails the step's requests instead and returns the exception."""
         try:
             result = launched.handle.result()
-            self._collect_prompt_logprobs(launched.prompts)
-            self._postprocess(launched.reqs, result.token_ids, result.logprobs, outputs)
+            prompt_logprobs.collect(launched.prompts)
+            outputs.extend(
+                self.scheduler.update_from_output(launched.reqs, result.token_ids, result.logprobs)
+            )
         except Exception as exc:
             log.exception("engine step failed")
             outputs.extend(self._fail_step(launched.sched, exc))
             return exc
         return None
 
-    # ---- speculative decoding --------------------------------------------------------------------
+    def _drain(self) -> list[RequestOutput]:
+        """Reads the launched step (async): afterwards every request holds its tokens on the host."""
+        launched, self._in_flight = self._in_flight, None
+        outputs: list[RequestOutput] = []
+        if launched is not None:
+            self._read(launched, outputs)
+        return outputs
+
+    # ---- speculative steps ---------------------------------------------------------------------
 
     def _run_speculative(self, sched: SchedulerOutput, outputs: list[RequestOutput]) -> bool:
-        """A step with drafts, synchronously: execute, verify, and each sampling request takes its
-        accepted drafts and one more token. False when the step failed (its requests failed)."""
+        """A step with drafts, synchronously: execute, verify, and each sampling request keeps its
+        accepted drafts and one more token (`update_from_verified`). False when the step failed."""
         assert self._in_flight is None, "speculative steps are synchronous"
         try:
             logits, rows = self.runner.execute(sched.scheduled)
-            self._collect_prompt_logprobs(self._launch_prompt_logprobs())
-            reqs = _row_owners(rows)
+            prompt_logprobs.collect(prompt_logprobs.launch(self.runner, self.sampler))
+            reqs = row_owners(rows)
             result = self.sampler.verify(logits, reqs, [list(r.draft_ids) for r in reqs])
             self.scheduler.advance(sched)  # each request's own token; the accepted drafts follow
-            for req, tokens, logprobs in zip(reqs, result.token_ids, result.logprobs, strict=True):
-                self._own_failure(
-                    req, outputs, lambda r=req, t=tokens, p=logprobs: self._accept(sched, r, t, p)
+            outputs.extend(
+                self.scheduler.update_from_verified(
+                    sched, reqs, result.token_ids, result.logprobs, self.speculator
                 )
+            )
         except Exception as exc:
             log.exception("engine step failed")
             outputs.extend(self._fail_step(sched, exc))
             return False
         return True
 
-    def _accept(
-        self, sched: SchedulerOutput, req: Request, tokens: list[int], logprobs: list
-    ) -> RequestOutput | None:
-        """Appends a verified run (accepted drafts, then one more token) token by token under the stop
-        rules, tells the Speculator, and settles the request's counters."""
-        if req.finished:
-            return None
-        drafts = len(req.draft_ids)
-        accepted = len(tokens) - 1
-        assert 0 <= accepted <= drafts, "verify returns the accepted drafts and one token"
-        emitted: list[int] = []
-        for tok in tokens:
-            req.token_ids.append(tok)
-            emitted.append(tok)
-            if self._stopped(req, tok):
-                break
-        if drafts:
-            assert self.speculator is not None, "drafts come from the speculator"
-            self.speculator.verified(sched, req, drafts, accepted)
-        if not req.finished:
-            self.scheduler.accept_drafts(req, accepted)
-        lps = logprobs[: len(emitted)] if logprobs and logprobs[0] is not None else None
-        return self._output(req, emitted, lps)
+    # ---- failures ------------------------------------------------------------------------------
 
     def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
         """Fails the requests of a step that failed (outputs already produced stand), counting the failed
@@ -629,28 +437,17 @@ class LLMEngine:
         self.last_step_error = error
         return UNAVAILABLE if self.step_broken else INTERNAL
 
-    def _drain(self) -> list[RequestOutput]:
-        """Reads the launched step (async): afterwards every request holds its tokens on the host."""
-        launched, self._in_flight = self._in_flight, None
-        outputs: list[RequestOutput] = []
-        if launched is not None:
-            self._read(launched, outputs)
-        return outputs
+    def _expire(self, now: float) -> list[RequestOutput]:
+        """Fails every request past its deadline, freeing its blocks before this step schedules."""
+        expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
+        return [self._fail(req, DEADLINE_EXCEEDED, "deadline exceeded") for req in expired]
 
-    def _needs_host_tokens(self) -> bool:
-        """Whether the next step needs the host's values of pending tokens: penalties over the output, or
-        a grammar to advance before its next mask."""
-        return any(
-            r.prev_row >= 0 and (r.sampling.has_penalties or r.grammar is not None)
-            for r in self.scheduler.running
-        )
-
-    @staticmethod
-    def _drop_placeholder(req: Request) -> None:
-        """A request ending before its pending token is read ends without it."""
-        if req.prev_row >= 0:
-            req.token_ids.pop()
-            req.prev_row = -1
+    def _fail(self, req: Request, error_class: str, detail: str) -> RequestOutput:
+        """Ends the request with finish_reason "error", wherever it waits (a no-op on the state of one
+        already finished)."""
+        self.grammars.cancel(req)
+        self.requests.pop(req.request_id, None)
+        return self.scheduler.fail(req, error_class, detail)
 
     @staticmethod
     def _observe(hook: Callable[..., None], *args: object) -> None:
@@ -658,111 +455,6 @@ class LLMEngine:
             hook(*args)
         except Exception:
             log.exception("engine observer failed")
-
-    def _postprocess(
-        self, reqs: list[Request], tokens: list[int], logprobs: list, outputs: list[RequestOutput]
-    ) -> None:
-        """Writes each sampled token over its request's placeholder, applies the stop rules and appends
-        the request's output to `outputs` as it goes; a request that ended since the step was launched
-        (stopped, aborted, failed, expired) is skipped. A request whose postprocessing raises ends alone."""
-        if not len(reqs) == len(tokens) == len(logprobs):
-            raise RuntimeError(f"{len(reqs)} sampling requests but {len(tokens)} tokens read")
-        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            if not req.finished:
-                self._own_failure(req, outputs, lambda r=req, t=tok, p=lp: self._fill(r, t, p))
-
-    def _fill(self, req: Request, tok: int, lp: TokenLogprob | None) -> RequestOutput:
-        assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
-        req.token_ids[-1] = tok
-        req.prev_row = -1
-        self._stopped(req, tok)
-        return self._output(req, [tok], [lp] if lp is not None else None)
-
-    def _own_failure(
-        self, req: Request, outputs: list[RequestOutput], produce: Callable[[], RequestOutput | None]
-    ) -> None:
-        """Appends `produce()`, one request's output of a step; an exception there is that request's
-        failure, never the step's: it ends the request (`internal`) and the step's other outputs stand."""
-        try:
-            out = produce()
-        except Exception as exc:
-            log.exception("request %s failed in postprocessing", req.request_id)
-            out = self._fail(req, INTERNAL, f"internal error in the request's postprocessing: {exc}")
-        if out is not None:
-            outputs.append(out)
-
-    def _stopped(self, req: Request, tok: int) -> bool:
-        """Advances `req`'s grammar with `tok`, its latest (kept) token, and ends `req` when `tok` stops it;
-        whether it did. A token its grammar forbids (the mask let nothing else through: e.g. EOS held back
-        by min_new_tokens where only EOS may come) ends it with an internal error; a grammar the library
-        gives up on (GrammarError from `accept`) ends it with `invalid_argument`, naming the problem."""
-        if req.grammar is not None:
-            try:
-                accepted = req.grammar.accept((tok,))
-            except GrammarError as exc:  # the library gave up on the grammar: the request's own failure
-                self._fail(req, INVALID_ARGUMENT, str(exc))
-                return True
-            if not accepted:
-                self._fail(req, INTERNAL, f"token {tok} is outside the request's grammar")
-                return True
-        reason = self._stop_reason(req, tok)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-            self.requests.pop(req.request_id, None)
-        return reason is not None
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        st = req.stopping
-        # The sampler keeps stop tokens out until min_new_tokens tokens came before this one.
-        if req.num_output_tokens > st.min_new_tokens and (
-            tok in st.stop_token_ids or (not st.ignore_eos and tok in req.eos_ids)
-        ):
-            return "stop"
-        if req.grammar is not None and req.grammar.is_terminated():
-            return "stop"
-        if req.num_output_tokens >= req.stopping.max_new_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _expire(self, now: float) -> list[RequestOutput]:
-        """Fails every request past its deadline, freeing its blocks before this step schedules."""
-        expired = [r for r in self.requests.values() if r.deadline is not None and now > r.deadline]
-        return [self._fail(req, DEADLINE_EXCEEDED, "deadline exceeded") for req in expired]
-
-    def _fail(self, req: Request, error_class: str, detail: str) -> RequestOutput:
-        """Ends the request with finish_reason "error" (a no-op on the state of one already finished)."""
-        if not req.finished:
-            self._drop_placeholder(req)
-        self._stop_compile(req)
-        self.scheduler.finish(req, "error", error_message(error_class, detail))
-        self.requests.pop(req.request_id, None)
-        return self._output(req, [])
-
-    def _stop_compile(self, req: Request) -> None:
-        """A request that ends while its grammar compiles no longer waits for it (a queued compile that
-        nobody else waits for never runs)."""
-        handle = self._compiling.pop(req, None)
-        if handle is not None:
-            handle.cancel()
-
-    @staticmethod
-    def _output(req: Request, tokens: list[int], logprobs: list | None = None) -> RequestOutput:
-        """The output of `req` for `tokens`; its prompt logprobs go with its first token, once."""
-        prompt: list[TokenLogprob] | None = None
-        if tokens and req.sampling.prompt_logprobs is not None and not req.prompt_logprobs_sent:
-            prompt, req.prompt_logprobs_sent = req.prompt_logprobs, True
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            logprobs=logprobs,
-            finished=req.finished,
-            finish_reason=req.finish_reason,
-            prompt_tokens=req.num_prompt_tokens,
-            completion_tokens=req.num_output_tokens,
-            error=req.error,
-            prompt_logprobs=prompt,
-            cached_tokens=req.num_cached_tokens,
-        )
 
     # ---- figures -------------------------------------------------------------------------------
 
@@ -772,31 +464,3 @@ class LLMEngine:
     def reset_stats(self) -> None:
         """Zeroes the timing and peak figures (e.g. after a warm-up run)."""
         self.recorder.reset()
-
-
-def _row_owners(rows: Sequence[Request]) -> list[Request]:
-    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(draft_ids)
-    consecutive rows (see `Runner.execute`)."""
-    owners: list[Request] = []
-    i = 0
-    while i < len(rows):
-        req = rows[i]
-        span = 1 + len(req.draft_ids)
-        if i + span > len(rows) or any(r is not req for r in rows[i : i + span]):
-            raise RuntimeError(f"request {req.request_id}: its {span} rows are not together in the step")
-        owners.append(req)
-        i += span
-    return owners
-
-
-def _grammar_compiler(
-    model_dir: Path, vocab_size: int, eos_ids: frozenset[int], threads: int
-) -> GrammarCompiler | None:
-    """The model's grammar compiler, from its tokenizer.json (None, with a warning, without one: requests
-    with a grammar are then refused)."""
-    if not (model_dir / "tokenizer.json").exists():
-        log.warning("structured outputs off: %s has no tokenizer.json", model_dir)
-        return None
-    return GrammarCompiler.from_model_dir(
-        model_dir, vocab_size=vocab_size, eos_ids=eos_ids, max_workers=threads
-    )

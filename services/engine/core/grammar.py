@@ -1,59 +1,21 @@
 """Structured outputs, host side: grammar specs, their compiles off the step thread, one state per request.
 
-A request's grammar is a `GrammarSpec` (OpenAI `response_format` json_object / json_schema, or a
-`structured_outputs` json, regex, choice or grammar). `GrammarCompiler.submit` compiles it in a thread
-pool against the model's tokenizer and caches the result by `GrammarSpec.key` (bounded LRU); the engine
-polls the returned `GrammarHandle.ready()` and schedules the request only once it is. Each request then
-holds a `GrammarState`, advanced only with the tokens it keeps (`accept`; `rollback` undoes rejected
-speculative drafts; `reset`/`replay` rebuild it from a list of kept tokens). The token masks are the
-executor's (services/engine/executor/grammar_mask.py): each step `GrammarBatch` writes one bitmask row
-per sampled row from these states and the sampler sets the logits of forbidden tokens to -inf, after
-logit bias and penalties, before temperature / top-k / top-p.
-
-A grammar that has ended (`GrammarState.is_terminated`) allows only the EOS ids; the engine finishes
-such a request with `stop`. Bad input (a schema that is not JSON, an unknown or, when strict,
-unsupported JSON-schema keyword, an unsatisfiable schema, a regex or grammar that does not parse) raises
-`GrammarError` naming the problem, which the server turns into INVALID_ARGUMENT (HTTP 400).
-
-The library is llguidance, chosen by measurement against xgrammar 0.2.9 on the 2-core development CPU
-(two threads for both; milliseconds; the tiny model's 8,192-token byte-level BPE, and a 151,643-token
-byte-level BPE trained on Python sources, masked at a Qwen2-0.5B-sized vocabulary of 151,936):
-
-    vocabulary                     8,192                 151,936
-                              llguidance xgrammar   llguidance xgrammar
-    tokenizer set-up                23      22          1037      907
-    JSON schema, cold              1.2     5.7           1.5      148
-    JSON schema, cached          0.001   0.003         0.001    0.005   (a copy / the compiler's cache)
-    json_object                   0.25     1.3          0.26      2.4
-    regex                         0.63     4.0          0.54     30
-    choice (4 strings)            0.60     4.0          0.69     0.63
-    mask, 1 row (mean of walk)   0.012   0.005         0.051     0.19
-    mask, 64 rows, schema         0.40     3.9           7.2      8.1   (p90 14 / 12)
-    mask, 64 rows, json_object    0.12     1.1           2.0      8.1
-
-(the schema has nested objects, an array, an enum, an integer range, a format and a pattern; masks are
-timed along seeded random walks that pick uniformly among the allowed tokens). Per-token masks cost
-about the same in both; compiling costs llguidance about 1 ms at any vocabulary and xgrammar up to
-150 ms at 152k tokens, which a request would wait for before its first step. llguidance also keeps
-rollback, cheap copies of a compiled matcher, EOS-only masks at the end, Lark and GBNF grammars, and
-errors for unsupported schema keywords in one library with no Python dependencies (xgrammar pulls in
-torch, transformers, triton and a runtime of its own). Correctness notes: llguidance's errors are
-sticky (a matcher never leaves an error state, not even by `reset`), so `GrammarState` checks each token
-before consuming it; EOS accepted after the grammar has ended is not recorded by the matcher, so
-`GrammarState` counts those itself for `rollback`; regexes are Rust-regex syntax (no look-around or
-backreferences: a GrammarError).
-
-JSON whitespace is bounded (`JSON_WHITESPACE`: at most 20 characters between tokens), so a model cannot
-loop on blanks. `strict` JSON schemas (OpenAI's `strict: true`) reject keywords the library cannot
-enforce and close every object schema that does not say otherwise (`additionalProperties: false`, as
-OpenAI requires of strict schemas; an `allOf` of objects closed one by one admits only what each admits);
-non-strict ones ignore what cannot be enforced and follow JSON Schema's defaults.
+A request's grammar is a `GrammarSpec` (a JSON schema or object, regex, choice or grammar). The model's
+`GrammarCompiler` compiles it on worker threads (llguidance, chosen by measurement: docs/benchmarks.md) and
+caches it by key; the engine's `GrammarQueue` holds the request back until it is ready. Each request then
+holds a `GrammarState`, advanced only with the tokens it keeps (`rollback`/`replay` for speculation and
+preemption); the executor's masks (executor/grammar_mask.py) forbid the rest. An ended grammar allows only
+EOS. Bad input raises `GrammarError` naming the problem (INVALID_ARGUMENT). llguidance's errors are sticky,
+so `GrammarState` checks each token before consuming it. JSON whitespace is bounded (`JSON_WHITESPACE`,
+services/common/constraints.py); `strict` schemas refuse keywords the library cannot enforce and close every
+object schema (`additionalProperties: false`), non-strict ones follow JSON Schema's defaults.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -66,17 +28,22 @@ from typing import TYPE_CHECKING, Any, Literal
 import llguidance
 from tokenizers import Tokenizer
 
-from services.common.constraints import closed_schema
+from services.common.constraints import JSON_WHITESPACE, closed_schema
+from services.common.errors import INTERNAL, INVALID_ARGUMENT
 
 if TYPE_CHECKING:
     import torch
 
+    from services.engine.core.request import Request
+
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "grammar")
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_THREADS = 2
+GRAMMAR_POLL_S = 0.001  # how often an engine with nothing else to do looks at grammars compiling
 _MAX_ERROR_CHARS = 400
+
+log = logging.getLogger(__name__)
 
 
 class GrammarError(ValueError):
@@ -318,7 +285,7 @@ class GrammarCompiler:
     before it started never runs. Successful compiles stay in a least-recently-used cache of `cache_size`
     keys; failed and cancelled ones are forgotten. Thread-safe. The compiler owns the executor it creates
     (`close` shuts it down); one passed in stays the caller's. The engine bounds how long a compile may run
-    (`grammar_compile_timeout_s`, services/engine/core/engine.py); a queued one waits for its turn, bounded
+    (`grammar_compile_timeout_s`, `GrammarQueue`); a queued one waits for its turn, bounded
     by its requests' deadlines.
     """
 
@@ -404,3 +371,89 @@ class GrammarCompiler:
                 job = self._cache.get(key)
                 if job is not None and job.future is future:
                     del self._cache[key]
+
+
+class GrammarQueue:
+    """The engine's grammar waiting room: requests held back, outside the scheduler, until their grammar
+    compiled (the step never waits for a compile). Used on the engine's thread only.
+
+    Contract: `take` hands out, in arrival order, the requests whose compile is done, each with its own
+    `GrammarState`, and the failures: a compile error (`invalid_argument`, the compiler's words), a compile
+    that has been RUNNING longer than `timeout_s` (the grammar is too complex: `invalid_argument`), a
+    failure of the compiler itself (`internal`). Time spent queued behind other compiles never counts (the
+    request's own deadline bounds that wait). `cancel` a request that ends meanwhile (a queued compile
+    nobody else waits for never runs)."""
+
+    def __init__(self, compiler: GrammarCompiler | None, timeout_s: float) -> None:
+        self.compiler = compiler
+        self.timeout_s = timeout_s
+        self.compiling: dict[Request, GrammarHandle] = {}
+
+    def __len__(self) -> int:
+        return len(self.compiling)
+
+    def submit(self, req: Request) -> None:
+        assert self.compiler is not None and req.sampling.grammar is not None, "validated"
+        self.compiling[req] = self.compiler.submit(req.sampling.grammar)
+
+    def cancel(self, req: Request) -> None:
+        """`req` no longer waits for its compile (nothing when it does not wait)."""
+        handle = self.compiling.pop(req, None)
+        if handle is not None:
+            handle.cancel()
+
+    def clear(self) -> None:
+        for handle in self.compiling.values():
+            handle.cancel()
+        self.compiling = {}
+
+    def take(self, now: float) -> tuple[list[Request], list[tuple[Request, str, str]]]:
+        """(ready requests, (request, error class, detail) of those that failed); see the class docstring.
+        A request that timed out stays here until the engine fails it (which cancels its wait)."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str, str]] = []
+        for req, handle in list(self.compiling.items()):
+            if not handle.ready():
+                if self.settled(handle, now):
+                    timeout = f"grammar_compile_timeout_s ({self.timeout_s:g}s)"
+                    detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; "
+                    failed.append((req, INVALID_ARGUMENT, detail + "simplify it"))
+                continue
+            del self.compiling[req]
+            try:
+                req.grammar = handle.result().new_state()
+            except GrammarError as exc:
+                failed.append((req, INVALID_ARGUMENT, str(exc)))
+            except Exception as exc:  # the compiler itself failed (or was closed)
+                failed.append((req, INTERNAL, f"grammar compile failed: {exc!r}"))
+            else:
+                ready.append(req)
+        return ready, failed
+
+    def idle_s(self, now: float) -> float:
+        """How long an engine with nothing else to do may wait before looking again: `GRAMMAR_POLL_S` while
+        every compile is unsettled (poll, never spin), 0 when one is settled or none waits."""
+        if self.compiling and not any(self.settled(h, now) for h in self.compiling.values()):
+            return GRAMMAR_POLL_S
+        return 0.0
+
+    def settled(self, handle: GrammarHandle, now: float) -> bool:
+        """Whether a compile is done or has been running longer than `timeout_s`. A compile still queued is
+        never settled: the queue's length says nothing about the grammar."""
+        if handle.ready():
+            return True
+        started = handle.started
+        return started is not None and now - started >= self.timeout_s
+
+
+def model_grammar_compiler(
+    model_dir: Path, vocab_size: int, eos_ids: frozenset[int], threads: int
+) -> GrammarCompiler | None:
+    """The model's grammar compiler, from its tokenizer.json (None, with a warning, without one: requests
+    with a grammar are then refused)."""
+    if not (model_dir / "tokenizer.json").exists():
+        log.warning("structured outputs off: %s has no tokenizer.json", model_dir)
+        return None
+    return GrammarCompiler.from_model_dir(
+        model_dir, vocab_size=vocab_size, eos_ids=eos_ids, max_workers=threads
+    )

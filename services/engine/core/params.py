@@ -1,23 +1,38 @@
-"""Plain request parameters and per-step outputs of the engine core (no protobuf here)."""
+"""Plain request parameters, their validation, and per-step outputs of the engine core (no protobuf here).
+
+`validate_request` is the one check of a request (every API's): a pure function of the parameters and
+the engine's fixed facts (`RequestLimits`: vocabulary, context length, grammar support), so any thread
+may call it; it reads nothing a step changes (the duplicate-id check is the engine's, on its thread).
+It also owns the context limit: `max_new_tokens` 0 (unset on the wire) becomes the rest of the context
+(`max_model_len` − prompt tokens, capped by `default_max_new_tokens` when that is set), and a larger
+`max_new_tokens` is cut to that rest: generation ends at the context with finish reason "length".
+A `RequestOutput` that ends with "error" carries its class (`error_code`, services/common/errors.py)
+and plain words (`error`).
+"""
 
 from __future__ import annotations
 
 import math
-import struct
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING
+
+from services.common.limits import (
+    MAX_ABS_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    float32,
+)
+from services.common.limits import MIN_REPETITION_PENALTY as _MIN_REPETITION_PENALTY
 
 if TYPE_CHECKING:
     from services.engine.core.grammar import GrammarSpec
 
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_LOGIT_BIAS = 100.0
 GREEDY_BELOW = 1e-5  # a temperature this small samples as greedy (dividing by it overflows the logits)
-# A smaller repetition penalty (or a larger than the max) makes the logits overflow. The minimum is
-# 0.01 as the wire's float32 carries it (a little below 0.01), so that 0.01 sent as float32 passes.
-MIN_REPETITION_PENALTY = struct.unpack("f", struct.pack("f", 0.01))[0]
-MAX_REPETITION_PENALTY = 10.0
+# The bounds are services/common/limits.py's; the minimum repetition penalty as the wire's float32 carries
+# it (a little below 0.01), so that 0.01 sent as float32 passes.
+MIN_REPETITION_PENALTY = float32(_MIN_REPETITION_PENALTY)
 
 
 @dataclass(frozen=True)
@@ -88,8 +103,11 @@ class SamplingParams:
         for token, bias in self.logit_bias:
             if token < 0:
                 raise ValueError(f"logit_bias: token id {token} is negative")
-            if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {bias}")
+            if not (math.isfinite(bias) and -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS):
+                raise ValueError(
+                    f"logit_bias: the bias of token {token} must be in "
+                    f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}], got {bias}"
+                )
 
     @property
     def greedy(self) -> bool:
@@ -103,7 +121,8 @@ class SamplingParams:
 @dataclass(frozen=True)
 class StoppingParams:
     """When generation ends: EOS (unless `ignore_eos`), a stop token id, `max_new_tokens`, or the model's
-    context length. EOS and stop token ids cannot be produced before `min_new_tokens` tokens."""
+    context length. EOS and stop token ids cannot be produced before `min_new_tokens` tokens.
+    `max_new_tokens` 0 asks for the rest of the context (`validate_request` fills it in)."""
 
     max_new_tokens: int = 256
     min_new_tokens: int = 0
@@ -111,8 +130,10 @@ class StoppingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 0:
+            raise ValueError(
+                f"max_new_tokens must be >= 0 (0: the rest of the context), got {self.max_new_tokens}"
+            )
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         if any(t < 0 for t in self.stop_token_ids):
@@ -144,9 +165,10 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int
     completion_tokens: int
-    error: str | None = None
+    error: str | None = None  # the detail, in plain words
     prompt_logprobs: list[TokenLogprob] | None = None
     cached_tokens: int = 0
+    error_code: str | None = None  # the class of an "error" finish (services/common/errors.py)
 
     def merge(self, later: RequestOutput) -> None:
         """Appends a later output of the same request to this one (coalescing for slow readers)."""
@@ -159,6 +181,54 @@ class RequestOutput:
         self.prompt_tokens = later.prompt_tokens
         self.completion_tokens = later.completion_tokens
         self.error = later.error
+        self.error_code = later.error_code
         self.cached_tokens = later.cached_tokens
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What `validate_request` checks a request against: facts of the engine fixed when it is built."""
+
+    vocab_size: int
+    max_model_len: int
+    grammar: bool  # structured outputs served (the model directory has a tokenizer.json)
+    default_max_new_tokens: int = 0  # caps the fill of an unset max_new_tokens; 0 = no cap
+
+
+def validate_request(
+    prompt_ids: Sequence[int], sampling: SamplingParams, stopping: StoppingParams, limits: RequestLimits
+) -> StoppingParams:
+    """Raises ValueError with a clear message when the request cannot be served as given; returns its
+    stopping parameters with `max_new_tokens` filled in (see the module docstring)."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must not be empty")
+    context = limits.max_model_len
+    if len(prompt_ids) >= context:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; the context length is {context}, "
+            "so at most max_model_len - 1 prompt tokens"
+        )
+    vocab = limits.vocab_size
+    _check_vocabulary("token id", prompt_ids, vocab)
+    sampling.validate()
+    stopping.validate()
+    _check_vocabulary("logit_bias: token id", [t for t, _ in sampling.logit_bias], vocab)
+    if sampling.grammar is not None and not limits.grammar:
+        raise ValueError("structured outputs are not served: the model directory has no tokenizer.json")
+    # A stop token outside the vocabulary could never be generated: a stop that silently never stops.
+    _check_vocabulary("stop_token_ids: token id", stopping.stop_token_ids, vocab)
+    rest = context - len(prompt_ids)
+    if stopping.max_new_tokens == 0:
+        fill = min(rest, limits.default_max_new_tokens) if limits.default_max_new_tokens else rest
+        return replace(stopping, max_new_tokens=fill)
+    if stopping.max_new_tokens > rest:  # ends at the context ("length"), as it always has
+        return replace(stopping, max_new_tokens=rest)
+    return stopping
+
+
+def _check_vocabulary(what: str, ids: Sequence[int], vocab: int) -> None:
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{what} {bad} is outside the vocabulary [0, {vocab})")

@@ -1,20 +1,12 @@
 """One request inside the engine: a list of token ids and counters, nothing more.
 
 A request has no phases: `num_computed_tokens` (tokens whose KV is in the pool) catches up with
-`num_tokens` (prompt plus generated tokens). A step that brings it level samples one more token.
-Prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption are all the same
-arithmetic on these counters.
-
-Speculative decoding keeps its per-request state in `spec` (a `SpecState`, made by the engine's
-`Speculator` when the request first may propose; None before and without speculation). Its `drafts` are
-tokens proposed for the positions after `token_ids`, computed in the next step together with the
-request's own last token and verified by the sampler. They are never part of `token_ids` (nor of a block
-hash); accepted ones are appended to it after the step.
-
-Structured outputs: `grammar` is the request's grammar state once its compile is ready (the engine holds
-the request back until then); it has accepted exactly the kept output tokens. Prompt logprobs:
-`prompt_logprobs` collects, position by position through chunked prefill, the entries of the prompt
-tokens after the first; they go out once, with the first token (`prompt_logprobs_sent`).
+`num_tokens` (prompt plus kept tokens); a step that brings it level samples one more token. Prefill,
+chunked prefill, decode, prefix-cache hits and recompute after preemption are the same arithmetic.
+Per-feature state stays in one field each: speculation's `spec` (a `SpecState`; its `drafts` are never
+part of `token_ids` nor of a block hash, accepted ones are appended after the step), structured outputs'
+`grammar` (the state, once compiled: it has accepted exactly the kept output tokens), prompt logprobs'
+`prompt_logprobs` (collected through chunked prefill, sent once: `prompt_logprobs_sent`).
 """
 
 from __future__ import annotations
@@ -65,7 +57,8 @@ class Request:
     slid_blocks: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    error: str | None = None
+    error: str | None = None  # "error" finish: the detail, in plain words
+    error_code: str | None = None  # "error" finish: its class (services/common/errors.py)
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at the first admission
     generator: Any = None  # torch.Generator of a seeded request, made by the sampler

@@ -1,57 +1,38 @@
-"""The scheduler: which requests run in the next step, and how many tokens each gets.
+"""The scheduler: which requests run in the next step and how many tokens each gets, and, after the step,
+which tokens each keeps (`update_from_output`, `update_from_verified`; rules: core/stopping.py).
 
-Each step gets a token budget (`max_num_batched_tokens`) and a cap on running requests
-(`max_num_seqs`). Running requests are served first, oldest first; a request that needs a block when
-none is free preempts the most recently admitted running request (its blocks are freed, its counters
-reset, and it is recomputed later from its prompt plus the tokens it already generated). Waiting requests
-are admitted in arrival order only in a step without preemption, and only when their blocks fit: the pool
-never overflows. A prefill longer than the remaining budget is chunked across steps.
-
-Continuous batching with prefix caching defers a waiting request whose next uncached block is one that a
-running request is computing right now (a shared prompt prefix arriving in a burst): admitted at once,
-both would compute that prefix; a step or so later the second finds it cached and computes only the
-rest. Later waiting requests are admitted past a deferred one.
-
-Batching policies share this code and differ only in admission:
-- continuous: a waiting request joins at the next step;
-- dynamic: when the previous batch has finished, a batch of up to `max_num_seqs` forms from the queue
-  once it is full or its oldest request has waited `batch_wait_ms`; it runs to completion;
-- static: the same with a fixed batch size `static_batch_size`.
-
-KV groups: the layers of a model form groups that attend alike (block_manager.KVGroupSpec), each with
-its block manager and a block table per request: one group for most models, a full-attention and a
-sliding group for a hybrid one. Every group's table has an entry per logical block, so a step needs the
-same number of new blocks in each group: a request is scheduled (or admitted) only when every group has
-them, and one that lacks them in any group preempts as above.
-
-Sliding windows: in a group whose layers attend within a window of `window` positions, a query at
-position p never reads keys before p - window + 1, and later queries read later ones: after each step the
-blocks wholly before the next position's window are freed (their table entries become the group's
-`hole`), so a long request holds at most ceil((window - 1) / block_size) + 1 blocks of the group between
-steps. A freed block keeps its prefix-cache content like any free block, until it is allocated again. A
-prefix hit takes the longest prefix every group can serve (BlockManager.longest_hit): a sliding group
-needs only the blocks the first computed position's window reads.
-
-Speculative decoding: after `schedule`, the engine's `Speculator` may give drafts (`Request.draft_ids`)
-to decoding requests of the step (one token left to compute); `schedule_drafts` then fits them after
-every real token of the step, running and waiting, in the budget that is left: such a request computes
-1 + len(draft_ids) tokens, its drafts trimmed to the budget and to the blocks free (drafts never preempt
-anyone). Which requests may propose at all (batch size, preemption, acceptance) is the Speculator's gate,
-not the scheduler's. After the step, `advance` counts the request's own token only; `accept_drafts`
-counts the accepted ones once the engine has appended them, and frees the blocks that held only rejected
-drafts. Block hashes come from `token_ids`, never from drafts.
+Invariants: a step's tokens fit `max_num_batched_tokens` and its requests `max_num_seqs`; the pool never
+overflows (check, then act: `can_allocate` before `allocate`). Running requests go first, oldest first; a
+request short of a block preempts the most recently admitted one (freed, recomputed later from its kept
+tokens). Waiting requests are admitted in arrival order, only in a step without preemption; a long prefill
+is chunked. Continuous batching with prefix caching defers a request whose next uncached block a running
+request is computing (it finds it cached a step later). dynamic/static policies differ only in admission.
+KV groups (block_manager.KVGroupSpec) each have a block table per request with an entry per logical block:
+a request runs only when every group has its new blocks. A sliding group frees the blocks wholly before
+every later query's window (`hole`); a prefix hit is the longest every group can serve. Speculative drafts
+fit after every real token, in the budget and blocks left, never preempting; hashes come from kept tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.common.block_keys import BlockHash, chain_hashes, max_hit_blocks
+from services.common.errors import INTERNAL
 from services.engine.core.block_manager import BlockManager, first_seen_block
-from services.engine.core.request import Request, Status
+from services.engine.core.params import RequestOutput, TokenLogprob
+from services.engine.core.request import PLACEHOLDER, Request, Status
+from services.engine.core.stopping import drop_placeholder, keep, request_output
+
+if TYPE_CHECKING:
+    from services.engine.core.speculative import Speculator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,7 +97,9 @@ class Scheduler:
         request.status = Status.WAITING
         self.waiting.append(request)
 
-    def finish(self, request: Request, reason: str, error: str | None = None) -> None:
+    def finish(
+        self, request: Request, reason: str, error: str | None = None, error_code: str | None = None
+    ) -> None:
         """Ends a request wherever it is and frees its blocks. Idempotent."""
         if request.finished:
             return
@@ -128,6 +111,7 @@ class Scheduler:
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.error = error
+        request.error_code = error_code
         self.batch.discard(request)
 
     # ---- one step ------------------------------------------------------------------------------
@@ -292,6 +276,107 @@ class Scheduler:
             if len(table) > keep:
                 bm.free_blocks(table[keep:])
                 del table[keep:]
+
+    def update_from_output(
+        self, reqs: Sequence[Request], tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None]
+    ) -> list[RequestOutput]:
+        """After a step (plain or async) was read: writes each sampled token over its request's
+        placeholder, keeps it under the stop rules (services/engine/core/stopping.py) and returns the
+        outputs. A request that ended since the step was launched is skipped; one whose acceptance raises
+        ends alone (`internal`)."""
+        if not len(reqs) == len(tokens) == len(logprobs):
+            raise RuntimeError(f"{len(reqs)} sampling requests but {len(tokens)} tokens read")
+        outputs: list[RequestOutput] = []
+        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+            if not req.finished:
+                self._own_failure(req, outputs, lambda r=req, t=tok, p=lp: self._fill(r, t, p))
+        return outputs
+
+    def update_from_verified(
+        self,
+        sched: SchedulerOutput,
+        reqs: Sequence[Request],
+        runs: Sequence[list[int]],
+        logprobs: Sequence[list],
+        speculator: Speculator | None,
+    ) -> list[RequestOutput]:
+        """After a speculative step was verified: each request keeps its run (accepted drafts, then one
+        more token) token by token under the stop rules, the Speculator hears of it, and the accepted drafts
+        count as computed (`accept_drafts`). Failures as in `update_from_output`."""
+        outputs: list[RequestOutput] = []
+        for req, run, lps in zip(reqs, runs, logprobs, strict=True):
+            self._own_failure(
+                req, outputs, lambda r=req, t=run, p=lps: self._accept_run(sched, r, t, p, speculator)
+            )
+        return outputs
+
+    def fail(self, req: Request, error_code: str, detail: str) -> RequestOutput:
+        """Ends `req` with finish_reason "error" (its state untouched when it already ended)."""
+        if not req.finished:
+            drop_placeholder(req)
+        self.finish(req, "error", detail, error_code)
+        return request_output(req, [])
+
+    def _fill(self, req: Request, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        assert req.prev_row >= 0 and req.token_ids[-1] == PLACEHOLDER, "no placeholder to fill"
+        req.token_ids[-1] = tok
+        req.prev_row = -1
+        self._keep(req, tok)
+        return request_output(req, [tok], [lp] if lp is not None else None)
+
+    def _accept_run(
+        self,
+        sched: SchedulerOutput,
+        req: Request,
+        run: list[int],
+        logprobs: list,
+        speculator: Speculator | None,
+    ) -> RequestOutput | None:
+        if req.finished:
+            return None
+        drafts = len(req.draft_ids)
+        accepted = len(run) - 1
+        assert 0 <= accepted <= drafts, "verify returns the accepted drafts and one token"
+        emitted: list[int] = []
+        for tok in run:
+            req.token_ids.append(tok)
+            emitted.append(tok)
+            if self._keep(req, tok):
+                break
+        if drafts:
+            assert speculator is not None, "drafts come from the speculator"
+            speculator.verified(sched, req, drafts, accepted)
+        if not req.finished:
+            self.accept_drafts(req, accepted)
+        lps = logprobs[: len(emitted)] if logprobs and logprobs[0] is not None else None
+        return request_output(req, emitted, lps)
+
+    def _keep(self, req: Request, tok: int) -> bool:
+        """Keeps `tok` (already in `token_ids`) under the stop rules; whether it ended `req`."""
+        stop = keep(req, tok, self.max_model_len)
+        if stop is not None:
+            self.finish(req, stop.reason, stop.detail, stop.error_code)
+        return stop is not None
+
+    def _own_failure(
+        self, req: Request, outputs: list[RequestOutput], produce: Callable[[], RequestOutput | None]
+    ) -> None:
+        """Appends `produce()`, one request's output of a step; an exception there is that request's
+        failure, never the step's: it ends the request (`internal`) and the step's other outputs stand."""
+        try:
+            out = produce()
+        except Exception as exc:
+            log.exception("request %s failed in postprocessing", req.request_id)
+            out = self.fail(req, INTERNAL, f"internal error in the request's postprocessing: {exc}")
+        if out is not None:
+            outputs.append(out)
+
+    def needs_host_tokens(self) -> bool:
+        """Async scheduling: whether the next step needs the host's values of pending tokens (penalties
+        over the output, or a grammar to advance before its next mask): the engine reads step N first."""
+        return any(
+            r.prev_row >= 0 and (r.sampling.has_penalties or r.grammar is not None) for r in self.running
+        )
 
     # ---- helpers -------------------------------------------------------------------------------
 

@@ -1,31 +1,15 @@
 """Prompt lookup: proposing a request's next tokens from its own earlier tokens (n-gram speculation).
 
-Outputs often copy spans of their context: an edit repeats most of the text it edits, a summary or an
-extraction quotes its source, code repeats identifiers and whole lines, and a small model stuck in a loop
-repeats itself. Prompt lookup guesses the next tokens by finding the latest earlier place where the last
-n tokens of the request (prompt + output) occurred, and proposing the tokens that followed it there. The
-engine then runs the proposals as extra positions of the request's chunk in the same forward pass, and the
-sampler keeps the longest prefix the model agrees with plus one token of its own (`Sampler.verify`), so
-the output is what the model alone would have produced.
-
-Cost: there is no draft model. A proposal is a host-side search over the request's tokens: one
-vectorised comparison of the whole array with its last token, then a filter on the few candidates for
-each longer n-gram: about 15 µs for a 2,000-token request once the ids are a numpy array (`TokenMirror`
-keeps that array up to date incrementally), about 50 µs when the list is converted on every call. The
-real cost is on the device: every proposed token is one more position in the forward pass, and a
-rejected one is compute thrown away.
-
-When it pays: at small batches, where a decode step is bound by reading the weights and extra positions
-are almost free, on outputs that copy their context (acceptance is high). It does not pay when the
-batch already fills the device (extra positions cost as much as real ones) or on free-form text (most
-proposals are rejected); the `Speculator` gates it on both (batch size, per-request acceptance rate).
-
-The engine holds one `Speculator` when `EngineSettings.speculative` is not "off" (None when it is: that
-setting is the only off switch). Per step, after the scheduler built the step and before the drafts are
-fitted into it (`Scheduler.schedule_drafts`), `Speculator.propose` gives drafts to the requests that pass
-the gate (`Speculator._gate`, the one place both rules are checked); after verification,
-`Speculator.verified` counts the step's figures and moves the request's acceptance window. A request's
-speculation state is one `SpecState` at `Request.spec`. Host-side only: no torch here.
+A proposal is the tokens that followed the latest earlier occurrence of the request's last n tokens
+(prompt + output): outputs often copy their context (edits, quotes, code, loops). The engine runs them as
+extra positions of the request's chunk and `Sampler.verify` keeps the longest prefix the model agrees with
+plus one token of its own, so the output is the model's alone. No draft model: a search costs about 15 µs
+for 2,000 tokens (`TokenMirror` keeps the ids as a numpy array); the cost is on the device, where a
+rejected position is compute thrown away, so it pays at small batches on outputs that copy their context.
+The engine holds one `Speculator` unless `EngineSettings.speculative` is "off": `propose` gives drafts to
+the requests that pass the gate (`_gate`: batch size, per-request acceptance; the one place) before
+`Scheduler.schedule_drafts` fits them, and `verified` moves the acceptance window. Per-request state: one
+`SpecState` at `Request.spec`. Host-side only: no torch here.
 """
 
 from __future__ import annotations
@@ -263,3 +247,18 @@ class Speculator:
             return
         state.cooldown = min(2 * state.cooldown if state.cooldown else SPEC_COOLDOWN, SPEC_MAX_COOLDOWN)
         state.resume_at = req.num_output_tokens + state.cooldown
+
+
+def row_owners(rows: Sequence[Request]) -> list[Request]:
+    """The requests of a step's logits rows, each once: a request with drafts owns 1 + len(draft_ids)
+    consecutive rows (see `Runner.execute`)."""
+    owners: list[Request] = []
+    i = 0
+    while i < len(rows):
+        req = rows[i]
+        span = 1 + len(req.draft_ids)
+        if i + span > len(rows) or any(r is not req for r in rows[i : i + span]):
+            raise RuntimeError(f"request {req.request_id}: its {span} rows are not together in the step")
+        owners.append(req)
+        i += span
+    return owners

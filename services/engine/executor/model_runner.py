@@ -23,14 +23,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id
 from services.engine.core.request import Request
-from services.engine.executor import capabilities, kv_sizing
+from services.engine.executor import capabilities, compiled, kv_sizing
 from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
     DecodeGroup,
     PrefillSeq,
     StepMeta,
-    paged_attention,
 )
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
 from services.engine.executor.kv_sizing import KVLayout, group_layers, initial_kv_cache_gb
@@ -42,7 +41,8 @@ log = logging.getLogger(__name__)
 
 GiB = 1 << 30
 
-transformers.AttentionInterface.register(ATTN_NAME, paged_attention)
+# attention.paged_attention, or inside the compiled step its custom op (executor/compiled.py)
+transformers.AttentionInterface.register(ATTN_NAME, compiled.attend)
 
 
 def load_runner(settings: EngineSettings) -> ModelRunner:
@@ -134,7 +134,8 @@ class ModelRunner:
     Built from the engine's settings; of them it reads `model` (the directory; '' = the embedded model),
     `device`, `dtype`, `block_size`, the pool's size (`num_kv_blocks`, else `kv_cache_gb` or its
     provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | triton, see
-    `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `quantization`
+    `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `compile` (auto |
+    on | off: the step under torch.compile, executor/compiled.py; auto = on for CUDA), `quantization`
     (none | int8 | fp8, applied to the weights after loading: executor/quantization.py) and
     `kv_cache_dtype` (auto: the model's dtype | fp8: a float8 e4m3 pool, `kv_dtype`, which attention reads
     back in the compute dtype and which halves a block's bytes against bf16). `static_decode`: run
@@ -157,6 +158,9 @@ class ModelRunner:
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
         self.max_position_embeddings = self._context_limit(config, settings.max_model_len)
         self.cuda_graphs = settings.cuda_graphs
+        self.compile_setting = settings.compile
+        self.max_num_batched_tokens = settings.max_num_batched_tokens
+        self._compiled: compiled.CompiledStep | None = None
         self.static_decode = static_decode
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
@@ -311,7 +315,9 @@ class ModelRunner:
 
     def prepare(self, max_model_len: int, max_num_seqs: int) -> None:
         """Called once by the engine before its first step, with the pool final (see `Runner.prepare`):
-        the static decode buffers and, on CUDA with graphs on and the triton backend, the graphs."""
+        the compiled step (every bucket compiled now) when compile is wanted, the static decode buffers
+        and, on CUDA with graphs on and the triton backend, the graphs (captured from the compiled step
+        when there is one)."""
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         # A full decode batch's inputs without growing the staging buffers: ids, positions, slots, sampled
@@ -321,6 +327,7 @@ class ModelRunner:
         table = groups * max_num_seqs * (-(-max_model_len // self.block_size) + 1)
         self._long.reserve((5 + groups) * max_num_seqs + (table if self.backend == "torch" else 0))
         self._int.reserve(table + max_num_seqs if self.backend == "triton" else 0)
+        self._compiled = self._compile_step(max_num_seqs)
         graphs, why = self._graphs_wanted()
         self._static = None
         if graphs or self.static_decode:
@@ -337,7 +344,7 @@ class ModelRunner:
             assert self._static is not None
             try:
                 with torch.inference_mode():
-                    self._static.capture(self._forward)
+                    self._static.capture(self._forward)  # from the compiled step when there is one
             except Exception as exc:  # e.g. an operation of the model's code that cannot be captured
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning("CUDA graphs: capture failed, every step runs eagerly: %s", why)
@@ -346,6 +353,40 @@ class ModelRunner:
             log.info("CUDA graphs: none, every step runs eagerly (%s)", why)
         if self.expert_load is not None:
             self.expert_load.reset()  # the warm-up and capture forwards routed nothing of a request's
+
+    def _compile_wanted(self) -> tuple[bool, str]:
+        """Whether to compile the step, and why not. auto: on CUDA only (on a CPU the compiled step
+        measured no faster: docs/architecture.md, "Where the cycles go")."""
+        if self.compile_setting == "off":
+            return False, "compile is off"
+        if self.compile_setting == "auto" and self.device.type != "cuda":
+            return False, "compile auto is off on a CPU"
+        return True, ""
+
+    def _compile_step(self, max_num_seqs: int) -> compiled.CompiledStep | None:
+        """The compiled step for decode batches up to `max_num_seqs` rows and prefill steps up to the
+        token budget, every bucket compiled now; None (every step eager, the reason logged) when compile
+        is not wanted or the model does not compile."""
+        wanted, why = self._compile_wanted()
+        if not wanted:
+            log.info("compile: none, every step runs eagerly (%s)", why)
+            return None
+        sizes = compiled.buckets(max_num_seqs, max(max_num_seqs, self.max_num_batched_tokens))
+        step = compiled.CompiledStep(self.model, sizes, max_num_seqs, self.device)
+        empty = StepMeta(self.kv, torch.zeros(0, dtype=torch.long, device=self.device), [], [],
+                         backend=self.backend, block_size=self.block_size)  # fmt: skip
+        if self.backend == "triton":
+            empty.block_tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
+            empty.seq_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
+        log.info("compile: %s step sizes %s (torch.compile, inductor) ...", self.config.model_type, sizes)
+        try:
+            with torch.inference_mode():
+                step.warm_up(empty)
+        except Exception as exc:  # an operation of the model's code that does not compile
+            log.warning("compile: failed, every step runs eagerly: %s: %s", type(exc).__name__, exc)
+            torch._dynamo.reset()
+            return None
+        return step
 
     def _graphs_wanted(self) -> tuple[bool, str]:
         if self.device.type != "cuda":
@@ -406,8 +447,8 @@ class ModelRunner:
             logits = all_logits.index_select(0, keep)
         else:
             extra = [row for _, _, rows in prompt_rows for row in rows]
-            if self.expert_load is not None:
-                self.expert_load.begin(len(ids), len(ids))
+            if self.expert_load is not None:  # a compiled step's padding rows route too: they count 0
+                self.expert_load.begin(len(ids), self._rows_run(len(ids), len(keep_rows) + len(extra)))
             logits = self._execute_eager(
                 decodes,
                 prefills,
@@ -514,7 +555,15 @@ class ModelRunner:
         keep: torch.Tensor | int = 0,
     ) -> torch.Tensor:
         """The logits of the rows `keep`; by default those of every row, (G, V) for a padded decode batch
-        (the shape a graph needs)."""
+        (the shape a graph needs). Through the compiled step when there is one and the step fits a bucket."""
+        step = self._compiled
+        if step is not None:
+            rows = keep.shape[0] if isinstance(keep, torch.Tensor) else input_ids.shape[1]
+            if step.fits(input_ids.shape[1], rows):
+                with self._sdpa_backends():
+                    return step.run(
+                        input_ids, position_ids, meta, keep if isinstance(keep, torch.Tensor) else None
+                    )
         with self._sdpa_backends():
             out = self.model(
                 input_ids=input_ids,
@@ -524,6 +573,14 @@ class ModelRunner:
                 **{META_KWARG: meta},
             )
         return out.logits[0]
+
+    def _rows_run(self, tokens: int, kept: int) -> int:
+        """The rows the forward of a step of `tokens` tokens keeping `kept` logits rows runs: its compiled
+        bucket's, else `tokens`."""
+        step = self._compiled
+        if step is None or not step.fits(tokens, kept):
+            return tokens
+        return compiled.bucket_for(step.sizes, tokens) or tokens
 
     def _start_timer(self) -> torch.cuda.Event | float:
         if self.device.type != "cuda":
