@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls
 from sluice.plan import (
     EMBEDDED_MODEL_NAME,
+    LIGHT_NICE,
     STAGES,
     busy_port,
     child_env,
@@ -30,6 +31,7 @@ from sluice.plan import (
     ephemeral_warning,
     plan_children,
     planned_ports,
+    policy_line,
     port_clash,
 )
 from sluice.supervise import (
@@ -89,7 +91,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="engine torch threads (default: one less than the cores, at least 1)",
+        help="engine torch threads (default: one per core this process may run on)",
+    )
+    add(
+        "--light-nice",
+        type=int,
+        default=LIGHT_NICE,
+        choices=range(0, 20),
+        metavar="N",
+        help="added to the nice value of the tokenizers, detokenizers and gateway, so that they yield "
+        f"the cores to the engine (0-19; 0 = the engine's priority; default: {LIGHT_NICE})",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
@@ -177,6 +188,7 @@ async def _run(args: argparse.Namespace) -> int:
     children = plan_children(args, model)
     if not _ports_usable(args):
         return 1
+    print(policy_line(args), flush=True)
     supervisor = Supervisor(children, child_env(args, os.environ.copy()), standby=args.standby)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
