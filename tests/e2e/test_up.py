@@ -15,6 +15,7 @@ import websockets
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sluice.launcher import access_line
+from sluice.plan import LIGHT_NICE, default_engine_threads
 from tests.e2e.conftest import STARTUP_DEADLINE_S, Pipeline, launch_pipeline, start_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -166,3 +167,19 @@ def test_up_says_whether_the_apis_are_open(pipeline: Pipeline) -> None:
     assert "every API is open" in pipeline.output()
     assert "required" in access_line({"SLUICE_API_KEYS": "k1"})
     assert "required" in access_line({"SLUICE_API_KEYS_FILE": "/keys"})
+
+
+def _nice(pid: int) -> int:
+    """The nice value of process `pid`'s main thread (field 19 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[16])
+
+
+def test_the_light_stages_run_at_a_lower_priority_than_the_engine(pipeline: Pipeline) -> None:
+    """`sluice up`'s default: the engine at the launcher's nice value with a thread per usable core, the
+    tokenizer, detokenizer and gateway LIGHT_NICE lower, as the start-up line says."""
+    launcher_nice = _nice(pipeline.proc.pid)
+    nice = {name: _nice(pid) for name, pid in pipeline.pids().items()}
+    light = min(19, launcher_nice + LIGHT_NICE)
+    assert nice == {"tokenizer": light, "engine": launcher_nice, "detokenizer": light, "gateway": light}
+    assert f"engine: {default_engine_threads()} torch thread(s) (one per usable core" in pipeline.output()
