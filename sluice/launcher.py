@@ -29,6 +29,7 @@ from sluice.plan import (
     child_env,
     ephemeral_ports,
     ephemeral_warning,
+    host_load,
     plan_children,
     planned_ports,
     policy_line,
@@ -91,7 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="engine torch threads (default: one per core this process may run on)",
+        help="engine torch threads (default: one per core this process may run on, one less when the "
+        "host's load average is 1 or more before the services start)",
     )
     add(
         "--light-nice",
@@ -185,10 +187,11 @@ def main(argv: list[str]) -> int:
 async def _run(args: argparse.Namespace) -> int:
     """plan → spawn → wait → stop; the exit status of `sluice up` (see `main`)."""
     model = resolve_model(args.model, args.revision)  # plan
-    children = plan_children(args, model)
+    load = host_load()  # before any child starts: other work only
+    children = plan_children(args, model, load)
     if not _ports_usable(args):
         return 1
-    print(policy_line(args), flush=True)
+    print(policy_line(args, load), flush=True)
     supervisor = Supervisor(children, child_env(args, os.environ.copy()), standby=args.standby)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -305,7 +305,10 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
 
 
 @pytest.mark.parametrize(("batching", "engine_threads"), [(None, 0), ("dynamic", 3)])
-def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threads: int) -> None:
+def test_launcher_flags_parse_for_every_child(
+    batching: str | None, engine_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     flags = ["--port", "8100", "--grpc-base-port", "51000", "--engine-threads", str(engine_threads)]
     args = parse_up_args(flags + (["--batching", batching] if batching else []))
     children = plan_children(args, "/models/m")
@@ -333,7 +336,12 @@ def test_the_engine_gets_every_usable_core_and_the_light_stages_a_lower_priority
     LIGHT_NICE lower; --engine-threads and --light-nice override, and the start-up line says which."""
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     monkeypatch.setattr(plan.os, "cpu_count", lambda: 8)
-    assert default_engine_threads() == 3
+    monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.2, 0.5, 0.5))
+    assert default_engine_threads() == default_engine_threads(0.0) == 3
+    assert default_engine_threads(plan.BUSY_LOAD) == default_engine_threads(9.0) == 2  # a busy host
+    busy = parse_up_args([])
+    assert settings_for("engine", list(plan_children(busy, "/m", load=5.0)[1].flags)).threads == 2
+    assert "one less than the 3 usable cores: load average 5.00" in policy_line(busy, load=5.0)
     args = parse_up_args(["--tokenizers", "2"])
     children = plan_children(args, "/models/m")
     parsed = {c.name: settings_for(c.kind, list(c.flags)) for c in children}
@@ -346,13 +354,14 @@ def test_the_engine_gets_every_usable_core_and_the_light_stages_a_lower_priority
         "gateway": LIGHT_NICE,
     }
     assert LIGHT_NICE > 0
-    assert "3 torch thread(s) (one per usable core, 3)" in policy_line(args)
+    assert "3 torch thread(s) (one per usable core, 3; load average 0.20" in policy_line(args)
     assert f"nice +{LIGHT_NICE}" in policy_line(args)
     old = parse_up_args(["--engine-threads", "1", "--light-nice", "0"])
     children = plan_children(old, "/models/m")
     assert settings_for("engine", list(children[1].flags)).threads == 1
     assert {c.nice for c in children} == {0}
-    assert "1 torch thread(s) (--engine-threads)" in policy_line(old)
+    assert "1 torch thread(s) (--engine-threads)" in policy_line(old, load=5.0)
+    assert settings_for("engine", list(plan_children(old, "/m", load=0.0)[1].flags)).threads == 1
     assert "at the engine's priority" in policy_line(old)
 
 

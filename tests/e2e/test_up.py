@@ -14,6 +14,7 @@ import torch
 import websockets
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from sluice import plan
 from sluice.launcher import access_line
 from sluice.plan import LIGHT_NICE, default_engine_threads
 from tests.e2e.conftest import STARTUP_DEADLINE_S, Pipeline, launch_pipeline, start_pipeline
@@ -176,10 +177,16 @@ def _nice(pid: int) -> int:
 
 
 def test_the_light_stages_run_at_a_lower_priority_than_the_engine(pipeline: Pipeline) -> None:
-    """`sluice up`'s default: the engine at the launcher's nice value with a thread per usable core, the
-    tokenizer, detokenizer and gateway LIGHT_NICE lower, as the start-up line says."""
+    """`sluice up`'s default: the engine at the launcher's nice value with the threads its start-up line
+    names (one per usable core, one less on a busy host), the tokenizer, detokenizer and gateway
+    LIGHT_NICE lower."""
     launcher_nice = _nice(pipeline.proc.pid)
     nice = {name: _nice(pid) for name, pid in pipeline.pids().items()}
     light = min(19, launcher_nice + LIGHT_NICE)
     assert nice == {"tokenizer": light, "engine": launcher_nice, "detokenizer": light, "gateway": light}
-    assert f"engine: {default_engine_threads()} torch thread(s) (one per usable core" in pipeline.output()
+    line = next(line for line in pipeline.lines if "torch thread(s)" in line)
+    threads = int(line.split("engine: ")[1].split()[0])
+    assert threads in (default_engine_threads(0.0), default_engine_threads(plan.BUSY_LOAD)), line
+    assert f"nice +{LIGHT_NICE}" in line
+    engine_cmdline = psutil.Process(pipeline.pids()["engine"]).cmdline()
+    assert engine_cmdline[engine_cmdline.index("--threads") + 1] == str(threads)
