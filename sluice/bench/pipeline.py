@@ -76,8 +76,8 @@ class EndToEndRun:
 def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
     core until every request is done. The engine gets the flags `sluice up` gives the service (its
-    thread count included, one per usable core, whatever `--up-flags` give the end-to-end engine), then
-    `engine_flags`."""
+    default thread count included, `plan.default_engine_threads()`, whatever `--up-flags` give the
+    end-to-end engine), then `engine_flags`."""
     from services.tokenizer.core import TokenizerCore
 
     prompts = TokenizerCore(model).encode_batch([r.prompt for r in requests], add_special_tokens=True)
@@ -198,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="FLAGS",
         help='`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
-        "in-process engine keeps its thread per usable core)",
+        "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
+        "children have it: docs/benchmarks.md)",
     )
     return parser
 
