@@ -23,13 +23,16 @@ from collections.abc import Callable, Mapping
 from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls
 from sluice.plan import (
     EMBEDDED_MODEL_NAME,
+    LIGHT_NICE,
     STAGES,
     busy_port,
     child_env,
     ephemeral_ports,
     ephemeral_warning,
+    host_load,
     plan_children,
     planned_ports,
+    policy_line,
     port_clash,
 )
 from sluice.supervise import (
@@ -91,7 +94,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="engine torch threads (default: one less than the cores, at least 1)",
+        help="engine torch threads (default: one per core this process may run on, one less when the "
+        "host's load average is 1 or more before the services start)",
+    )
+    add(
+        "--light-nice",
+        type=int,
+        default=LIGHT_NICE,
+        choices=range(0, 20),
+        metavar="N",
+        help="added to the nice value of the tokenizers, detokenizers and gateway, so that they yield "
+        f"the cores to the engine (0-19; 0 = the engine's priority; default: {LIGHT_NICE})",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
@@ -176,9 +189,11 @@ def main(argv: list[str]) -> int:
 async def _run(args: argparse.Namespace) -> int:
     """plan → spawn → wait → stop; the exit status of `sluice up` (see `main`)."""
     model = resolve_model(args.model, args.revision)  # plan
-    children = plan_children(args, model)
+    load = host_load()  # before any child starts: other work only
+    children = plan_children(args, model, load)
     if not _ports_usable(args):
         return 1
+    print(policy_line(args, load), flush=True)
     supervisor = Supervisor(children, child_env(args, os.environ.copy()), standby=args.standby)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

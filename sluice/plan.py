@@ -1,12 +1,15 @@
 """The plan of `sluice up`: which processes run, on which ports, with which flags and threads.
 
-Pure functions of the parsed flags (and of the host's port range), nothing started here.
+Pure functions of the parsed flags (and of the host's port range, cores and load average), nothing
+started here.
 Invariants: the stages' gRPC ports are consecutive from `--grpc-base-port` + 1 in STAGES order
 (tokenizers, engines, detokenizers), their metrics ports likewise from `--metrics-base-port`; the
 gateway takes `--port` (HTTP) and `--grpc-base-port` and is given every replica's address; a replica is
 named `engine` when alone, else `engine-1` ... `engine-N`; every planned port has one use
-(`port_clash`). The engine gets one thread less than the cores (at least one) and every child
-`OMP_WAIT_POLICY=PASSIVE` unless set: docs/architecture.md ("`sluice up`") has why.
+(`port_clash`). The engine gets a thread per core this process may run on (`usable_cores`; one less
+when the host's load average shows other work: BUSY_LOAD) at the launcher's priority; the light stages
+(tokenizers, detokenizers, the gateway) run `--light-nice` (LIGHT_NICE) lower; every child gets
+`OMP_WAIT_POLICY=PASSIVE` unless set: docs/architecture.md ("`sluice up`") has why and the measurement.
 """
 
 from __future__ import annotations
@@ -19,19 +22,22 @@ from pathlib import Path
 
 EMBEDDED_MODEL_NAME = "tiny"  # the name the gateway serves the embedded model under
 STAGES = ("tokenizer", "engine", "detokenizer")  # the order of their ports
+LIGHT_NICE = 10  # added to the light stages' nice value by default (`sluice up --light-nice`)
+BUSY_LOAD = 1.0  # a 1-minute load average from this up: the host is busy, the engine leaves a core
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 @dataclass(frozen=True)
 class Child:
     """One service process: its name (`engine`, or `engine-2` for a replica), the gRPC port its
-    health check answers on, its flags, and the service it runs (`sluice serve SERVICE`; default: its
-    name)."""
+    health check answers on, its flags, the service it runs (`sluice serve SERVICE`; default: its
+    name), and how much it adds to the launcher's nice value (0: the same CPU priority)."""
 
     name: str
     grpc_port: int
     flags: tuple[str, ...]
     service: str = ""
+    nice: int = 0
 
     @property
     def kind(self) -> str:
@@ -78,11 +84,12 @@ def port_clash(ports: list[tuple[int, str]]) -> str | None:
     return None
 
 
-def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
+def plan_children(args: argparse.Namespace, model: str, load: float | None = None) -> list[Child]:
     """Every stage replica on consecutive ports from --grpc-base-port + 1 (tokenizers, engines,
-    detokenizers), then the gateway on --grpc-base-port, given every replica's address."""
+    detokenizers), then the gateway on --grpc-base-port, given every replica's address. Engines get
+    `engine_threads(args, load)` torch threads and nice 0; the others `light_nice(args)`."""
     common = ("--host", args.host)
-    engine_extra: tuple[str, ...] = ("--threads", str(args.engine_threads or default_engine_threads()))
+    engine_extra: tuple[str, ...] = ("--threads", str(engine_threads(args, load)))
     if args.batching:
         engine_extra += ("--batching", args.batching)
     if args.device:
@@ -97,7 +104,8 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
             port = args.grpc_base_port + 1 + offset
             extra = engine_extra if stage == "engine" else ()
             flags = (*common, "--port", str(port), "--model", model, *extra, *_metrics_flags(args, offset))
-            children.append(Child(name, port, flags, service=stage))
+            nice = 0 if stage == "engine" else light_nice(args)
+            children.append(Child(name, port, flags, service=stage, nice=nice))
             addresses.setdefault(stage, []).append(f"{args.host}:{port}")
             offset += 1
     gateway_flags = (
@@ -109,7 +117,7 @@ def plan_children(args: argparse.Namespace, model: str) -> list[Child]:
         *(flag for stage in STAGES for flag in (f"--{stage}", ",".join(addresses[stage]))),
         *served_name_flags(args),
     )
-    return [*children, Child("gateway", args.grpc_base_port, gateway_flags)]
+    return [*children, Child("gateway", args.grpc_base_port, gateway_flags, nice=light_nice(args))]
 
 
 def _metrics_flags(args: argparse.Namespace, offset: int) -> tuple[str, ...]:
@@ -127,9 +135,60 @@ def served_name_flags(args: argparse.Namespace) -> tuple[str, ...]:
     return ("--served-model-name", name) if name else ()
 
 
-def default_engine_threads() -> int:
-    """Torch threads for an engine that shares the host with the rest of the pipeline."""
-    return max(1, (os.cpu_count() or 1) - 1)
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, as `taskset` or a container's cpuset
+    narrow it), else the host's count; at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def host_load() -> float:
+    """The host's 1-minute load average (0.0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+
+
+def default_engine_threads(load: float | None = None) -> int:
+    """Torch threads for the engine of `sluice up`: one per usable core while the host is otherwise
+    idle (`load`, the 1-minute load average before any child starts, default `host_load()`, below
+    BUSY_LOAD), else one less (at least one): on a host already busy with other work a second thread's
+    barriers wait for a core that work holds. The light stages yield to the engine by priority
+    (`light_nice`). docs/architecture.md ("`sluice up`") and docs/benchmarks.md ("Cores to the engine")
+    have the measurements."""
+    cores = usable_cores()
+    load = host_load() if load is None else load
+    return cores if load < BUSY_LOAD else max(1, cores - 1)
+
+
+def engine_threads(args: argparse.Namespace, load: float | None = None) -> int:
+    """`--engine-threads` when given (> 0), else `default_engine_threads(load)`."""
+    return args.engine_threads or default_engine_threads(load)
+
+
+def light_nice(args: argparse.Namespace) -> int:
+    """What the light stages (tokenizer, detokenizer, gateway) add to their nice value: `--light-nice`
+    (0 = the engine's priority), LIGHT_NICE when the flags have none."""
+    return int(getattr(args, "light_nice", LIGHT_NICE))
+
+
+def policy_line(args: argparse.Namespace, load: float | None = None) -> str:
+    """The start-up line naming the CPU policy: the engine's threads (and why) and the light stages'
+    nice; `load` as for `default_engine_threads`."""
+    load = host_load() if load is None else load
+    threads, cores = engine_threads(args, load), usable_cores()
+    if args.engine_threads:
+        why = "--engine-threads"
+    elif threads == cores:
+        why = f"one per usable core, {cores}; load average {load:.2f} < {BUSY_LOAD:g}"
+    else:
+        why = f"one less than the {cores} usable cores: load average {load:.2f} >= {BUSY_LOAD:g}"
+    nice = light_nice(args)
+    light = f"at nice +{nice} (--light-nice)" if nice else "at the engine's priority (--light-nice 0)"
+    return f"sluice up: engine: {threads} torch thread(s) ({why}), nice +0; the other services {light}"
 
 
 def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:

@@ -7,7 +7,8 @@ CONFIG_ERROR_STATUS, which gives up at once; a child that served and then has no
 for `unhealthy_restart_s`, or a restarted one not SERVING within the start-up timeout, gets SIGTERM
 and SIGCONT, then SIGKILL after KILL_GRACE_S. A start takes a ready `Standby` of its kind when there
 is one; standbys count for nothing in health, and one that exits by itself turns its kind's off.
-Every child and standby gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG). Figures and history:
+Every child and standby gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and starts at its
+`Child.nice` (a standby at its kind's). Figures and history:
 docs/architecture.md ("`sluice up`") and docs/reliability.md ("Faults and restarts").
 """
 
@@ -151,9 +152,19 @@ class Supervisor:
             with contextlib.suppress(OSError):  # it died since it said ready: a cold start then
                 proc, how = standby.hand_over(child.argv), " from a standby"
         if proc is None:
-            proc = subprocess.Popen(self.command(child), env=self.env, preexec_fn=self._preexec)
+            proc = subprocess.Popen(
+                self.command(child), env=self.env, preexec_fn=self._child_preexec(child.nice)
+            )
         self.procs[child.name] = proc
         print(f"sluice up: {child.name} started (pid {proc.pid}){how}", flush=True)
+
+    def _kind_nice(self, kind: str) -> int:
+        """The nice increment of `kind`'s children (a standby of the kind starts at theirs)."""
+        return next((child.nice for child in self.children if child.kind == kind), 0)
+
+    def _child_preexec(self, nice: int) -> Callable[[], None] | None:
+        """Popen's `preexec_fn` for a child or standby `nice` lower in priority than the launcher."""
+        return with_nice(self._preexec, nice)
 
     @staticmethod
     def command(child: Child) -> list[str]:
@@ -182,7 +193,8 @@ class Supervisor:
 
     def _start_standby(self, kind: str) -> None:
         try:
-            self.standbys.setdefault(kind, []).append(Standby(kind, self.env, self._preexec))
+            nice = self._kind_nice(kind)
+            self.standbys.setdefault(kind, []).append(Standby(kind, self.env, self._child_preexec(nice)))
         except OSError as exc:
             self._standby_failed(kind, str(exc))
 
@@ -496,6 +508,21 @@ def _parent_death_signal() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return set_signal
+
+
+def with_nice(preexec: Callable[[], None] | None, nice: int) -> Callable[[], None] | None:
+    """`preexec` (or nothing) followed by adding `nice` to the forked child's nice value, before it
+    runs: the child, and every thread it starts, then has the lower CPU priority. `preexec` itself
+    when `nice` is 0. Raising a nice value needs no privilege; the kernel caps it at 19."""
+    if nice <= 0:
+        return preexec
+
+    def lower() -> None:
+        if preexec is not None:
+            preexec()
+        os.nice(nice)
+
+    return lower
 
 
 class Standby:

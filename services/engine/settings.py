@@ -54,7 +54,7 @@ class EngineSettings(StageTlsSettings):
         default=0,
         metadata={
             "help": "torch intra-op threads on CPU (0 = torch's default: one per core; sluice up "
-            "gives one less than the cores)"
+            "gives one per core it may run on)"
         },
     )
     dtype: str = field(

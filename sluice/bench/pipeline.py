@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -75,7 +76,8 @@ class EndToEndRun:
 def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
     core until every request is done. The engine gets the flags `sluice up` gives the service (its
-    thread count included), then `engine_flags`."""
+    default thread count included, `plan.default_engine_threads()`, whatever `--up-flags` give the
+    end-to-end engine), then `engine_flags`."""
     from services.tokenizer.core import TokenizerCore
 
     prompts = TokenizerCore(model).encode_batch([r.prompt for r in requests], add_special_tokens=True)
@@ -191,7 +193,23 @@ def build_parser() -> argparse.ArgumentParser:
         "plot": "write tokens/s and cores used here",
     }
     sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
+    add(
+        "--up-flags",
+        default="",
+        metavar="FLAGS",
+        help='`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
+        "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
+        "children have it: docs/benchmarks.md)",
+    )
     return parser
+
+
+def load_average() -> str:
+    """The host's 1, 5 and 15 minute load averages ("n/a" where the OS has none)."""
+    try:
+        return " / ".join(f"{load:.2f}" for load in os.getloadavg())
+    except OSError:
+        return "n/a"
 
 
 def main(argv: list[str]) -> int:
@@ -204,8 +222,9 @@ def main(argv: list[str]) -> int:
     print(
         f"workload: {len(requests)} requests at once, prompts {words_lo}-{words_hi} words, outputs "
         f"{out_lo}-{out_hi} tokens ({sum(r.output_len for r in requests)} in all), greedy; api {args.api}; "
-        f"model {model}"
+        f"model {model}; sluice up {args.up_flags or '(defaults)'}"
     )
+    loads = [load_average()]
 
     def measure(system: str, endpoint: sw.Endpoint, k: int, index: int) -> Comparison:
         print(f"[{k + 1}/{args.repeat}] in-process engine ...", file=sys.stderr)
@@ -213,7 +232,7 @@ def main(argv: list[str]) -> int:
         print(f"[{k + 1}/{args.repeat}] end to end ...", file=sys.stderr)
         return Comparison(in_process, run_end_to_end(endpoint, args.api, requests, not args.no_progress))
 
-    opener = partial(sw.stack_endpoint, model, engine_flags)
+    opener = partial(sw.stack_endpoint, model, engine_flags, up_flags=tuple(shlex.split(args.up_flags)))
     (run,) = sw.sweep({"pipeline": opener}, range(args.repeat), measure).values()
     if run.error is not None:
         print(f"sluice bench pipeline: {run.error}", file=sys.stderr)
@@ -222,8 +241,10 @@ def main(argv: list[str]) -> int:
         max((c.in_process for c in run.points), key=lambda r: r.tokens_per_s),
         max((c.end_to_end for c in run.points), key=lambda r: r.tokens_per_s),
     )
+    loads.append(load_average())
     print("\n" + "\n".join(best.lines()))
-    doc = {"meta": sw.sweep_meta("pipeline", argv, model), "best": best.to_json()}
+    print(f"load average (1/5/15 min): {loads[0]} at the start, {loads[1]} at the end")
+    doc = {"meta": sw.sweep_meta("pipeline", argv, model, load_average=loads), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
     if args.plot is not None:
         pipeline_plot(args.plot, best)

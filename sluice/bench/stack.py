@@ -28,7 +28,7 @@ import psutil
 
 from sluice.launcher import parse_args
 from sluice.plan import Child, child_env, plan_children
-from sluice.supervise import Supervisor
+from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
@@ -101,6 +101,7 @@ class StackOptions:
     metrics: bool = True  # tokenizer/engine/detokenizer --metrics-port on free ports
     env: Mapping[str, str] | None = None  # extra environment for every child
     engines: int = 1  # engine replicas (sluice up --engines)
+    up_flags: tuple[str, ...] = ()  # more `sluice up` flags, e.g. ("--engine-threads", "1")
     startup_timeout_s: float = 300.0
 
 
@@ -120,7 +121,11 @@ class _LoggedSupervisor(Supervisor):
             log = self.log_path(child.name).open("wb")
             self._logs.append(log)
             self.procs[child.name] = subprocess.Popen(
-                self.command(child), env=self.env, stdout=log, stderr=subprocess.STDOUT
+                self.command(child),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                preexec_fn=with_nice(None, child.nice),
             )
 
     def death(self) -> RuntimeError | None:
@@ -209,7 +214,8 @@ class Stack(_Started):
         ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
         flags = ["--model", options.model, "--host", host, *ports, "--metrics-base-port", str(metrics_base)]
         flags += ["--engines", str(engines)] if engines > 1 else []
-        plan = parse_args(flags + (["--batching", options.batching] if options.batching else []))
+        flags += ["--batching", options.batching] if options.batching else []
+        plan = parse_args([*flags, *options.up_flags])
         self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
         self._env = child_env(plan, {**os.environ, **(options.env or {})})
         self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}

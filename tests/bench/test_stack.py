@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from sluice.bench.stack import PeerServer, Stack, StackOptions, free_port_run
+from sluice.plan import LIGHT_NICE
 
 pytestmark = pytest.mark.e2e
 SERVICES = {"tokenizer", "engine", "detokenizer", "gateway"}
@@ -97,3 +98,19 @@ def test_peer_server_that_cannot_load_its_model_is_reported(tmp_path: Path) -> N
     (broken / "config.json").write_text("{}")
     with pytest.raises(RuntimeError, match=r"^transformers serve exited with code \d+ during start-up"):
         PeerServer(str(broken), startup_timeout_s=120).start()
+
+
+def test_up_flags_set_the_stacks_cpu_policy(tiny_model_dir: Path) -> None:
+    """`StackOptions.up_flags` are `sluice up` flags: the old policy's one engine thread and no nice
+    for the light stages; without them the light stages run LIGHT_NICE lower (nothing is started)."""
+    old = Stack(StackOptions(str(tiny_model_dir), up_flags=("--engine-threads", "1", "--light-nice", "0")))
+    engine = next(c for c in old._children if c.kind == "engine")
+    assert engine.flags[engine.flags.index("--threads") + 1] == "1"
+    assert {c.nice for c in old._children} == {0}
+    new = Stack(StackOptions(str(tiny_model_dir)))
+    assert {c.kind: c.nice for c in new._children} == {
+        "tokenizer": LIGHT_NICE,
+        "engine": 0,
+        "detokenizer": LIGHT_NICE,
+        "gateway": LIGHT_NICE,
+    }

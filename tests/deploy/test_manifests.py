@@ -23,10 +23,10 @@ import yaml
 from services.common.grpc_server import ServiceHealth
 from services.common.metrics import exposed_names
 from services.common.settings import load_settings
-from sluice import cli
+from sluice import cli, plan
 from sluice.launcher import parse_args as parse_up_args
 from sluice.model import tiny
-from sluice.plan import child_env, default_engine_threads, plan_children
+from sluice.plan import LIGHT_NICE, child_env, default_engine_threads, plan_children, policy_line
 from tests.deploy import kustomize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -305,7 +305,10 @@ def test_grafana_is_provisioned_with_the_dashboard_and_datasource() -> None:
 
 
 @pytest.mark.parametrize(("batching", "engine_threads"), [(None, 0), ("dynamic", 3)])
-def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threads: int) -> None:
+def test_launcher_flags_parse_for_every_child(
+    batching: str | None, engine_threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     flags = ["--port", "8100", "--grpc-base-port", "51000", "--engine-threads", str(engine_threads)]
     args = parse_up_args(flags + (["--batching", batching] if batching else []))
     children = plan_children(args, "/models/m")
@@ -323,6 +326,51 @@ def test_launcher_flags_parse_for_every_child(batching: str | None, engine_threa
     assert len({c.grpc_port for c in children}) == 4
     if batching:
         assert parsed["engine"].batching == batching
+
+
+def test_the_engine_gets_every_usable_core_and_the_light_stages_a_lower_priority(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default the engine has a torch thread per core this process may run on (its affinity, not
+    the host's count) at the launcher's priority, and the tokenizer, detokenizer and gateway run
+    LIGHT_NICE lower; --engine-threads and --light-nice override, and the start-up line says which."""
+    monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    monkeypatch.setattr(plan.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.2, 0.5, 0.5))
+    assert default_engine_threads() == default_engine_threads(0.0) == 3
+    assert default_engine_threads(plan.BUSY_LOAD) == default_engine_threads(9.0) == 2  # a busy host
+    busy = parse_up_args([])
+    assert settings_for("engine", list(plan_children(busy, "/m", load=5.0)[1].flags)).threads == 2
+    assert "one less than the 3 usable cores: load average 5.00" in policy_line(busy, load=5.0)
+    args = parse_up_args(["--tokenizers", "2"])
+    children = plan_children(args, "/models/m")
+    parsed = {c.name: settings_for(c.kind, list(c.flags)) for c in children}
+    assert parsed["engine"].threads == 3
+    assert {c.name: c.nice for c in children} == {
+        "tokenizer-1": LIGHT_NICE,
+        "tokenizer-2": LIGHT_NICE,
+        "engine": 0,
+        "detokenizer": LIGHT_NICE,
+        "gateway": LIGHT_NICE,
+    }
+    assert LIGHT_NICE > 0
+    assert "3 torch thread(s) (one per usable core, 3; load average 0.20" in policy_line(args)
+    assert f"nice +{LIGHT_NICE}" in policy_line(args)
+    old = parse_up_args(["--engine-threads", "1", "--light-nice", "0"])
+    children = plan_children(old, "/models/m")
+    assert settings_for("engine", list(children[1].flags)).threads == 1
+    assert {c.nice for c in children} == {0}
+    assert "1 torch thread(s) (--engine-threads)" in policy_line(old, load=5.0)
+    assert settings_for("engine", list(plan_children(old, "/m", load=0.0)[1].flags)).threads == 1
+    assert "at the engine's priority" in policy_line(old)
+
+
+def test_light_nice_is_refused_outside_0_to_19(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse_up_args(["--light-nice", "19"]).light_nice == 19
+    for bad in ("-1", "20"):
+        with pytest.raises(SystemExit):
+            parse_up_args(["--light-nice", bad])
+    assert "--light-nice" in capsys.readouterr().err
 
 
 def test_launcher_passes_tracing_and_metrics_settings() -> None:

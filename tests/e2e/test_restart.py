@@ -647,3 +647,45 @@ def test_threads_started_while_a_standby_imports_get_the_replicas_priority_back(
         assert child.wait(timeout=60) == 0
     finally:
         child.kill()
+
+
+class _SleeperSupervisor(Supervisor):
+    """A Supervisor whose children are Python processes that sleep a minute (killed by the test)."""
+
+    @staticmethod
+    def command(child: Child) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def test_children_and_standbys_start_at_their_planned_priority(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The light stages' processes (and their kinds' standbys) run `Child.nice` lower than the
+    launcher, read back from /proc; the engine's run at the launcher's own."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    children = [Child("tokenizer", 0, (), nice=plan.LIGHT_NICE), Child("engine", 0, ())]
+    supervisor = _SleeperSupervisor(children, env=dict(os.environ))
+    preexecs: dict[str, Any] = {}
+
+    def standby(kind: str, env: dict[str, str], preexec: object) -> _FakeStandby:
+        preexecs[kind] = preexec
+        return _FakeStandby(kind, env, preexec)
+
+    monkeypatch.setattr(supervise, "Standby", standby)
+    try:
+        for child in children:
+            supervisor.start_child(child)
+        nice = {name: set(thread_nice_values(proc.pid).values()) for name, proc in supervisor.procs.items()}
+        assert nice == {"tokenizer": {min(19, before + plan.LIGHT_NICE)}, "engine": {before}}
+    finally:
+        for proc in supervisor.procs.values():
+            proc.kill()
+            proc.wait()
+    supervisor._start_standby("tokenizer")
+    supervisor._start_standby("engine")
+    spare = subprocess.Popen(
+        [sys.executable, "-c", "import os; print(os.getpriority(os.PRIO_PROCESS, 0))"],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=preexecs["tokenizer"],
+    )
+    assert int(spare.communicate()[0]) == min(19, before + plan.LIGHT_NICE)
+    assert preexecs["engine"] is supervisor._preexec  # the engine's standby: only the death signal

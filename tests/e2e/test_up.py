@@ -15,7 +15,9 @@ import torch
 import websockets
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from sluice import plan
 from sluice.launcher import access_line
+from sluice.plan import LIGHT_NICE, default_engine_threads
 from tests.e2e.conftest import STARTUP_DEADLINE_S, Pipeline, launch_pipeline, start_pipeline
 
 pytestmark = pytest.mark.e2e
@@ -175,3 +177,25 @@ def test_up_says_whether_the_apis_are_open(pipeline: Pipeline) -> None:
     assert "every API is open" in pipeline.output()
     assert "required" in access_line({"SLUICE_API_KEYS": "k1"})
     assert "required" in access_line({"SLUICE_API_KEYS_FILE": "/keys"})
+
+
+def _nice(pid: int) -> int:
+    """The nice value of process `pid`'s main thread (field 19 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rpartition(")")[2].split()[16])
+
+
+def test_the_light_stages_run_at_a_lower_priority_than_the_engine(pipeline: Pipeline) -> None:
+    """`sluice up`'s default: the engine at the launcher's nice value with the threads its start-up line
+    names (one per usable core, one less on a busy host), the tokenizer, detokenizer and gateway
+    LIGHT_NICE lower."""
+    launcher_nice = _nice(pipeline.proc.pid)
+    nice = {name: _nice(pid) for name, pid in pipeline.pids().items()}
+    light = min(19, launcher_nice + LIGHT_NICE)
+    assert nice == {"tokenizer": light, "engine": launcher_nice, "detokenizer": light, "gateway": light}
+    line = next(line for line in pipeline.lines if "torch thread(s)" in line)
+    threads = int(line.split("engine: ")[1].split()[0])
+    assert threads in (default_engine_threads(0.0), default_engine_threads(plan.BUSY_LOAD)), line
+    assert f"nice +{LIGHT_NICE}" in line
+    engine_cmdline = psutil.Process(pipeline.pids()["engine"]).cmdline()
+    assert engine_cmdline[engine_cmdline.index("--threads") + 1] == str(threads)
