@@ -85,6 +85,13 @@ class DevTools:
             await self._reader
 
 
+@pytest.fixture(autouse=True)
+def chat_sized_context(upstreams: FakeUpstreams) -> None:
+    """A context a conversation of several turns fits in (the fakes' default is 64 tokens, a character
+    a token): the page sends the whole conversation each turn."""
+    upstreams.tokenizer.context_length = upstreams.engine.max_model_len = 4096
+
+
 @pytest.fixture
 async def browser(tmp_path: Path) -> AsyncIterator[str]:
     """A headless Chromium; yields its DevTools WebSocket URL."""
