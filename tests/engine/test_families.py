@@ -7,6 +7,7 @@ be served are refused at start-up with a message naming what is missing."""
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -189,14 +190,49 @@ def test_an_attention_keyword_not_honoured_is_refused_by_name(
         family_engine(family_model_dir("llama"))
 
 
-def test_length_dependent_rope_caps_the_context(family_model_dir: FamilyDir) -> None:
-    """dynamic / longrope change their frequencies with the longest position of a forward: the context
-    is capped where they do not (original_max_position_embeddings), and a longer one is refused."""
-    model_dir = family_model_dir("llama-longrope")
-    engine = family_engine(model_dir, max_model_len=0, num_kv_blocks=80)
+def test_dynamic_rope_caps_the_context(family_model_dir: FamilyDir) -> None:
+    """dynamic changes its frequencies with the longest position of every forward, which no fixed choice
+    matches: a context past where it does not is refused by name, before any weight is read."""
+    with pytest.raises(ValueError, match="'dynamic' changes its frequencies"):
+        family_engine(family_model_dir("llama-dynamic"), max_model_len=1100, num_kv_blocks=140)
+
+
+def test_longrope_up_to_the_original_keeps_the_short_factor(
+    family_model_dir: FamilyDir, caplog: pytest.LogCaptureFixture
+) -> None:
+    """longrope served at most original_max_position_embeddings (512) tokens: the context is capped
+    there and the short factor stays (greedy == generate: test_greedy_matches_generate[llama-longrope])."""
+    caplog.set_level(logging.INFO)
+    engine = family_engine(family_model_dir("llama-longrope"), max_model_len=512, num_kv_blocks=80)
     assert engine.max_model_len == 512
-    with pytest.raises(ValueError, match="longrope"):
-        family_engine(model_dir, max_model_len=600, num_kv_blocks=80)
+    assert "context length capped at 512: RoPE scaling 'longrope'" in caplog.text
+    assert "long factor" not in caplog.text
+
+
+def test_longrope_past_the_original_uses_the_long_factor_everywhere(
+    family_model_dir: FamilyDir, caplog: pytest.LogCaptureFixture
+) -> None:
+    """longrope served past original_max_position_embeddings (512; the context is the config's 1024):
+    the long factor at every position, logged at start-up. Prompts past 512 tokens, for which generate
+    uses the long factor throughout, give generate's greedy output although their first prefill chunks
+    (64 tokens a step) end below 512, where transformers would pick the short factor; a short prompt
+    packed with them gives what it gives alone (one request's length changes no other's frequencies)."""
+    caplog.set_level(logging.INFO)
+    model_dir = family_model_dir("llama-longrope")
+    rng = random.Random(7)
+    long_items: Workload = [
+        (step, [rng.randrange(5, FAMILY_VOCAB) for _ in range(n)], 4) for step, n in ((0, 530), (2, 560))
+    ]
+    settings = dict(max_model_len=0, num_kv_blocks=160, max_num_batched_tokens=64, max_num_seqs=4)
+    engine = family_engine(model_dir, **settings)
+    assert engine.max_model_len == 1024
+    chosen = "longrope: the long factor for every position, since max_model_len 1024 > original 512"
+    assert chosen in caplog.text
+    short: Workload = [(1, [rng.randrange(5, FAMILY_VOCAB) for _ in range(20)], 4)]
+    got = run_engine(engine, long_items + short)
+    assert {k: got[k] for k in ("0", "1")} == reference(model_dir, long_items)
+    alone = run_engine(family_engine(model_dir, **settings), [(0, short[0][1], 4)])
+    assert got["2"] == alone["0"]
 
 
 @pytest.fixture(scope="module")

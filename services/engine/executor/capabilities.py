@@ -18,8 +18,9 @@ start-up with a ValueError that names what is missing. Two checks:
 
 RoPE kinds whose frequencies depend on the length of the forward (transformers' `dynamic` and
 `longrope` recompute them from the longest position in the batch) give the same result as a request
-alone only up to `original_max_position_embeddings`: `rope_length_limit` returns that limit, and the
-runner caps the context length there.
+alone only up to `original_max_position_embeddings`: `rope_length_limit` returns that limit. The runner
+caps the context length there, except for longrope served past it, where `pin_long_factor` fixes the
+frequencies to the long factor for every forward (the choice made once, from the context length).
 """
 
 from __future__ import annotations
@@ -145,6 +146,37 @@ def rope_length_limit(config: transformers.PretrainedConfig) -> tuple[str, int] 
             limit = p.get("original_max_position_embeddings") or config.max_position_embeddings
             return str(kind), int(limit)
     return None
+
+
+def pin_long_factor(model: torch.nn.Module) -> int:
+    """Makes every longrope rotary embedding of `model` use its long factor at every position, whatever
+    the longest position of a forward; returns how many (rotary module, layer type) pairs it pinned.
+
+    transformers' update (modeling_rope_utils.dynamic_rope_update) copies into `inv_freq`, each forward,
+    `long_inv_freq` past `original_max_position_embeddings` and `original_inv_freq` (the short factor's)
+    up to it: both are set to the long factor's frequencies here, so either branch picks them."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    pinned = 0
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        per_layer = kinds.items() if isinstance(kinds, dict) else [(None, kinds)]
+        for layer_type, kind in per_layer:
+            prefix = f"{layer_type}_" if layer_type is not None else ""
+            short = getattr(module, f"{prefix}original_inv_freq", None)
+            if kind != "longrope" or not isinstance(short, torch.Tensor):
+                continue
+            params = module.config.rope_parameters
+            params = params[layer_type] if layer_type is not None else params
+            beyond = int(params["original_max_position_embeddings"]) + 1
+            kw = {"layer_type": layer_type} if layer_type is not None else {}
+            long, _ = ROPE_INIT_FUNCTIONS["longrope"](module.config, short.device, seq_len=beyond, **kw)
+            long = long.to(short.dtype)
+            short.copy_(long)
+            getattr(module, f"{prefix}inv_freq").copy_(long)
+            setattr(module, f"{prefix}long_inv_freq", long)
+            pinned += 1
+    return pinned
 
 
 @dataclass

@@ -41,7 +41,10 @@ FAMILIES: tuple[Family, ...] = (
         "Gemma 3", "gemma3_text", "google/gemma-3-1b-it",
         "sliding windows on 5 of 6 layers, per-head Q/K norm, query_pre_attn_scalar, two RoPE bases",
     ),
-    Family("Phi-3", "phi3", "microsoft/Phi-3-mini-4k-instruct", "longrope (128k variants), fused QKV"),
+    Family(
+        "Phi-3", "phi3", "microsoft/Phi-3-mini-4k-instruct",
+        "longrope (128k variants: the long factor past 4k), fused QKV",
+    ),
     Family("OLMo 2", "olmo2", "allenai/OLMo-2-0425-1B-Instruct", "Q/K norm over all heads, post-norm"),
     Family(
         "Granite", "granite", "ibm-granite/granite-3.3-2b-instruct",

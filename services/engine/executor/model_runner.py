@@ -156,7 +156,7 @@ class ModelRunner:
         self.kv_dtype = {"auto": self.dtype, "fp8": torch.float8_e4m3fn}[settings.kv_cache_dtype]
         quantization = self.quantization = settings.quantization
         check_quantization(quantization, self.device)  # before the load: fp8 on a CPU stops here
-        self.max_position_embeddings = self._context_limit(config, settings.max_model_len)
+        self.max_position_embeddings, long_rope = self._context_limit(config, settings.max_model_len)
         self.cuda_graphs = settings.cuda_graphs
         self.compile_setting = settings.compile
         self.max_num_batched_tokens = settings.max_num_batched_tokens
@@ -166,6 +166,11 @@ class ModelRunner:
             self.model_dir, dtype=self.dtype, attn_implementation=ATTN_NAME
         ).to(self.device)
         self.model.eval()
+        if long_rope and not capabilities.pin_long_factor(self.model):
+            raise ValueError(
+                "longrope past original_max_position_embeddings: the model has no rotary embedding of "
+                "transformers' kind (rope_type, original_inv_freq) to fix to the long factor"
+            )
         quantize_model(self.model, quantization, self.device)
         self.num_layers = int(config.num_hidden_layers)
         # The head layout, windows, soft-caps and sinks as the model's own attention calls show them.
@@ -231,15 +236,29 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _context_limit(config: transformers.PretrainedConfig, max_model_len: int) -> int:
-        """The model's context length: max_position_embeddings, or for a RoPE kind whose frequencies
-        depend on the forward's length (capabilities.rope_length_limit) the length up to which they do
-        not, where a longer `max_model_len` is refused by name."""
+    def _context_limit(config: transformers.PretrainedConfig, max_model_len: int) -> tuple[int, bool]:
+        """(the model's context length, whether longrope's long factor is pinned). The length is
+        max_position_embeddings, or for a RoPE kind whose frequencies depend on the forward's length
+        (capabilities.rope_length_limit) the length up to which they do not, where a longer
+        `max_model_len` is refused by name; except longrope whose context (`max_model_len`, else
+        max_position_embeddings) is past that length: it keeps max_position_embeddings and is served
+        with the long factor at every position (capabilities.pin_long_factor)."""
         own = int(getattr(config, "max_position_embeddings", 0) or 0)
         limit = capabilities.rope_length_limit(config)
         if limit is None:
-            return own
+            return own, False
         kind, length = limit
+        wanted = max_model_len or own
+        if kind == "longrope" and wanted > length:
+            log.info(
+                "longrope: the long factor for every position, since max_model_len %d > original %d; a "
+                "sequence shorter than %d therefore differs from transformers' generate, which uses the "
+                "short factor there",
+                wanted,
+                length,
+                length,
+            )
+            return own, True
         if max_model_len > length:
             raise ValueError(
                 f"max_model_len {max_model_len} is past {length}, where RoPE scaling {kind!r} changes its "
@@ -247,7 +266,7 @@ class ModelRunner:
                 f"change each other's output); serve at most {length} tokens"
             )
         log.info("context length capped at %d: RoPE scaling %r is exact up to there", length, kind)
-        return min(own, length) if own else length
+        return (min(own, length) if own else length), False
 
     def _checked_kernel(self, setting: str) -> str:
         """ "triton" when the kernel compiles and agrees with its reference on this GPU in the model's head
