@@ -78,12 +78,14 @@ class LLMEngine:
         self.grammar_compiler = grammar_compiler
         self.model_name = str(Path(settings.model).name) if settings.model else "sluice-tiny"
         bs = settings.block_size
-        self.block_manager, *self.group_block_managers = self._block_managers()
-        self.max_model_len = context_length(settings, runner, bs)
-        served = grammar_compiler is not None
-        self.limits = RequestLimits(
-            runner.vocab_size, self.max_model_len, served, settings.default_max_new_tokens
+        one_group = [KVGroupSpec(0, (), runner.num_blocks)]  # a fake runner's pool
+        self.kv_groups: list[KVGroupSpec] = getattr(runner, "kv_groups", None) or one_group  # layer groups
+        self.block_manager, *self.group_block_managers = (
+            BlockManager(g.num_blocks, bs, settings.enable_prefix_caching) for g in self.kv_groups
         )
+        self.max_model_len = context_length(settings, runner, bs)
+        served, cap = grammar_compiler is not None, settings.default_max_new_tokens
+        self.limits = RequestLimits(runner.vocab_size, self.max_model_len, served, cap)
         runner.prepare(self.max_model_len, settings.max_num_seqs)
         self.scheduler = self._new_scheduler()
         masks = GrammarBatch(grammar_compiler.vocab_size) if grammar_compiler is not None else None
@@ -115,32 +117,10 @@ class LLMEngine:
         return self._step_failed and self.failed_steps_in_a_row >= self.settings.max_step_failures
 
     def _new_scheduler(self) -> Scheduler:
-        settings = self.settings
-        return Scheduler(
-            self.block_manager,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
-            policy=settings.batching,
-            batch_size=settings.static_batch_size if settings.batching == "static" else settings.max_num_seqs,
-            batch_wait_s=settings.batch_wait_ms / 1000.0,
-            sliding_window=self.kv_groups[0].window,
-            extra_groups=[
-                (bm, g.window) for bm, g in zip(self.group_block_managers, self.kv_groups[1:], strict=True)
-            ],
+        groups = [*zip([self.block_manager, *self.group_block_managers], self.kv_groups, strict=True)]
+        return Scheduler.from_settings(
+            self.settings, self.max_model_len, [(bm, g.window) for bm, g in groups]
         )
-
-    @property
-    def kv_groups(self) -> list[KVGroupSpec]:
-        """The runner's KV groups (ModelRunner.kv_groups); one group of every layer for a runner without
-        them (test fakes)."""
-        groups = getattr(self.runner, "kv_groups", None)
-        return list(groups) if groups else [KVGroupSpec(0, (), self.runner.num_blocks)]
-
-    def _block_managers(self) -> list[BlockManager]:
-        """A fresh block manager per KV group: every block free, no hash registered."""
-        s = self.settings
-        return [BlockManager(g.num_blocks, s.block_size, s.enable_prefix_caching) for g in self.kv_groups]
 
     def reset(self) -> None:
         """Drops every request and the whole prefix cache (a failed step may have left blocks half-written),

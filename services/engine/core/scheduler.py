@@ -31,6 +31,7 @@ from services.engine.core.stopping import drop_placeholder, keep, request_output
 
 if TYPE_CHECKING:
     from services.engine.core.speculative import Speculator
+    from services.engine.settings import EngineSettings
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,26 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.batch: set[Request] = set()  # dynamic/static: members of the batch in progress
         self.num_preemptions = 0
+
+    @classmethod
+    def from_settings(
+        cls, settings: EngineSettings, max_model_len: int, groups: Sequence[tuple[BlockManager, int]]
+    ) -> Scheduler:
+        """The engine's scheduler: its limits and batching policy from `settings`, over `groups`
+        ((block manager, window) per KV group, the full-attention or only group first)."""
+        (first, window), *extra = groups
+        static = settings.batching == "static"
+        return cls(
+            first,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            policy=settings.batching,
+            batch_size=settings.static_batch_size if static else settings.max_num_seqs,
+            batch_wait_s=settings.batch_wait_ms / 1000.0,
+            sliding_window=window,
+            extra_groups=extra,
+        )
 
     # ---- requests in and out -------------------------------------------------------------------
 
