@@ -28,7 +28,7 @@ from tests.e2e.conftest import (
     launch_service,
     start_pipeline,
 )
-from tests.e2e.test_up import generate_all, references
+from tests.e2e.test_up import generate_all, greedy_requests, references
 
 pytestmark = pytest.mark.e2e
 
@@ -55,28 +55,17 @@ OWN_TESTS = ("gemma2", "qwen3")
 SHARED_RUN = tuple(f for f in FAMILIES if f not in OWN_TESTS)
 
 
-def _requests() -> list[dict[str, Any]]:
-    return [
-        {
-            "type": "generate",
-            "id": f"r{i}",
-            "prompt": p,
-            "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
-        }
-        for i, p in enumerate(PROMPTS)
-    ]
-
-
 def stream_prompts(ws_url: str) -> dict[str, dict[str, Any]]:
     """Every one of PROMPTS greedy on one socket (ids r0, r1, ...): generate_all's results."""
-    return asyncio.run(generate_all(ws_url, _requests()))
+    return asyncio.run(generate_all(ws_url, greedy_requests(PROMPTS, MAX_TOKENS)))
 
 
 def stream_prompts_to_all(ws_urls: Sequence[str]) -> list[dict[str, dict[str, Any]]]:
     """`stream_prompts` to every pipeline at once, their results in order."""
 
     async def run() -> list[dict[str, dict[str, Any]]]:
-        return list(await asyncio.gather(*(generate_all(url, _requests()) for url in ws_urls)))
+        requests = greedy_requests(PROMPTS, MAX_TOKENS)
+        return list(await asyncio.gather(*(generate_all(url, requests) for url in ws_urls)))
 
     return asyncio.run(run())
 

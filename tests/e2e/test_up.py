@@ -65,21 +65,22 @@ def references(model_dir: Path, prompts: Sequence[str], max_new_tokens: int) -> 
     return out
 
 
-def _requests() -> list[dict[str, Any]]:
+def greedy_requests(prompts: Sequence[str], max_tokens: int) -> list[dict[str, Any]]:
+    """WebSocket generate messages, one per prompt (ids r0, r1, ...), greedy, at most `max_tokens` each."""
     return [
         {
             "type": "generate",
             "id": f"r{i}",
             "prompt": prompt,
-            "params": {"max_tokens": MAX_TOKENS, "temperature": 0},
+            "params": {"max_tokens": max_tokens, "temperature": 0},
         }
-        for i, prompt in enumerate(PROMPTS)
+        for i, prompt in enumerate(prompts)
     ]
 
 
 def test_two_concurrent_greedy_generations_repeat_exactly(pipeline: Pipeline, tiny_model_dir: Path) -> None:
-    first = asyncio.run(generate_all(pipeline.ws_url, _requests()))
-    second = asyncio.run(generate_all(pipeline.ws_url, _requests()))
+    first = asyncio.run(generate_all(pipeline.ws_url, greedy_requests(PROMPTS, MAX_TOKENS)))
+    second = asyncio.run(generate_all(pipeline.ws_url, greedy_requests(PROMPTS, MAX_TOKENS)))
     for i, prompt in enumerate(PROMPTS):
         rid = f"r{i}"
         assert first[rid]["text"] == second[rid]["text"]
