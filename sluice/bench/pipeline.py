@@ -73,17 +73,17 @@ class EndToEndRun:
         return self.cpu_s["load generator"] / (self.wall_s * (os.cpu_count() or 1))
 
 
-def run_in_process(model: str, engine_flags: list[str], requests: list[BenchRequest]) -> InProcessRun:
+def run_in_process(
+    model: str, engine_flags: list[str], requests: list[BenchRequest], threads: int
+) -> InProcessRun:
     """Tokenizes the prompts as the tokenizer service does for a completion, then steps the engine
-    core until every request is done. The engine gets the flags `sluice up` gives the service (its
-    default thread count included, `plan.default_engine_threads()`, whatever `--up-flags` give the
+    core until every request is done. The engine gets the flags `sluice up` gives the service (`threads`:
+    the default of `sluice up`, decided once for both runs by `main`, whatever `--up-flags` give the
     end-to-end engine), then `engine_flags`."""
     from services.tokenizer.core import TokenizerCore
 
     prompts = TokenizerCore(model).encode_batch([r.prompt for r in requests], add_special_tokens=True)
-    engine = drv.engine_from_flags(
-        ["--model", model, "--threads", str(default_engine_threads()), *engine_flags]
-    )
+    engine = drv.engine_from_flags(["--model", model, "--threads", str(threads), *engine_flags])
     drv.warm_up(engine, prompts[0])
     cpu = time.process_time()
     outputs, wall = drv.generate(engine, prompts, [r.output_len for r in requests])
@@ -225,14 +225,20 @@ def main(argv: list[str]) -> int:
         f"model {model}; sluice up {args.up_flags or '(defaults)'}"
     )
     loads = [load_average()]
+    # `sluice up`'s default threads depend on the load when it starts: decided once here, so that the
+    # in-process engine and the end-to-end one get the same unless --up-flags say otherwise.
+    threads = default_engine_threads()
+    up_flags = shlex.split(args.up_flags)
+    if not any(flag.startswith("--engine-threads") for flag in up_flags):
+        up_flags = ["--engine-threads", str(threads), *up_flags]
 
     def measure(system: str, endpoint: sw.Endpoint, k: int, index: int) -> Comparison:
         print(f"[{k + 1}/{args.repeat}] in-process engine ...", file=sys.stderr)
-        in_process = run_in_process(model, engine_flags, requests)
+        in_process = run_in_process(model, engine_flags, requests, threads)
         print(f"[{k + 1}/{args.repeat}] end to end ...", file=sys.stderr)
         return Comparison(in_process, run_end_to_end(endpoint, args.api, requests, not args.no_progress))
 
-    opener = partial(sw.stack_endpoint, model, engine_flags, up_flags=tuple(shlex.split(args.up_flags)))
+    opener = partial(sw.stack_endpoint, model, engine_flags, up_flags=tuple(up_flags))
     (run,) = sw.sweep({"pipeline": opener}, range(args.repeat), measure).values()
     if run.error is not None:
         print(f"sluice bench pipeline: {run.error}", file=sys.stderr)

@@ -48,8 +48,27 @@ def test_scaled_ratio_credits_the_generators_share(monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.e2e
 def test_pipeline_bench_runs_both_ways(
-    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # `sluice up`'s default threads are decided once, and both runs get them.
+    decided: list[int] = []
+    monkeypatch.setattr(pipeline, "default_engine_threads", lambda: decided.append(1) or 1)
+    stacks: list[tuple[str, ...]] = []
+    opened = pipeline.sw.stack_endpoint
+
+    def stack_endpoint(*args: object, up_flags: tuple[str, ...] = (), **kw: object) -> object:
+        stacks.append(up_flags)
+        return opened(*args, up_flags=up_flags, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline.sw, "stack_endpoint", stack_endpoint)
+    in_process_threads: list[int] = []
+    run_in_process = pipeline.run_in_process
+
+    def spy(*args: object) -> pipeline.InProcessRun:
+        in_process_threads.append(args[-1])  # type: ignore[arg-type]
+        return run_in_process(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipeline, "run_in_process", spy)
     out, png = tmp_path / "pipeline.json", tmp_path / "pipeline.png"
     argv = [
         "--model",
@@ -85,3 +104,4 @@ def test_pipeline_bench_runs_both_ways(
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n") and png.stat().st_size > 10_000
     printed = capsys.readouterr().out
     assert "ratio, scaled" in printed and "engine step" in printed
+    assert decided == [1] and in_process_threads == [1] and stacks == [("--engine-threads", "1")]
