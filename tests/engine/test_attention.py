@@ -57,11 +57,10 @@ def make_step(backend: str) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch
     value = torch.randn(1, HKV, t, D, generator=gen).to(DEV)
     mapping = torch.tensor(slot_mapping, device=DEV)
     if backend == "torch":
-        lens = DECODE_LENS
-        slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-        for i, (blocks, n) in enumerate(zip(decode_blocks, lens, strict=True)):
-            slots[i, :n] = torch.tensor(slots_of(blocks, range(n)))
-        groups = [DecodeGroup(0, slots.to(DEV), torch.tensor(lens, device=DEV))]
+        table = torch.zeros(len(decode_blocks), max(len(b) for b in decode_blocks), dtype=torch.long)
+        for i, blocks in enumerate(decode_blocks):
+            table[i, : len(blocks)] = torch.tensor(blocks)
+        groups = [DecodeGroup(0, table.to(DEV), torch.tensor(DECODE_LENS, device=DEV), BS)]
         meta = StepMeta([(k_pool, v_pool)], mapping, groups, prefills)
     else:
         max_blocks = max(len(b) for b in decode_blocks) + 1

@@ -21,7 +21,7 @@ import torch
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.executor import kv_sizing
-from services.engine.executor.attention import DecodeGroup, StepMeta, paged_attention, write_kv
+from services.engine.executor.attention import paged_attention, write_kv
 from services.engine.executor.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -30,7 +30,7 @@ from services.engine.executor.kernels.paged_attention import (
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB
-from tests.engine.test_paged_kernel import Case, make_case
+from tests.engine.test_paged_kernel import Case, make_case, torch_decode_meta
 
 DEV = torch.device(TEST_DEVICE)
 FP8 = torch.float8_e4m3fn
@@ -104,15 +104,8 @@ def fp8_case(c: Case) -> Case:
 def decode_through_torch_path(c: Case, key_source: Case, window: int) -> torch.Tensor:
     """The engine's torch decode path (gather + SDPA) through `paged_attention`; the step's own K/V (the
     last token of each row, taken from `key_source`'s full-precision pool) are written into `c`'s pool."""
-    bs = c.block_size
-    lens = c.seq_lens.tolist()
-    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots[i, :n] = torch.tensor(c.blocks[i])[pos // bs] * bs + pos % bs
-    last = slots[torch.arange(len(lens)), torch.tensor(lens) - 1].to(DEV)
-    group = DecodeGroup(0, slots.to(DEV), c.seq_lens.to(torch.long))
-    meta = StepMeta([(c.k_pool, c.v_pool)], last, [group], [])
+    meta = torch_decode_meta(c)
+    last = meta.slot_mapping
     key = key_source.k_pool.index_select(0, last).transpose(0, 1)[None]
     value = key_source.v_pool.index_select(0, last).transpose(0, 1)[None]
     query = c.query.transpose(0, 1)[None]

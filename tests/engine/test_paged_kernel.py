@@ -145,20 +145,24 @@ def test_split_count_depends_on_shapes_only() -> None:
         assert default_num_splits(1, 2, 512, DEV) == min(2, -(-sms // 2))  # at least 256 positions each
 
 
+def torch_decode_meta(c: Case) -> StepMeta:
+    """The step metadata of the engine's torch decode path over `c`'s rows (none of length 0): one
+    DecodeGroup whose table is padded with block 0, and the last slot of each row as the step's slots."""
+    bs = c.block_size
+    lens = c.seq_lens.tolist()
+    table = torch.zeros(len(lens), max(len(b) for b in c.blocks), dtype=torch.long)
+    for i, blocks in enumerate(c.blocks):
+        table[i, : len(blocks)] = torch.tensor(blocks)
+    last = torch.tensor([c.blocks[i][(n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens)])
+    group = DecodeGroup(0, table.to(DEV), c.seq_lens.to(DEV, torch.long), bs)
+    return StepMeta([(c.k_pool, c.v_pool)], last.to(DEV), [group], [])
+
+
 def torch_decode_path(c: Case, window: int) -> torch.Tensor:
     """The engine's torch decode path (one DecodeGroup, gather + SDPA) through `paged_attention`, for
     rows of non-zero length; the step's own K/V are those already in the pool (the write is a no-op)."""
-    bs = c.block_size
-    lens = c.seq_lens.tolist()
-    lmax = max(lens)
-    slots = torch.zeros(len(lens), lmax, dtype=torch.long)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots[i, :n] = torch.tensor(c.blocks[i])[pos // bs] * bs + pos % bs
-    last = slots[torch.arange(len(lens)), torch.tensor(lens) - 1].to(DEV)
-    slots = slots.to(DEV)
-    group = DecodeGroup(0, slots, c.seq_lens.to(torch.long))
-    meta = StepMeta([(c.k_pool, c.v_pool)], last, [group], [])
+    meta = torch_decode_meta(c)
+    last = meta.slot_mapping
     query = c.query.transpose(0, 1)[None]  # (1, H, B, D)
     key = c.k_pool[last].transpose(0, 1)[None]
     value = c.v_pool[last].transpose(0, 1)[None]
@@ -304,13 +308,8 @@ def test_torch_decode_path_honours_softcap_and_sinks(window: int, softcap: float
     lens = [n for n in lens_for(8) if n]
     c = make_case(8, 2, 24, 8, lens, torch.float32, nan_free=True)
     sinks = _sinks(8, sinks_on)
-    bs = c.block_size
-    slots = torch.zeros(len(lens), max(lens), dtype=torch.long)
-    for i, n in enumerate(lens):
-        pos = torch.arange(n)
-        slots[i, :n] = torch.tensor(c.blocks[i])[pos // bs] * bs + pos % bs
-    last = slots[torch.arange(len(lens)), torch.tensor(lens) - 1].to(DEV)
-    meta = StepMeta([(c.k_pool, c.v_pool)], last, [DecodeGroup(0, slots.to(DEV), c.seq_lens.long())], [])
+    meta = torch_decode_meta(c)
+    last = meta.slot_mapping
     layer = SimpleNamespace(layer_idx=0)
     out, _ = paged_attention(
         layer,

@@ -1,40 +1,18 @@
-"""Paged attention for transformers' model code, registered as the attention implementation
-"sluice_paged" through `transformers.AttentionInterface`.
-
-The engine packs one step into a single `(1, T)` sequence: first one row per decoding request, then
-the chunk of each prefilling request. The model computes Q/K/V and RoPE as usual and calls
-`paged_attention` per layer with the step's `StepMeta` in kwargs. It writes the step's K/V into the
-pool slots of each token, then attends per sequence, never across sequences:
-- decode rows, backend "triton" (CUDA): the first `num_decodes` rows in one call of the paged decode
-  kernel (services/engine/executor/kernels/paged_attention.py), which reads K/V in place through each row's
-  block table; padding rows (sequence length 0) come out as zeros;
-- decode rows, backend "torch" (CPU): in groups of similar context length, each row's K/V gathered from
-  its blocks, padded to the group's longest context and masked by length, the grouped query heads
-  folded into the query axis;
-- each prefill chunk alone: causal, aligned bottom-right against its cached context (plain causal
-  against its own K/V when it has no context). Without a sliding window the alignment is SDPA's
-  `causal_lower_right` bias, not a mask tensor, so flash / memory-efficient kernels can run on CUDA.
-A hybrid model's layers come in KV groups with pools and block tables of their own
-(services/engine/core/block_manager.py): each layer reads the metadata of its group
-(`StepMeta.for_layer`); a sliding group's tables name its hole for the blocks that slid out of the
-window, which no query of the layer reads.
-What the model's layer hands over is honoured as given, per layer: `scaling` (query_pre_attn_scalar,
-Granite's multiplier: never recomputed from the head size), `sliding_window` (hides keys more than
-`window - 1` positions back), `softcap` (Gemma 2: scores become softcap * tanh(scores / softcap) before
-the mask) and `s_aux` (GPT-OSS sinks: a learned logit per query head that joins the softmax's
-denominator and attends to nothing). With a soft-cap or sinks the torch path computes the scores
-explicitly in fp32 (SDPA has neither), in slices of query rows; the Triton kernel does both in its loop.
-Which keywords a model may pass at all is checked once at start-up (services/engine/executor/
-capabilities.py, through `AttentionProbe`).
-
-The pool may be float8 e4m3 (kv_cache_dtype fp8): K/V are clamped to the format's range (±448; a cast
-out of range gives NaN on CUDA) and stored with scale 1.0 (the K and V of real models lie well inside
-that range); every read converts back to the query's dtype (the Triton kernel loads fp8 and computes in
-fp32). A prefill chunk without cached context attends its own K/V at full precision.
+"""Paged attention for transformers' model code ("sluice_paged", registered through
+`transformers.AttentionInterface`). `paged_attention` takes one packed step (decode rows first, one token
+each, then each prefill chunk), writes the step's K/V into the layer's pool slots (float8 pools: clamped to
+±448, scale 1.0; every read converts back), then attends per sequence, never across sequences: decode rows
+through the Triton paged kernel (backend "triton") or per DecodeGroup as whole blocks gathered into a
+reused scratch buffer + SDPA (backend "torch"); each prefill chunk causally, aligned bottom-right to its
+cached context. A layer's own `scaling`, `sliding_window`, `softcap` and `s_aux` (sinks) are honoured as
+given; with a soft-cap or sinks the torch path computes the scores explicitly in fp32. A hybrid model's
+layers read their KV group's metadata (`StepMeta.for_layer`). Narrative and measurements:
+docs/architecture.md ("Engine internals", "Where the cycles go: one decode step").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +41,53 @@ def write_kv(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> N
 def read_kv(pool: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """pool[slots] in `dtype` (a float8 pool's values converted back, scale 1.0)."""
     return pool.index_select(0, slots).to(dtype)
+
+
+class DecodeScratch:
+    """Buffers the torch decode path gathers K/V into, kept and reused across layers and steps on a CPU
+    (a fresh multi-megabyte tensor per layer there costs its page faults on every use); elsewhere each
+    `take` is a plain allocation (the device's caching allocator already reuses memory)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def take(
+        self, which: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """An uninitialised tensor of `shape`, valid until the next `take` of the same `which` and dtype."""
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        n = math.prod(shape)
+        key = (which, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(n + n // 4, dtype=dtype, device=device)  # headroom for longer contexts
+            self._buffers[key] = buf
+        return buf[:n].view(shape)
+
+
+def gather_blocks(
+    pool: torch.Tensor,  # (num_slots, Hkv, D)
+    blocks: torch.Tensor,  # (rows, nb) block ids
+    block_size: int,
+    dtype: torch.dtype,
+    scratch: DecodeScratch,
+    which: int,
+) -> torch.Tensor:
+    """(rows, Hkv, nb * block_size, D) in `dtype`: each row's blocks in order, copied whole (one
+    index_select over block ids) into `scratch`'s buffer `which` and viewed head-major (not copied
+    again); a float8 pool's values converted back, scale 1.0."""
+    rows, nb = blocks.shape
+    hkv, d = pool.shape[1], pool.shape[2]
+    shape = (rows * nb, block_size, hkv, d)
+    src = pool.view(-1, block_size, hkv, d)
+    flat = blocks.reshape(-1)
+    if pool.dtype == dtype:
+        got = torch.index_select(src, 0, flat, out=scratch.take(which, shape, dtype, pool.device))
+    else:
+        raw = torch.index_select(src, 0, flat, out=scratch.take(which, shape, pool.dtype, pool.device))
+        got = scratch.take(which, shape, dtype, pool.device).copy_(raw)
+    return got.view(rows, nb * block_size, hkv, d).transpose(1, 2)
 
 
 # Scores the explicit path holds at once ((rows, H, q, ctx) floats), bounding a long prefill's memory.
@@ -114,18 +139,21 @@ class PrefillSeq:
 
 @dataclass
 class DecodeGroup:
-    """Decode rows [row_start, row_start + rows) of similar context length, attended together."""
+    """Decode rows [row_start, row_start + rows) of similar context length, attended together over the
+    group's longest context rounded up to whole blocks."""
 
     row_start: int
-    slots: torch.Tensor  # (rows, Lmax) pool slots of each row's context, padded with slot 0
+    blocks: torch.Tensor  # (rows, nb) block ids of each row's context, padded with block 0
     lens: torch.Tensor  # (rows,) context length of each row, the new token included
+    block_size: int
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int, dtype: torch.dtype) -> torch.Tensor:
-        """(rows, 1, 1, Lmax) additive mask: 0 for the keys a row sees, -inf elsewhere; window 0 = none."""
+        """(rows, 1, 1, nb * block_size) additive mask: 0 for the keys a row sees, -inf elsewhere; window
+        0 = none."""
         m = self.masks.get(window)
         if m is None:
-            pos = torch.arange(self.slots.shape[1], device=self.slots.device)[None, :]
+            pos = torch.arange(self.blocks.shape[1] * self.block_size, device=self.blocks.device)[None, :]
             lens = self.lens[:, None]
             seen = pos < lens
             if window:
@@ -156,6 +184,8 @@ class StepMeta:
     # a model with one group.
     group_metas: list[StepMeta] = field(default_factory=list)
     layer_group: Sequence[int] = ()
+    # Where the torch decode path gathers K/V: the runner passes one kept for its lifetime.
+    scratch: DecodeScratch = field(default_factory=DecodeScratch)
 
     def for_layer(self, layer: int) -> StepMeta:
         """The metadata of `layer`'s KV group."""
@@ -251,7 +281,7 @@ def _decode(
 ) -> None:
     """The decode rows, written into `out` in place: backend "triton", the first `meta.num_decodes` rows
     through one paged-kernel call; "torch", each DecodeGroup's rows with their K/V gathered from the
-    pool, one SDPA call per group (the explicit scores with a soft-cap or sinks)."""
+    pool in whole blocks, one SDPA call per group (the explicit scores with a soft-cap or sinks)."""
     if meta.backend == "triton":
         nd = meta.num_decodes
         if nd == 0:
@@ -278,11 +308,10 @@ def _decode(
     hkv = k_pool.shape[1]
     group = h // hkv
     for g in meta.decode_groups:
-        rows, lmax = g.slots.shape
-        flat = g.slots.reshape(-1)
-        kd = read_kv(k_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)  # (rows, Hkv, Lmax, D)
-        vd = read_kv(v_pool, flat, q.dtype).view(rows, lmax, hkv, d).transpose(1, 2)
-        mask = g.mask(window, q.dtype)  # (rows, 1, 1, Lmax)
+        rows = g.blocks.shape[0]
+        kd = gather_blocks(k_pool, g.blocks, g.block_size, q.dtype, meta.scratch, 0)  # (rows, Hkv, L, D)
+        vd = gather_blocks(v_pool, g.blocks, g.block_size, q.dtype, meta.scratch, 1)
+        mask = g.mask(window, q.dtype)  # (rows, 1, 1, L)
         if extras.explicit:
             qe = q[:, g.row_start : g.row_start + rows].transpose(0, 1)[:, :, None]  # (rows, H, 1, D)
             od = attend_explicit(qe, kd, vd, mask == 0, scaling, extras)

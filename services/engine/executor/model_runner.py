@@ -28,6 +28,7 @@ from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
     DecodeGroup,
+    DecodeScratch,
     PrefillSeq,
     StepMeta,
 )
@@ -217,6 +218,7 @@ class ModelRunner:
         # Decode grouping: a new group pays off when it saves this many padded key slots (per-call
         # overhead is larger on a GPU, where gathering is cheap).
         self.group_split_slots = 16384 if self.device.type == "cuda" else 2048
+        self._scratch = DecodeScratch()  # the torch decode path's K/V gathers, reused across steps
         log.info(
             "loaded %s (%s: %s) on %s %s, quantization %s; KV pool %d blocks of %d tokens in %s (%s, "
             "%.2f GiB); decode attention %s%s",
@@ -685,6 +687,7 @@ class ModelRunner:
             backend=self.backend,
             num_decodes=len(decodes),
             block_size=self.block_size,
+            scratch=self._scratch,
         )
 
     def _decode_table(self, decodes: list[tuple[Request, int]], group: int) -> np.ndarray:
@@ -710,10 +713,9 @@ class ModelRunner:
             if (longest - n) * (len(lens) - i) > self.group_split_slots:
                 starts.append(i)
                 longest = n
-        slots = (blocks[:, :, None] * bs + torch.arange(bs, device=self.device)).reshape(len(decodes), -1)
         bounds = [*starts, len(lens)]
         return [
-            DecodeGroup(a, slots[a:b, : lens[a]].contiguous(), lens_t[a:b])
+            DecodeGroup(a, blocks[a:b, : -(-lens[a] // bs)].contiguous(), lens_t[a:b], bs)
             for a, b in itertools.pairwise(bounds)
         ]
 

@@ -1,0 +1,150 @@
+"""The torch decode path (`paged_attention` with backend "torch": whole blocks gathered into a reused
+scratch buffer, masked by length, SDPA or the explicit scores) against attention computed row by row in
+float64 from each row's own slots: several DecodeGroups of rows of different lengths, GQA, sliding
+windows, soft-cap, sinks, fp32 / bf16 / float8 pools, and one scratch reused across steps whose gathers
+grow and shrink. Slots outside a row's context hold large finite values, so reading one unmasked shows.
+
+Tolerances: fp32 1e-5; bf16 2e-2 (bf16 inputs, fp32 accumulation, one rounding of the output); float8
+pools against the same float8 values converted back (the reference reads them too), at fp32's tolerance.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.engine.executor.attention import (
+    DecodeGroup,
+    DecodeScratch,
+    StepMeta,
+    paged_attention,
+    write_kv,
+)
+from tests.engine.conftest import TEST_DEVICE
+
+DEV = torch.device(TEST_DEVICE)
+H, HKV, D, BS = 8, 2, 16, 4
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+OUTSIDE = 1e4  # every slot outside a row's context
+
+
+def make_step(
+    groups: list[list[int]], dtype: torch.dtype, seed: int, scratch: DecodeScratch, fp8: bool = False
+) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch.Tensor, list[list[int]]]:
+    """One decode step: a DecodeGroup per list of context lengths (the new token included), each row's
+    blocks scattered over the pool; the packed query and the step's new K/V, and each row's slots."""
+    gen = torch.Generator().manual_seed(seed)
+    lens = [n for g in groups for n in g]
+    need = [-(-n // BS) for n in lens]
+    num_blocks = sum(need) + 2
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()  # block 0: padding entries
+    row_blocks = []
+    for n in need:
+        row_blocks.append(order[:n])
+        order = order[n:]
+    k = torch.full((num_blocks * BS, HKV, D), OUTSIDE)
+    v = torch.full((num_blocks * BS, HKV, D), -OUTSIDE)
+    row_slots = [[b[p // BS] * BS + p % BS for p in range(n)] for b, n in zip(row_blocks, lens, strict=True)]
+    for slots in row_slots:
+        k[slots] = torch.randn(len(slots), HKV, D, generator=gen)
+        v[slots] = torch.randn(len(slots), HKV, D, generator=gen)
+    pool_dtype = torch.float8_e4m3fn if fp8 else dtype
+    k_pool = torch.zeros(k.shape, dtype=pool_dtype, device=DEV)
+    v_pool = torch.zeros(v.shape, dtype=pool_dtype, device=DEV)
+    everything = torch.arange(k.shape[0], device=DEV)
+    write_kv(k_pool, everything, k.to(DEV, dtype))
+    write_kv(v_pool, everything, v.to(DEV, dtype))
+    decode_groups = []
+    row = 0
+    for g in groups:
+        table = torch.zeros(len(g), max(need[row : row + len(g)]), dtype=torch.long)
+        for i in range(len(g)):
+            table[i, : need[row + i]] = torch.tensor(row_blocks[row + i])
+        decode_groups.append(DecodeGroup(row, table.to(DEV), torch.tensor(g, device=DEV), BS))
+        row += len(g)
+    last = torch.tensor([s[-1] for s in row_slots], device=DEV)
+    meta = StepMeta([(k_pool, v_pool)], last, decode_groups, [], block_size=BS, scratch=scratch)
+    query = torch.randn(1, H, len(lens), D, generator=gen).to(DEV, dtype)
+    # The step's own K/V are those already in the pool: writing them again changes nothing.
+    key = k_pool.index_select(0, last).to(dtype).transpose(0, 1)[None]
+    value = v_pool.index_select(0, last).to(dtype).transpose(0, 1)[None]
+    return meta, query, key, value, row_slots
+
+
+def reference(
+    meta: StepMeta,
+    query: torch.Tensor,
+    row_slots: list[list[int]],
+    window: int,
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """(rows, H, D) float64: each row's scores over its own slots (the window's last keys), scaled,
+    soft-capped, softmax with exp(sink) in the denominator, times V."""
+    k_pool, v_pool = (p.double() for p in meta.kv[0])
+    q = query[0].double().transpose(0, 1)  # (rows, H, D)
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    for r, slots in enumerate(row_slots):
+        seen = slots[-window:] if window else slots
+        k = k_pool[seen].repeat_interleave(H // HKV, dim=1)  # (n, H, D)
+        v = v_pool[seen].repeat_interleave(H // HKV, dim=1)
+        s = torch.einsum("hd,nhd->hn", q[r], k) * D**-0.5
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None].to(s.device)], dim=1)
+        p = torch.softmax(s, dim=1)[:, : len(seen)]
+        out[r] = torch.einsum("hn,nhd->hd", p, v)
+    return out
+
+
+def attend(
+    meta: StepMeta, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object
+) -> torch.Tensor:
+    out, _ = paged_attention(
+        SimpleNamespace(layer_idx=0), q, k, v, None, scaling=D**-0.5, sluice_step=meta, **kwargs
+    )
+    return out[0]
+
+
+GROUPS = [[23, 21, 17], [9, 8], [1]]  # mid-block, a block edge, one token; three groups
+SINKS = torch.linspace(-1.0, 2.0, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("window", "softcap", "sinks"),
+    [(0, 0.0, None), (6, 0.0, None), (0, 0.5, None), (0, 0.0, SINKS), (6, 0.5, SINKS)],
+    ids=["plain", "window", "softcap", "sinks", "window-softcap-sinks"],
+)
+def test_decode_equals_attention_over_each_rows_slots(
+    dtype: torch.dtype, window: int, softcap: float, sinks: torch.Tensor | None
+) -> None:
+    meta, q, k, v, row_slots = make_step(GROUPS, dtype, 1, DecodeScratch())
+    s_aux = None if sinks is None else sinks.to(DEV)
+    got = attend(meta, q, k, v, sliding_window=window, softcap=softcap, s_aux=s_aux)
+    assert got.dtype == dtype
+    want = reference(meta, q, row_slots, window, softcap, sinks)
+    torch.testing.assert_close(got.double(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_decode_over_a_float8_pool_reads_its_values_back(window: int) -> None:
+    meta, q, k, v, row_slots = make_step(GROUPS, torch.float32, 2, DecodeScratch(), fp8=True)
+    assert meta.kv[0][0].dtype == torch.float8_e4m3fn
+    got = attend(meta, q, k, v, sliding_window=window)
+    torch.testing.assert_close(
+        got.double(), reference(meta, q, row_slots, window, 0.0, None), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_one_scratch_serves_steps_whose_gathers_grow_and_shrink() -> None:
+    scratch = DecodeScratch()
+    for seed, groups in enumerate([[[5, 3]], [[40, 38, 30], [12]], [[7]], [[33], [2, 1]]]):
+        meta, q, k, v, row_slots = make_step(groups, torch.float32, 10 + seed, scratch)
+        got = attend(meta, q, k, v)
+        torch.testing.assert_close(
+            got.double(), reference(meta, q, row_slots, 0, 0.0, None), atol=1e-5, rtol=1e-5
+        )
