@@ -14,7 +14,7 @@ MOE_EXPERTS = ("auto", "grouped_mm", "eager", "batched_mm")  # what each is: exe
 CHOICES = (
     ("batching", BATCHING_POLICIES),
     ("dtype", ("auto", "float32", "bfloat16", "float16")),
-    ("attention_backend", ("auto", "torch", "triton")),
+    ("attention_backend", ("auto", "torch", "cpu", "triton")),
     ("cuda_graphs", ("on", "off")),
     ("compile", ("auto", "on", "off")),
     ("async_scheduling", ("auto", "on", "off")),
@@ -88,8 +88,9 @@ class EngineSettings(StageTlsSettings):
     attention_backend: str = field(
         default="auto",
         metadata={
-            "help": "decode attention: auto (triton on CUDA, torch elsewhere) | torch (gather + SDPA) "
-            "| triton (the paged kernel; on CPU only under TRITON_INTERPRET=1, for tests)"
+            "help": "decode attention: auto (triton on CUDA, cpu on a CPU where it builds, else torch) | "
+            "torch (gather + SDPA) | cpu (the C++ paged kernel, built at first use) | triton (the paged "
+            "kernel; on CPU only under TRITON_INTERPRET=1, for tests)"
         },
     )
     cuda_graphs: str = field(

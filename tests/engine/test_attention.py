@@ -1,6 +1,6 @@
 """`paged_attention` on one packed step (decode rows, a padding row, a fresh prefill and a prefill over a
-cached context): the "triton" backend (the paged kernel over the decode rows, from block tables and
-sequence lengths only) equals the "torch" backend (DecodeGroup gather + SDPA), with and without a
+cached context): the "triton" and "cpu" backends (a paged kernel over the decode rows, from block tables
+and sequence lengths only) equal the "torch" backend (DecodeGroup gather + SDPA), with and without a
 sliding window, and both write the step's K/V into the pool first."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.engine.executor.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
+from services.engine.executor.kernels import cpu_paged
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)
@@ -73,7 +74,7 @@ def make_step(backend: str) -> tuple[StepMeta, torch.Tensor, torch.Tensor, torch
             mapping,
             [],  # the kernel needs no gather groups
             prefills,
-            backend="triton",
+            backend=backend,
             num_decodes=num_decodes,
             block_tables=table.to(DEV),
             seq_lens=seq_lens.to(DEV),
@@ -90,12 +91,17 @@ SINKS = torch.linspace(-1.0, 2.0, H)
     [(0, 0.0, None), (7, 0.0, None), (7, 0.5, None), (0, 0.0, SINKS), (7, 0.5, SINKS)],
     ids=["plain", "window", "window-softcap", "sinks", "window-softcap-sinks"],
 )
-def test_triton_backend_equals_torch_backend(window: int, softcap: float, sinks: torch.Tensor | None) -> None:
+@pytest.mark.parametrize("kernel", ["triton", "cpu"])
+def test_paged_kernel_backends_equal_torch_backend(
+    kernel: str, window: int, softcap: float, sinks: torch.Tensor | None
+) -> None:
+    if kernel == "cpu" and (DEV.type != "cpu" or cpu_paged.load() is None):
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1] or DEV}")
     layer = SimpleNamespace(layer_idx=0)
     outs = {}
     pools = {}
     s_aux = None if sinks is None else sinks.to(DEV)
-    for backend in ("torch", "triton"):
+    for backend in ("torch", kernel):
         meta, q, k, v, nd = make_step(backend)
         out, _ = paged_attention(
             layer,
@@ -113,9 +119,9 @@ def test_triton_backend_equals_torch_backend(window: int, softcap: float, sinks:
         outs[backend] = out[0]
         pools[backend] = meta.kv[0]
     real = [*range(nd - 1), *range(nd, outs["torch"].shape[0])]  # every row but the padding row
-    torch.testing.assert_close(outs["triton"][real], outs["torch"][real], atol=1e-5, rtol=1e-5)
-    assert (outs["triton"][nd - 1] == 0).all()
-    for a, b in zip(pools["torch"], pools["triton"], strict=True):
+    torch.testing.assert_close(outs[kernel][real], outs["torch"][real], atol=1e-5, rtol=1e-5)
+    assert (outs[kernel][nd - 1] == 0).all()
+    for a, b in zip(pools["torch"], pools[kernel], strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 

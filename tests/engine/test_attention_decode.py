@@ -1,8 +1,9 @@
-"""The torch decode path (`paged_attention` with backend "torch": whole blocks gathered into a reused
-scratch buffer, masked by length, SDPA or the explicit scores) against attention computed row by row in
-float64 from each row's own slots: several DecodeGroups of rows of different lengths, GQA, sliding
-windows, soft-cap, sinks, fp32 / bf16 / float8 pools, and one scratch reused across steps whose gathers
-grow and shrink. Slots outside a row's context hold large finite values, so reading one unmasked shows.
+"""The CPU decode paths. Backend "torch" (whole blocks gathered into a reused scratch buffer, masked by
+length, SDPA or the explicit scores) against attention computed row by row in float64 from each row's
+own slots: several DecodeGroups of rows of different lengths, GQA, sliding windows, soft-cap, sinks, fp32
+/ bf16 / float8 pools, one scratch reused across steps whose gathers grow and shrink; slots outside a
+row's context hold large finite values, so reading one unmasked shows. Backend "cpu" (the C++ paged
+kernel) against the Triton kernel's reference, and how the backend is chosen without the kernel.
 
 Tolerances: fp32 1e-5; bf16 2e-2 (bf16 inputs, fp32 accumulation, one rounding of the output); float8
 pools against the same float8 values converted back (the reference reads them too), at fp32's tolerance.
@@ -22,7 +23,11 @@ from services.engine.executor.attention import (
     paged_attention,
     write_kv,
 )
+from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels.paged_attention import paged_decode_attention_reference
+from services.engine.executor.model_runner import resolve_backend
 from tests.engine.conftest import TEST_DEVICE
+from tests.engine.test_paged_kernel import lens_for, make_case
 
 DEV = torch.device(TEST_DEVICE)
 H, HKV, D, BS = 8, 2, 16, 4
@@ -148,3 +153,73 @@ def test_one_scratch_serves_steps_whose_gathers_grow_and_shrink() -> None:
         torch.testing.assert_close(
             got.double(), reference(meta, q, row_slots, 0, 0.0, None), atol=1e-5, rtol=1e-5
         )
+
+
+# The CPU paged kernel (backend "cpu") against the Triton kernel's torch reference, on the Triton tests'
+# cases: slots outside every row's context hold NaN and a padding row's table is out of range, so any
+# read outside a row's context shows. Head sizes 64 and 128 run the kernel's unrolled code, others its
+# generic loop.
+CPU_SHAPES = [
+    pytest.param(8, 8, 16, 16, 0, id="g1-d16"),
+    pytest.param(8, 4, 24, 16, 5, id="g2-d24-window5"),
+    pytest.param(16, 4, 64, 16, 0, id="g4-d64"),
+    pytest.param(16, 4, 64, 16, 11, id="g4-d64-window11"),
+    pytest.param(8, 2, 128, 8, 0, id="g4-d128-bs8"),
+]
+
+
+def _cpu_kernel() -> None:
+    if DEV.type != "cpu" or cpu_paged.load() is None:
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1] or DEV}")
+
+
+@pytest.mark.parametrize(("h", "hkv", "d", "bs", "window"), CPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("softcap", "sinks_on"), [(0.0, False), (0.6, True)], ids=["plain", "softcap-sinks"])
+def test_cpu_kernel_matches_reference(
+    h: int, hkv: int, d: int, bs: int, window: int, dtype: torch.dtype, softcap: float, sinks_on: bool
+) -> None:
+    _cpu_kernel()
+    c = make_case(h, hkv, d, bs, lens_for(bs), dtype)
+    sinks = torch.linspace(-1.0, 2.0, h) if sinks_on else None
+    got = torch.full_like(c.query, float("nan"))
+    cpu_paged.paged_decode(*c.args(), c.scale, window, got, softcap=softcap, sinks=sinks)
+    want = paged_decode_attention_reference(*c.args(), c.scale, window, softcap=softcap, sinks=sinks)
+    assert torch.isfinite(got).all(), "the kernel read a slot outside a row's context"
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert (got[c.seq_lens == 0] == 0).all()
+
+
+def test_cpu_kernel_reads_a_float8_pool_back() -> None:
+    _cpu_kernel()
+    c = make_case(16, 4, 64, 16, [40, 17, 1], torch.float32, nan_free=True)
+    pools = []
+    for pool in (c.k_pool, c.v_pool):
+        fp8 = torch.zeros(pool.shape, dtype=torch.float8_e4m3fn)
+        write_kv(fp8, torch.arange(pool.shape[0]), pool)
+        pools.append(fp8)
+    got = torch.empty_like(c.query)
+    cpu_paged.paged_decode(c.query, *pools, c.block_tables, c.seq_lens, c.block_size, c.scale, 0, got)
+    want = paged_decode_attention_reference(
+        c.query, *(p.float() for p in pools), c.block_tables, c.seq_lens, c.block_size, c.scale
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_loading_the_kernel_leaves_denormals_alone() -> None:
+    """Built with -ffast-math for its own loops only: loading it must not flush denormals process-wide."""
+    _cpu_kernel()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0
+
+
+def test_without_the_kernel_auto_is_torch_and_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
+    cpu_paged.status.cache_clear()
+    try:
+        assert resolve_backend("auto", torch.device("cpu")) == "torch"
+        with pytest.raises(ValueError, match="attention_backend cpu cannot run"):
+            resolve_backend("cpu", torch.device("cpu"))
+    finally:
+        cpu_paged.status.cache_clear()
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"

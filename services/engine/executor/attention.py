@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from services.engine.executor.kernels import cpu_paged
 from services.engine.executor.kernels.paged_attention import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
@@ -172,8 +173,8 @@ class StepMeta:
     slot_mapping: torch.Tensor  # (T,) pool slot of each packed token
     decode_groups: list[DecodeGroup]  # the decode rows come first in the packed batch, one token each
     prefills: list[PrefillSeq]
-    # How the decode rows attend: "torch" (gather per group + SDPA, `decode_groups`) or "triton" (the paged
-    # kernel over the whole decode batch, reading `block_tables` and `seq_lens`).
+    # How the decode rows attend: "torch" (gather per group + SDPA, `decode_groups`), "triton" or "cpu" (a
+    # paged kernel over the whole decode batch, reading `block_tables` and `seq_lens`).
     backend: str = "torch"
     num_decodes: int = 0  # decode rows at the head of the packed batch (padding rows of a graph included)
     block_tables: torch.Tensor | None = None  # (num_decodes, max_blocks) int32 block ids of each decode row
@@ -279,18 +280,20 @@ def _decode(
     window: int,
     extras: LayerExtras,
 ) -> None:
-    """The decode rows, written into `out` in place: backend "triton", the first `meta.num_decodes` rows
-    through one paged-kernel call; "torch", each DecodeGroup's rows with their K/V gathered from the
-    pool in whole blocks, one SDPA call per group (the explicit scores with a soft-cap or sinks)."""
-    if meta.backend == "triton":
+    """The decode rows, written into `out` in place: backend "triton" (CUDA) or "cpu" (C++), the first
+    `meta.num_decodes` rows through one paged-kernel call; "torch", each DecodeGroup's rows with their
+    K/V gathered from the pool in whole blocks, one SDPA call per group (the explicit scores with a
+    soft-cap or sinks)."""
+    if meta.backend in ("triton", "cpu"):
         nd = meta.num_decodes
         if nd == 0:
             return
         if meta.block_tables is None or meta.seq_lens is None:
             raise RuntimeError(
-                "the triton attention backend needs block_tables and seq_lens in the step metadata"
+                f"the {meta.backend} attention backend needs block_tables and seq_lens in the step metadata"
             )
-        paged_decode_attention(
+        kernel = cpu_paged.paged_decode if meta.backend == "cpu" else paged_decode_attention
+        kernel(
             q[:, :nd].transpose(0, 1),
             k_pool,
             v_pool,

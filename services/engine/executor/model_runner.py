@@ -33,6 +33,7 @@ from services.engine.executor.attention import (
     StepMeta,
 )
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
+from services.engine.executor.kernels import cpu_paged
 from services.engine.executor.kv_sizing import KVLayout, group_layers, initial_kv_cache_gb
 from services.engine.executor.moe import ExpertLoad, choose_experts_implementation, experts_modules
 from services.engine.executor.quantization import check_quantization, quantize_model
@@ -104,13 +105,26 @@ def triton_status(device: torch.device) -> tuple[bool, str]:
     return False, f"device {device} is not CUDA and TRITON_INTERPRET=1 is not set (it is {interp!r})"
 
 
+PAGED_BACKENDS = ("triton", "cpu")  # decode attention reading block tables and lengths, no gather groups
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
-    """The decode attention backend: "triton" or "torch". auto = triton on CUDA when usable, else torch;
-    "triton" where the kernel cannot run raises ValueError saying why."""
+    """The decode attention backend: "triton", "cpu" or "torch". auto = triton on CUDA when usable, the
+    C++ paged kernel on a CPU when it builds (kernels/cpu_paged.py), else torch; "triton" or "cpu" where
+    the kernel cannot run raises ValueError saying why."""
     if name == "torch":
         return "torch"
-    if name not in ("auto", "triton"):
-        raise ValueError(f"attention_backend must be auto, torch or triton, got {name!r}")
+    if name not in ("auto", "cpu", "triton"):
+        raise ValueError(f"attention_backend must be auto, torch, cpu or triton, got {name!r}")
+    if name == "cpu" or (name == "auto" and device.type == "cpu"):
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend cpu cannot run on device {device}")
+        module, why = cpu_paged.status()
+        if module is not None:
+            return "cpu"
+        if name == "cpu":
+            raise ValueError(f"attention_backend cpu cannot run: {why}")
+        return "torch"  # the reason is logged by cpu_paged
     if name == "auto" and device.type != "cuda":
         return "torch"
     usable, why = triton_status(device)
@@ -134,7 +148,7 @@ class ModelRunner:
 
     Built from the engine's settings; of them it reads `model` (the directory; '' = the embedded model),
     `device`, `dtype`, `block_size`, the pool's size (`num_kv_blocks`, else `kv_cache_gb` or its
-    provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | triton, see
+    provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | cpu | triton, see
     `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `compile` (auto |
     on | off: the step under torch.compile, executor/compiled.py; auto = on for CUDA), `quantization`
     (none | int8 | fp8, applied to the weights after loading: executor/quantization.py) and
@@ -343,11 +357,11 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         # A full decode batch's inputs without growing the staging buffers: ids, positions, slots, sampled
         # rows, pending rows (two), and per KV group the slots and the block table, the lengths (int64 for
-        # torch, int32 for triton).
+        # torch, int32 for the paged kernels).
         groups = len(self.kv_groups)
         table = groups * max_num_seqs * (-(-max_model_len // self.block_size) + 1)
         self._long.reserve((5 + groups) * max_num_seqs + (table if self.backend == "torch" else 0))
-        self._int.reserve(table + max_num_seqs if self.backend == "triton" else 0)
+        self._int.reserve(table + max_num_seqs if self.backend in PAGED_BACKENDS else 0)
         self._compiled = self._compile_step(max_num_seqs)
         graphs, why = self._graphs_wanted()
         self._static = None
@@ -396,7 +410,7 @@ class ModelRunner:
         step = compiled.CompiledStep(self.model, sizes, max_num_seqs, self.device)
         empty = StepMeta(self.kv, torch.zeros(0, dtype=torch.long, device=self.device), [], [],
                          backend=self.backend, block_size=self.block_size)  # fmt: skip
-        if self.backend == "triton":
+        if self.backend in PAGED_BACKENDS:
             empty.block_tables = torch.zeros((0, 1), dtype=torch.int32, device=self.device)
             empty.seq_lens = torch.zeros(0, dtype=torch.int32, device=self.device)
         log.info("compile: %s step sizes %s (torch.compile, inductor) ...", self.config.model_type, sizes)
@@ -520,9 +534,9 @@ class ModelRunner:
         pending: list[tuple[int, int]],
         prev_tokens: torch.Tensor | None,
     ) -> torch.Tensor:
-        """The packed step as it is: every input in one staged copy (two with the triton backend); the
-        logits of the rows `keep_rows`, in that order."""
-        triton, bs = self.backend == "triton", self.block_size
+        """The packed step as it is: every input in one staged copy (two with a paged-kernel backend: the
+        tables and lengths in int32); the logits of the rows `keep_rows`, in that order."""
+        paged, bs = self.backend in PAGED_BACKENDS, self.block_size
         parts: list[Sequence[int] | np.ndarray] = [
             ids,
             pos,
@@ -531,26 +545,26 @@ class ModelRunner:
             [b for _, b in pending],
         ]
         lens = [r.num_computed_tokens + 1 for r, _ in decodes]
-        if decodes and not triton:
+        if decodes and not paged:
             parts.append(lens)
         tables = [self._decode_table(decodes, g) for g in range(len(slots))]
         for g, group_slots in enumerate(slots):  # per KV group: slots, prefill context blocks, decode table
             parts.append(group_slots)
             # The blocks holding each prefill chunk's tokens and the context before them.
             parts.extend(r.tables[g][: -(-(r.num_computed_tokens + n) // bs)] for r, n in prefills)
-            if decodes and not triton:
+            if decodes and not paged:
                 parts.append(tables[g].reshape(-1))
         staged = self._long.stage(parts)
         ids_t, pos_t, keep, rows, src = staged[:5]
-        lens_t = staged[5] if decodes and not triton else None
-        int_staged = self._int.stage([*(t.reshape(-1) for t in tables), lens]) if triton else []
+        lens_t = staged[5] if decodes and not paged else None
+        int_staged = self._int.stage([*(t.reshape(-1) for t in tables), lens]) if paged else []
         at = 6 if lens_t is not None else 5
         metas = []
         for g, table in enumerate(tables):
             slots_t, ctx_t = staged[at], staged[at + 1 : at + 1 + len(prefills)]
             at += 1 + len(prefills)
             meta = self._meta(decodes, prefills, slots_t, ctx_t)  # over group g's slots and tables
-            if triton:
+            if paged:
                 meta.block_tables = int_staged[g].view(table.shape)
                 meta.seq_lens = int_staged[-1]
             elif decodes:

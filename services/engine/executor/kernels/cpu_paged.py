@@ -1,0 +1,111 @@
+"""The CPU paged decode kernel (paged_attention_cpu.cpp beside this file): built with the machine's C++
+compiler at first use through torch.utils.cpp_extension (ninja), for this CPU (-march=native; the build's
+name carries a hash of the CPU's flags and the source, so a cached build never runs on another CPU), cached
+in torch's extension directory ($TORCH_EXTENSIONS_DIR) and loaded from there afterwards. `load()` logs the
+build or load once and returns the module, or None with the reason logged when it cannot be built;
+`paged_decode` runs it with the Triton kernel's arguments (services/engine/executor/kernels/
+paged_attention.py): every decode row reads its K/V in place through its block table."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17"]  # fast-math: compile only
+DISABLE_ENV = "SLUICE_CPU_KERNEL"  # "0": never build nor use the kernel
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256((_cpu_flags() + SOURCE.read_text() + " ".join(CFLAGS)).encode()).hexdigest()
+    return f"sluice_paged_cpu_{digest[:12]}"
+
+
+def _ninja_on_path() -> bool:
+    """ninja where cpp_extension looks for it (PATH); the `ninja` package's binary added when installed."""
+    if shutil.which("ninja"):
+        return True
+    try:
+        import ninja  # the `ninja` distribution (pyproject.toml)
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        return False
+    return shutil.which("ninja") is not None
+
+
+@functools.cache
+def status() -> tuple[ModuleType | None, str]:
+    """The built module and "", or None and why not (logged once)."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return None, f"{DISABLE_ENV}=0"
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return _unavailable(f"no C++ compiler ({compiler!r} is not on PATH)")
+    if not _ninja_on_path():
+        return _unavailable("ninja is not installed")
+    from torch.utils import cpp_extension
+
+    name = _build_name()
+    start = time.monotonic()
+    try:
+        module = cpp_extension.load(
+            name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-lmvec"], verbose=False
+        )
+    except Exception as exc:  # a compiler or linker error: the torch path serves instead
+        return _unavailable(f"the build failed: {type(exc).__name__}: {str(exc)[-500:]}")
+    log.info("CPU paged attention kernel ready in %.1f s: %s", time.monotonic() - start, module.__file__)
+    return module, ""
+
+
+def _unavailable(why: str) -> tuple[None, str]:
+    log.warning("CPU paged attention kernel unavailable, decode attention gathers K/V instead: %s", why)
+    return None, why
+
+
+def load() -> ModuleType | None:
+    return status()[0]
+
+
+def paged_decode(
+    query: torch.Tensor,  # (rows, H, D)
+    k_pool: torch.Tensor,  # (num_slots, Hkv, D)
+    v_pool: torch.Tensor,
+    block_tables: torch.Tensor,  # (rows, max_blocks) int32
+    seq_lens: torch.Tensor,  # (rows,) int32, 0 for a padding row
+    block_size: int,
+    scale: float,
+    window: int,
+    out: torch.Tensor,  # (rows, H, D) in the query's dtype
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Writes each row's attention into `out`; the module must have loaded (`load()`)."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the CPU paged attention kernel is unavailable: {status()[1]}")
+    q = query.to(torch.float32).contiguous()
+    res = module.paged_decode(
+        q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window, softcap, sinks
+    )
+    out.copy_(res)
