@@ -22,6 +22,7 @@ import transformers
 
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.request import PLACEHOLDER, Request
+from services.engine.executor.kernels import cpu_paged
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
@@ -214,6 +215,8 @@ def _cases() -> list[object]:
     for model in MODELS:
         for dtype in DTYPES:
             cases.append(pytest.param(model, dtype, "torch", id=f"{model}-{dtype}-torch"))
+            if TEST_DEVICE == "cpu":
+                cases.append(pytest.param(model, dtype, "cpu", id=f"{model}-{dtype}-cpu"))
             if TEST_DEVICE != "cpu" or dtype == "float32" or model == "qwen2":
                 cases.append(pytest.param(model, dtype, "triton", marks=TRITON, id=f"{model}-{dtype}-triton"))
     return cases
@@ -223,6 +226,8 @@ def _cases() -> list[object]:
 def test_engine_logits_match_transformers(
     model_dirs: dict[str, Path], model: str, dtype: str, backend: str
 ) -> None:
+    if backend == "cpu" and cpu_paged.load() is None:
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1]}")
     torch_dtype, tol = DTYPES[dtype]
     runner = make_runner(model_dirs[model], dtype, backend)
     assert runner.dtype == torch_dtype and runner.kv[0][0].dtype == torch_dtype
