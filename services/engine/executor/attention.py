@@ -2,12 +2,13 @@
 `transformers.AttentionInterface`). `paged_attention` takes one packed step (decode rows first, one token
 each, then each prefill chunk), writes the step's K/V into the layer's pool slots (float8 pools: clamped to
 ±448, scale 1.0; every read converts back), then attends per sequence, never across sequences: decode rows
-through the Triton paged kernel (backend "triton") or per DecodeGroup as whole blocks gathered into a
-reused scratch buffer + SDPA (backend "torch"); each prefill chunk causally, aligned bottom-right to its
-cached context. A layer's own `scaling`, `sliding_window`, `softcap` and `s_aux` (sinks) are honoured as
-given; with a soft-cap or sinks the torch path computes the scores explicitly in fp32. A hybrid model's
-layers read their KV group's metadata (`StepMeta.for_layer`). Narrative and measurements:
-docs/architecture.md ("Engine internals", "Where the cycles go: one decode step").
+through a paged kernel reading K/V in place (backend "triton": CUDA; "cpu": C++) or per DecodeGroup as
+whole blocks gathered into a reused scratch buffer + SDPA (backend "torch"); each prefill chunk causally,
+aligned bottom-right to its cached context. A layer's own `scaling`, `sliding_window`, `softcap` and
+`s_aux` (sinks) are honoured as given; with a soft-cap or sinks the torch path computes the scores
+explicitly in fp32. A hybrid model's layers read their KV group's metadata (`StepMeta.for_layer`).
+Narrative and measurements: docs/architecture.md ("Engine internals", "Where the cycles go: one decode
+step").
 """
 
 from __future__ import annotations
