@@ -157,14 +157,17 @@ def test_one_scratch_serves_steps_whose_gathers_grow_and_shrink() -> None:
 
 # The CPU paged kernel (backend "cpu") against the Triton kernel's torch reference, on the Triton tests'
 # cases: slots outside every row's context hold NaN and a padding row's table is out of range, so any
-# read outside a row's context shows. Head sizes 64 and 128 run the kernel's unrolled code, others its
-# generic loop.
+# read outside a row's context shows. Head sizes 64 and 128 with 2, 4 or 8 query heads per KV head run
+# the kernel's loop by KV head, the others its loop by slot.
 CPU_SHAPES = [
     pytest.param(8, 8, 16, 16, 0, id="g1-d16"),
     pytest.param(8, 4, 24, 16, 5, id="g2-d24-window5"),
     pytest.param(16, 4, 64, 16, 0, id="g4-d64"),
     pytest.param(16, 4, 64, 16, 11, id="g4-d64-window11"),
     pytest.param(8, 2, 128, 8, 0, id="g4-d128-bs8"),
+    pytest.param(8, 4, 64, 16, 7, id="g2-d64-window7"),
+    pytest.param(16, 2, 64, 16, 0, id="g8-d64"),
+    pytest.param(8, 8, 64, 16, 0, id="g1-d64"),
 ]
 
 
