@@ -1,19 +1,12 @@
-"""Paged decode attention: one new query token per row against that row's cached K/V, read in place from
-the KV pool through the row's block table (no gather into a contiguous copy).
-
-The Triton kernel runs one program per (batch row, KV head). A program loads the G = H / Hkv query
-heads that share its KV head, walks the row's context in tiles of positions (each position's slot comes
-from the block table: `block_tables[row, pos // block_size] * block_size + pos % block_size`) and keeps
-an online softmax in fp32: scores scaled, soft-capped when asked (softcap * tanh(s / softcap), Gemma 2),
-and with sinks (GPT-OSS: a learned logit per query head) the softmax starts from the sink, which adds
-exp(sink) to the denominator and nothing to the output. When the (row, KV head) programs are too few to
-fill a GPU (small decode batches), each row's context is also split over several programs whose partial
-results a second kernel combines (flash-decoding). Grid, tile sizes, split counts and loop bounds depend
-only on shapes and on device-side values, so a call never reads the device from the host and can be
-captured in a CUDA graph.
-
-`paged_decode_attention_reference` computes the same thing in plain torch, for tests and as a fallback
-where Triton cannot run.
+"""Paged decode attention on CUDA (Triton): one new query token per row against that row's cached K/V,
+read in place from the KV pool through the row's block table (slot = `block_tables[row, pos //
+block_size] * block_size + pos % block_size`), no gather. One program per (row, KV head) over the G query
+heads sharing it, an online softmax in fp32 with the scale, soft-cap (softcap * tanh(s / softcap)) and
+sinks (exp(sink) in the denominator, nothing in the output); small batches also split each context over
+programs whose partial results a second kernel combines. Grid, tiles, split counts and loop bounds depend
+only on shapes and device-side values: a call never reads the device from the host and can be captured
+in a CUDA graph. `paged_decode_attention_reference` computes the same in plain torch (tests, and the
+fallback where Triton cannot run). Narrative: docs/architecture.md ("Engine internals", Attention).
 """
 
 from __future__ import annotations
