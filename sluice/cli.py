@@ -6,7 +6,6 @@
     sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
     sluice bench engine [throughput|latency|perplexity] [FLAGS]     the engine in-process against transformers
     sluice bench sweep compare|pipeline|routing|peers [FLAGS]        serve over systems and rates, by preset
-    sluice bench tokenizer|detokenizer [FLAGS]                      the two text services against in-process
     sluice bench compare|pipeline|routing [FLAGS]                   older names of the sweep presets
     sluice bench latency [--variants off,ngram,int8] [--json FILE]  older name of `engine latency`
     sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
@@ -30,7 +29,7 @@ SERVICES = {
     "gateway": "gateway.server",
 }
 MODELS = {"tiny": "sluice.model.tiny"}
-BENCHMARKS = ("serve", "engine", "sweep", "tokenizer", "detokenizer")  # `sluice bench NAME`: bench/NAME.py
+BENCHMARKS = ("serve", "engine", "sweep")  # `sluice bench NAME`: bench/NAME.py
 BENCHMARK_ALIASES = {  # an older name → the command it is a variant or preset of, under that name
     "latency": "engine",
     "compare": "sweep",
