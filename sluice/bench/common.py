@@ -1,4 +1,4 @@
-"""What every benchmark shares besides its report (report.py: tables, JSON, plots, ratios): the common flags
+"""What every benchmark shares besides its report (report.py: tables, JSON, ratios): the common flags
 and their types, the run's metadata, torch's settings, progress bars and error text. Argparse types raise
 argparse errors, so a bad value exits with status 2 and a usage line.
 """
@@ -75,7 +75,6 @@ def names(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]
 _FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
     "model": dict(type=Path, metavar="DIR", help="model directory (default: the embedded model)"),
     "json": dict(type=Path, metavar="FILE", help="write the figures as JSON here"),
-    "plot": dict(type=Path, metavar="FILE.png", help="write a PNG chart of the figures here"),
     "quick": dict(action="store_true", help="tiny counts for smoke tests"),
     "threads": dict(type=positive_int, metavar="N", help="torch CPU threads (default: torch's)"),
     "no-progress": dict(action="store_true", help="hide the progress bars"),

@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
@@ -21,7 +20,6 @@ from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.report import (
     PEER,
     compare_json,
-    compare_plot,
     fmt,
     format_peer,
     format_points,
@@ -95,11 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     add("--no-peer", action="store_true", help="skip transformers serve")
-    helps = {
-        "num_requests": "requests per point (default 64: at rate inf, 64 streams at once)",
-        "plot": "write tokens/s and p99 TTFT against request rate here",
-    }
-    sw.add_sweep_flags(parser, 64, "plot", "engine-flags", **helps)
+    about = "requests per point (default 64: at rate inf, 64 streams at once)"
+    sw.add_sweep_flags(parser, 64, "engine-flags", num_requests=about)
     return parser
 
 
@@ -179,7 +174,7 @@ def peer_ratios(head: sw.SystemRun, peer: sw.SystemRun) -> list[dict[str, Any]]:
 
 
 def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
-    """Prints the tables, capacities and their ratio, writes the JSON and the plot; returns the exit
+    """Prints the tables, capacities and their ratio, writes the JSON; returns the exit
     status."""
     capacities = {
         name: highest_rate_under(run, args.ttft_bound_ms, args.num_requests) for name, run in runs.items()
@@ -201,12 +196,6 @@ def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
     print(f"{HEADLINE}'s highest rate ÷ {BASELINE}'s: {fmt(value, '.3g')}" + (f" ({note})" if note else ""))
     rows = peer_ratios(head, peer) if head and peer else []
     write_json(args.json, compare_json(runs, capacities, (value, note), rows, meta), announce=True)
-    if args.plot is not None:
-        title = (
-            f"sluice bench compare: {args.num_requests} requests per point, ~{args.input_len} prompt + "
-            f"{args.output_len} output tokens, {Path(meta['model']).name}"
-        )
-        compare_plot(args.plot, runs, args.rates, args.ttft_bound_ms, title)
     failed = any(run.error is not None or any(not p.completed for p in run.points) for run in runs.values())
     return 1 if failed else 0
 

@@ -91,7 +91,7 @@ RUN_HELP = {  # variant → rewordings of the shared flags
 
 def build_parser(variant: str = "throughput", prog: str = "sluice bench engine") -> argparse.ArgumentParser:
     """The one parser of every variant: the model (--preset or --model), the variant's own flags, then the
-    run's (seed, device, dtype, json, plot, threads, repeat, quick, no-progress)."""
+    run's (seed, device, dtype, json, threads, repeat, quick, no-progress)."""
     from sluice.bench import latency
 
     kind = "throughput" if variant == "throughput" else "latency"
@@ -101,7 +101,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
     model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
     add_flags(model, "model", model="a local Hugging Face model")
     (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
-    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    flags = ("seed", "device", "dtype", "json", "threads", "repeat", "quick", "no-progress")
     add_flags(parser, *flags, **RUN_HELP[kind])
     return parser
 
@@ -326,8 +326,8 @@ def _report(
     decode: list[report.DecodeFigure],
     decode_error: str | None,
 ) -> int:
-    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON
-    and the plot; returns the exit status."""
+    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON;
+    returns the exit status."""
     label = model_label(args)
     ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
     for text in [*map(report.format_block, blocks), report.format_decode(decode, decode_error)]:
@@ -337,8 +337,5 @@ def _report(
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
     write_json(args.json, report.engine_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
-    rows = [(b, r) for b in blocks for r in b.rows]
-    if args.plot is not None and rows:
-        report.engine_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
     failed = any(b.errors for b in blocks) or decode_error is not None
     return 1 if failed else 0

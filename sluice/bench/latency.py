@@ -366,10 +366,6 @@ def _finish(args: argparse.Namespace, bench: Bench, only_quality: bool = False) 
     bench.save(partial=False)
     if args.json is not None:
         print(f"wrote {args.json}")
-    if args.plot is not None and report.cells:
-        rep.latency_plot(
-            args.plot, report, f"sluice bench latency: {report.model}, {args.device}, {args.dtype}"
-        )
     failed = [v for v, why in report.errors.items() if not why.startswith("skipped")]
     if report.shape is not None:
         failed += [v for v, why in report.shape.errors.items() if not why.startswith("skipped")]

@@ -17,7 +17,7 @@ from typing import Any
 from sluice.bench import engine_driver as drv
 from sluice.bench import sweep as sw
 from sluice.bench.common import int_range
-from sluice.bench.report import pipeline_plot, write_json
+from sluice.bench.report import write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.plan import default_engine_threads
 
@@ -190,9 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     helps = {
         "num_requests": "requests, all sent at once (default 64)",
         "repeat": "alternate the two runs N times, best of each",
-        "plot": "write tokens/s and cores used here",
     }
-    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
+    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", **helps)
     add(
         "--up-flags",
         default="",
@@ -252,6 +251,4 @@ def main(argv: list[str]) -> int:
     print(f"load average (1/5/15 min): {loads[0]} at the start, {loads[1]} at the end")
     doc = {"meta": sw.sweep_meta("pipeline", argv, model, load_average=loads), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
-    if args.plot is not None:
-        pipeline_plot(args.plot, best)
     return 1 if any(c.end_to_end.summary["failed"] for c in run.points) else 0

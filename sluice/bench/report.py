@@ -10,17 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
     from sluice.bench.compare import Point
     from sluice.bench.engine_methods import (
         DecodeStep,
@@ -33,7 +28,6 @@ if TYPE_CHECKING:
     from sluice.bench.latency_run import RunFigures
     from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
-    from sluice.bench.pipeline import Comparison
     from sluice.bench.serve import RequestRecord, ServeResult
     from sluice.bench.sweep import SystemRun
 
@@ -112,23 +106,6 @@ def write_json(path: Path | None, doc: dict[str, Any], announce: bool = False) -
         print(f"wrote {path}")
 
 
-def figure(width: float, height: float, dpi: int = 120) -> Figure:
-    """A matplotlib figure on the Agg canvas (no pyplot state)."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=dpi)
-
-
-def save_figure(fig: Figure, path: Path, title: str = "") -> None:
-    """Titles, lays out and writes `fig` as a PNG to `path` (making the folder), then prints where."""
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    print(f"wrote {path}")
-
-
 # serve
 
 PERCENTILES = (50, 90, 99)
@@ -140,9 +117,6 @@ METRICS = (  # summary key, short name, table heading
     ("itl_ms", "ITL", "Inter-token Latency"),
     ("e2el_ms", "E2EL", "End-to-end Latency"),
 )
-
-
-CDF_NAMES = ("TTFT", "TPOT", "ITL", "E2E")  # the latency CDFs' axis names, in METRICS' order
 
 
 def latency_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
@@ -206,59 +180,6 @@ def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
         "records": [dataclasses.asdict(r) for r in result.records],
     }
     write_json(path, doc)
-
-
-def chunk_times(record: RequestRecord) -> np.ndarray:
-    """When each text-carrying chunk of a successful request arrived, in seconds from the run's start.
-    Shape (len(itl_s) + 1,), or (0,) for a request that produced no chunk."""
-    if not record.ok or record.output_tokens == 0:
-        return np.zeros(0)
-    return record.start + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
-
-
-def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Output tokens/s in bins of `bin_s` from the run's start: (bin starts, rates), each shape (bins,).
-    A request's tokens are spread evenly over its chunks (a chunk may carry several)."""
-    times, weights = [], []
-    for record in records:
-        at = chunk_times(record)
-        if at.size:
-            times.append(at)
-            weights.append(np.full(at.size, record.output_tokens / at.size))
-    if not times:
-        return np.zeros(0), np.zeros(0)
-    all_times = np.concatenate(times)
-    bins = int(all_times.max() // bin_s) + 1
-    index = (all_times // bin_s).astype(np.int64)
-    counts = np.bincount(index, weights=np.concatenate(weights), minlength=bins)
-    return np.arange(bins) * bin_s, counts / bin_s
-
-
-def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
-    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
-    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
-    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    completed = sum(r.ok for r in result.records)
-    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
-    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
-    fig = figure(10, 7, dpi=110)
-    series = zip(fig.subplots(2, 2).flat, CDF_NAMES, latency_series(result.records).values(), strict=True)
-    for ax, name, values in series:
-        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
-        if ms.size:
-            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
-        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
-        ax.grid(alpha=0.3)
-    save_figure(fig, cdf, title)
-    starts, rates = tokens_per_second(result.records)
-    fig = figure(8, 4.5, dpi=110)
-    ax = fig.subplots()
-    if starts.size:
-        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
-    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
-    ax.grid(alpha=0.3)
-    save_figure(fig, throughput, title)
-    return [cdf, throughput]
 
 
 # engine
@@ -521,25 +442,6 @@ def engine_json_runs(
     }
 
 
-def engine_plot(path: Path, rows: list[tuple[Block, Row]], title: str) -> None:
-    """A PNG bar chart of output tokens/s per method and concurrency (transformers grey, sluice blue)."""
-    several = len({b.concurrency for b, _ in rows}) > 1
-    names = [r.result.name + (f" @{b.concurrency}" if several else "") for b, r in rows]
-    colors = ["#1f77b4" if r.result.name in SLUICE_METHODS else "#9a9a9a" for _, r in rows]
-    fig = figure(max(8, 0.8 * len(rows)), 4.5)
-    ax = fig.subplots()
-    bars = ax.bar(names, [r.result.tokens_per_s for _, r in rows], color=colors)
-    labels = [
-        f"{r.result.tokens_per_s:.0f}" + ("" if r.ratio is None else f"\n{r.ratio:.2f}×") for _, r in rows
-    ]
-    ax.bar_label(bars, labels=labels, fontsize=8)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=10)
-    ax.margins(y=0.2)
-    ax.tick_params(axis="x", labelrotation=20)
-    save_figure(fig, path)
-
-
 # engine latency
 
 
@@ -748,39 +650,6 @@ def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-VARIANT_COLORS = {"off": "#9a9a9a", "ngram": "#1f77b4", "int8": "#2ca02c", "fp8": "#d62728"}
-
-
-def latency_plot(path: Path, report: LatencyReport, title: str) -> None:
-    """One PNG, two panels (batch 1: decode tok/s; N at once: output tok/s), bars per workload and variant,
-    each labelled with its ratio to off."""
-    workloads = list(dict.fromkeys(c.workload for c in report.cells))
-    variants = list(dict.fromkeys(c.variant for c in report.cells))
-    fig = figure(11, 4.5)
-    axes = fig.subplots(1, 2)
-    panels = (
-        ("batch 1: decode tokens/s", _b1, batch1_ratio),
-        (f"{report.concurrency} at once: output tokens/s", _conc, concurrent_ratio),
-    )
-    width = 0.8 / max(1, len(variants))
-    for ax, (label, value_of, ratio_of) in zip(axes, panels, strict=True):
-        for k, variant in enumerate(variants):
-            xs = [i + (k - (len(variants) - 1) / 2) * width for i in range(len(workloads))]
-            values = [value_of(report.cell(variant, w)) or 0.0 for w in workloads]
-            bars = ax.bar(xs, values, width, label=variant, color=VARIANT_COLORS.get(variant, "#8c564b"))
-            ratios = [ratio_of(report, variant, w) for w in workloads]
-            shown = [
-                f"{v:.0f}" + ("" if r is None or variant == OFF else f"\n{r:.2f}x")
-                for v, r in zip(values, ratios, strict=True)
-            ]
-            ax.bar_label(bars, labels=shown, fontsize=7)
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_title(label, fontsize=10)
-        ax.margins(y=0.35)
-    axes[0].legend(fontsize=8, loc="upper left", ncol=len(variants))
-    save_figure(fig, path, title)
-
-
 # sweep presets: compare, pipeline, routing
 
 
@@ -861,66 +730,6 @@ def compare_json(
         "capacity_ratio": {"value": value, "note": note},
         "peer_ratios": peer_rows,
     }
-
-
-def _plot_x(rates: Sequence[float]) -> dict[float, float]:
-    """Where each rate sits on the log x axis: finite rates as they are, inf one doubling past the
-    highest finite rate (or at 1 when the sweep has no finite rate)."""
-    finite = [r for r in rates if math.isfinite(r)]
-    inf_x = 2 * max(finite) if finite else 1.0
-    return {r: (inf_x if math.isinf(r) else r) for r in rates}
-
-
-def compare_plot(
-    path: Path, runs: dict[str, SystemRun], rates: Sequence[float], bound_ms: float, title: str
-) -> None:
-    """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
-    tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
-    from matplotlib.ticker import NullLocator
-
-    xs = _plot_x(rates)
-    fig = figure(11, 4.5, dpi=110)
-    speed_ax, ttft_ax = fig.subplots(1, 2)
-    for run in runs.values():
-        points = [p for p in run.points if p.completed]
-        x = [xs[p.rate] for p in points]
-        style = {
-            "marker": "o",
-            "label": system_label(run.name),
-            "linestyle": "--" if run.name == PEER else "-",
-        }
-        speed_ax.plot(x, [p.tokens_per_s for p in points], **style)
-        ttft_ax.plot(x, [p.ttft_p99_ms for p in points], **style)
-    ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
-    ttft_ax.set_yscale("log")
-    for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
-        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
-        ax.set_xticks(list(xs.values()), [rate_text(r) for r in xs])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path, title)
-
-
-def pipeline_plot(path: Path, best: Comparison) -> None:
-    """A PNG of two panels: output tokens/s in-process and end to end, and the cores each process used
-    over the end-to-end run."""
-    fig = figure(10, 4)
-    speed, cores = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    rates = [best.in_process.tokens_per_s, best.end_to_end.tokens_per_s]
-    bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
-    speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
-    speed.set_ylabel("output tokens/s")
-    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
-    speed.set_title(title, fontsize=9)
-    speed.margins(y=0.15)
-    e2e = best.end_to_end
-    used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
-    cores.barh([name for name, _ in used], [seconds / e2e.wall_s for _, seconds in used], color="#1f77b4")
-    cores.axvline(os.cpu_count() or 1, color="grey", linestyle=":", label="cores of the machine")
-    cores.set_xlabel("cores used over the end-to-end run")
-    cores.legend(fontsize=8, loc="lower right")
-    save_figure(fig, path, "sluice bench pipeline")
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:

@@ -1,5 +1,5 @@
 """`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
-and the figures of a run: records, summary, table, JSON, plots. Latencies are over the requests that
+and the figures of a run: records, summary, table, JSON. Latencies are over the requests that
 succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
 gap between chunks that carried text. With `--structured` or `--tools` every request carries a constraint
 or tools (`serve_data.with_structure`) and the summary adds how many completed outputs were valid
@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from sluice.bench.common import add_count, add_flags, positive_float, progress_bar, run_meta
-from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_plots, write_result
+from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_result
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import (
     STRUCTURED_KINDS,
@@ -325,10 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
     helps = {
         "json": "write the summary and every request here",
-        "plot": "write latency CDF and throughput PNGs into this folder",
         "seed": "seed of the workload and the arrival times",
     }
-    add_flags(parser, "json", "plot", "seed", "no-progress", **helps)
+    add_flags(parser, "json", "seed", "no-progress", **helps)
     return parser
 
 
@@ -390,7 +389,7 @@ def main(argv: list[str]) -> int:
 
 
 def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> int:
-    """Prints the table, writes the JSON and the plots; returns the exit status."""
+    """Prints the table, writes the JSON; returns the exit status."""
     summary = result.summary()
     if args.json is not None:
         write_result(args.json, result, run_meta(["serve", *argv]))
@@ -400,6 +399,4 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
         print(f"sluice bench serve: every request failed: {first}", file=sys.stderr)
         return 1
     print(format_summary(result))
-    if args.plot is not None:
-        write_plots(args.plot, result)
     return 0

@@ -129,7 +129,7 @@ def counter(samples: Samples, name: str) -> float:
 
 def add_sweep_flags(parser: argparse.ArgumentParser, requests: int, *flags: str, **helps: str) -> None:
     """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --json,
-    --no-progress), then the shared `flags` asked for ("plot", "repeat", "engine-flags")."""
+    --no-progress), then the shared `flags` asked for ("repeat", "engine-flags")."""
     add_flags(parser, "model", "seed")
     about = helps.pop("num_requests", f"requests per point (default {requests})")
     parser.add_argument("--num-requests", type=positive_int, default=requests, metavar="N", help=about)
