@@ -38,7 +38,6 @@ GREEDY_RULE = (
     "token by token up to each request's first difference, which is a near-tie when the reference's logits "
     "score the other token within the near-tie threshold of its own"
 )
-PEER = "transformers-serve"  # sweep compare's peer: `transformers serve --continuous-batching`
 ROUTING_BASELINE = "round_robin"  # sweep routing's policies are set against this one
 OFF = "off"  # the latency variant every other is set against
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
@@ -658,7 +657,7 @@ def rate_text(rate: float) -> str:
 
 
 def system_label(system: str) -> str:
-    return system if system == PEER else f"sluice-{system}"
+    return f"sluice-{system}"
 
 
 def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
@@ -687,30 +686,14 @@ def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
     return format_table(rows)
 
 
-def format_peer(rows: list[dict[str, Any]]) -> str:
-    def tokens(row: dict[str, Any]) -> str:
-        out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
-        note = " (EOS)" if out < asked else ""
-        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
-
-    columns: list[Column] = [
-        ("rate req/s", lambda row: rate_text(row["rate"])),
-        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
-        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
-        ("peer tokens out/asked", tokens),
-    ]
-    return column_table(columns, rows)
-
-
 def compare_json(
     runs: dict[str, SystemRun],
     capacities: dict[str, float | None],
     capacity: tuple[float | None, str],
-    peer_rows: list[dict[str, Any]],
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """`sluice bench compare`'s document: every system's points, the capacities, their ratio (value, note)
-    and the peer ratios."""
+    """`sluice bench compare`'s document: every system's points, the capacities and their ratio (value,
+    note)."""
     systems = {
         name: {
             "label": system_label(name),
@@ -728,7 +711,6 @@ def compare_json(
         "systems": systems,
         "highest_rate_under_ttft_bound": capacities,
         "capacity_ratio": {"value": value, "note": note},
-        "peer_ratios": peer_rows,
     }
 
 

@@ -1,25 +1,21 @@
-"""Servers that benchmarks start and stop themselves on free loopback ports: `Stack` (the four services as
-child processes, by the launcher's plan) and `PeerServer` (`transformers serve`). Entering returns once
-they answer (RuntimeError with a child's last lines otherwise), leaving stops every process (SIGTERM, then
-SIGKILL); enter them outside a running event loop.
+"""`Stack`: the four sluice services as child processes of a benchmark (by the launcher's plan) on free
+loopback ports. Entering returns once they answer (RuntimeError with a child's last lines otherwise),
+leaving stops every process (SIGTERM, then SIGKILL); enter it outside a running event loop.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Self
@@ -32,11 +28,6 @@ from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
-# transformers' continuous batching sizes its KV cache from device memory unless told; on a CPU that is
-# 60% of RAM. These sizes hold far more than a benchmark's requests (blocks of 256 tokens).
-PEER_CPU_CACHE_ARGS = ("--cb-num-blocks", "128", "--cb-max-batch-tokens", "512")
-_NO_TRACING = argparse.Namespace(otlp_endpoint="", trace_console=False)  # child_env's flags for the peer
-PEER = "transformers serve"  # the peer's name in errors
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -153,51 +144,7 @@ class _LoggedSupervisor(Supervisor):
             log.close()
 
 
-class _Started:
-    """Children under a `_LoggedSupervisor` that a `with` block starts and stops: the subclass makes the
-    supervisor (`_supervise`, given the folder of the children's output files) and waits until they are
-    ready (`_wait_ready`)."""
-
-    tmp_prefix = "sluice-stack-"
-    _supervisor: _LoggedSupervisor | None = None
-    _tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        raise NotImplementedError
-
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        raise NotImplementedError
-
-    def start(self) -> None:
-        """Starts the children and waits until they are ready; on failure stops them and raises."""
-        self._tmp = tempfile.TemporaryDirectory(prefix=self.tmp_prefix)
-        self._supervisor = self._supervise(Path(self._tmp.name))
-        try:
-            self._supervisor.start()
-            self._wait_ready(self._supervisor)
-        except BaseException:
-            self.stop()
-            raise
-
-    def stop(self) -> None:
-        """Stops every child started (SIGTERM, SIGKILL after a grace period; idempotent) and removes
-        their output files."""
-        if self._supervisor is not None:
-            self._supervisor.stop()
-            self._supervisor = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> Self:
-        self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
-
-class Stack(_Started):
+class Stack:
     """The four sluice services as children of this process, on ports of `options.host` chosen when the
     Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
 
@@ -224,14 +171,41 @@ class Stack(_Started):
             for offset, name in enumerate(names):
                 self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
         self.pids: dict[str, int] = {}
+        self._supervisor: _LoggedSupervisor | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def _with_engine_flags(self, child: Child) -> Child:
         if child.kind != "engine" or not self.options.engine_flags:
             return child
         return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
 
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        return _LoggedSupervisor(self._children, self._env, log_dir)
+    def start(self) -> None:
+        """Starts the children and waits until they are ready; on failure stops them and raises."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-stack-")
+        self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
+        try:
+            self._supervisor.start()
+            self._wait_ready(self._supervisor)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stops every child started (SIGTERM, SIGKILL after a grace period; idempotent) and removes
+        their output files."""
+        if self._supervisor is not None:
+            self._supervisor.stop()
+            self._supervisor = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
 
     def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
         """Every child's gRPC health check, then the gateway's /readyz (every upstream SERVING as the
@@ -267,73 +241,3 @@ def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return exc.code
     except (OSError, TimeoutError):
         return None
-
-
-class PeerServer(_Started):
-    """`transformers serve` on a local model directory (offline, in the sluice services' environment):
-    ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
-    `continuous_batching` bounds its KV cache on a CPU (PEER_CPU_CACHE_ARGS); `extra_args` come last and
-    override. It rejects vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off."""
-
-    tmp_prefix = "sluice-peer-"
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        continuous_batching: bool = True,
-        extra_args: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        startup_timeout_s: float = 300.0,
-    ) -> None:
-        self.path = str(Path(model).expanduser().resolve())
-        self.model = self.path
-        self.host = host
-        self.port = free_port_run(1, host)
-        self.openai_url = f"http://{host}:{self.port}/v1"
-        self.startup_timeout_s = startup_timeout_s
-        batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
-        where = ("--host", host, "--port", str(self.port), "--log-level", "warning")
-        self.args = (self.path, batching, *where, *_peer_device_args(continuous_batching), *extra_args)
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        return self._supervisor.procs.get(PEER) if self._supervisor else None
-
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        env = child_env(_NO_TRACING, {**os.environ, **offline})
-        return _PeerSupervisor([Child(PEER, self.port, self.args)], env, log_dir)
-
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        """Until `GET /v1/models` answers; the first model listed is the one requests name."""
-
-        def listed() -> bool:
-            with contextlib.suppress(OSError, TimeoutError, ValueError):
-                with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2.0) as resp:
-                    models = json.load(resp)["data"]
-                if models:
-                    self.model = str(models[0]["id"])
-                return True
-            return False
-
-        what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
-        supervisor.wait_until(listed, time.monotonic() + self.startup_timeout_s, PEER, what)
-
-
-class _PeerSupervisor(_LoggedSupervisor):
-    """Runs its one child as `transformers serve` with the child's flags."""
-
-    @staticmethod
-    def command(child: Child) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", *child.flags]
-
-
-def _peer_device_args(continuous_batching: bool) -> tuple[str, ...]:
-    """The peer's device and dtype as the sluice engine picks its own (CUDA bf16 when there is a GPU,
-    CPU fp32 otherwise), with a bounded KV cache for continuous batching on a CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return ("--device", "cuda", "--dtype", "bfloat16")
-    return ("--device", "cpu", "--dtype", "float32", *(PEER_CPU_CACHE_ARGS if continuous_batching else ()))
