@@ -25,7 +25,7 @@ if TYPE_CHECKING:
         Roofline,
         Workload,
     )
-    from sluice.bench.latency_run import RunFigures
+    from sluice.bench.latency import RunFigures
     from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
     from sluice.bench.serve import RequestRecord, ServeResult
@@ -447,14 +447,13 @@ def engine_json_runs(
 @dataclass
 class Cell:
     """One variant on one workload: its batch-1 run and its concurrent run (None when not run), and the
-    share of its outputs that copies the prompt / that prompt lookup can find."""
+    share of its outputs that copies the prompt."""
 
     variant: str
     workload: str
     batch1: RunFigures | None = None
     concurrent: RunFigures | None = None
     copy_fraction: float | None = None
-    lookup_fraction: float | None = None
 
 
 @dataclass
@@ -560,7 +559,6 @@ def format_latency(report: LatencyReport) -> str:
         ("accept/len b1", lambda cell: _spec_cell(cell.variant, cell.batch1)),
         (f"accept/len {c}", lambda cell: _spec_cell(cell.variant, cell.concurrent)),
         ("copy", lambda cell: fmt(cell.copy_fraction, ".0%")),
-        ("lookup", lambda cell: fmt(cell.lookup_fraction, ".0%")),
     ]
     text = column_table(columns, report.cells, right_from=2)
     for variant, why in report.errors.items():
