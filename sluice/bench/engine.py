@@ -111,7 +111,6 @@ def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
     about += "other than tiny)"
     add("--concurrency", type=int_list, metavar="LIST", help=about)
-    add_count(parser, "--num-requests", None, "the same as --concurrency N")
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
@@ -141,12 +140,8 @@ def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """The throughput variant's options: --num-requests as --concurrency; on CUDA, for a model other than
-    tiny, bfloat16 and 64,256 requests; the quick or full defaults; the methods by device."""
-    if args.num_requests is not None:
-        if args.concurrency not in (None, (args.num_requests,)):
-            raise ValueError("--num-requests N is --concurrency N; give one of them")
-        args.concurrency = (args.num_requests,)
+    """The throughput variant's options: on CUDA, for a model other than tiny, bfloat16 and 64,256
+    requests; the quick or full defaults; the methods by device."""
     real_model = args.model is not None or args.preset != TINY
     if args.concurrency is None and real_model and resolve_device(args) and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
     from sluice.bench.latency import RunFigures
     from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
+    from sluice.bench.pipeline import Comparison
     from sluice.bench.serve import RequestRecord, ServeResult
     from sluice.bench.sweep import SystemRun
 
@@ -601,7 +603,35 @@ def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
             "kv_blocks": kv, "quality_model": report.quality_model, "quality": quality}  # fmt: skip
 
 
-# sweep presets: compare, routing, peers
+# sweep presets: pipeline, compare, routing, peers
+
+
+def format_pipeline(best: Comparison) -> str:
+    """`sweep pipeline`'s report: both runs' rates and steps, the raw and scaled ratios, the CPU each
+    process used over the end-to-end run and the services' stage histograms."""
+    inp, e2e, cores = best.in_process, best.end_to_end, os.cpu_count() or 1
+    steps, step_s = e2e.stages.get("engine step", (0, 0.0))
+    out = [
+        f"in-process engine : {inp.tokens_per_s:9.1f} tok/s  ({inp.output_tokens} tokens in "
+        f"{inp.wall_s:.2f} s; {inp.steps} steps, mean step {inp.mean_step_ms:.1f} ms; "
+        f"{inp.cpu_s / inp.wall_s:.2f} cores)",
+        f"end to end        : {e2e.tokens_per_s:9.1f} tok/s  ({e2e.summary['total_output_tokens']} tokens in "
+        f"{e2e.wall_s:.2f} s; {steps} steps, mean step {1000 * step_s / max(1, steps):.1f} ms; "
+        f"{e2e.summary['failed']} failed)",
+        f"ratio, raw        : {best.raw_ratio:.3f}",
+        f"load generator    : {e2e.generator_share:.1%} of the machine ({cores} cores)",
+        f"ratio, scaled     : {best.scaled_ratio:.3f}",
+        "",
+        "CPU over the end-to-end run   seconds   cores",
+    ]
+    for name, seconds in sorted(e2e.cpu_s.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {name:<27} {seconds:8.2f}   {seconds / e2e.wall_s:5.2f}")
+    out += [f"  {'(not used by these)':<27} {'':8}   {cores - sum(e2e.cpu_s.values()) / e2e.wall_s:5.2f}", ""]
+    out.append("stage times (services' histograms)   count   mean ms   total s")
+    for name, (count, total) in e2e.stages.items():
+        mean = 1000 * total / count if count else math.nan
+        out.append(f"  {name:<34} {count:6d}  {mean:8.2f}  {total:8.2f}")
+    return "\n".join(out)
 
 
 def rate_text(rate: float) -> str:

@@ -130,7 +130,7 @@ def _run_with_one_token_changed(
     monkeypatch.setattr(bench, "run_sluice", altered)
     out = tmp_path / "b.json"
     methods = "hf-sequential,sluice-static,sluice-dynamic,sluice-continuous"
-    argv = [*QUICK, *NO_DECODE, "--num-requests", "2", "--methods", methods, "--json", str(out)]
+    argv = [*QUICK, *NO_DECODE, "--concurrency", "2", "--methods", methods, "--json", str(out)]
     assert bench.main(argv) == 0
     doc = json.loads(out.read_text())
     return doc, doc["methods"]["sluice-continuous"]
@@ -259,8 +259,6 @@ def _resolved(argv: list[str]) -> Any:
 
 def test_concurrency_parsing() -> None:
     assert _resolved(["--device", "cpu", "--concurrency", "64,256"]).concurrency == (64, 256)
-    assert _resolved(["--device", "cpu", "--num-requests", "8", "--concurrency", "8"]).concurrency == (8,)
-    assert _resolved(["--device", "cpu", "--num-requests", "8"]).concurrency == (8,)
     cpu = _resolved(["--device", "cpu", "--preset", "qwen2-0.5b"])
     assert (cpu.concurrency, cpu.dtype, cpu.methods) == ((64,), "float32", DEFAULT_METHODS)  # CPU defaults
 
@@ -299,11 +297,9 @@ def test_a_failing_method_is_reported_and_the_others_still_run(
     [
         ["--methods", "nope"],
         ["--prompt-len", "9,3"],
-        ["--num-requests", "0"],
         ["--repeat", "0"],
         ["--concurrency", "0"],
         ["--concurrency", "8,x"],
-        ["--num-requests", "8", "--concurrency", "16"],
         ["--preset", "gpt-9"],
         ["--preset", "llama-1b", "--model", "."],
         ["--model", "/nonexistent"],
