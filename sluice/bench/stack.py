@@ -15,7 +15,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Self
@@ -60,12 +60,6 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _failure(name: str, what: str, log: Path) -> RuntimeError:
-    output = tail(log)
-    shown = f"; its last output:\n{output}" if output else " (it wrote nothing)"
-    return RuntimeError(f"{name} {what}{shown}")
-
-
 def process_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its live descendants (0.0 once it is gone)."""
     try:
@@ -101,42 +95,27 @@ class _LoggedSupervisor(Supervisor):
 
     def __init__(self, children: list[Child], env: dict[str, str], log_dir: Path) -> None:
         super().__init__(children, env)
-        self.log_dir = log_dir
-        self._logs: list[IO[bytes]] = []
-
-    def log_path(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
+        self.log_dir, self._logs = log_dir, list[IO[bytes]]()
 
     def start(self) -> None:
         for child in self.children:
-            log = self.log_path(child.name).open("wb")
-            self._logs.append(log)
-            self.procs[child.name] = subprocess.Popen(
-                self.command(child),
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=with_nice(None, child.nice),
-            )
+            self._logs.append(log := (self.log_dir / f"{child.name}.log").open("wb"))
+            nice = with_nice(None, child.nice)
+            command = self.command(child)
+            out = {"stdout": log, "stderr": subprocess.STDOUT}
+            self.procs[child.name] = subprocess.Popen(command, env=self.env, preexec_fn=nice, **out)
+
+    def failure(self, name: str, what: str) -> RuntimeError:
+        """RuntimeError "`name` `what`" quoting the child's last lines of output."""
+        output = tail(self.log_dir / f"{name}.log")
+        return RuntimeError(
+            f"{name} {what}" + (f"; its last output:\n{output}" if output else " (it wrote nothing)")
+        )
 
     def death(self) -> RuntimeError | None:
         """The error to raise for a child that has exited, naming it and quoting its output; or None."""
         dead = self.dead_child()
-        if dead is None:
-            return None
-        name, code = dead
-        return _failure(name, f"exited with code {code} during start-up", self.log_path(name))
-
-    def wait_until(self, ready: Callable[[], bool], deadline: float, name: str, what: str) -> None:
-        """Polls `ready()` until it holds; raises `death()` when a child has exited, and RuntimeError
-        "`name` `what`" with its output once `deadline` (time.monotonic) has passed."""
-        while not ready():
-            failure = self.death()
-            if failure is not None:
-                raise failure
-            if time.monotonic() > deadline:
-                raise _failure(name, what, self.log_path(name))
-            time.sleep(POLL_S)
+        return None if dead is None else self.failure(dead[0], f"exited with code {dead[1]} during start-up")
 
     def stop(self) -> None:
         super().stop()
@@ -149,43 +128,56 @@ class Stack:
     Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
 
     def __init__(self, options: StackOptions) -> None:
-        self.options = options
-        host = options.host
-        engines = options.engines
+        self.options, host, engines = options, options.host, options.engines
         http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
         metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
         self.http_url = f"http://{host}:{http_port}"
-        self.openai_url = f"{self.http_url}/v1"
-        self.ws_url = f"ws://{host}:{http_port}/v1/ws"
+        self.openai_url, self.ws_url = f"{self.http_url}/v1", f"ws://{host}:{http_port}/v1/ws"
         self.grpc_address = f"{host}:{grpc_base}"
         ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
-        flags = ["--model", options.model, "--host", host, *ports, "--metrics-base-port", str(metrics_base)]
+        ports += ["--metrics-base-port", str(metrics_base)]
+        flags = ["--model", options.model, "--host", host, *ports]
         flags += ["--engines", str(engines)] if engines > 1 else []
         flags += ["--batching", options.batching] if options.batching else []
         plan = parse_args([*flags, *options.up_flags])
-        self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
+        more = options.engine_flags
+        self._children = [
+            dataclasses.replace(c, flags=(*c.flags, *more)) if c.kind == "engine" and more else c
+            for c in plan_children(plan, options.model)
+        ]
         self._env = child_env(plan, {**os.environ, **(options.env or {})})
         self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
         if options.metrics:
             names = ["tokenizer", *(c.name for c in self._children if c.kind == "engine"), "detokenizer"]
-            for offset, name in enumerate(names):
-                self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
+            self.metrics_urls |= {n: f"http://{host}:{metrics_base + k}/metrics" for k, n in enumerate(names)}
         self.pids: dict[str, int] = {}
         self._supervisor: _LoggedSupervisor | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
-    def _with_engine_flags(self, child: Child) -> Child:
-        if child.kind != "engine" or not self.options.engine_flags:
-            return child
-        return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
-
     def start(self) -> None:
-        """Starts the children and waits until they are ready; on failure stops them and raises."""
+        """Starts the children and waits for every child's gRPC health check, then for the gateway's
+        /readyz (every upstream SERVING as the gateway sees it); on failure stops them and raises."""
         self._tmp = tempfile.TemporaryDirectory(prefix="sluice-stack-")
-        self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
+        supervisor = self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
+        timeout = self.options.startup_timeout_s
         try:
-            self._supervisor.start()
-            self._wait_ready(self._supervisor)
+            supervisor.start()
+            self.pids = {name: proc.pid for name, proc in supervisor.procs.items()}
+            deadline = time.monotonic() + timeout
+            try:
+                asyncio.run(supervisor.wait_all_healthy(self.options.host, timeout))
+            except RuntimeError as exc:
+                if (failure := supervisor.death()) is None:
+                    raise
+                raise failure from exc
+            except TimeoutError as exc:
+                raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
+            while _http_status(ready := f"{self.http_url}/readyz") != 200:
+                if (failure := supervisor.death()) is not None:
+                    raise failure
+                if time.monotonic() > deadline:
+                    raise supervisor.failure("gateway", f"was not ready at {ready} in time")
+                time.sleep(POLL_S)
         except BaseException:
             self.stop()
             raise
@@ -207,28 +199,8 @@ class Stack:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        """Every child's gRPC health check, then the gateway's /readyz (every upstream SERVING as the
-        gateway sees it)."""
-        self.pids = {name: proc.pid for name, proc in supervisor.procs.items()}
-        deadline = time.monotonic() + self.options.startup_timeout_s
-        try:
-            asyncio.run(supervisor.wait_all_healthy(self.options.host, self.options.startup_timeout_s))
-        except RuntimeError as exc:
-            failure = supervisor.death()
-            if failure is None:
-                raise
-            raise failure from exc
-        except TimeoutError as exc:
-            raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
-        ready = f"{self.http_url}/readyz"
-        supervisor.wait_until(
-            lambda: _http_status(ready) == 200, deadline, "gateway", f"was not ready at {ready} in time"
-        )
-
     def cpu_seconds(self) -> dict[str, float]:
-        """User + system CPU seconds each service has used so far (with any worker processes it
-        started), keyed by service name."""
+        """User + system CPU seconds each service has used so far (with its worker processes)."""
         return {name: process_cpu_s(pid) for name, pid in self.pids.items()}
 
 
