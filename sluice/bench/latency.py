@@ -422,12 +422,11 @@ class Bench:
                 eng = build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
                     warm_up(eng, w, args.concurrency)
-                    cell = report.cell(variant, w.name)
-                    if cell is None:
-                        report.cells.append(cell := rep.Cell(variant, w.name))
                     b1 = run_batch1(eng, w.head(args.num_requests), args.device, bar.update)
-                    cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
                     many = run_concurrent(eng, w.head(args.concurrency), args.device, bar.update)
+                    if (cell := report.cell(variant, w.name)) is None:
+                        report.cells.append(cell := rep.Cell(variant, w.name))
+                    cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
                     cell.concurrent = faster(cell.concurrent, many, "output_tok_s")
                     prompts = [r.prompt for r in w.requests[: args.concurrency]]
                     cell.copy_fraction = mean_copy_fraction(prompts, cell.concurrent.outputs)
