@@ -91,7 +91,7 @@ RUN_HELP = {  # variant → rewordings of the shared flags
 
 def build_parser(variant: str = "throughput", prog: str = "sluice bench engine") -> argparse.ArgumentParser:
     """The one parser of every variant: the model (--preset or --model), the variant's own flags, then the
-    run's (seed, device, dtype, json, plot, threads, repeat, quick, no-progress)."""
+    run's (seed, device, dtype, json, threads, repeat, quick, no-progress)."""
     from sluice.bench import latency
 
     kind = "throughput" if variant == "throughput" else "latency"
@@ -101,7 +101,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
     model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
     add_flags(model, "model", model="a local Hugging Face model")
     (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
-    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    flags = ("seed", "device", "dtype", "json", "threads", "repeat", "quick", "no-progress")
     add_flags(parser, *flags, **RUN_HELP[kind])
     return parser
 
@@ -111,7 +111,6 @@ def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
     about += "other than tiny)"
     add("--concurrency", type=int_list, metavar="LIST", help=about)
-    add_count(parser, "--num-requests", None, "the same as --concurrency N")
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
@@ -141,12 +140,8 @@ def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """The throughput variant's options: --num-requests as --concurrency; on CUDA, for a model other than
-    tiny, bfloat16 and 64,256 requests; the quick or full defaults; the methods by device."""
-    if args.num_requests is not None:
-        if args.concurrency not in (None, (args.num_requests,)):
-            raise ValueError("--num-requests N is --concurrency N; give one of them")
-        args.concurrency = (args.num_requests,)
+    """The throughput variant's options: on CUDA, for a model other than tiny, bfloat16 and 64,256
+    requests; the quick or full defaults; the methods by device."""
     real_model = args.model is not None or args.preset != TINY
     if args.concurrency is None and real_model and resolve_device(args) and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
@@ -326,8 +321,8 @@ def _report(
     decode: list[report.DecodeFigure],
     decode_error: str | None,
 ) -> int:
-    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON
-    and the plot; returns the exit status."""
+    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON;
+    returns the exit status."""
     label = model_label(args)
     ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
     for text in [*map(report.format_block, blocks), report.format_decode(decode, decode_error)]:
@@ -337,8 +332,5 @@ def _report(
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
     write_json(args.json, report.engine_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
-    rows = [(b, r) for b in blocks for r in b.rows]
-    if args.plot is not None and rows:
-        report.engine_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
     failed = any(b.errors for b in blocks) or decode_error is not None
     return 1 if failed else 0

@@ -45,10 +45,6 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def release_memory(device: str) -> None:
     """Returns the memory of engines, models and pools no longer referenced, before the next one loads."""
     gc.collect()
@@ -75,22 +71,19 @@ def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
 
 
-def kv_cache_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int = 0) -> float:
-    """GiB of a pool holding requests of these total lengths at once (`extra` more tokens each), KV_SLACK
-    over, at least MIN_KV_GB."""
-    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
-    tokens = sum(round_up(n + extra, BLOCK_SIZE) + BLOCK_SIZE for n in lengths)
-    return max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
-
-
 def engine_settings(
     model_dir: Path, device: str, dtype: str, lengths: Sequence[int], extra: int = 0, **fields: Any
 ) -> EngineSettings:
-    """Settings of an engine for requests of these total lengths (see the module docstring); `fields` are
-    any other EngineSettings fields."""
-    pool = {"block_size": BLOCK_SIZE, "kv_cache_gb": kv_cache_gb(model_dir, dtype, lengths, extra)}
-    max_len = round_up(max(lengths) + extra + 1, BLOCK_SIZE)
+    """Settings of an engine for requests of these total lengths (`extra` more tokens each) held at once:
+    a pool of KV_SLACK over their blocks (at least MIN_KV_GB); `fields` are other EngineSettings fields."""
+    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
+    tokens = sum(-(-(n + extra) // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE for n in lengths)
+    pool = {
+        "block_size": BLOCK_SIZE,
+        "kv_cache_gb": max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30)),
+    }
+    max_len = -(-(max(lengths) + extra + 1) // BLOCK_SIZE) * BLOCK_SIZE
     return EngineSettings(
         model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
     )
@@ -143,8 +136,7 @@ def drain(
         for out in outputs:
             if out.error is not None:
                 raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            track = tracks.get(out.request_id) if tracks else None
-            if track is None:
+            if (track := (tracks or {}).get(out.request_id)) is None:
                 continue
             if out.new_token_ids and track.first is None:
                 track.first = now

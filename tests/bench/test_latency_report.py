@@ -1,5 +1,5 @@
 """`sluice bench latency`'s figures on synthetic numbers: ratios against off and unquantized, the
-tables and JSON; the copy / lookup fractions and the percentile it reports."""
+tables and JSON; the copy fraction and the percentile it reports."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import math
 import pytest
 
 from sluice.bench import report as rep
-from sluice.bench.latency import faster
-from sluice.bench.latency_run import (
+from sluice.bench.latency import (
     NON_REPETITIVE,
     REPETITIVE,
     RunFigures,
     copy_fraction,
-    lookup_fraction,
+    faster,
     percentile,
 )
 from sluice.bench.perplexity import QualityResult
@@ -93,17 +92,13 @@ def test_tables_and_json_carry_the_figures() -> None:
     assert [c["concurrent_ratio_to_off"] for c in doc["cells"]][2:] == pytest.approx([1.0, 1.0])
 
 
-def test_copy_and_lookup_fractions() -> None:
+def test_copy_fraction() -> None:
     prompt = [1, 2, 3, 4, 5, 6]
     assert copy_fraction(prompt, [3, 4, 5, 6]) == 1.0
     assert copy_fraction(prompt, [9, 9, 9, 9]) == 0.0
     assert copy_fraction(prompt, [2, 3, 4, 5, 7, 8, 9, 10]) == 0.5
     assert copy_fraction(prompt, [2, 3, 4]) == 0.0  # shorter than an n-gram
-    # An output that repeats itself is found by lookup (prompt + earlier output), not by copy.
-    loop = [7, 8, 7, 8, 7, 8, 7, 8]
-    assert copy_fraction(prompt, loop) == 0.0
-    assert lookup_fraction(prompt, loop) == pytest.approx(6 / 8)  # spans from the third token on
-    assert lookup_fraction(prompt, [3, 4, 5, 6]) == 1.0
+    assert copy_fraction(prompt, [7, 8, 7, 8, 7, 8, 7, 8]) == 0.0  # repeating itself is not copying
 
 
 def test_percentile_interpolates_between_ranks() -> None:

@@ -1,5 +1,5 @@
-"""`python -m sluice.bench.step_profile`: where an engine step's time goes, in-process, for decode-only
-steps at a few batch sizes, eager against compiled (`--compile`) in the same run.
+"""`PYTHONPATH=. .venv/bin/python scripts/step_profile.py`: where an engine step's time goes, in-process,
+for decode-only steps at a few batch sizes, eager against compiled (`--compile`) in the same run.
 
 Per (model, batch) it builds one engine per compile mode (the benchmarks' driver, engine_driver.py),
 prefills `batch` requests of `--context` tokens, then times decode steps with the modes stepping in turn
@@ -247,7 +247,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.bench.step_profile", description=__doc__)
+    parser = argparse.ArgumentParser(prog="scripts/step_profile.py", description=__doc__)
     parser.add_argument("--shapes", default="tiny,h1024", help="tiny | h1024, comma-separated")
     parser.add_argument("--batches", default="1,64", help="decode batch sizes, comma-separated")
     parser.add_argument(
