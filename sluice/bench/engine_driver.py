@@ -21,7 +21,6 @@ from transformers import AutoConfig, PretrainedConfig
 from services.common.settings import load_settings
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
-from services.engine.core.scheduler import SchedulerOutput
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
 
 __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
@@ -176,20 +175,3 @@ def spec_stats(engine: LLMEngine) -> dict[str, float]:
     stats = engine.stats()
     fields = [f.name for f in dataclasses.fields(stats)] if dataclasses.is_dataclass(stats) else []
     return {n: float(getattr(stats, n)) for n in fields if n.startswith("spec_")}
-
-
-class StepShapes:
-    """An engine observer that records, per scheduled step, its batch size and whether every row decodes."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, bool]] = []
-
-    def on_arrival(self, request: object, trace_context: object = None) -> None:
-        pass
-
-    def on_scheduled(self, sched: SchedulerOutput) -> None:
-        decode_only = all(n == 1 and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
-        self.shapes.append((len(sched.scheduled), decode_only))
-
-    def on_step_end(self, *args: object) -> None:
-        pass

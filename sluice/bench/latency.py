@@ -2,7 +2,7 @@
 decoding and quantized weights against the plain engine, one in-process engine per variant at a time,
 prefix caching off so every TTFT is a full prefill. Batch 1: decode rate = tokens after the first ÷ summed
 first-to-last times; concurrent: every request added at once, output rate = tokens ÷ wall time. Then
-batch-1 decode on `--int8-preset`'s shape, KV blocks with fp8 (CUDA) and perplexity (docs/benchmarks.md).
+perplexity (docs/benchmarks.md; the weight formats on a larger shape: scripts/gpu_latency_extras.py).
 Exit status 0 when every variant asked for ran (fp8 on a CPU is skipped, not failed), 1 otherwise.
 """
 
@@ -27,10 +27,10 @@ from sluice.bench import engine
 from sluice.bench import engine_driver as drv
 from sluice.bench import perplexity as ppl
 from sluice.bench import report as rep
-from sluice.bench.common import add_count, error_text, names, positive_float, progress_bar
+from sluice.bench.common import add_count, error_text, names, progress_bar
 from sluice.bench.engine_driver import LLMEngine, Progress
 from sluice.bench.report import OFF, write_json
-from sluice.model.presets import PRESET_NAMES, preset_model_dir
+from sluice.model.presets import PRESET_NAMES
 
 REPETITIVE, NON_REPETITIVE = WORKLOADS = ("repetitive", "non-repetitive")
 VARIANTS: dict[str, dict[str, str]] = {
@@ -44,12 +44,8 @@ DEFAULTS = {  # option: (with --quick, without)
     "num_requests": (2, 8),
     "concurrency": (4, 64),
     "output_len": (12, 128),
-    "int8_preset": ("none", "qwen2-0.5b"),
-    "shape_requests": (1, 2),
-    "shape_output_len": (6, 32),
     "perplexity_tokens": (1024, ppl.DEFAULT_MAX_TOKENS),
 }
-SHAPE_PROMPT_LEN = 64
 SEED_TOKENS = 24  # tokens of a held-out paragraph the model continues into the document
 COPY_NGRAM = 4  # a token counts as copied when it lies in a span of this many tokens found in the prompt
 NON_REPETITIVE_TEMPERATURE = 0.9
@@ -314,8 +310,6 @@ FLAGS = (  # option, its help (the default: DEFAULTS' second value)
     ("num_requests", "batch-1 requests per workload"),
     ("concurrency", "requests added at once"),
     ("output_len", "output tokens per request"),
-    ("shape_requests", "requests on the --int8-preset shape"),
-    ("shape_output_len", "their output tokens"),
 )
 
 
@@ -331,14 +325,10 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
         metavar="LIST",
         help=",".join(WORKLOADS),
     )
-    about = "the shape of the int8 (and fp8) batch-1 decode target (default qwen2-0.5b; none = skip)"
-    add("--int8-preset", choices=(*PRESET_NAMES, "none"), help=about)
     for flag, about in FLAGS:
         add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {DEFAULTS[flag][1]})")
     about = f"held-out tokens scored for perplexity (default {ppl.DEFAULT_MAX_TOKENS}; 0 = skip)"
     add_count(parser, "--perplexity-tokens", None, about, type=int)
-    about = "CUDA: the budget at which KV blocks are counted with kv_cache_dtype auto and fp8"
-    add("--kv-budget-gb", type=positive_float, default=1.0, metavar="GB", help=about)
     about = "the model whose perplexity is compared (default: the embedded chat model; with tokenizer.json)"
     add("--quality-model", type=Path, metavar="DIR", help=about)
     about = "when the embedded chat model is not built yet, run on PRESET and leave perplexity out"
@@ -437,62 +427,6 @@ class Bench:
             drv.release_memory(args.device)
         self.save(partial=True)
 
-    def run_shape(self, scratch: Path) -> None:
-        """Batch-1 decode of off and the weight variants asked for on `--int8-preset` (random weights)."""
-        args = self.args
-        wanted = [v for v in (OFF, "int8", "fp8") if v == OFF or v in args.variants]
-        if args.int8_preset == "none" or wanted == [OFF]:
-            return
-        model_dir = preset_model_dir(args.int8_preset, args.dtype, args.seed, scratch)
-        shape = self.report.shape = rep.ShapeRun(args.int8_preset, args.dtype)
-        vocab, rng = int(AutoConfig.from_pretrained(model_dir).vocab_size), random.Random(args.seed)
-        prompt = functools.partial(rng.randrange, FIRST_PLAIN_ID, vocab)
-        prompts = [[prompt() for _ in range(SHAPE_PROMPT_LEN)] for _ in range(args.shape_requests)]
-        requests = tuple(LatencyRequest(tuple(p), args.shape_output_len) for p in prompts)
-        work = LatencyWorkload("random", requests, "random prompts, greedy")
-        spec = EngineSpec(model_dir, args.device, args.dtype, args.threads or 0)
-        lengths = [len(r.prompt) + r.max_new_tokens for r in requests]
-        print(f"== batch-1 decode on {args.int8_preset}: {', '.join(wanted)}")
-        for variant in wanted:
-            if (skip := _skip_reason(variant, args.device)) is not None:
-                shape.errors[variant] = skip
-                continue
-            total = args.repeat * sum(r.max_new_tokens for r in requests)
-            try:
-                with progress_bar(not args.no_progress, total, f"{args.int8_preset} {variant}") as bar:
-                    eng = build_engine(spec, variant, lengths, 1)
-                    warm_up(eng, work, 1, tokens=2)
-                    for _ in range(args.repeat):
-                        run = run_batch1(eng, work, args.device, bar.update)
-                        shape.runs[variant] = faster(shape.runs.get(variant), run, "decode_tok_s")
-            except Exception as exc:
-                shape.errors[variant] = error_text(exc)
-            finally:
-                eng = None
-                drv.release_memory(args.device)
-            self.save(partial=True)
-
-    def run_kv_blocks(self) -> None:
-        """CUDA: the blocks of one budget with kv_cache_dtype auto and fp8 (engine stats num_blocks)."""
-        args = self.args
-        if not args.device.startswith("cuda"):
-            return
-        kv = self.report.kv = rep.KvBlocks(args.kv_budget_gb)
-        settings = dict(
-            model=str(self.model_dir), device=args.device, dtype=args.dtype, max_num_seqs=8, cuda_graphs="off"
-        )
-        for kv_dtype in ("auto", "fp8"):
-            try:
-                eng = drv.make_engine(**settings, kv_cache_gb=args.kv_budget_gb, kv_cache_dtype=kv_dtype)
-                kv.blocks[kv_dtype] = eng.stats().num_blocks
-            except Exception as exc:
-                kv.error = error_text(exc)
-                return
-            finally:
-                eng = None
-                drv.release_memory(args.device)
-        print(rep.format_kv(kv))
-
     def run_quality(self) -> None:
         """Perplexity of the embedded chat model on held-out text: unquantized and each quantization asked
         for (on CUDA also the fp8 KV cache)."""
@@ -536,8 +470,6 @@ def run(args: argparse.Namespace, variant: str, meta: dict[str, Any], label: str
         stages = [
             ("workloads", lambda: workloads.extend(bench.workloads())),
             *((v, functools.partial(bench.run_variant, k, v, workloads)) for k, v in rounds),
-            ("shape", lambda: bench.run_shape(scratch)),
-            ("kv_blocks", bench.run_kv_blocks),
             *stages,
         ]
     for name, stage in stages:
@@ -548,20 +480,12 @@ def run(args: argparse.Namespace, variant: str, meta: dict[str, Any], label: str
     report = bench.report
     tables = [rep.format_quality(report)]
     if variant != "perplexity":
-        tables = [
-            rep.format_latency(report),
-            rep.format_shape(report.shape),
-            *tables,
-            rep.format_kv(report.kv),
-        ]
+        tables = [rep.format_latency(report), *tables]
     print("\n" + "\n\n".join(tables))
     bench.save(partial=False)
     if args.json is not None:
         print(f"wrote {args.json}")
     failed = [why for why in report.errors.values() if not why.startswith("skipped")]
-    failed += [
-        why for why in (report.shape.errors if report.shape else {}).values() if not why.startswith("skipped")
-    ]
     return 1 if failed or any(q.error for q in report.quality) else 0
 
 

@@ -1,6 +1,6 @@
 """Every table and JSON document of the benchmarks, as pure functions of measured figures: one table renderer
 (`column_table`: a header and a cell function per column) and one JSON writer, then the reports of `serve`
-(vLLM's summary layout), `engine` (a block of methods per concurrency, the decode steps, ratios), its
+(vLLM's summary layout), `engine` (a block of methods per concurrency, ratios), its
 `latency` variant and the `sweep` presets. No torch here: `sluice bench serve` reports without it.
 """
 
@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sluice.bench.compare import Point
     from sluice.bench.engine_methods import (
-        DecodeStep,
         GreedyCheck,
         GreedyMatch,
         MethodResult,
-        Roofline,
         Workload,
     )
     from sluice.bench.latency import RunFigures
@@ -249,28 +247,6 @@ class Block:
         return headline_ratios(self.results, self.label)
 
 
-@dataclass(frozen=True)
-class DecodeFigure:
-    """Decode-only steps as measured, and the memory roofline of the same steps."""
-
-    step: DecodeStep
-    roofline: Roofline
-    bandwidth_source: str  # the GPU's name, "--hbm-gbps", or why there is no figure
-
-    @property
-    def ratio(self) -> float | None:
-        """Measured step time ÷ roofline time (1 = as fast as memory allows); None without a bandwidth."""
-        seconds = self.roofline.seconds
-        return self.step.step_s / seconds if seconds else None
-
-
-def graphs_ratio(figures: list[DecodeFigure], model: str, batch: int) -> Measured:
-    """Decode tokens/s with CUDA graphs over eager (CUDA only: None elsewhere)."""
-    speed = {f.step.cuda_graphs: f.step.tokens_per_s for f in figures}
-    name = f"[{model}] decode tokens/s with CUDA graphs ÷ eager (decode-only steps, batch {batch})"
-    return Measured(name, ratio(speed.get("on", speed.get(NOT_ON_CPU)), speed.get("off")))
-
-
 def _greedy_cell(greedy: GreedyMatch | None) -> str:
     if greedy is None:
         return "-"
@@ -336,27 +312,6 @@ def format_block(block: Block) -> str:
     return "\n".join(parts)
 
 
-def format_decode(figures: list[DecodeFigure], error: str | None) -> str:
-    """The decode-step measurement: step time, tokens/s and the roofline, per CUDA graphs setting."""
-    if not figures and error is None:
-        return "decode-only steps: not measured (--decode-batch 0)"
-    lines = []
-    for f in figures:
-        s, roof = f.step, f.roofline
-        read = f"{roof.weight_bytes / 1e9:.3g} GB weights + {roof.kv_bytes / 1e9:.3g} GB KV"
-        bound = (
-            f"roofline {roof.seconds * 1e3:.3f} ms ({read} at {roof.gbps:g} GB/s, {f.bandwidth_source}): "
-            f"{f.ratio:.2f}× the roofline"
-            if roof.seconds
-            else f"roofline n/a: {read} read per step, no bandwidth: {f.bandwidth_source}"
-        )
-        lines.append(
-            f"decode-only steps, batch {s.batch}, context ~{s.mean_context:.0f}, CUDA graphs {s.cuda_graphs}"
-            f": {s.step_s * 1e3:.2f} ms a step over {s.steps} steps, {s.tokens_per_s:.1f} tok/s; {bound}"
-        )
-    return "\n".join(lines + ([f"decode-only steps FAILED: {error}"] if error is not None else []))
-
-
 def engine_json(
     rows: list[Row],
     errors: dict[str, str],
@@ -384,13 +339,7 @@ def engine_json(
     return {**meta, "reference": REFERENCE, "baseline": BASELINE, "greedy_check": greedy, "methods": methods}
 
 
-def engine_json_runs(
-    blocks: list[Block],
-    decode: list[DecodeFigure],
-    decode_error: str | None,
-    ratios: list[Measured],
-    meta: dict[str, Any],
-) -> dict[str, Any]:
+def engine_json_runs(blocks: list[Block], ratios: list[Measured], meta: dict[str, Any]) -> dict[str, Any]:
     """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
     the top are the first block's (the layout of a one-block run); `ratios` are all of them."""
     runs = [
@@ -401,17 +350,9 @@ def engine_json_runs(
         }
         for b in blocks
     ]
-    steps = [
-        {**dataclasses.asdict(f.step), "tokens_per_s": f.step.tokens_per_s,
-         "weight_bytes": f.roofline.weight_bytes, "kv_bytes": f.roofline.kv_bytes,
-         "hbm_gbps": f.roofline.gbps, "bandwidth_source": f.bandwidth_source,
-         "roofline_s": f.roofline.seconds, "ratio_to_roofline": f.ratio}
-        for f in decode
-    ]  # fmt: skip
     top = {key: runs[0][key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")}
     ratios_doc = [dataclasses.asdict(r) for r in ratios]
-    more = {"runs": runs, "decode_steps": steps, "decode_error": decode_error, "ratios": ratios_doc}
-    return {"partial": False, **meta, **top, **more}
+    return {"partial": False, **meta, **top, "runs": runs, "ratios": ratios_doc}
 
 
 # engine latency
@@ -430,37 +371,12 @@ class Cell:
 
 
 @dataclass
-class ShapeRun:
-    """Batch-1 decode on a larger model shape (random weights), per variant."""
-
-    model: str
-    dtype: str
-    runs: dict[str, RunFigures] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class KvBlocks:
-    """KV pool blocks at one budget with the model's dtype and with fp8 (CUDA only)."""
-
-    budget_gb: float
-    blocks: dict[str, int] = field(default_factory=dict)  # kv_cache_dtype -> num_blocks
-    error: str | None = None
-
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.blocks.get("fp8"), self.blocks.get("auto"))
-
-
-@dataclass
 class LatencyReport:
     model: str
     concurrency: int
     cells: list[Cell]
     errors: dict[str, str] = field(default_factory=dict)  # variant -> why it has no figures
     workloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description
-    shape: ShapeRun | None = None
-    kv: KvBlocks | None = None
     quality: list[QualityResult] = field(default_factory=list)
     quality_model: str = ""
 
@@ -482,12 +398,6 @@ def batch1_ratio(report: LatencyReport, variant: str, workload: str) -> float | 
 
 def concurrent_ratio(report: LatencyReport, variant: str, workload: str) -> float | None:
     return ratio(_conc(report.cell(variant, workload)), _conc(report.cell(OFF, workload)))
-
-
-def shape_ratio(shape: ShapeRun | None, variant: str) -> float | None:
-    if shape is None or variant not in shape.runs or OFF not in shape.runs:
-        return None
-    return ratio(shape.runs[variant].decode_tok_s, shape.runs[OFF].decode_tok_s)
 
 
 def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | None:
@@ -533,24 +443,6 @@ def format_latency(report: LatencyReport) -> str:
     return column_table(columns, report.cells, right_from=2) + errors
 
 
-def format_shape(shape: ShapeRun | None) -> str:
-    if shape is None:
-        return "larger shape: not run"
-    columns: list[Column] = [
-        ("model", lambda _: shape.model),
-        ("variant", lambda item: item[0]),
-        ("b1 dec tok/s", lambda item: fmt(item[1].decode_tok_s, ",.2f")),
-        ("x off", lambda item: _x(shape_ratio(shape, item[0]))),
-        ("b1 TTFT p50 ms", lambda item: _ms(item[1].ttft(0.5))),
-        ("tokens", lambda item: item[1].output_tokens),
-    ]
-    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n"
-    text += column_table(columns, shape.runs.items(), right_from=2)
-    return text + "".join(
-        f"\n{shape.model} {variant}: no figures ({why})" for variant, why in shape.errors.items()
-    )
-
-
 def format_quality(report: LatencyReport) -> str:
     if not report.quality:
         return "perplexity: not measured"
@@ -564,15 +456,6 @@ def format_quality(report: LatencyReport) -> str:
     ]
     title = f"perplexity on held-out text ({report.quality_model}):\n"
     return title + column_table(columns, report.quality, right_from=2)
-
-
-def format_kv(kv: KvBlocks | None) -> str:
-    if kv is None:
-        return "fp8 KV blocks: not measured (CUDA only)"
-    if kv.error:
-        return f"fp8 KV blocks: FAILED: {kv.error}"
-    shown = ", ".join(f"{k}: {n:,}" for k, n in kv.blocks.items())
-    return f"KV blocks at {kv.budget_gb:g} GiB: {shown} ({_x(kv.ratio)})"
 
 
 def run_json(run: RunFigures | None) -> dict[str, Any] | None:
@@ -591,16 +474,10 @@ def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
          "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload)}
         for c in report.cells
     ]  # fmt: skip
-    shape = report.shape and {
-        **vars(report.shape),
-        "runs": {v: run_json(r) for v, r in report.shape.runs.items()},
-        "ratios_to_off": {v: shape_ratio(report.shape, v) for v in report.shape.runs},
-    }
     quality = [{**vars(q), "ratio_to_none": quality_ratio(report.quality, q.variant)} for q in report.quality]
-    kv = report.kv and {**vars(report.kv), "ratio": report.kv.ratio}
     return {**meta, "bench": "latency", "model": report.model, "concurrency": report.concurrency,
-            "workloads": report.workloads, "cells": cells, "errors": report.errors, "shape": shape,
-            "kv_blocks": kv, "quality_model": report.quality_model, "quality": quality}  # fmt: skip
+            "workloads": report.workloads, "cells": cells, "errors": report.errors,
+            "quality_model": report.quality_model, "quality": quality}  # fmt: skip
 
 
 # sweep presets: pipeline, compare, routing, peers

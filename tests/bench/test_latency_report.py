@@ -56,23 +56,16 @@ def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
     assert rep.batch1_ratio(report, "int8", REPETITIVE) is None  # not run
 
 
-def test_shape_quality_and_kv_ratios() -> None:
+def test_quality_ratios() -> None:
     report = _report(100.0, 1000.0, 2000.0)
-    report.shape = rep.ShapeRun("qwen2-0.5b", "float32", {"off": _run(1, 4.0), "int8": _run(1, 6.4)})
     report.quality = [
         QualityResult("none", "none", "auto", 100.0, 1000),
         QualityResult("int8", "int8", "auto", 102.5, 1000),
     ]
-    report.kv = rep.KvBlocks(1.0, {"auto": 1000, "fp8": 2000})
-    assert rep.shape_ratio(report.shape, "int8") == pytest.approx(1.6)
-    assert rep.shape_ratio(report.shape, "fp8") is None  # not run
     assert rep.quality_ratio(report.quality, "int8") == pytest.approx(1.025)
-    assert report.kv.ratio == 2.0
-    assert "1.60x" in rep.format_shape(report.shape) and "1.0250" in rep.format_quality(report)
-    assert "(2.00x)" in rep.format_kv(report.kv)
+    assert "1.0250" in rep.format_quality(report)
     doc = rep.latency_json(report, {})
-    assert doc["shape"]["ratios_to_off"]["int8"] == pytest.approx(1.6) and doc["kv_blocks"]["ratio"] == 2.0
-    assert "targets" not in doc
+    assert doc["quality"][1]["ratio_to_none"] == pytest.approx(1.025) and "targets" not in doc
 
 
 def test_tables_and_json_carry_the_figures() -> None:
