@@ -242,15 +242,9 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
     blocks: list[report.Block] = []
     for concurrency in args.concurrency:
         blocks.append(run_block(args, ctx, config, label, concurrency))
-        _write_partial(args, meta, blocks)
+        # The blocks so far (`"partial": true`): a run stopped by a time limit keeps its finished figures.
+        write_json(args.json, report.engine_json_runs(blocks, {**meta, "partial": True}))
     return _report(args, meta, blocks)
-
-
-def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> None:
-    """Writes the JSON of the blocks so far (`"partial": true`), so that a run stopped by a time limit
-    still leaves its finished figures; the complete JSON replaces it at the end."""
-    ratios = [r for b in blocks for r in b.ratios()]
-    write_json(args.json, report.engine_json_runs(blocks, ratios, {**meta, "partial": True}))
 
 
 def run_block(
@@ -278,5 +272,5 @@ def _report(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
-    write_json(args.json, report.engine_json_runs(blocks, ratios, meta), announce=True)
+    write_json(args.json, report.engine_json_runs(blocks, meta), announce=True)
     return 1 if any(b.errors for b in blocks) else 0

@@ -28,7 +28,6 @@ __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks
 KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
 MIN_KV_GB = 0.5  # the least KV pool
 BLOCK_SIZE = EngineSettings.block_size
-MAX_NUM_SEQS = EngineSettings.max_num_seqs
 MAX_NUM_BATCHED_TOKENS = EngineSettings.max_num_batched_tokens
 NUM_SPECULATIVE_TOKENS = EngineSettings.num_speculative_tokens
 

@@ -280,24 +280,16 @@ def run_hf_continuous(
     return best
 
 
-def _settings(ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, seqs: int = 0) -> Any:
-    """The engine for requests of these total lengths (`seqs` 0: the engine's default max_num_seqs)."""
-    return drv.engine_settings(
-        ctx.model_dir, ctx.device, ctx.dtype, lengths, batching=batching, static_batch_size=STATIC_BATCH_SIZE,
-        max_num_seqs=seqs or drv.MAX_NUM_SEQS, cuda_graphs=cuda_graphs,
-    )  # fmt: skip
-
-
-def _graphs_state(ctx: BenchContext, cuda_graphs: str) -> str:
-    return cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU
-
-
 def run_sluice(
     ctx: BenchContext, work: Workload, batching: str, progress: Progress, cuda_graphs: str = "on"
 ) -> MethodResult:
     """The engine core with one batching policy: add every request, then `step()` until none is left."""
     lengths = [len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
-    engine = drv.make_engine(_settings(ctx, batching, lengths, cuda_graphs))
+    settings = drv.engine_settings(
+        ctx.model_dir, ctx.device, ctx.dtype, lengths, batching=batching, static_batch_size=STATIC_BATCH_SIZE,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    engine = drv.make_engine(settings)
     drv.warm_up(engine, _warmup_prompt())
     outputs, wall_s = drv.generate(engine, work.prompts, work.max_new_tokens, progress, ctx.device)
     stats = engine.stats()
@@ -313,7 +305,7 @@ def run_sluice(
         max_batch=stats.max_batch,
         kv_efficiency=stats.peak_kv_efficiency,
         preemptions=stats.num_preemptions,
-        cuda_graphs=_graphs_state(ctx, cuda_graphs),
+        cuda_graphs=cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU,
     )
 
 

@@ -339,9 +339,9 @@ def engine_json(
     return {**meta, "reference": REFERENCE, "baseline": BASELINE, "greedy_check": greedy, "methods": methods}
 
 
-def engine_json_runs(blocks: list[Block], ratios: list[Measured], meta: dict[str, Any]) -> dict[str, Any]:
+def engine_json_runs(blocks: list[Block], meta: dict[str, Any]) -> dict[str, Any]:
     """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
-    the top are the first block's (the layout of a one-block run); `ratios` are all of them."""
+    the top are the first block's (the layout of a one-block run); `ratios` are every block's."""
     runs = [
         {
             "concurrency": b.concurrency,
@@ -351,7 +351,7 @@ def engine_json_runs(blocks: list[Block], ratios: list[Measured], meta: dict[str
         for b in blocks
     ]
     top = {key: runs[0][key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")}
-    ratios_doc = [dataclasses.asdict(r) for r in ratios]
+    ratios_doc = [dataclasses.asdict(r) for b in blocks for r in b.ratios()]
     return {"partial": False, **meta, **top, "runs": runs, "ratios": ratios_doc}
 
 

@@ -157,8 +157,7 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
         Block("tiny", c, work, {"num_requests": c}, _all(speed), {}, {"sluice-continuous-eager": NOT_ON_CPU})
         for c, speed in ((64, 1000.0), (256, 700.0))
     ]
-    ratios = [r for b in blocks for r in b.ratios()]
-    doc = engine_json_runs(blocks, ratios, {"model": "tiny"})
+    doc = engine_json_runs(blocks, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
     assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)
