@@ -1,16 +1,13 @@
 """What a chat completion's generated text becomes for the client: reasoning (`--reasoning-parser`),
 then content, then tool calls (`--tool-call-parser`, when the request's tools are read for calls).
 
-`ChatOutput` chains the two incremental parsers: the text goes to the reasoning splitter when one is
-on, and what it gives as content goes to the tool-call parser when there is one. Both parsers are
-split invariant (see `gateway.reasoning` and `gateway.tool_parsers.base`), so the chain is: however the
-text arrives, the merged deltas are the same.
-
-`chosen` gives the served model's `ChatParsers` from its chat template: `--tool-call-parser auto` (the
-default) takes the format the template writes (`tool_parsers.infer_parser`), hermes when none or several
-do; `--reasoning-parser auto` splits `<think>` blocks out when the template writes `<think>`, and starts
-a reply inside one when the template's generation prompt opens it (`reasoning.opens_reasoning`). The
-template and its generation prompt come from the tokenizer's `Info`.
+`ChatOutput` chains the two incremental parsers: the text goes to the reasoning splitter when one is on,
+and the content it gives to the tool-call parser when there is one. Both are split invariant
+(`gateway.reasoning`, `gateway.tool_parsers.base`), so the chain is: however the text arrives, the
+merged deltas are the same. `chosen` gives the served model's `ChatParsers` from its chat template and
+generation prompt (the tokenizer's `Info`): under `auto`, the tool-call format the template writes
+(`tool_parsers.infer_parser`; hermes when none or several do), and `<think>` splitting when the template
+writes `<think>`, a reply starting inside a block when the generation prompt opens one.
 """
 
 from __future__ import annotations

@@ -1,18 +1,14 @@
 """The HTTP application: chat page `/`, WebSocket `/v1/ws`, OpenAI-compatible `/v1/completions`,
-`/v1/chat/completions` and `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/healthz`,
-`/readyz`, `/metrics` (Prometheus).
+`/v1/chat/completions` and `/v1/models`, vLLM's `/tokenize` and `/detokenize`, `/healthz`, `/readyz`,
+`/metrics` (Prometheus).
 
-Every HTTP response carries `X-Request-Id`: the client's own when valid (`params.client_request_id`),
-else a fresh one (`RequestIds`). The generation endpoints name their response by it, and their trace
-span by the client's own (`GenerateInput.request_id`).
-
-The API routes are `/v1/` and `/tokenize`, `/detokenize`. With API keys on, every API route needs
-`Authorization: Bearer KEY` (the WebSocket may send its key in its first frame instead); the page and
-the health routes stay open. A browser's request from another origin (`auth.origin_allowed`,
-`--allowed-origins`) is refused 403 on every API route, and so is any request whose `Host` is not an
-allowed host name (`HostCheck`, `--allowed-hosts`: a page of another site whose name was rebound to the
-gateway's address sends its own name). Every error of the API's HTTP routes, and every 5xx of any route,
-is OpenAI-style JSON that names no internal address and holds no stack trace.
+Every response carries `X-Request-Id`: the client's own when valid (`params.client_request_id`), else a
+fresh one (`RequestIds`); the generation endpoints name their response by it. The API routes (`/v1/`,
+`/tokenize`, `/detokenize`) need `Authorization: Bearer KEY` when keys are on (the WebSocket may send its
+key in its first frame instead) and refuse 403 a browser's request from another origin
+(`auth.origin_allowed`) and any request whose `Host` is not allowed (`HostCheck`: docs/security.md); the
+page and the health routes stay open. Every error of an API route, and every 5xx of any route, is
+OpenAI-style JSON that names no internal address and holds no stack trace.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Trace spans and metrics of the gateway's generations (used by gateway/pipeline.py).
 
-One `RequestTrace` per generation. When tracing is on it owns:
-- `sluice.gateway.generate` (SERVER; INTERNAL under a local span such as the public gRPC call's): the
-  whole generation, child of the caller's W3C context (HTTP `traceparent` header, WebSocket frame
-  field `traceparent`, or gRPC metadata), with the GenAI attributes;
-- `sluice.v1.Detokenizer/Stream` and `sluice.v1.Engine/Stream` (CLIENT): from the request's start /
-  submit on the multiplexed call to its final there; their contexts travel in the `trace_context`
-  fields of `DetokenizeStart` and `GenerateRequest`. The Tokenize call's CLIENT span comes from the
-  channel interceptor, under `use_span`.
-Metrics (always): requests by API and outcome, in flight, time to first text, end to end, and the
-stage durations (tokenize; submit → first engine tokens; first engine tokens → first text).
+One `RequestTrace` per generation: every method is cheap and safe in any order (a request may fail at
+any point) and `finish` runs once. When tracing is on it owns the generation's `sluice.gateway.generate`
+span (SERVER, or INTERNAL under a local span), child of the caller's W3C context, and the CLIENT spans of
+the request on the multiplexed Detokenizer and Engine streams, whose contexts `submit_contexts` gives for
+the `trace_context` fields. Metrics (always): requests by API and outcome, in flight, time to first
+text, end to end, and the stage durations. The span tree and metric names: docs/architecture.md
+("Observability").
 """
 
 from __future__ import annotations

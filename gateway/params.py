@@ -1,37 +1,14 @@
-"""Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and
-public gRPC APIs: `generation_params` turns the sampling and stopping values of any of them into the
-protobufs the pipeline takes. The gateway's defaults and limits live here, and only here; the bounds
-the engine checks as well (logprobs, logit bias, penalties) come from `services.common.limits`. An
-unset max tokens is 0 on the wire: the engine, which owns the context limit, fills it with the rest of
-the context and refuses a prompt and max tokens that pass it. This module imports no other module of
-the gateway: the settings it applies come in as plain values.
-
-Limits (the same on every API): temperature 0 to 2, top_p in (0, 1], top_k -1 (or 0) = off or a positive
-int, min_p 0 to 1, presence and frequency penalties -2 to 2, repetition_penalty 0.01 to 10 (0 = off),
-seed 0 to 2**64 - 1, max_tokens and min_tokens (at most max_tokens) up to 2**31 - 1, logit_bias at most
-`MAX_LOGIT_BIAS_ENTRIES` token ids (0 to 2**31 - 1; the engine refuses one outside the vocabulary) each
-biased by -100 to 100, at most `MAX_STOP_STRINGS` non-empty stop strings of at most `MAX_STOP_CHARS`
-characters each (the detokenizer matches each one against the text after every token), at most
-`MAX_STOP_TOKEN_IDS` stop token ids of 0 to 2**31 - 1 each (the engine, which knows the vocabulary,
-refuses an id outside it); logprobs: up to `MAX_LOGPROBS` top alternatives per token (OpenAI chat's
-`top_logprobs`, the gRPC API's `sampling.logprobs`), up to `MAX_LOGPROBS_COMPLETIONS` for OpenAI
-completions' `logprobs`.
-One request's size (the same on every API): at most `max_generations` generations (OpenAI: prompts
-times n; the other APIs ask for one), and at most `max_request_tokens` tokens asked for over them, each
-generation counted as its max_tokens, or the whole context (the model's, from the tokenizer's Info)
-when it gives none, and never more than the context (default cap:
-`REQUEST_CONTEXTS` contexts), so that one request cannot take every generation slot of the gateway or
-the engines' whole capacity (`check_generations`, `check_request_tokens`).
-A client's own request id (`client_request_id`: HTTP `X-Request-Id`, the gRPC API's `request_id`) is
-printable ASCII of at most `MAX_REQUEST_ID_CHARS` characters.
-
-`OPENAI_EXTENSIONS` are the keys of `GENERATION_KEYS` that OpenAI's API lacks and vLLM's accepts; the
-README's "OpenAI extensions" table lists the same (a test checks).
-
-Every function raises `ParamError` naming the offending parameter; callers turn it into their own
-error shape (a WebSocket `error` frame, an OpenAI error body). A document is decoded by
-`parse_json` and checked whole by `check_text` before any of its values is read, so every string
-later read, echoed in an error or put in a protobuf is valid Unicode text.
+"""Validation of client-supplied values, one set of rules for the WebSocket, OpenAI-compatible and public
+gRPC APIs: `generation_params` turns any of their sampling and stopping values into the pipeline's
+protobufs. The gateway's defaults and limits (README, "APIs") live here and only here; bounds the engine
+checks too come from `services.common.limits`. An unset max tokens is 0 on the wire: the engine, owner
+of the context limit, fills it. One request's size is capped by `check_generations` and
+`check_request_tokens` (an unset max tokens counts as the whole context). `OPENAI_EXTENSIONS` are the
+keys of `GENERATION_KEYS` OpenAI lacks and vLLM accepts (the README lists the same; a test checks).
+Imports no other gateway module: settings come in as plain values. Every function raises `ParamError`
+naming the offending parameter; callers give it their own shape. A document is decoded by `parse_json`
+and checked whole by `check_text` before any value is read, so every string later read, echoed or put
+in a protobuf is valid Unicode.
 """
 
 from __future__ import annotations
@@ -505,7 +482,7 @@ def generation_params(
     keys are not read; absent or null = the default: `default_temperature` (the gateway's setting),
     max tokens 0 (the rest of the context: the engine, which owns the context limit, fills it), off
     for the rest). `where` prefixes the names in errors
-    ("params."). Raises ParamError on the first value outside the limits of the module docstring."""
+    ("params."). Raises ParamError on the first value outside the limits (README, "APIs")."""
     sampling = common_pb2.SamplingParams()
     temperature = number(values, "temperature", 0.0, MAX_TEMPERATURE, where=where)
     sampling.temperature = default_temperature if temperature is None else temperature
@@ -539,7 +516,7 @@ def proto_generation_params(
     those of `GENERATION_KEYS`. A protobuf 0 is the field's off or default, not a value (temperature
     0 is greedy; max tokens 0 is the rest of the context, which the engine fills); NaN is not 0, so it
     is refused. Fields other than these (logprobs, the output constraint) are the caller's to check.
-    Raises ParamError on the first value outside the limits of the module docstring."""
+    Raises ParamError on the first value outside the limits (README, "APIs")."""
     sampling, stopping = common_pb2.SamplingParams(), common_pb2.StoppingParams()
     sampling.CopyFrom(sampling_in)
     stopping.CopyFrom(stopping_in)

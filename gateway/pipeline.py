@@ -1,42 +1,14 @@
-"""Orchestration of generations across tokenizer, engine and detokenizer; no HTTP, no public API.
+"""Orchestration of generations across tokenizer, engine and detokenizer: the per-request state machine,
+with its single exit `_finish`; no HTTP, no public API. The links to the stages are `gateway.stages`,
+the events the edges read `gateway.events`; the path and its rules: docs/architecture.md ("One request").
 
-One request: Tokenize (unary, with a deadline) → a `DetokenizeStart` on the one multiplexed
-`Detokenizer.Stream` call → a submit on the one multiplexed `Engine.Stream` call. Each `EngineOut`
-(one engine step) becomes one `DetokenizeIn`: a chunk per request, plus a close for each request
-whose `RequestFinal` arrived (entries queued while a write is pending go out together, so a slow
-detokenizer gets fewer, larger messages). Each `DetokenizeOut` carries text deltas for the requests'
-event slots and finals: a stop-string final aborts the engine request (finish "stop"); a final after a
-close finishes with the engine's reason. Ids and logprobs go out with the text: each delta says how
-many generated ids the detokenizer has consumed, and the held ids up to that count go with it, so ids
-after the one that completed a stop string never go out, and `completion_tokens` is the number of ids
-handed out. Admission: beyond `max_in_flight` running generations, or while draining, a new
-generation fails at once; a prompt longer than `max_prompt_tokens`, or by default one that leaves the
-model's context no room for a token (the engine's rule, which it owns, refused early), fails after
-tokenizing, before it is routed (routing hashes the prompt's blocks); a prompt of token ids skips the
-tokenizer. A request that asked no max tokens goes to the engine with max_new_tokens 0, which the
-engine fills with the rest of its context: the engine owns the context limit. A request that
-asked for prompt logprobs gets them, with the prompt's ids, once, from the engine's first chunk.
-`Done.cached_tokens` comes from the engine's final: 0 when a stop string ended the request first.
-
-Invariants:
-- every generation ends with exactly one terminal event (`Done` or `Failed`), after its deltas;
-- a request is in `_requests` from `generate` until that terminal event; afterwards every upstream
-  entry for its id is ignored, and ids are never reused, so late entries cannot reach another request;
-- whoever finishes a request releases its upstream state: an `Abort` to the engine unless the engine
-  already sent its final, a `DetokenizeClose` unless the detokenizer already sent its final or was
-  closed (a detokenizer final is the request's last entry there: nothing is sent after it);
-- a broken upstream call fails every request that depends on it with "unavailable", but for engine
-  requests that had no token yet: each is submitted once more, to another connected engine replica
-  (failing "unavailable" when there is none or it breaks too), as is one that the engine ends with an
-  `unavailable` error final before its first token (its loop stopped); the next request opens a new
-  call, on a replica whose channel is connected: when no replica of a stage is (it is starting or
-  restarting), it waits up to `upstream_wait_s` (within its deadline) for one, then fails with
-  "unavailable" (`Replicas.pick_ready`); a replica that says it is not SERVING counts as not connected;
-- admission (tokenize, pick, submit) ends its request on any error, never leaving it to its timeout.
-
-This module is the per-request state machine, with its single exit `_finish`. The links to the stages
-(replicas, pickers, the multiplexed calls) and the cached look-ups (model info, token pieces) are
-`gateway.stages.Stages`; the events and the handle the edges read `gateway.events`.
+Invariants: every generation ends with exactly one terminal event (`Done` or `Failed`), after its
+deltas; a request is in `_requests` from `generate` until then, later upstream entries for its id are
+ignored and ids are never reused; whoever finishes a request releases its upstream state (an `Abort`, a
+`DetokenizeClose`) unless that side already sent its final; a broken upstream call fails its requests
+"unavailable", but resubmits once to another engine those with no token yet; a new call waits at most
+`upstream_wait_s` (within the deadline) for a connected, SERVING replica; admission (tokenize, pick,
+submit) ends its request on any error, never leaving it to its timeout.
 """
 
 from __future__ import annotations

@@ -1,21 +1,13 @@
-"""Reasoning text (`--reasoning-parser`): models that think inside `<think>…</think>` before they answer
-(DeepSeek-R1, Qwen3, QwQ and the like). The text inside the tags goes to OpenAI's `reasoning_content`,
-the rest to `content`; the tags themselves go to neither.
+"""Reasoning text (`--reasoning-parser`): models that think inside `<think>…</think>` before they answer.
+The text inside the tags goes to OpenAI's `reasoning_content`, the rest to `content`; the tags to neither.
 
-`ReasoningStream` is fed text deltas and returns `ReasoningDelta`s; `finish()` flushes what was held
-back; `parse(text)` does both at once. Contract:
-
-- Split invariance: however a text is split into deltas, the concatenated deltas equal `parse(text)`.
-  A tag split across deltas (tokens may end mid-tag) is held back until it is whole or cannot be one.
-- Every `<think>…</think>` block is reasoning, the text outside them content. A block still open at
-  the end (the model ran out of tokens while thinking) is reasoning to the end.
-- Whitespace that touches a tag belongs to neither side: a piece before a tag loses its trailing
-  whitespace, one after a tag its leading whitespace (`<think>\\nplan\\n</think>\\n\\nanswer` is
-  reasoning "plan", content "answer"). Whitespace at the very start or end of the text is kept.
-- `in_reasoning=True` starts inside a block, as if after `<think>`, for templates whose generation
-  prompt opens it (the output then holds only `</think>`); `opens_reasoning(prompt)` tells whether a
-  rendered prompt does that (the gateway asks it of the template's generation prompt, which the
-  tokenizer's Info carries: `gateway.chat_output.chosen`).
+`ReasoningStream.feed` takes text deltas and returns `ReasoningDelta`s; `finish()` flushes what was held
+back; `parse(text)` does both at once. Contract: however a text is split into deltas, the concatenated
+deltas equal `parse(text)` (a tag split across deltas is held back until whole or impossible). A block
+still open at the end is reasoning to the end. Whitespace touching a tag belongs to neither side
+(`<think>\\nplan\\n</think>\\n\\nanswer` is reasoning "plan", content "answer"); at the very start or end
+of the text it is kept. `in_reasoning=True` starts inside a block, for templates whose generation prompt
+opens it; `opens_reasoning(prompt)` tells whether a rendered prompt does.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Which replica of a stage gets the next piece of work: one `Picker`, with a policy per stage.
 
-Tokenizer and detokenizer replicas are interchangeable: their picker goes `round_robin`. The engine
-replica of each request is picked by the `routing` policy: `round_robin`, `least_load` or
-`prefix_affinity`. Each engine reports, on its multiplexed `Engine.Stream` call, its load and the keys
-of the KV blocks it can reuse (`EngineReport`: a snapshot when the call opens, then changes); the
-engines' picker mirrors that per replica, adds what this gateway itself has in flight there, and picks:
-
-- `round_robin`: the candidates in turn, blind to load and cache;
-- `least_load`: the least loaded; ties go round the candidates in turn;
-- `prefix_affinity`: among the candidates whose load exceeds the least loaded one's by at most `margin`
-  requests or `margin_ratio` of that load, whichever is larger (the guard: affinity never piles work on
-  one replica while another idles, and at high load a replica a quarter busier still keeps its tenants,
-  whose cached contexts are what make it fast), the one holding the longest
-  prefix of the prompt, then the least loaded, ties in turn. A prompt's keys are computed as the engine
-  computes them (`chain_hashes`, with the block size the engine reported), over the blocks the engine
-  would look up (`max_hit_blocks`). Until a replica's report confirms them, the keys of
-  prompts just routed there count as held for `PENDING_S`: a burst of requests sharing a new prefix
-  goes to one replica instead of each computing the prefix somewhere else.
-
-Load is the larger of this gateway's requests in flight on the replica and the replica's own running
-plus waiting requests (which counts other gateways' too), with a request's worth added per
-`TOKENS_PER_LOAD` prompt tokens queued there.
+Tokenizer and detokenizer replicas are interchangeable (`round_robin`); the engine replica of each
+request is picked by the `routing` policy: `round_robin`, `least_load` (ties in turn) or
+`prefix_affinity` (among the candidates whose load exceeds the least loaded one's by at most `margin`
+requests or `margin_ratio` of it, whichever is larger, the one holding the longest prefix of the prompt,
+then the least loaded, ties in turn). The engines' picker mirrors each replica's `EngineReport` (load,
+KV block keys) and hashes a prompt as the engine does (`chain_hashes` at the reported block size, over
+`max_hit_blocks`); keys just routed count as held for `PENDING_S`. Load: the larger of this gateway's
+requests in flight on the replica and its own running plus waiting, plus one per `TOKENS_PER_LOAD`
+queued prompt tokens. Why, and measurements: docs/architecture.md ("Replicas and how work is spread").
 """
 
 from __future__ import annotations

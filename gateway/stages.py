@@ -1,16 +1,12 @@
 """The gateway's links to the stages: the replicas of the tokenizer, engine and detokenizer
-(`gateway.upstream.Replicas`), each with its picker (`gateway.routing.Picker`: round robin for the
-tokenizer and detokenizer, the `routing` policy for engines), and one long-lived multiplexed call
-(`StreamLink`) per engine and detokenizer member. No request state lives here: the pipeline owns the
-requests, and gets every message read on a link (`on_engine_out`, `on_detok_out`) and every broken
-link (`on_broken`). Besides generations, the stages answer look-ups, each cached: the model's `Info`
-from a tokenizer and the engines' context length from an engine's `Stats` (each fetched once), and token
-pieces from a detokenizer's vocabulary (for logprobs; at most `TOKEN_PIECE_CACHE` entries, cleared when
-full).
-
-Every connected engine replica gets a link as soon as a request is routed, so each reports its load
-and prefix cache (`EngineReport`), which the engines' picker mirrors; a broken engine link makes the
-picker forget what that replica reported.
+(`gateway.upstream.Replicas`), each with its picker (`gateway.routing.Picker`), and one long-lived
+multiplexed call (`StreamLink`) per engine and detokenizer member. No request state lives here: the
+pipeline owns the requests and gets every message read on a link (`on_engine_out`, `on_detok_out`) and
+every broken link (`on_broken`). Look-ups are cached: the model's `Info` from a tokenizer and the
+engines' context length from an engine's `Stats` (each fetched once), and token pieces from a
+detokenizer (for logprobs; at most `TOKEN_PIECE_CACHE` entries, cleared when full). Every connected
+engine gets a link as soon as a request is routed, so each reports its load and prefix cache
+(`EngineReport`) to the engines' picker; a broken engine link makes the picker forget that replica's.
 """
 
 from __future__ import annotations

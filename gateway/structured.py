@@ -1,28 +1,14 @@
-"""Structured outputs: the one place where a request's constraint on its output is read and checked,
-for every API. The engine compiles and enforces it (`SamplingParams.structured`, see common.proto).
+"""Structured outputs: the one place where a request's constraint on its output is read and checked, for
+every API; the engine compiles and enforces it (`SamplingParams.structured`, see common.proto).
 
-Where a constraint comes from (at most one per request; two are refused, naming both):
-
-- OpenAI `response_format`: `{"type": "text"}` (none), `{"type": "json_object"}`, or
-  `{"type": "json_schema", "json_schema": {"name", "schema"?, "strict"?, "description"?}}` (no
-  schema = any JSON object);
-- vLLM `structured_outputs`: an object with one of `json` (a schema, as an object or its JSON text),
-  `json_object` (true), `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF text);
-- vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, the same values.
-
-The OpenAI body and the WebSocket `params` take these keys (`STRUCTURED_KEYS`); the public gRPC API
-takes the protobuf itself, checked by `check_structured`. Checks here are of shape (a known kind,
-a schema whose keywords are well formed, a non-empty list of strings) and of size, the same for every
-API (`services.common.constraints`: at most `MAX_CONSTRAINT_CHARS` characters, schemas nested at most
-`MAX_SCHEMA_DEPTH` deep, at most `MAX_ROW_ITEMS` alternatives live at one point: a choice's strings, a
-schema's anyOf/oneOf branches, object-valued enum entries and optional properties, a grammar's `|`);
-the engine's compiler checks the rest (a regex's syntax, a grammar's) and refuses with
-INVALID_ARGUMENT.
-
-Every JSON schema is sent closed (`constraints.closed_schema`): an object schema that declares
-`properties` and says nothing of `additionalProperties` admits only those properties, as OpenAI's
-strict mode and vLLM do, so a model cannot write invented keys until its max tokens; a schema that
-wants others says so (`additionalProperties: true` or a schema).
+`structured_output` reads at most one constraint from a body or WebSocket `params` (`STRUCTURED_KEYS`:
+OpenAI's `response_format`; vLLM's `structured_outputs` with `json`, `json_object`, `regex`, `choice` or
+`grammar`, Lark or GBNF; its older `guided_*`); two are refused, naming both. The gRPC API's protobuf
+goes through `check_structured`. Checks here are of shape (a known kind, well-formed schema keywords, a
+non-empty list of strings) and of size (`services.common.constraints`), the same on every API; the
+engine's compiler checks the rest (a regex's or grammar's syntax) with INVALID_ARGUMENT. Every JSON
+schema is sent closed where it declares `properties` (`constraints.closed_schema`). Everything raises
+`ParamError` naming the field. The accepted forms and limits: README ("Structured outputs and tools").
 """
 
 from __future__ import annotations
@@ -89,8 +75,8 @@ def structured_output(
 def check_structured(spec: common_pb2.StructuredOutput, label: str) -> common_pb2.StructuredOutput:
     """`spec` when it is well formed: kind "" (none) with no text, or one of `KINDS` with the text that
     kind takes (json_schema: a JSON Schema object's text, returned closed; json_object: none; choice: a
-    JSON list of strings; regex, grammar: non-empty), within the size limits of the module docstring.
-    Raises ParamError naming `label` or a path under it."""
+    JSON list of strings; regex, grammar: non-empty), within the size limits of
+    `services.common.constraints`. Raises ParamError naming `label` or a path under it."""
     if spec.kind not in ("", *KINDS):
         raise ParamError(f"{label}.kind", f"{label}.kind must be one of {', '.join(KINDS)}")
     text_label = f"{label}.text"

@@ -1,20 +1,13 @@
-"""WebSocket `/v1/ws`: JSON text frames, several generations per socket.
+"""WebSocket `/v1/ws`: JSON text frames, several generations per socket (the frames: README, "APIs").
 
-Client → server: `{"type": "generate", "id": ..., "prompt": ... | "messages": [...], "params": {...}}`
-and `{"type": "cancel", "id": ...}`. `params` takes the sampling and stopping fields
-(`params.GENERATION_KEYS`) and at most one output constraint (`structured.STRUCTURED_KEYS`). Server →
-client: `delta` frames, then exactly one `done` or `error` per generate. With API keys on, the first
-frame may be `{"type": "auth", "token": ...}` (see `SocketSession`). A frame that is not a valid message
-gets an `error` with the id it carried (or null). A generate reusing an id still in flight is refused
-with `invalid_argument` and that id; the first generation goes on. A generate beyond `ws_max_in_flight`
-generations of the socket is refused with `resource_exhausted` and its id; the others go on. A cancel
-for an id not in flight (already ended, or never started) is ignored: its generate has had, or will
-have, its own terminal frame. Closing the socket cancels every generation of that socket.
-
-A handshake whose `Origin` is not allowed (`auth.origin_allowed`, `allowed_origins`) is refused
-before the socket opens (HTTP 403). A client that stops reading is cut off once one write has waited
-`send_timeout_s`: its generations are cancelled and its connection dropped at once (the transport
-aborted, so nothing it left unread is kept for it).
+Each `generate` gets `delta` frames, then exactly one `done` or `error`. A frame that is not a valid
+message gets an `error` with the id it carried (or null); a generate reusing an id in flight is refused
+`invalid_argument`, one beyond `ws_max_in_flight` `resource_exhausted`, and the others go on. A cancel
+for an id not in flight is ignored (its generate has had, or will have, its own terminal frame). With API
+keys on, the first frame may be `auth` (`SocketSession`). Closing the socket cancels its generations. A
+handshake whose `Origin` is not allowed is refused before the socket opens (HTTP 403). A client that
+stops reading is cut off once one write has waited `send_timeout_s`: its generations cancelled, the
+transport aborted at once (nothing it left unread is kept for it).
 """
 
 from __future__ import annotations

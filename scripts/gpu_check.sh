@@ -9,16 +9,19 @@
 #   scripts/gpu_check.sh --fetch-wheels  on a machine with network: download the pinned wheels that a
 #                                        CUDA machine image may lack into .whl/ (for Python 3.12, x86-64)
 #
-# Stages, each under its own `timeout` so that one slow stage cannot eat the others' time:
+# Stages, each under its own time limit, which its commands share: one slow stage cannot eat the others'.
 #   tests        tests/engine with SLUICE_TEST_DEVICE=cuda                                 TESTS_TIMEOUT_S=170
-#   tiny         hf-continuous, sluice-continuous, sluice-continuous-eager at 256 requests,
-#                decode-only steps at batch 64 (CUDA graphs on and off)                      TINY_TIMEOUT_S=90
-#   qwen2-0.5b   hf-continuous, sluice-continuous at 64 and 256 requests (bf16), decode-only
-#                steps at batch 64 against the memory roofline                              MODEL_TIMEOUT_S=190
+#   tiny         sluice bench engine: hf-continuous, sluice-continuous, sluice-continuous-eager at 256
+#                requests; scripts/decode_roofline.py: decode-only steps at batch 64 (CUDA graphs on and
+#                off)                                                                        TINY_TIMEOUT_S=90
+#   qwen2-0.5b   sluice bench engine: hf-continuous, sluice-continuous at 64 and 256 requests (bf16);
+#                scripts/decode_roofline.py: decode-only steps at batch 64 against the memory roofline
+#                                                                                           MODEL_TIMEOUT_S=190
 #   latency      sluice bench latency: off / ngram / int8 / fp8 engines at batch 1 and 64 at once on the
 #                embedded chat model (the tiny preset when it is not built on the machine: carry
-#                ~/.cache/sluice/tiny-chat-* and set SLUICE_CACHE_DIR for it and its perplexity), batch-1
-#                decode of off / int8 / fp8 on the qwen2-0.5b shape, fp8 KV blocks at one budget      LATENCY_TIMEOUT_S=70
+#                ~/.cache/sluice/tiny-chat-* and set SLUICE_CACHE_DIR for it and its perplexity);
+#                scripts/gpu_latency_extras.py: batch-1 decode of off / int8 / fp8 on the qwen2-0.5b shape,
+#                fp8 KV blocks at one budget                                              LATENCY_TIMEOUT_S=70
 #   BENCH_PRESETS="llama-1b llama-8b" adds those presets (each MODEL_TIMEOUT_S more: beyond the 9 minutes,
 #   which is why they are left out by default).
 # GPU_CHECK_DEVICE=cpu runs the same stages on the CPU, each in a --quick version (one small test file, 4
@@ -27,8 +30,8 @@
 # Python: .venv/bin/python if its torch sees CUDA; else python3 if its torch sees CUDA (a machine image
 # with CUDA torch; then wheels found in .whl/ are installed into a private directory first, with no
 # network); else, where there is no .venv yet, a new one installed from constraints.txt (needs network).
-# Writes gpu-tests.{log,xml}, bench-<stage>.{log,json} (bench-latency too) and summary.txt to
-# ${OUT:-bench-results}.
+# Writes gpu-tests.{log,xml}, bench-<stage>.{log,json}, decode-<stage>.json (bench-latency and
+# latency-extras.json too) and summary.txt to ${OUT:-bench-results}.
 # Environment: TEST_ARGS (extra pytest arguments), BENCH_ARGS (extra arguments of every benchmark),
 # HF_BATCH_TOKENS (hf-continuous's max_batch_tokens tried, default 512,2048), the *_TIMEOUT_S above.
 set -euo pipefail
@@ -63,23 +66,37 @@ MODEL_TIMEOUT_S=${MODEL_TIMEOUT_S:-190}
 LATENCY_TIMEOUT_S=${LATENCY_TIMEOUT_S:-70}
 HF_BATCH_TOKENS=${HF_BATCH_TOKENS:-512,2048}
 BENCH=(-m sluice.cli bench engine --no-progress)
+DECODE=(scripts/decode_roofline.py --no-progress)
+LATENCY=(-m sluice.cli bench latency --no-progress)
+EXTRAS=(scripts/gpu_latency_extras.py --no-progress)
 
-# The benchmark arguments of a stage: one word per line (stage name as $1).
+# The engine benchmark's arguments of a stage: one word per line (stage name as $1).
 bench_args() {
   if [[ $DEVICE == cpu ]]; then
-    printf '%s\n' --device cpu --quick --threads 1 --concurrency 4 --decode-batch 4 --decode-steps 4
+    printf '%s\n' --device cpu --quick --threads 1 --concurrency 4
     case $1 in
       tiny) printf '%s\n' --preset tiny --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
       *) printf '%s\n' --preset "$1" --methods hf-continuous,sluice-continuous ;;
     esac
     return
   fi
-  printf '%s\n' --device cuda --hf-batch-tokens "$HF_BATCH_TOKENS" --decode-batch 64
+  printf '%s\n' --device cuda --hf-batch-tokens "$HF_BATCH_TOKENS"
   case $1 in
     tiny) printf '%s\n' --preset tiny --concurrency 256 \
             --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
     *) printf '%s\n' --preset "$1" --dtype bfloat16 --concurrency 64,256 --methods hf-continuous,sluice-continuous ;;
   esac
+}
+
+# The decode steps' arguments of a stage, one word per line (the model and dtype of its engine benchmark).
+decode_args() {
+  if [[ $DEVICE == cpu ]]; then
+    printf '%s\n' --device cpu --quick --threads 1 --preset "$1" --batch 4 --steps 4
+  elif [[ $1 == tiny ]]; then
+    printf '%s\n' --device cuda --preset tiny --batch 64
+  else
+    printf '%s\n' --device cuda --preset "$1" --dtype bfloat16 --batch 64
+  fi
 }
 
 # The latency benchmark's arguments, one word per line. On CUDA the qwen2-0.5b stage has cached that shape
@@ -90,8 +107,16 @@ latency_args() {
     return
   fi
   printf '%s\n' --device cuda --variants off,ngram,int8,fp8 --if-no-embedded tiny --num-requests 4 \
-    --concurrency 64 --output-len 64 --int8-preset qwen2-0.5b --shape-requests 2 --shape-output-len 32 \
-    --perplexity-tokens 8192
+    --concurrency 64 --output-len 64 --perplexity-tokens 8192
+}
+
+# The weight formats on a larger shape, one word per line (on CUDA the qwen2-0.5b stage has cached it).
+extras_args() {
+  if [[ $DEVICE == cpu ]]; then
+    printf '%s\n' --device cpu --quick --threads 1 --preset tiny --variants off,int8
+    return
+  fi
+  printf '%s\n' --device cuda --preset qwen2-0.5b --variants off,int8,fp8 --requests 2 --output-len 32
 }
 
 stages() {
@@ -160,14 +185,23 @@ for name in ("transformers", "tokenizers", "grpcio", "protobuf", "pytest", "pyte
 EOF
 }
 
-# Runs "$@" under `timeout $1`, output to the terminal and to log $2; sets RC and SECONDS_TAKEN.
-run_stage() {
-  local limit=$1 log=$2
-  shift 2
-  local start=$SECONDS
-  RC=0
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || RC=$?
-  SECONDS_TAKEN=$((SECONDS - start))
+# A stage of $1 seconds whose output goes to log $2: its commands (run_part) share that time.
+start_stage() {
+  STAGE_START=$SECONDS STAGE_END=$((SECONDS + $1)) RC=0 STAGE_LOG=$2
+  : >"$STAGE_LOG"
+}
+
+# Runs "$@" under `timeout` with the stage's seconds left, output to the terminal and appended to its log;
+# RC keeps the stage's first failure (124: no time was left), SECONDS_TAKEN its time so far.
+run_part() {
+  local left=$((STAGE_END - SECONDS)) rc=0
+  if ((left < 1)); then
+    rc=124
+  else
+    timeout --kill-after=10 "$left" "$@" 2>&1 | tee -a "$STAGE_LOG" || rc=$?
+  fi
+  [[ $RC -ne 0 ]] || RC=$rc
+  SECONDS_TAKEN=$((SECONDS - STAGE_START))
 }
 
 dry_run() {
@@ -178,12 +212,12 @@ dry_run() {
     total=$((total + $(stage_timeout "$stage")))
     # shellcheck disable=SC2046  # one word per line
     echo "== $stage (timeout $(stage_timeout "$stage")s): PY ${BENCH[*]} $(bench_args "$stage" | tr '\n' ' ')" \
-      "--json OUT/bench-$stage.json ${BENCH_ARGS:-}"
+      "--json OUT/bench-$stage.json ${BENCH_ARGS:-}; PY ${DECODE[*]} $(decode_args "$stage" | tr '\n' ' ')" \
+      "--json OUT/decode-$stage.json"
   done
   total=$((total + LATENCY_TIMEOUT_S))
-  # shellcheck disable=SC2046  # one word per line
-  echo "== latency (timeout ${LATENCY_TIMEOUT_S}s): PY -m sluice.cli bench latency --no-progress" \
-    "$(latency_args | tr '\n' ' ')--json OUT/bench-latency.json"
+  echo "== latency (timeout ${LATENCY_TIMEOUT_S}s): PY ${LATENCY[*]} $(latency_args | tr '\n' ' ')" \
+    "--json OUT/bench-latency.json; PY ${EXTRAS[*]} $(extras_args | tr '\n' ' ')--json OUT/latency-extras.json"
   echo "== time limits add up to ${total}s"
 }
 
@@ -204,31 +238,35 @@ main() {
 
   echo "== engine tests on $DEVICE (SLUICE_TEST_DEVICE=$DEVICE, timeout ${TESTS_TIMEOUT_S}s)"
   rm -f "$out/gpu-tests.xml"
+  start_stage "$TESTS_TIMEOUT_S" "$out/gpu-tests.log"
   # shellcheck disable=SC2046,SC2086  # test_args and TEST_ARGS are lists of words
-  run_stage "$TESTS_TIMEOUT_S" "$out/gpu-tests.log" \
-    "$PY" "${PYTEST[@]}" $(test_args) --junitxml "$out/gpu-tests.xml" ${TEST_ARGS:-}
+  run_part "$PY" "${PYTEST[@]}" $(test_args) --junitxml "$out/gpu-tests.xml" ${TEST_ARGS:-}
   local failed=0
   local summary=(--tests "tests/engine ($DEVICE)" "$out/gpu-tests.xml" "$RC" "$SECONDS_TAKEN")
   [[ $RC -eq 0 ]] || failed=1
 
   local stage args
   for stage in $(stages); do
-    echo "== sluice bench engine: $stage (timeout $(stage_timeout "$stage")s)"
+    echo "== sluice bench engine and decode steps: $stage (timeout $(stage_timeout "$stage")s)"
+    rm -f "$out/bench-$stage.json" "$out/decode-$stage.json"
+    start_stage "$(stage_timeout "$stage")" "$out/bench-$stage.log"
     mapfile -t args < <(bench_args "$stage")
-    rm -f "$out/bench-$stage.json"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    run_stage "$(stage_timeout "$stage")" "$out/bench-$stage.log" \
-      "$PY" "${BENCH[@]}" "${args[@]}" --json "$out/bench-$stage.json" ${BENCH_ARGS:-}
-    summary+=(--bench "$stage" "$out/bench-$stage.json" "$RC" "$SECONDS_TAKEN")
+    run_part "$PY" "${BENCH[@]}" "${args[@]}" --json "$out/bench-$stage.json" ${BENCH_ARGS:-}
+    mapfile -t args < <(decode_args "$stage")
+    run_part "$PY" "${DECODE[@]}" "${args[@]}" --json "$out/decode-$stage.json"
+    summary+=(--bench "$stage" "$out/bench-$stage.json:$out/decode-$stage.json" "$RC" "$SECONDS_TAKEN")
     [[ $RC -eq 0 ]] || failed=1
   done
 
-  echo "== sluice bench latency (timeout ${LATENCY_TIMEOUT_S}s)"
+  echo "== sluice bench latency and the weight formats on a larger shape (timeout ${LATENCY_TIMEOUT_S}s)"
+  rm -f "$out/bench-latency.json" "$out/latency-extras.json"
+  start_stage "$LATENCY_TIMEOUT_S" "$out/bench-latency.log"
   mapfile -t args < <(latency_args)
-  rm -f "$out/bench-latency.json"
-  run_stage "$LATENCY_TIMEOUT_S" "$out/bench-latency.log" \
-    "$PY" -m sluice.cli bench latency --no-progress "${args[@]}" --json "$out/bench-latency.json"
-  summary+=(--bench latency "$out/bench-latency.json" "$RC" "$SECONDS_TAKEN")
+  run_part "$PY" "${LATENCY[@]}" "${args[@]}" --json "$out/bench-latency.json"
+  mapfile -t args < <(extras_args)
+  run_part "$PY" "${EXTRAS[@]}" "${args[@]}" --json "$out/latency-extras.json"
+  summary+=(--bench latency "$out/bench-latency.json:$out/latency-extras.json" "$RC" "$SECONDS_TAKEN")
   [[ $RC -eq 0 ]] || failed=1
 
   echo

@@ -1,6 +1,7 @@
 """One table summarising scripts/gpu_check.sh: the GPU tests' outcome (pytest's JUnit XML) and the figures of
-each engine and latency benchmark JSON; a stage that failed or timed out before writing its JSON gets one
-row saying so.
+each stage's JSON documents (an engine benchmark and its decode steps, the latency benchmark and its weight
+formats on a larger shape); a stage that failed or timed out before writing its main JSON gets one row
+saying so, a part it did not reach is left out ("not reached" for the decode steps).
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ MARKS = {"passed": ".", "failed": "F", "errors": "E", "skipped": "s"}  # pytest 
 @dataclass(frozen=True)
 class Stage:
     label: str
-    path: Path
+    path: Path  # the main document (JUnit XML of the tests, a benchmark's JSON)
     rc: int
     seconds: float
+    more: tuple[Path, ...] = ()  # the stage's other JSON documents, merged into the main one
 
 
 def _line(label: str, measure: str, result: str, conc: str = "-") -> tuple[str, ...]:
@@ -112,7 +114,7 @@ def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
 
 
 def decode_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
-    if doc.get("partial"):
+    if doc.get("partial") or "decode_steps" not in doc:
         return [_line(label, "decode steps", "not reached: the stage stopped first")]
     rows = []
     for d in doc.get("decode_steps", []):
@@ -190,17 +192,35 @@ def latency_rows(label: str, doc: dict[str, Any]) -> list[tuple[str, ...]]:
     return rows
 
 
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def merged(stage: Stage) -> dict[str, Any] | None:
+    """The stage's main document with the figures of each other one that was written merged in (their
+    `ratios` appended, `partial` when any is); None without a readable main document."""
+    doc = _read(stage.path)
+    for part in filter(None, map(_read, stage.more if doc is not None else ())):
+        ratios = doc.get("ratios", []) + part.get("ratios", [])
+        doc.update({**part, "bench": doc.get("bench"), "ratios": ratios})
+        doc["partial"] = doc.get("partial") or part.get("partial")
+    return doc
+
+
 def bench_rows(stage: Stage) -> list[tuple[str, ...]]:
     """A benchmark's rows, or one row saying why there are none."""
-    try:
-        doc = json.loads(stage.path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    doc = merged(stage)
+    if doc is None:
         return [_line(stage.label, "-", f"NO RESULTS ({_outcome(stage)})")]
     if doc.get("bench") == "latency":
         rows = latency_rows(stage.label, doc)
     else:
         rows = [r for run in doc["runs"] for r in method_rows(stage.label, run)]
-        rows += decode_rows(stage.label, doc) + ratio_rows(stage.label, doc)
+        rows += decode_rows(stage.label, doc) if stage.more else []
+        rows += ratio_rows(stage.label, doc)
     verdict = "ok" if stage.rc == 0 else "FAILED"
     if doc.get("partial"):
         verdict += ", figures of the concurrencies finished before it stopped"
@@ -218,15 +238,17 @@ def format_summary(tests: Stage | None, benches: list[Stage]) -> str:
 
 
 def _stage(values: list[str]) -> Stage:
-    label, path, rc, seconds = values
-    return Stage(label, Path(path), int(rc), float(seconds))
+    """LABEL PATH[:PATH...] RC SECONDS: the first path the main document, the others merged into it."""
+    label, paths, rc, seconds = values
+    first, *more = (Path(p) for p in paths.split(":"))
+    return Stage(label, first, int(rc), float(seconds), tuple(more))
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python scripts/gpu_summary.py", description=__doc__.split("\n")[0])
     parser.add_argument("--tests", nargs=4, metavar=("LABEL", "JUNIT_XML", "RC", "SECONDS"))
     parser.add_argument(
-        "--bench", nargs=4, action="append", default=[], metavar=("LABEL", "JSON", "RC", "SECONDS")
+        "--bench", nargs=4, action="append", default=[], metavar=("LABEL", "JSON[:JSON]", "RC", "SECONDS")
     )
     args = parser.parse_args(argv)
     tests = _stage(args.tests) if args.tests else None

@@ -1,17 +1,11 @@
 """The `sluice` command: one entry point for every process and tool.
 
-    sluice up [--model DIR] [--port 8000] [--grpc-base-port 50050]   the whole pipeline on this host
-    sluice serve tokenizer|engine|detokenizer|gateway [FLAGS]       one service (FLAGS: --help)
-    sluice model tiny DIR [--preset test|chat]                      write the embedded model (or a preset)
-    sluice bench serve --api openai|ws|grpc --url URL [FLAGS]       load a running server: throughput, latency
-    sluice bench engine [throughput|latency|perplexity] [FLAGS]     the engine in-process against transformers
-    sluice bench sweep compare|pipeline|routing|peers [FLAGS]        serve over systems and rates, by preset
-    sluice bench tokenizer|detokenizer [FLAGS]                      the two text services against in-process
-    sluice bench compare|pipeline|routing [FLAGS]                   older names of the sweep presets
-    sluice bench latency [--variants off,ngram,int8] [--json FILE]  older name of `engine latency`
-    sluice up --engines N --tokenizers N --detokenizers N            replicas of the stages on one host
-    sluice health HOST:PORT [--tls-ca-file F ...]                   exit 0 if the service is SERVING
-    sluice models [--markdown]                                      model families served, and refused (why)
+    sluice up [FLAGS]                                   the whole pipeline on this host (sluice/launcher.py)
+    sluice serve tokenizer|engine|detokenizer|gateway   one service; its FLAGS go to its `server.main`
+    sluice model tiny DIR [--preset test|chat]          write the embedded model (or a preset)
+    sluice bench NAME [FLAGS]                           a benchmark (`BENCHMARKS`; older: `BENCHMARK_ALIASES`)
+    sluice health HOST:PORT [--tls-ca-file F ...]       exit 0 if the service is SERVING
+    sluice models [--markdown]                          model families served, and refused (why)
 
 Argument parsing happens here and in the `main(argv)` of the module each subcommand hands over to.
 """

@@ -1,14 +1,12 @@
 """The plan of `sluice up`: which processes run, on which ports, with which flags and threads.
 
-Pure functions of the parsed flags (and of the host's port range, cores and load average), nothing
-started here.
-Invariants: the stages' gRPC ports are consecutive from `--grpc-base-port` + 1 in STAGES order
-(tokenizers, engines, detokenizers), their metrics ports likewise from `--metrics-base-port`; the
-gateway takes `--port` (HTTP) and `--grpc-base-port` and is given every replica's address; a replica is
-named `engine` when alone, else `engine-1` ... `engine-N`; every planned port has one use
-(`port_clash`). The engine gets a thread per core this process may run on (`usable_cores`; one less
-when the host's load average shows other work: BUSY_LOAD) at the launcher's priority; the light stages
-(tokenizers, detokenizers, the gateway) run `--light-nice` (LIGHT_NICE) lower; every child gets
+Pure functions of the parsed flags (and of the host's port range, cores and load average); nothing is
+started here. Invariants: the stages' gRPC ports are consecutive from `--grpc-base-port` + 1 in STAGES
+order (tokenizers, engines, detokenizers), their metrics ports likewise from `--metrics-base-port`; the
+gateway takes `--port` and `--grpc-base-port` and is given every replica's address; a replica is named
+`engine` when alone, else `engine-1` ... `engine-N`; every planned port has one use (`port_clash`). The
+engine gets a thread per usable core (one less when the load average shows other work: BUSY_LOAD) at the
+launcher's priority, the light stages `--light-nice` (LIGHT_NICE) lower, every child
 `OMP_WAIT_POLICY=PASSIVE` unless set: docs/architecture.md ("`sluice up`") has why and the measurement.
 """
 

@@ -1,14 +1,13 @@
 """What keeps `sluice up`'s children running: restarts, liveness and warm standbys.
 
-Contracts: `Supervisor` owns the children and the standbys and `stop` ends them all, exactly once,
-the gateway before the stages. `Watcher` and `RestartTracker` are pure (the caller passes the time
-and the health answers): every death goes through the `RestartPolicy`, except an exit with
-CONFIG_ERROR_STATUS, which gives up at once; a child that served and then has not answered SERVING
-for `unhealthy_restart_s`, or a restarted one not SERVING within the start-up timeout, gets SIGTERM
-and SIGCONT, then SIGKILL after KILL_GRACE_S. A start takes a ready `Standby` of its kind when there
-is one; standbys count for nothing in health, and one that exits by itself turns its kind's off.
-Every child and standby gets SIGTERM when the launcher dies (PR_SET_PDEATHSIG), and starts at its
-`Child.nice` (a standby at its kind's). Figures and history:
+`Supervisor` owns the children and the standbys; `stop` ends them all, exactly once, the gateway before
+the stages. `Watcher` and `RestartTracker` are pure (the caller passes the time and the health answers):
+every death goes through the `RestartPolicy`, except an exit with CONFIG_ERROR_STATUS, which gives up at
+once; a child that served and then has not answered SERVING for `unhealthy_restart_s`, or a restarted one
+not SERVING within the start-up timeout, gets SIGTERM and SIGCONT, then SIGKILL after KILL_GRACE_S. A start
+takes a ready `Standby` of its kind when there is one; standbys count for nothing in health, and one that
+exits by itself turns its kind's off. Every child and standby gets SIGTERM when the launcher dies
+(PR_SET_PDEATHSIG) and starts at its `Child.nice` (a standby at its kind's). Figures and history:
 docs/architecture.md ("`sluice up`") and docs/reliability.md ("Faults and restarts").
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -18,6 +18,9 @@ import pytest
 
 from sluice.model.families import make_family_model
 from sluice.model.tiny import make_tiny_model
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import Pipeline
 
 TinyModelFactory = Callable[..., Path]
 
@@ -60,6 +63,18 @@ def family_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str]
         return made[family]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    """One `sluice up` of the tiny model (tests/e2e/conftest.py) shared by every module that only sends
+    it requests; a module that kills or stops stages, or needs other flags, starts its own."""
+    from tests.e2e.conftest import start_pipeline
+
+    running = start_pipeline(tiny_model_dir)
+    yield running
+    code = running.stop()
+    assert code == 0, running.output()
 
 
 @pytest.fixture(autouse=True)

@@ -49,13 +49,19 @@ def test_default_stages_fit_the_nine_minutes() -> None:
     assert list(stages) == ["tests", "tiny", "qwen2-0.5b", "latency"]  # llama-8b only when asked for
     assert sum(limit for limit, _ in stages.values()) + STARTUP_S <= BUDGET_S
     assert "SLUICE_TEST_DEVICE=cuda" in stages["tests"][1] and "tests/engine " in stages["tests"][1]
-    tiny, qwen = stages["tiny"][1], stages["qwen2-0.5b"][1]
-    assert "--concurrency 256" in tiny and "sluice-continuous-eager" in tiny and "--decode-batch 64" in tiny
-    assert "--concurrency 64,256" in qwen and "--dtype bfloat16" in qwen and "--decode-batch 64" in qwen
+    # Each benchmark stage runs two commands within its one limit: the benchmark, then its GPU extras.
+    tiny, tiny_decode = stages["tiny"][1].split("; ")
+    qwen, qwen_decode = stages["qwen2-0.5b"][1].split("; ")
+    assert "--concurrency 256" in tiny and "sluice-continuous-eager" in tiny
+    assert "scripts/decode_roofline.py" in tiny_decode and "--batch 64" in tiny_decode
+    assert "--concurrency 64,256" in qwen and "--dtype bfloat16" in qwen
     assert "--device cuda" in qwen and "--methods hf-continuous,sluice-continuous " in qwen
-    lat = stages["latency"][1]
+    assert "--preset qwen2-0.5b --dtype bfloat16 --batch 64" in qwen_decode
+    lat, extras = stages["latency"][1].split("; ")
     assert "bench latency" in lat and "--variants off,ngram,int8,fp8" in lat and "--concurrency 64" in lat
-    assert "--int8-preset qwen2-0.5b" in lat and "--device cuda" in lat and "--if-no-embedded tiny" in lat
+    assert "--device cuda" in lat and "--if-no-embedded tiny" in lat
+    assert "scripts/gpu_latency_extras.py" in extras
+    assert "--preset qwen2-0.5b --variants off,int8,fp8" in extras
 
 
 def test_bench_presets_adds_stages() -> None:
@@ -76,7 +82,9 @@ def test_cpu_run_ends_with_one_summary_table(tmp_path: Path) -> None:
     assert re.search(r"tiny +4 +hf-continuous +\d+ +1\.00", rows["tiny", "hf-continuous"])
     assert "n/a (CPU)" in rows["tiny", "sluice-continuous"]
     assert "skipped" in rows["tiny", "sluice-continuous-eager"]
-    assert "decode steps, batch 4" in summary
+    decode = r"^tiny +- +decode steps, batch 4 +[\d,]+ .* n/a \(CPU\) +n/a +[\d.]+ ms a step"
+    assert re.search(decode, summary, re.M)
+    assert "decode tokens/s with CUDA graphs" not in summary  # a ratio not measured (no graphs on a CPU)
     assert re.search(
         r"^tiny .* ratio .* \[tiny, 4 requests\] sluice-continuous tokens/s ÷ hf-continuous: ", summary, re.M
     )
@@ -88,6 +96,9 @@ def test_cpu_run_ends_with_one_summary_table(tmp_path: Path) -> None:
                 rf"^latency +1 +{variant} {workload} \(decode\) +[\d,]+ .*x off; TTFT p50", summary, re.M
             )
             assert re.search(rf"^latency +4 +{variant} {workload} \(output\) +[\d,]+ .*x off", summary, re.M)
+    # The weight formats on a larger shape (the tiny preset's on a CPU, where fp8 is not asked for).
+    for variant in ("off", "int8"):
+        assert re.search(rf"^latency +1 +{variant} tiny \(decode\) +[\d,]+ .*x off", summary, re.M)
     assert not re.search(r"\bMET\b|NOT MEASURED|target", summary)  # figures and ratios only
     assert "ok (exit 0" in rows["latency", "stage"]
 
@@ -115,12 +126,11 @@ def test_a_stage_stopped_midway_keeps_the_concurrencies_it_finished(tmp_path: Pa
         "runs": [
             {"concurrency": 64, "methods": {"sluice-continuous": {**fig, "cuda_graphs": "on", "setting": ""}}}
         ],
-        "decode_steps": [],
-        "decode_error": "not measured yet",
         "ratios": [{"name": "[m, 64 requests] x", "value": 2.0}, {"name": "[m] y", "value": None}],
     }
     (tmp_path / "b.json").write_text(json.dumps(doc))
-    table = format_summary(None, [Stage("qwen2-0.5b", tmp_path / "b.json", 124, 190)])
+    stage = Stage("qwen2-0.5b", tmp_path / "b.json", 124, 190, (tmp_path / "decode.json",))  # never written
+    table = format_summary(None, [stage])
     assert re.search(r"qwen2-0.5b +64 +sluice-continuous +900 +2\.00 +95\.0% +on", table)
     assert "decode steps" in table and "not reached" in table
     assert "[m, 64 requests] x: 2" in table and "[m] y" not in table  # a ratio not measured is left out

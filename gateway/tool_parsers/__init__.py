@@ -2,16 +2,11 @@
 `base.ToolCallStream`) owns both sides of its format: the parser that reads calls out of generated
 text, and the grammar that makes the engine write calls in that format when a request requires one
 (`tool_choice` "required" or a named function), so that what a required call writes is what the same
-format reads back.
-
-- `hermes` (`hermes.HermesToolCalls`): `<tool_call>` blocks (Qwen 2.5 and 3, Hermes, the tiny model).
-- `llama3_json` (`llama3_json.Llama3JsonToolCalls`): JSON calls, optionally after `<|python_tag|>`
-  (Llama 3.1 to 3.3).
-- `mistral` (`mistral.MistralToolCalls`): calls after `[TOOL_CALLS]`.
-
-`--tool-call-parser auto` (the default) takes the format the model's chat template writes
-(`infer_parser`: each class `recognises` its own), hermes when none or several do; the choice is made in
-`gateway.chat_output.chosen`. The names are `gateway.choices.TOOL_CALL_PARSERS` (a test checks).
+format reads back: `hermes` (`<tool_call>` blocks), `llama3_json` (JSON calls, optionally after
+`<|python_tag|>`) and `mistral` (calls after `[TOOL_CALLS]`). `infer_parser` gives the format a chat
+template writes (each class `recognises` its own; hermes when none or several do), for
+`--tool-call-parser auto`, chosen in `gateway.chat_output.chosen`. The names are
+`gateway.choices.TOOL_CALL_PARSERS` (a test checks); the models of each: README, docs/architecture.md.
 """
 
 from __future__ import annotations

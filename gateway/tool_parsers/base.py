@@ -1,30 +1,14 @@
-"""The shared part of the tool-call formats (`gateway/tool_parsers/`): what a parser gives (whole calls,
-streamed deltas), the readers of one call's JSON object, and `ToolCallStream`, the base of every format's
-class, which owns both sides of its format: the incremental parser that turns generated text back into
-tool calls, and the grammar (`ToolCallStream.grammar`) that makes the engine write calls in that same
-format when a request requires one.
+"""The shared part of the tool-call formats: what a parser gives, the readers of one call's JSON object,
+and `ToolCallStream`, every format's base: its incremental parser and its required call's `grammar`.
 
-Each parser is a `ToolCallStream`: `feed(text)` takes the next text delta and returns a `ParsedDelta`
-(content, and tool-call deltas in OpenAI's streaming shape: a call's first delta has its index, id,
-name and empty arguments, the next ones argument fragments), `finish()` flushes what was held back,
-and `parse(text)` does both at once and merges the deltas into (content, calls). Contract:
-
-- Split invariance: however a text is split into deltas, the merged deltas equal `parse(text)`.
-- Nothing is emitted that later turns out to belong to a call: text that may open one (a prefix of
-  the format's opening, the whitespace before it) is held back, and a call's text until its name is
-  known.
-- A call's `arguments` is the JSON text of its arguments value exactly as the model wrote it (a JSON
-  string value is decoded: some models quote the object), "{}" when it has none. Only nesting is
-  checked while streaming, so a malformed value is passed on as written.
-- A call object without a string "name" is not a call: its text is content.
-
-The grammar (for `tool_choice` "required" or a named function) is a Lark grammar in llguidance's
-dialect, the engine's grammar library (kind "grammar"): JSON Schema alone cannot express a call's
-wrapper. Each class says how its format writes calls (`CALLS_OPEN`, `CALL_OPEN`, `CALL_CLOSE`,
-`CALLS_SEPARATOR`, `CALLS_CLOSE`): each allowed tool is one rule, a fixed opening that holds its name,
-then `%json` of its parameters schema, then the closing; calls are separated by the separator. What
-the grammar makes the model write is what the same class's parser reads as calls (a test checks it for
-every format).
+`feed(text)` returns a `ParsedDelta`: content, and tool-call deltas in OpenAI's streaming shape (a call's
+first delta has its index, id, name and empty arguments, the next ones argument fragments); `finish()`
+flushes what was held back; `parse(text)` does both and merges the deltas into (content, calls).
+Contract: however a text is split into deltas, the merged deltas equal `parse(text)`; nothing is emitted
+that may yet belong to a call (a possible opening and the whitespace before it, a call until its name is
+known); a call's `arguments` is its arguments' JSON text as written (a JSON string value decoded), "{}"
+when none, only nesting checked while streaming; an object without a string "name" is content. What
+`grammar` makes the model write, the same class reads as calls (its form: docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -323,7 +307,7 @@ class ToolCallStream(abc.ABC):
     def grammar(cls, tools: Sequence[tuple[str, str]], *, parallel: bool) -> str:
         """The Lark grammar (llguidance's dialect) of one or more calls in this format (exactly one
         when not `parallel`), each to one of `tools`: (name, the `%json` schema text of its arguments
-        object). See the module docstring for the form of a call."""
+        object). The form of a call: the class docstring above."""
         calls = "call" + (f" ({json.dumps(cls.CALLS_SEPARATOR)} call)*" if parallel else "")
         start = [json.dumps(cls.CALLS_OPEN), calls, json.dumps(cls.CALLS_CLOSE)]
         rules = [

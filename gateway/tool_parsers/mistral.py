@@ -1,17 +1,12 @@
-"""The `mistral` tool-call format: calls follow a `[TOOL_CALLS]` marker, in either of the two forms
-Mistral's chat templates write:
-
-- a JSON array of call objects, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (v3 templates:
-  Mistral 7B v0.3, Mixtral 8x22B, Nemo); the array may also start the output without the marker, as it
-  does when the marker, a special token, is skipped from the text (the gateway asks the detokenizer to
-  keep the marks, `MARKS`, but a client may decode ids itself);
-- `[TOOL_CALLS]NAME[ARGS]{...}`, one marker per call (v11 and later: Mistral Small 3.2, Magistral,
-  Devstral).
-
-Text before the first marker is content, and so is text after the calls. An object without a string
-"name" makes it and the rest content; a broken object or value after its name ends the calls (the rest
-is dropped), as in `llama3_json`. A required call's grammar writes the v3 array form. Streaming
-follows the contract of `gateway.tool_parsers.base`.
+"""The `mistral` tool-call format: calls follow a `[TOOL_CALLS]` marker, in either form Mistral's chat
+templates write: a JSON array of call objects, `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`
+(v3 templates: Mistral 7B v0.3, Mixtral 8x22B, Nemo), or `[TOOL_CALLS]NAME[ARGS]{...}`, one marker per
+call (v11 and later: Mistral Small 3.2, Magistral, Devstral). The array may also start the output
+without the marker, as when the marker, a special token, was skipped from the text (the gateway asks the
+detokenizer to keep `MARKS`, but a client may decode ids itself). Text before the first marker, and
+after the calls, is content. An object without a string "name" makes it and the rest content; a broken
+object or value after its name ends the calls (the rest is dropped), as in `llama3_json`. A required
+call's grammar writes the v3 array form. Streaming follows the contract of `gateway.tool_parsers.base`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""Output constraints (structured outputs, the tool-call grammar): their limits, and the rule that
-closes object schemas. One owner for the gateway, which refuses a constraint past a limit with 400
-before it reaches an engine, and for the engine, which reads the same numbers.
+"""Output constraints (structured outputs, the tool-call grammar): their limits, and the rule that closes
+object schemas. One owner for the gateway, which refuses a constraint past a limit with 400 before it
+reaches an engine, and for the engine, which reads the same numbers.
 
-Limits:
-
-- `MAX_CONSTRAINT_CHARS`: a schema's JSON text, a regex, a grammar, the grammar of a required tool call.
-- `MAX_SCHEMA_DEPTH`: how deeply schemas may nest in a schema.
-- `MAX_ROW_ITEMS`: alternatives live at one point of the output (`schema_row_items`, `grammar_row_items`,
-  `len` of a choice). The engine's grammar library (llguidance) parses with an Earley parser that
-  refuses to grow one row past 2,000 items ("Current row has 2001 items"), and a row holds an item for
-  every alternative that may start at that point: a `choice` of N strings takes N + 1, an anyOf or
-  oneOf of N object schemas N (of N array schemas 3N), nested alternatives add up, an object's
-  optional properties take about 4 each, an enum's object or array values one each (scalar enums and
-  regexes are lexemes: none). Such a constraint compiles and passes the first mask, then fails in the
-  middle of a generation. The estimates here follow those measurements; the limit is half the
-  library's, a margin for what an estimate misses.
-
-`JSON_WHITESPACE`: the whitespace a constrained JSON output may hold between tokens (at most 20 characters),
-so that a model cannot loop on blanks; the engine's response formats and the gateway's tool-call grammars
-both pass it to the grammar library as its `whitespace_pattern`.
-
-`closed_schema` gives an object schema that does not say otherwise `additionalProperties: false`: the
-output then holds only the properties the schema declares. Every JSON schema the gateway sends is
-closed where it declares `properties` (xgrammar's strict mode, vLLM's default); OpenAI's `strict`
-schemas close every object schema, `{"type": "object"}` included (the engine does that).
+`MAX_CONSTRAINT_CHARS` bounds a constraint's text, `MAX_SCHEMA_DEPTH` how deeply schemas nest, and
+`MAX_ROW_ITEMS` the alternatives live at one point of the output as `schema_row_items` and
+`grammar_row_items` estimate them (half the grammar library's row limit). `JSON_WHITESPACE` is the
+whitespace a constrained JSON output may hold between tokens. `closed_schema` gives an object schema
+that says nothing of `additionalProperties` `additionalProperties: false` (every object schema with
+`every_object`, else only one that declares `properties`). The measurements behind the estimates:
+docs/architecture.md ("Limits of a constraint").
 """
 
 from __future__ import annotations
@@ -72,10 +57,10 @@ def subschemas(schema: dict[str, Any], *, alternatives: bool = True) -> list[Any
 
 
 def schema_row_items(schema: Any) -> int:
-    """An estimate of the most parser row items a JSON schema takes at one point (see the module
-    docstring): at its start, its alternatives (anyOf, oneOf: each its own estimate), its enum's object
-    and array values, its optional properties; deeper, the largest estimate of one of its subschemas.
-    Recursion is bounded by the schema's depth (checked first, `MAX_SCHEMA_DEPTH`); `$ref` is not
+    """An estimate of the most parser row items a JSON schema takes at one point (docs/architecture.md,
+    "Limits of a constraint"): at its start, its alternatives (anyOf, oneOf: each its own estimate), its
+    enum's object and array values, its optional properties; deeper, the largest estimate of one of its
+    subschemas. Recursion is bounded by the schema's depth (checked first, `MAX_SCHEMA_DEPTH`); `$ref` is not
     followed (each `$defs` entry counts where it is)."""
     if not isinstance(schema, dict):
         return 1

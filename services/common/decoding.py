@@ -1,19 +1,13 @@
 """Registering a servicer so that a request that is not a valid protobuf is the client's error.
 
-A generated `add_*Servicer_to_server` decodes requests with the message's `FromString` inside gRPC:
-a corrupt request (bad wire format, a string field that is not UTF-8) is then answered UNKNOWN with
-the parser's exception class in the details ("Unexpected <class 'google.protobuf.message.DecodeError'>:
-..."), and a corrupt message on a client stream raises inside whatever reads the servicer's request
-iterator. `add_servicer` registers the same methods, with requests decoded here instead:
+`add_servicer(server, service, servicer)` (`service`: e.g. `engine_pb2.DESCRIPTOR.services_by_name
+["Engine"]`) registers what the generated `add_*Servicer_to_server` does, with requests decoded here
+instead of inside gRPC (which answers UNKNOWN naming the parser's exception: docs/reliability.md):
 
 - a corrupt unary request is answered INVALID_ARGUMENT ("malformed request: ...");
 - on a client stream, the request iterator the servicer reads ends at the corrupt message, as if the
   client had half-closed there, and the call's status is INVALID_ARGUMENT unless the servicer sets
   another (what the servicer does with the requests it read before is its own contract).
-
-    add_servicer(server, engine_pb2.DESCRIPTOR.services_by_name["Engine"], EngineServicer(...))
-
-replaces `engine_pb2_grpc.add_EngineServicer_to_server(EngineServicer(...), server)`.
 """
 
 from __future__ import annotations

@@ -1,36 +1,12 @@
 """Prometheus metrics of every service, one `ServiceMetrics` class per service, each with its own registry.
 
-One pattern for all four: a service's `create_server` creates its metrics object (`TokenizerMetrics()`,
-...), hands it to the core that observes (servicer, engine observer, gateway pipeline) and returns it in
-its `ServerHandle`; nothing is module-global. The registry is served by the gateway on its HTTP app at
-`/metrics` (`render`), by the gRPC services on their own port (`serve_metrics`, flag `--metrics-port`;
-0 = no metrics endpoint, the default). With `--workers N`, worker i (0 first) serves on
-`metrics_port + i`.
-
-Intervals are measured with `time.monotonic()` inside one process; histograms are in seconds.
-Names (the Grafana dashboard and the tests read these):
-
-engine      sluice_time_to_first_token_seconds, sluice_inter_token_latency_seconds,
-            sluice_e2e_request_latency_seconds, sluice_request_queue_time_seconds,
-            sluice_request_prefill_time_seconds, sluice_request_decode_time_seconds (histograms);
-            sluice_requests_running, sluice_requests_waiting, sluice_kv_cache_usage_ratio (gauges);
-            sluice_prompt_tokens_total, sluice_generation_tokens_total,
-            sluice_requests_total{finish_reason}, sluice_prefix_cache_queries_total,
-            sluice_prefix_cache_hits_total, sluice_preemptions_total (counters);
-            sluice_batch_size, sluice_step_tokens, sluice_step_duration_seconds (per engine step);
-            speculative decoding: sluice_spec_proposed_tokens_total, sluice_spec_accepted_tokens_total
-            (counters; acceptance rate = accepted / proposed), sluice_spec_accepted_length (histogram: tokens
-            emitted per verification of a request with drafts, accepted + 1);
-            sluice_engine_loop_recoveries_total (step-loop failures recovered in-process);
-            mixture-of-experts models: sluice_moe_expert_tokens_total{layer,expert} (counter: tokens
-            routed to each expert of each MoE layer, a token once per expert of its top-k),
-            sluice_moe_expert_load_ratio (histogram, per step: the most loaded expert's tokens over the
-            mean per expert, in the step's most unbalanced MoE layer; 1 = balanced)
-tokenizer   sluice_tokenize_duration_seconds, sluice_tokenize_batch_size
-detokenizer sluice_detokenize_duration_seconds, sluice_detokenize_batch_size
-gateway     sluice_gateway_requests_total{api,outcome}, sluice_gateway_requests_in_flight,
-            sluice_gateway_time_to_first_token_seconds, sluice_gateway_e2e_request_latency_seconds,
-            sluice_gateway_stage_duration_seconds{stage}
+Contract: a service's `create_server` creates its metrics object (`TokenizerMetrics()`, ...), hands it to
+the core that observes (servicer, engine observer, gateway pipeline) and returns it in its
+`ServerHandle`; nothing is module-global. `render` gives a registry's exposition for the gateway's
+`/metrics`; `serve_metrics` / `maybe_serve_metrics` serve one on its own thread (`--metrics-port`, 0 =
+none). Intervals are `time.monotonic()` within one process; histograms are in seconds. The names are a
+contract too (the Grafana dashboard and the tests read them; `exposed_names` lists every sample):
+docs/architecture.md ("Observability") has the table.
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """Where a service finds its model: a local directory, a Hugging Face Hub id, or the embedded model.
 
-`--model` is, in order: empty (the embedded chat model, made and cached on first use); a path that
-exists (a model directory); or a Hub id `ORG/NAME` (with `--revision`: a branch, tag or commit; default
-`main`), resolved here to a snapshot directory of the Hugging Face cache:
-
-- The cache is looked at first, without the network: `HF_HUB_CACHE` (default `~/.cache/huggingface/hub`,
-  or `HF_HOME/hub`) holds `models--ORG--NAME/refs/REVISION` (the commit a branch or tag points at) and
-  `snapshots/COMMIT/` (the files, often symlinks into `blobs/`). A revision that is a 40-digit commit is
-  looked up directly.
-- Not cached and `HF_HUB_OFFLINE` (or `TRANSFORMERS_OFFLINE`) set: `ModelNotFound`, naming the id and
-  saying that it is not cached and the Hub is off.
-- Not cached and online: `huggingface_hub.snapshot_download` fetches the files a server needs (JSON
-  configs, safetensors weights, chat templates, tokenizer files; no pickles, no remote code) into the
-  cache, with a progress bar on stderr, sending `HF_TOKEN` when set (gated models). `sluice up` does this
-  once, before its children start, and hands them the snapshot directory.
-
-`model_name` gives a directory's served name: `ORG/NAME` for a snapshot of the cache, else the
-directory's own name. `eos_token_ids` is the one rule for which ids end a generation.
+`resolve_model_dir(model, revision)`: empty = the embedded chat model (made and cached on first use); a
+path that exists = that directory; a Hub id `ORG/NAME` (`revision` a branch, tag or commit; default
+`main`) = its snapshot directory in the Hugging Face cache, looked up without the network, else
+downloaded (`DOWNLOAD_PATTERNS` only: no pickles, no remote code; `HF_TOKEN` sent). Raises
+`ModelNotFound` naming the id when it is neither, or not cached while `HF_HUB_OFFLINE` (or
+`TRANSFORMERS_OFFLINE`) is set. `model_name` gives a directory's served name (`ORG/NAME` for a cache
+snapshot, else the directory's own); `eos_token_ids` is the one rule for which ids end a generation.
+The cache's layout and `sluice up`'s single resolution: README ("Running"), docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -43,7 +34,7 @@ class ModelNotFound(ValueError):
 
 
 def resolve_model_dir(model: str, revision: str = "") -> Path:
-    """The local directory of `model` (see the module docstring): the embedded model when empty, the
+    """The local directory of `model`: the embedded model when empty, the
     path when it exists, else the Hub id's snapshot (cached, or downloaded when online). Raises
     ModelNotFound when it is none of these; a path is not checked for being a model directory here."""
     if not model:
@@ -94,7 +85,7 @@ def cached_snapshot(repo_id: str, revision: str, cache: Path | None = None) -> P
 
 
 def hub_snapshot(repo_id: str, revision: str) -> Path:
-    """The snapshot directory of a Hub id: from the cache, else downloaded (see the module docstring).
+    """The snapshot directory of a Hub id: from the cache, else downloaded.
     Raises ModelNotFound naming the id when it is not cached and cannot be downloaded."""
     cache = hub_cache_dir()
     found = cached_snapshot(repo_id, revision, cache)

@@ -1,25 +1,12 @@
 """Tracing for every service: OpenTelemetry SDK set-up from the standard `OTEL_*` variables, and W3C
 trace-context propagation over gRPC metadata and inside multiplexed-stream messages.
 
-Configuration (read once, by `init_tracing`):
-- `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`: where spans go (OTLP).
-- `OTEL_EXPORTER_OTLP_PROTOCOL` / `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`: `grpc` (default) or
-  `http/protobuf`.
-- `OTEL_TRACES_EXPORTER`: comma list of `otlp`, `console`, `none`; when unset, `otlp` if an endpoint is
-  set. `sluice up --trace-console` sets `console`.
-- `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG`, `OTEL_BSP_*`, `OTEL_PROPAGATORS`,
-  `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_SDK_DISABLED`: as the SDK documents them.
-
-With no exporter configured nothing is installed: the API's no-op tracer stays in place, no
-interceptor is added to servers or channels, and `inject` returns at once, so tracing costs nothing.
-
-Propagation: unary and server-streaming calls carry the context in gRPC metadata (the interceptors
-below). A long-lived multiplexed stream carries many requests, so each request message carries its own
-context in a `trace_context` map field (`inject` / `extract`); no span covers the stream itself.
-The interceptors are this module's own, not opentelemetry-instrumentation-grpc's: that package's aio
-interceptors also wrap streaming-request calls, which would put one span over each multiplexed stream
-for the life of the process, and it would add a dependency for the few lines below (unary spans,
-metadata propagation, health and reflection left untraced, nothing installed when tracing is off).
+`init_tracing` reads the environment once; with no exporter configured nothing is installed (the no-op
+tracer stays, no interceptor is added, `inject` returns at once), so tracing off costs nothing. Unary and
+server-streaming calls carry the context in gRPC metadata (this module's interceptors; health and
+reflection never traced); a multiplexed stream has no span of its own, and each request message carries
+its context in its `trace_context` map (`inject` / `extract`). The variables read, and why the
+interceptors are not opentelemetry-instrumentation-grpc's: docs/architecture.md ("Observability").
 """
 
 from __future__ import annotations
@@ -81,9 +68,9 @@ def _otlp_exporter(env: Mapping[str, str]) -> Any:
 
 def init_tracing(service: str, *, console: bool = False, env: Mapping[str, str] | None = None) -> bool:
     """Installs the global tracer provider for `sluice-<service>` with the exporters the environment
-    asks for (see the module doc); `console` adds the console exporter. Returns whether tracing is on.
-    Only the first call in a process counts; make it before building servers and channels. Spans still
-    buffered are flushed at interpreter exit (or by `shutdown_tracing`)."""
+    asks for (docs/architecture.md, "Observability"); `console` adds the console exporter. Returns
+    whether tracing is on. Only the first call in a process counts; make it before building servers and
+    channels. Spans still buffered are flushed at interpreter exit (or by `shutdown_tracing`)."""
     global _enabled, _initialized
     assert service in SERVICE_NAMES, service
     if _initialized:

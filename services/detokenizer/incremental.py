@@ -5,24 +5,10 @@ generated ids `G`, the concatenation of every delta it emits equals
 
     full_text(C, G) = decode(C + G)[len(decode(C)):]        (decode(G) when C is empty)
 
-cut at the first stop string (see `first_stop`), with special tokens removed when asked. Byte-fallback
-tokens at the end of the context are dropped from it, and context whose text ends in an incomplete
-character is ignored (neither could be split from the generated text).
-
-How, for any decoder (`WindowSource`): the prefix/read-offset method. The state keeps the ids of a
-short window; each step decodes the window from `prefix_offset` and emits what it adds beyond the text
-up to `read_offset`. Text that can still change is held back: a trailing run of U+FFFD (an incomplete
-UTF-8 sequence), and an open run of byte-fallback tokens (`<0xE4>`…, decoded as a whole once a
-non-byte token ends the run); a later id completes them, or the close flushes them. Decoding a window
-rather than single ids keeps SentencePiece leading spaces ("▁the" after context is " the") and
-characters split across ids intact. For a plain ByteLevel decoder (GPT-2, Llama 3, Qwen2) the same
-text comes faster from a table of each id's bytes and an incremental UTF-8 decoder (`ByteSource`).
-
-Stop strings are matched on the settled text; only the longest tail that could still grow into a stop
-string is held back. Every output says how many generated ids were consumed so far (`Output.num_ids`),
-never one past the id that completed a stop string, so the caller can pair text with ids.
-
-`Vocabulary.piece` gives each token's own bytes (for logprobs): what it adds to the text before it.
+cut at the first stop string (`first_stop`), special tokens removed when asked; text that can still
+change (an incomplete character, an open byte-fallback run, a possible stop-string prefix) is held back
+until a later id settles it or the close flushes it. `Output.num_ids` counts the generated ids consumed,
+never one past the id that completed a stop string. How: docs/architecture.md ("Detokenizer").
 """
 
 from __future__ import annotations

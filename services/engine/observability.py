@@ -1,33 +1,13 @@
 """Metrics and trace spans of the engine core, recorded on the engine thread once per request event
 and once per step (never per token).
 
-The engine calls, on its own thread:
-    observer.on_arrival(request, trace_context)   in add_request
-    observer.on_scheduled(sched)                   after the scheduler built a step
-    observer.on_step_end(sched, outputs, step_s)   at the end of every step that ran the model, and
-                                                   with sched=None for steps that only emitted finals
-
-Per request it keeps a few timestamps (`time.monotonic()`): arrival, first schedule, first token, last
-token. Spans (only when tracing is on): one `sluice.engine.generate` span per request, from arrival to
-its final output, child of the caller's trace context, with children `queue` (arrival → first
-schedule), `prefill` (first schedule → first token) and `decode` (first token → finish) and the GenAI
-attributes; and one `sluice.engine.step` span for a `step_sample_rate` share of the steps, linked to
-the requests in the step.
-
-Besides sluice's own metrics, the gauges that Kubernetes inference routers read from a model server
-(the Gateway API Inference Extension's endpoint picker, llm-d), under vLLM's names, with a `model_name`
-label as vLLM's, updated after every step:
-
-    vllm:num_requests_waiting   = sluice_requests_waiting       requests queued for admission
-    vllm:num_requests_running   = sluice_requests_running       requests in the running batch
-    vllm:kv_cache_usage_perc    = sluice_kv_cache_usage_ratio   KV blocks in use / all, 0..1
-    vllm:gpu_cache_usage_perc   (the same; the name vLLM used before 0.10, which older pickers read)
-    vllm:cache_config_info      1, labels block_size and num_gpu_blocks: the pool's shape (blocks of
-                                block_size tokens, on the engine's device whether GPU or CPU)
-
-For a mixture-of-experts model, the runner's `ExpertLoad` (services/engine/executor/moe.py) hands over the
-tokens each step routed to each expert of each layer: they add to sluice_moe_expert_tokens_total, and each
-step observes its `max_load_ratio` in sluice_moe_expert_load_ratio.
+The engine calls, on its own thread: `on_arrival(request, trace_context)` when a request is added,
+`on_scheduled(sched)` after the scheduler built a step, and `on_step_end(sched, outputs, step_s)` at the
+end of every step that ran the model (`sched=None` for steps that only emitted finals). Per request it
+keeps a few `time.monotonic()` timestamps (arrival, first schedule, first token, last token) until its
+final. Spans only when tracing is on; `RouterGauges` are the gauges inference routers read, under
+vLLM's names; an MoE model's `ExpertCounts` feed the expert metrics. Span tree, metric names and the
+gauges' meanings: docs/architecture.md ("Observability").
 """
 
 from __future__ import annotations
@@ -75,7 +55,7 @@ def max_load_ratio(counts: np.ndarray) -> float | None:
 
 
 class RouterGauges:
-    """The model-server gauges of inference routers, under vLLM's names (see the module docstring)."""
+    """The model-server gauges of inference routers, under vLLM's names (docs/architecture.md)."""
 
     def __init__(
         self, registry: CollectorRegistry, model_name: str, block_size: int, num_blocks: int

@@ -1,31 +1,13 @@
 """Tokenizer core: text or chat messages → token ids, for one local Hugging Face model directory.
 
-Knows nothing of gRPC. The tokenizer is exactly what `AutoTokenizer.from_pretrained(dir)` builds for
-the model's class (Qwen2's pre-tokenizer for a Qwen2 directory even when `tokenizer.json` says
-otherwise, its special tokens, its chat template); ids come from its Rust backend
-(`tokenizers.Tokenizer`), batched. `config.json` (context length, eos) and `generation_config.json`
-(eos) are read when present. The chat template is the tokenizer's: `chat_template` of
-tokenizer_config.json, or the `chat_template.jinja` / `chat_template.json` files newer Hub repositories
-ship (the `default` of a set of named templates).
-
-Special tokens around a text (`add_special_tokens`): as tokenizer_config.json's `add_bos_token` and
-`add_eos_token` say where they are set (Gemma, Llama, Mistral), else as tokenizer.json's post-processor
-does (`follow_config`); a prompt never starts with bos twice (a text that begins with the bos token's
-text, or a template that writes it). The ids that end a generation are `models.eos_token_ids`, the same
-rule the engine stops by.
-
-Chat templates are rendered as transformers renders them: a sandboxed Jinja2 environment with
-`trim_blocks`, `lstrip_blocks` and the loop-control extension, the globals `raise_exception`,
-`strftime_now` and a JSON `tojson` filter, the variables `messages`, `tools`, `add_generation_prompt`
-and the special tokens (`bos_token`, `eos_token`, ...). The rendered text is encoded without adding special
-tokens again, so the ids equal `AutoTokenizer.apply_chat_template(..., tokenize=True)`.
-
-Tools and tool-calling history reach the template in transformers' convention: `tools` is the list of
-OpenAI tool objects (`{"type": "function", "function": {...}}`), an assistant message carries
-`tool_calls` as a list of `{"id", "type", "function": {"name", "arguments"}}` whose `arguments` is the
-decoded JSON value (a dict), not OpenAI's JSON text (text that is not JSON, such as a call cut by
-max_tokens, stays the string it is, as OpenAI accepts it), and a tool message carries `tool_call_id`.
-`chat_message` and `parse_tools` turn OpenAI's wire form into that.
+Knows nothing of gRPC. The tokenizer is what `AutoTokenizer.from_pretrained(dir)` builds for the model's
+class; ids come from its Rust backend, batched (`tokenize_many`: each job's ids or its `InvalidInput`).
+Special tokens around a text follow tokenizer_config.json's `add_bos_token` / `add_eos_token` where set,
+else tokenizer.json's post-processor (`follow_config`); a prompt never starts with bos twice. Chat
+templates render as transformers renders them and the text is encoded without special tokens again, so
+ids equal `AutoTokenizer.apply_chat_template(..., tokenize=True)`; `chat_message` and `parse_tools` turn
+OpenAI's wire form into transformers' convention. The ids that end a generation are
+`models.eos_token_ids`, the rule the engine stops by. Details: docs/architecture.md ("Tokenizer").
 """
 
 from __future__ import annotations

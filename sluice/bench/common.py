@@ -1,6 +1,6 @@
-"""What every benchmark shares besides its report (report.py: tables, JSON, plots, ratios): the common flags
-and their types, the run's metadata, torch's settings, progress bars and error text. Argparse types raise
-argparse errors, so a bad value exits with status 2 and a usage line.
+"""What every benchmark shares besides its report (report.py): the shared flags and their argparse types
+(a bad value exits with status 2 and a usage line), torch's settings, progress bars, error text and the
+run's metadata (command, date, machine, git commit).
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
-
-if TYPE_CHECKING:
-    pass
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -46,15 +41,13 @@ def int_range(text: str) -> tuple[int, int]:
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return value
 
 
 def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
+    if not (value := float(text)) > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
@@ -75,12 +68,13 @@ def names(choices: Sequence[str], what: str) -> Callable[[str], tuple[str, ...]]
 _FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
     "model": dict(type=Path, metavar="DIR", help="model directory (default: the embedded model)"),
     "json": dict(type=Path, metavar="FILE", help="write the figures as JSON here"),
-    "plot": dict(type=Path, metavar="FILE.png", help="write a PNG chart of the figures here"),
     "quick": dict(action="store_true", help="tiny counts for smoke tests"),
     "threads": dict(type=positive_int, metavar="N", help="torch CPU threads (default: torch's)"),
     "no-progress": dict(action="store_true", help="hide the progress bars"),
     "device": dict(help="cpu | cuda | cuda:N (default: cuda if available)"),
-    "dtype": dict(choices=DTYPES, help="the model's dtype (default float32 on CPU)"),
+    "dtype": dict(
+        choices=("float32", "bfloat16", "float16"), help="the model's dtype (default float32 on CPU)"
+    ),
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
 }
@@ -110,8 +104,7 @@ def resolve_device(args: argparse.Namespace) -> bool:
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cuda = args.device.startswith("cuda")
-    if cuda and not torch.cuda.is_available():
+    if (cuda := args.device.startswith("cuda")) and not torch.cuda.is_available():
         raise ValueError("--device cuda asked for, but torch sees no CUDA device")
     return cuda
 
@@ -128,8 +121,8 @@ def quiet_torch(threads: int | None) -> None:
 
 
 def progress_bar(show: bool, total: int, desc: str, unit: str = "tok") -> tqdm:
-    return tqdm(total=total, desc=desc, unit=unit, disable=not show, file=sys.stderr, mininterval=0.5,
-                dynamic_ncols=True)  # fmt: skip
+    options = {"file": sys.stderr, "mininterval": 0.5, "dynamic_ncols": True}
+    return tqdm(total=total, desc=desc, unit=unit, disable=not show, **options)
 
 
 def error_text(exc: BaseException) -> str:
@@ -138,27 +131,14 @@ def error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                              text=True, timeout=5, check=True)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device: str | None = None) -> dict[str, Any]:
     """The machine; with a torch `device`, also torch's and transformers' versions, threads and GPU."""
-    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_model": _cpu_model(),
-                            "python": platform.python_version(), "platform": platform.platform()}  # fmt: skip
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next((ln.partition(":")[2].strip() for ln in lines if ln.startswith("model name")), cpu)
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "cpu_model": cpu}
+    info.update(python=platform.python_version(), platform=platform.platform())
     if device is not None:
         import torch
         import transformers
@@ -172,10 +152,17 @@ def machine_info(device: str | None = None) -> dict[str, Any]:
 
 def run_meta(bench_argv: Sequence[str], device: str | None = None) -> dict[str, Any]:
     """Where and how a run was made: its command (`bench_argv` is what followed `sluice bench`, the
-    benchmark's name first), date (UTC), machine (see `machine_info`), git commit."""
+    benchmark's name first), date (UTC), machine (see `machine_info`), git commit (None outside git)."""
+    commit = None
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        git = ["git", "rev-parse", "HEAD"]
+        done = subprocess.run(
+            git, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5, check=True
+        )
+        commit = done.stdout.strip() or None
     return {
         "command": shlex.join(["sluice", "bench", *bench_argv]),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine_info(device),
-        "git_commit": _git_commit(),
+        "git_commit": commit,
     }

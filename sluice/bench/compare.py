@@ -1,8 +1,8 @@
 """`sluice bench compare`: output tokens/s and p99 TTFT against request rate for sluice's batching policies
-(one pipeline each) and `transformers serve --continuous-batching` (the peer) on one seeded workload of
-streaming OpenAI completions, greedy and stopping at EOS (the peer rejects ignore_eos); "(EOS)" marks points
-that produced fewer than max_tokens. Exit status 0 when every system ran every point, 1 when a system failed
-to start or a point completed no request, 2 on bad arguments.
+(one pipeline each) on one seeded workload of streaming OpenAI completions, greedy and stopping at EOS, so
+that every policy generates the same tokens; "(EOS)" marks points that produced fewer than max_tokens.
+Exit status 0 when every policy ran every point, 1 when one failed to start or a point completed no
+request, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -12,43 +12,30 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from sluice.bench import sweep as sw
 from sluice.bench.common import add_count, names, positive_float, progress_bar
 from sluice.bench.engine_driver import BATCHING_POLICIES
-from sluice.bench.report import (
-    PEER,
-    compare_json,
-    compare_plot,
-    fmt,
-    format_peer,
-    format_points,
-    rate_text,
-    ratio,
-    system_label,
-    write_json,
-)
+from sluice.bench.report import compare_json, fmt, format_points, rate_text, write_json
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
 
 HEADLINE = "continuous"
 BASELINE = "static"
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
-NUM_WARMUP = 4  # requests sent and awaited before a system's first point
+NUM_WARMUP = 4  # requests sent and awaited before a policy's first point
 REQUEST_TIMEOUT_S = 300.0
-Runs = dict[str, sw.SystemRun]  # system → its points
 
 
 @dataclass(frozen=True)
 class Point:
-    """One run of the workload at one request rate against one system."""
+    """One run of the workload at one request rate against one policy's pipeline."""
 
     system: str
     rate: float
     summary: dict[str, Any]  # ServeResult.summary()
     asked_tokens: int  # output tokens the completed requests asked for
-    cpu_s: dict[str, float] = field(default_factory=dict)  # sluice: CPU seconds per service in the run
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds per service in the run
 
     @property
     def completed(self) -> int:
@@ -79,11 +66,7 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="sluice bench compare", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     about = f"sluice batching policies to run (default {','.join(BATCHING_POLICIES[::-1])})"
     policies = names(BATCHING_POLICIES, "policy")
@@ -94,12 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_count(parser, "--output-len", 128, "mean output tokens (default 128)")
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
-    add("--no-peer", action="store_true", help="skip transformers serve")
-    helps = {
-        "num_requests": "requests per point (default 64: at rate inf, 64 streams at once)",
-        "plot": "write tokens/s and p99 TTFT against request rate here",
-    }
-    sw.add_sweep_flags(parser, 64, "plot", "engine-flags", **helps)
+    about = "requests per point (default 64: at rate inf, 64 streams at once)"
+    sw.add_sweep_flags(parser, 64, "engine-flags", num_requests=about)
     return parser
 
 
@@ -107,7 +86,7 @@ def run_point(
     system: str, endpoint: sw.Endpoint, rate: float, requests: list[BenchRequest], seed: int, warm_up: bool
 ) -> Point:
     """One run of the workload at `rate` (after NUM_WARMUP requests when `warm_up`), greedy, each request
-    ending at EOS or max_tokens: the same for every system, since the peer rejects ignore_eos."""
+    ending at EOS or max_tokens."""
     before = endpoint.cpu_seconds()
     warmup = NUM_WARMUP if warm_up else 0
     load = {"request_rate": rate, "num_warmup": warmup, "ignore_eos": False, "seed": seed, "progress": False}
@@ -131,12 +110,9 @@ def highest_rate_under(run: sw.SystemRun, bound_ms: float, num_requests: int) ->
 def capacity_ratio(
     head: float | None, base: float | None, rates: Sequence[float]
 ) -> tuple[float | None, str]:
-    """HEADLINE's highest rate under the bound ÷ BASELINE's, and a note on what the value is.
-
-    The sweep only brackets each limit: a system that held the bound at rate inf held it at least up to
-    the highest finite rate, one that held it at no rate has its limit below the lowest rate. So the
-    value is a lower bound ("at least") when HEADLINE held at inf or BASELINE at no rate, and None when
-    the sweep cannot bracket the ratio."""
+    """HEADLINE's highest rate under the bound ÷ BASELINE's, and a note on what the value is. The sweep only
+    brackets each limit, so the value is a lower bound ("at least") when HEADLINE held the bound at rate
+    inf or BASELINE at no rate, and None when the sweep cannot bracket the ratio."""
     finite = [r for r in rates if math.isfinite(r)]
     if head is None:
         return None, f"{HEADLINE} held the bound at no rate tried"
@@ -156,66 +132,20 @@ def capacity_ratio(
     return head / base, f"at least: {'; '.join(notes)}" if notes else ""
 
 
-def peer_ratios(head: sw.SystemRun, peer: sw.SystemRun) -> list[dict[str, Any]]:
-    """At each rate both ran: sluice-continuous ÷ peer output tokens/s and p99 TTFT ratio (None where a
-    side completed nothing), and the peer's requests completed, tokens produced and tokens asked for."""
-    peer_points = {p.rate: p for p in peer.points}
-    rows = []
-    for point in head.points:
-        other = peer_points.get(point.rate)
-        if other is None:
-            continue
-        rows.append(
-            {
-                "rate": point.rate,
-                "tokens_per_s_ratio": ratio(point.tokens_per_s, other.tokens_per_s),
-                "ttft_p99_ratio": ratio(point.ttft_p99_ms, other.ttft_p99_ms),
-                "peer_completed": other.completed,
-                "peer_output_tokens": other.summary["total_output_tokens"],
-                "peer_asked_tokens": other.asked_tokens,
-            }
-        )
-    return rows
-
-
-def _report(args: argparse.Namespace, runs: Runs, meta: dict[str, Any]) -> int:
-    """Prints the tables, capacities and their ratio, writes the JSON and the plot; returns the exit
-    status."""
-    capacities = {
-        name: highest_rate_under(run, args.ttft_bound_ms, args.num_requests) for name, run in runs.items()
-    }
+def _report(args: argparse.Namespace, runs: dict[str, sw.SystemRun], meta: dict[str, Any]) -> int:
+    """Prints the table, capacities and their ratio, writes the JSON; returns the exit status."""
+    bound, n = args.ttft_bound_ms, args.num_requests
+    capacities = {name: highest_rate_under(run, bound, n) for name, run in runs.items()}
     print(f"\n{format_points(runs, args.num_requests)}")
-    head, peer = runs.get(HEADLINE), runs.get(PEER)
-    if peer is not None:
-        print()
-        if peer.error is not None or not any(p.completed for p in peer.points):
-            print(f"{PEER} FAILED: {peer.error or _first_error(peer)}")
-        elif head is not None:
-            print(f"sluice-{HEADLINE} ÷ {PEER} at each rate:")
-            print(format_peer(peer_ratios(head, peer)))
     print(f"\nhighest request rate with p99 TTFT ≤ {args.ttft_bound_ms:g} ms at it and every lower rate:")
     for name, best in capacities.items():
         shown = "none of the rates tried" if best is None else f"{rate_text(best)} req/s"
-        print(f"  {system_label(name):<22} {shown}")
+        print(f"  sluice-{name:<15} {shown}")
     value, note = capacity_ratio(capacities.get(HEADLINE), capacities.get(BASELINE), args.rates)
     print(f"{HEADLINE}'s highest rate ÷ {BASELINE}'s: {fmt(value, '.3g')}" + (f" ({note})" if note else ""))
-    rows = peer_ratios(head, peer) if head and peer else []
-    write_json(args.json, compare_json(runs, capacities, (value, note), rows, meta), announce=True)
-    if args.plot is not None:
-        title = (
-            f"sluice bench compare: {args.num_requests} requests per point, ~{args.input_len} prompt + "
-            f"{args.output_len} output tokens, {Path(meta['model']).name}"
-        )
-        compare_plot(args.plot, runs, args.rates, args.ttft_bound_ms, title)
+    write_json(args.json, compare_json(runs, capacities, (value, note), meta), announce=True)
     failed = any(run.error is not None or any(not p.completed for p in run.points) for run in runs.values())
     return 1 if failed else 0
-
-
-def _first_error(run: sw.SystemRun) -> str:
-    for point in run.points:
-        for error in point.summary["errors"]:
-            return f"every request failed, e.g. {error['message']}"
-    return "no request completed"
 
 
 def main(argv: list[str]) -> int:
@@ -226,15 +156,12 @@ def main(argv: list[str]) -> int:
     asked = sum(r.output_len for r in requests)
     workload = {"num_requests": args.num_requests, **lengths, "asked_output_tokens": asked, "seed": args.seed}
     workload["api"] = "openai"
-    meta = sw.sweep_meta(
-        "compare", argv, model, workload=workload, rates=list(args.rates), ttft_bound_ms=args.ttft_bound_ms
-    )
+    more = {"rates": list(args.rates), "ttft_bound_ms": args.ttft_bound_ms}
+    meta = sw.sweep_meta("compare", argv, model, workload=workload, **more)
     openers: dict[str, sw.Opener] = {
         policy: partial(sw.stack_endpoint, model, engine_flags, batching=policy, metrics=False)
         for policy in args.policies
     }
-    if not args.no_peer:
-        openers[PEER] = partial(sw.peer_endpoint, model)
     rates = ", ".join(map(rate_text, args.rates))
     print(f"model: {model}; {args.num_requests} requests per point; rates {rates} req/s")
 

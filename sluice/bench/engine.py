@@ -1,8 +1,9 @@
 """`sluice bench engine`: the engine against transformers on one fixed workload, in one process: per
-`--concurrency` every method timed and its greedy outputs checked against hf-sequential's, then decode-only
-steps against the memory roofline (docs/benchmarks.md). Exit status 0 when every method ran, 1 when one
-failed, 2 on bad arguments. The command's other variants over the same driver: `sluice bench engine latency`
-(speculation and quantized weights; also `sluice bench latency`) and `sluice bench engine perplexity`.
+`--concurrency` every method timed and its greedy outputs checked against hf-sequential's
+(docs/benchmarks.md; decode-only steps against the memory roofline: scripts/decode_roofline.py). Exit status
+0 when every method ran, 1 when one failed, 2 on bad arguments. The command's other variants over the same
+driver: `sluice bench engine latency` (speculation and quantized weights; also `sluice bench latency`) and
+`sluice bench engine perplexity`.
 """
 
 from __future__ import annotations
@@ -13,19 +14,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from sluice.bench import engine_methods as em
 from sluice.bench import report
 from sluice.bench.common import (
-    add_count,
     add_flags,
     error_text,
     int_list,
     int_range,
     names,
-    positive_float,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -42,7 +40,6 @@ from sluice.bench.engine_methods import (
     Workload,
     load_hf_model,
     make_workload,
-    measure_decode_step,
     reference_logits,
     run_hf_continuous,
     run_hf_sequential,
@@ -57,8 +54,6 @@ DEFAULTS = {  # option: (with --quick, without)
     "prompt_len": ((16, 48), (16, 256)),
     "output_len": ((8, 24), (8, 256)),
     "hf_batch_tokens": ((256,), (256, 512, 1024)),
-    "decode_batch": (4, 64),
-    "decode_steps": (4, 32),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
@@ -91,7 +86,7 @@ RUN_HELP = {  # variant → rewordings of the shared flags
 
 def build_parser(variant: str = "throughput", prog: str = "sluice bench engine") -> argparse.ArgumentParser:
     """The one parser of every variant: the model (--preset or --model), the variant's own flags, then the
-    run's (seed, device, dtype, json, plot, threads, repeat, quick, no-progress)."""
+    run's (seed, device, dtype, json, threads, repeat, quick, no-progress)."""
     from sluice.bench import latency
 
     kind = "throughput" if variant == "throughput" else "latency"
@@ -101,7 +96,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
     model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
     add_flags(model, "model", model="a local Hugging Face model")
     (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
-    flags = ("seed", "device", "dtype", "json", "plot", "threads", "repeat", "quick", "no-progress")
+    flags = ("seed", "device", "dtype", "json", "threads", "repeat", "quick", "no-progress")
     add_flags(parser, *flags, **RUN_HELP[kind])
     return parser
 
@@ -111,14 +106,8 @@ def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
     about += "other than tiny)"
     add("--concurrency", type=int_list, metavar="LIST", help=about)
-    add_count(parser, "--num-requests", None, "the same as --concurrency N")
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
-    about = "time decode-only steps of N rows against the memory roofline (default 64; 0 = skip)"
-    add_count(parser, "--decode-batch", None, about, type=int)
-    add_count(parser, "--decode-steps", None, "decode steps timed (default 32)")
-    about = "memory bandwidth for the roofline (default: by GPU name; none on CPU)"
-    add("--hbm-gbps", type=positive_float, metavar="GB/s", help=about)
     add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
     add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
     about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
@@ -141,20 +130,14 @@ def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real
 
 
 def _resolve(args: argparse.Namespace) -> None:
-    """The throughput variant's options: --num-requests as --concurrency; on CUDA, for a model other than
-    tiny, bfloat16 and 64,256 requests; the quick or full defaults; the methods by device."""
-    if args.num_requests is not None:
-        if args.concurrency not in (None, (args.num_requests,)):
-            raise ValueError("--num-requests N is --concurrency N; give one of them")
-        args.concurrency = (args.num_requests,)
+    """The throughput variant's options: on CUDA, for a model other than tiny, bfloat16 and 64,256
+    requests; the quick or full defaults; the methods by device."""
     real_model = args.model is not None or args.preset != TINY
     if args.concurrency is None and real_model and resolve_device(args) and not args.quick:
         args.concurrency = GPU_MODEL_CONCURRENCY
     resolve(args, DEFAULTS, real_model)
     if args.methods is None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
-    if args.decode_batch < 0:
-        raise ValueError("--decode-batch must be >= 0")
 
 
 HF_RUNNERS = {
@@ -248,7 +231,7 @@ def main(argv: list[str], prog: str | None = None) -> int:
 
 
 def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Path) -> int:
-    """Every concurrency's block of methods (the JSON rewritten after each), then the decode steps."""
+    """Every concurrency's block of methods (the JSON rewritten after each), then the report."""
     label = model_label(args)
     meta.update(model=label, dtype=args.dtype, repeat=args.repeat)
     print(f"model: {label}, {args.dtype}; concurrency {','.join(map(str, args.concurrency))}")
@@ -259,18 +242,9 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
     blocks: list[report.Block] = []
     for concurrency in args.concurrency:
         blocks.append(run_block(args, ctx, config, label, concurrency))
-        _write_partial(args, meta, blocks)
-    decode, decode_error = run_decode(args, ctx, config, blocks[0].work)
-    return _report(args, meta, blocks, decode, decode_error)
-
-
-def _write_partial(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> None:
-    """Writes the JSON of the blocks so far (`"partial": true`), so that a run stopped by a time limit
-    still leaves its finished figures; the complete JSON replaces it at the end."""
-    ratios = [r for b in blocks for r in b.ratios()]
-    write_json(
-        args.json, report.engine_json_runs(blocks, [], "not measured yet", ratios, {**meta, "partial": True})
-    )
+        # The blocks so far (`"partial": true`): a run stopped by a time limit keeps its finished figures.
+        write_json(args.json, report.engine_json_runs(blocks, {**meta, "partial": True}))
+    return _report(args, meta, blocks)
 
 
 def run_block(
@@ -288,57 +262,15 @@ def run_block(
     return report.Block(label, concurrency, work, described, results, errors, skipped, check)
 
 
-def decode_context(work: Workload) -> int:
-    """The workload's mean context while decoding: a request's prompt and, on average, half its output."""
-    prompt = sum(len(p) for p in work.prompts) / len(work)
-    output = work.total_output_tokens / len(work)
-    return round(prompt + output / 2)
-
-
-def run_decode(
-    args: argparse.Namespace, ctx: BenchContext, config: PretrainedConfig, work: Workload
-) -> tuple[list[report.DecodeFigure], str | None]:
-    """Decode-only steps at `--decode-batch` rows with CUDA graphs on (and off, on CUDA) against the memory
-    roofline; returns the figures and the error that stopped the measurement, if any."""
-    if args.decode_batch == 0:
-        return [], None
-    gbps, source = em.device_bandwidth(ctx.device, args.hbm_gbps)
-    element = torch.tensor([], dtype=ctx.torch_dtype).element_size()
-    context = decode_context(work)
-    print(f"== decode-only steps: batch {args.decode_batch}, context ~{context}, {args.decode_steps} steps")
-    figures: list[report.DecodeFigure] = []
-    for graphs in ("on", "off") if on_cuda(ctx.device) else ("on",):
-        try:
-            step = measure_decode_step(ctx, args.decode_batch, context, args.decode_steps, graphs, args.seed)
-        except Exception as exc:
-            return figures, error_text(exc)
-        finally:
-            release_memory(ctx.device)
-        roof = em.decode_roofline(config, element, step.batch, step.mean_context, gbps)
-        figures.append(report.DecodeFigure(step, roof, source))
-    return figures, None
-
-
-def _report(
-    args: argparse.Namespace,
-    meta: dict[str, Any],
-    blocks: list[report.Block],
-    decode: list[report.DecodeFigure],
-    decode_error: str | None,
-) -> int:
-    """Prints each concurrency's table and greedy check, the decode steps and the ratios, writes the JSON
-    and the plot; returns the exit status."""
-    label = model_label(args)
-    ratios = [r for b in blocks for r in b.ratios()] + [report.graphs_ratio(decode, label, args.decode_batch)]
-    for text in [*map(report.format_block, blocks), report.format_decode(decode, decode_error)]:
+def _report(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> int:
+    """Prints each concurrency's table and greedy check and the ratios, writes the JSON; returns the exit
+    status."""
+    ratios = [r for b in blocks for r in b.ratios()]
+    for text in map(report.format_block, blocks):
         print(f"\n{text}")
     if args.repeat > 1:
         print(f"each method ran {args.repeat} times; its fastest run is shown (all runs in the JSON)")
     print("ratios:")
     print("\n".join(r.line() for r in ratios))
-    write_json(args.json, report.engine_json_runs(blocks, decode, decode_error, ratios, meta), announce=True)
-    rows = [(b, r) for b in blocks for r in b.rows]
-    if args.plot is not None and rows:
-        report.engine_plot(args.plot, rows, f"sluice bench engine: {label}, {args.device}, {args.dtype}")
-    failed = any(b.errors for b in blocks) or decode_error is not None
-    return 1 if failed else 0
+    write_json(args.json, report.engine_json_runs(blocks, meta), announce=True)
+    return 1 if any(b.errors for b in blocks) else 0

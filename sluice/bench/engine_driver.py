@@ -21,7 +21,6 @@ from transformers import AutoConfig, PretrainedConfig
 from services.common.settings import load_settings
 from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
-from services.engine.core.scheduler import SchedulerOutput
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
 
 __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
@@ -29,7 +28,6 @@ __all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks
 KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
 MIN_KV_GB = 0.5  # the least KV pool
 BLOCK_SIZE = EngineSettings.block_size
-MAX_NUM_SEQS = EngineSettings.max_num_seqs
 MAX_NUM_BATCHED_TOKENS = EngineSettings.max_num_batched_tokens
 NUM_SPECULATIVE_TOKENS = EngineSettings.num_speculative_tokens
 
@@ -43,10 +41,6 @@ def on_cuda(device: str) -> bool:
 def sync(device: str) -> None:
     if on_cuda(device):
         torch.cuda.synchronize()
-
-
-def round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def release_memory(device: str) -> None:
@@ -75,22 +69,19 @@ def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
 
 
-def kv_cache_gb(model_dir: Path, dtype: str, lengths: Sequence[int], extra: int = 0) -> float:
-    """GiB of a pool holding requests of these total lengths at once (`extra` more tokens each), KV_SLACK
-    over, at least MIN_KV_GB."""
-    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
-    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
-    tokens = sum(round_up(n + extra, BLOCK_SIZE) + BLOCK_SIZE for n in lengths)
-    return max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
-
-
 def engine_settings(
     model_dir: Path, device: str, dtype: str, lengths: Sequence[int], extra: int = 0, **fields: Any
 ) -> EngineSettings:
-    """Settings of an engine for requests of these total lengths (see the module docstring); `fields` are
-    any other EngineSettings fields."""
-    pool = {"block_size": BLOCK_SIZE, "kv_cache_gb": kv_cache_gb(model_dir, dtype, lengths, extra)}
-    max_len = round_up(max(lengths) + extra + 1, BLOCK_SIZE)
+    """Settings of an engine for requests of these total lengths (`extra` more tokens each) held at once:
+    a pool of KV_SLACK over their blocks (at least MIN_KV_GB); `fields` are other EngineSettings fields."""
+    element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
+    tokens = sum(-(-(n + extra) // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE for n in lengths)
+    pool = {
+        "block_size": BLOCK_SIZE,
+        "kv_cache_gb": max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30)),
+    }
+    max_len = -(-(max(lengths) + extra + 1) // BLOCK_SIZE) * BLOCK_SIZE
     return EngineSettings(
         model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
     )
@@ -143,8 +134,7 @@ def drain(
         for out in outputs:
             if out.error is not None:
                 raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            track = tracks.get(out.request_id) if tracks else None
-            if track is None:
+            if (track := (tracks or {}).get(out.request_id)) is None:
                 continue
             if out.new_token_ids and track.first is None:
                 track.first = now
@@ -184,20 +174,3 @@ def spec_stats(engine: LLMEngine) -> dict[str, float]:
     stats = engine.stats()
     fields = [f.name for f in dataclasses.fields(stats)] if dataclasses.is_dataclass(stats) else []
     return {n: float(getattr(stats, n)) for n in fields if n.startswith("spec_")}
-
-
-class StepShapes:
-    """An engine observer that records, per scheduled step, its batch size and whether every row decodes."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, bool]] = []
-
-    def on_arrival(self, request: object, trace_context: object = None) -> None:
-        pass
-
-    def on_scheduled(self, sched: SchedulerOutput) -> None:
-        decode_only = all(n == 1 and r.num_computed_tokens >= r.num_prompt_tokens for r, n in sched.scheduled)
-        self.shapes.append((len(sched.scheduled), decode_only))
-
-    def on_step_end(self, *args: object) -> None:
-        pass

@@ -1,11 +1,8 @@
-"""The engine benchmark's fixed workload (random-token requests, a pure function of the seed), the methods
-it times (transformers baselines, the engine's policies) and the decode-step measurement. Every method
-returns, per request in workload order, exactly its `max_new_tokens[i]` greedy tokens (EOS never ends a
-request), and runs a short warm-up outside the timed region. Then what the report rests on: the greedy
-comparison with the reference's logits, and the memory roofline of a decode step: (weight bytes + KV bytes
-read) ÷ memory bandwidth. A step of batch B reads every weight the forward multiplies by (a tied embedding
-whole, as the output projection; an untied input embedding only at B rows) and B × context × layers × 2 ×
-KV heads × head_dim KV elements.
+"""The engine benchmark's fixed workload (random-token requests, a pure function of the seed) and the
+methods it times (transformers baselines, the engine's policies). Every method returns, per request in
+workload order, exactly its `max_new_tokens[i]` greedy tokens (EOS never ends a request), and runs a short
+warm-up outside the timed region. Then what the report rests on: the greedy comparison with the reference's
+logits.
 """
 
 from __future__ import annotations
@@ -13,19 +10,18 @@ from __future__ import annotations
 import functools
 import math
 import random
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import Progress, on_cuda, timed
 from sluice.bench.report import EAGER, GREEDY_RULE, HF_METHODS, NOT_ON_CPU, REFERENCE, SLUICE_METHODS
-from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID, meta_model
+from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID
 
 ALL_METHODS = HF_METHODS + SLUICE_METHODS
 DEFAULT_METHODS = HF_METHODS + SLUICE_METHODS[:3]  # CPU: the eager method is the same engine there
@@ -284,24 +280,16 @@ def run_hf_continuous(
     return best
 
 
-def _settings(ctx: BenchContext, batching: str, lengths: list[int], cuda_graphs: str, seqs: int = 0) -> Any:
-    """The engine for requests of these total lengths (`seqs` 0: the engine's default max_num_seqs)."""
-    return drv.engine_settings(
-        ctx.model_dir, ctx.device, ctx.dtype, lengths, batching=batching, static_batch_size=STATIC_BATCH_SIZE,
-        max_num_seqs=seqs or drv.MAX_NUM_SEQS, cuda_graphs=cuda_graphs,
-    )  # fmt: skip
-
-
-def _graphs_state(ctx: BenchContext, cuda_graphs: str) -> str:
-    return cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU
-
-
 def run_sluice(
     ctx: BenchContext, work: Workload, batching: str, progress: Progress, cuda_graphs: str = "on"
 ) -> MethodResult:
     """The engine core with one batching policy: add every request, then `step()` until none is left."""
     lengths = [len(p) + n for p, n in zip(work.prompts, work.max_new_tokens, strict=True)]
-    engine = drv.make_engine(_settings(ctx, batching, lengths, cuda_graphs))
+    settings = drv.engine_settings(
+        ctx.model_dir, ctx.device, ctx.dtype, lengths, batching=batching, static_batch_size=STATIC_BATCH_SIZE,
+        cuda_graphs=cuda_graphs,
+    )  # fmt: skip
+    engine = drv.make_engine(settings)
     drv.warm_up(engine, _warmup_prompt())
     outputs, wall_s = drv.generate(engine, work.prompts, work.max_new_tokens, progress, ctx.device)
     stats = engine.stats()
@@ -317,68 +305,8 @@ def run_sluice(
         max_batch=stats.max_batch,
         kv_efficiency=stats.peak_kv_efficiency,
         preemptions=stats.num_preemptions,
-        cuda_graphs=_graphs_state(ctx, cuda_graphs),
+        cuda_graphs=cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU,
     )
-
-
-@dataclass(frozen=True)
-class DecodeStep:
-    """Decode-only steps of the engine at one batch size: their mean time and what they computed."""
-
-    cuda_graphs: str  # "on" | "off" | NOT_ON_CPU
-    batch: int
-    mean_context: float  # tokens per row, the new one included, averaged over the timed steps
-    steps: int  # steps timed
-    step_s: float  # mean wall time of one step
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.batch / self.step_s if self.step_s > 0 else 0.0
-
-
-DECODE_WARM_STEPS = 3  # decode steps run before the timed ones (first decodes, CUDA graph replay warm-up)
-
-
-def measure_decode_step(
-    ctx: BenchContext, batch: int, context: int, steps: int, cuda_graphs: str = "on", seed: int = 0
-) -> DecodeStep:
-    """Times `steps` decode-only steps of `batch` requests whose context averages `context` tokens over
-    them: `batch` random prompts are prefilled, a few decode steps run untimed, then `steps` are timed
-    (device synchronised at both ends). Raises RuntimeError when a timed step was not a decode of the
-    whole batch (it would not measure what it says)."""
-    prompt_len = max(1, context - DECODE_WARM_STEPS - steps // 2 - 1)
-    # None ends during the timed steps: a request whose prefill finished in an early step of the burst
-    # decodes during the later prefill steps, so it can be ahead by up to one token per prefill step.
-    prefill_steps = -(-batch * prompt_len // drv.MAX_NUM_BATCHED_TOKENS)
-    new_tokens = DECODE_WARM_STEPS + steps + prefill_steps + 4
-    lengths = [prompt_len + new_tokens] * batch
-    # max_num_seqs = batch: CUDA graphs are captured up to the batch measured, not beyond.
-    engine = drv.make_engine(_settings(ctx, "continuous", lengths, cuda_graphs, seqs=batch))
-    rng = random.Random(seed)
-    vocab = engine.runner.vocab_size
-    produced: dict[str, list[int]] = {}
-    for i in range(batch):
-        prompt = [rng.randrange(FIRST_PLAIN_ID, vocab) for _ in range(prompt_len)]
-        engine.add_request(f"d{i}", prompt, drv.greedy(), drv.stop_after(new_tokens))
-        produced[f"d{i}"] = []
-    while min(len(t) for t in produced.values()) < DECODE_WARM_STEPS:
-        for out in engine.step():
-            if out.error is not None:
-                raise RuntimeError(f"engine failed request {out.request_id}: {out.error}")
-            produced[out.request_id].extend(out.new_token_ids)
-    shapes = drv.StepShapes()
-    engine.observer = shapes  # type: ignore[assignment]
-    with timed(ctx.device) as elapsed:
-        for _ in range(steps):
-            engine.step()
-    engine.observer = None
-    if shapes.shapes != [(batch, True)] * steps:
-        raise RuntimeError(f"timed steps were not all decodes of {batch} rows: {shapes.shapes}")
-    # Context of a row in the first timed step: its prompt, its outputs so far and the new token (give or
-    # take the one a step launched before may be computing).
-    start = prompt_len + sum(len(t) for t in produced.values()) / batch + 1
-    mean_context = start + (steps - 1) / 2
-    return DecodeStep(_graphs_state(ctx, cuda_graphs), batch, mean_context, steps, elapsed[0] / steps)
 
 
 # Logit gap under which two correct greedy paths may pick different tokens by float noise alone, per dtype.
@@ -387,73 +315,6 @@ def measure_decode_step(
 # float32, 1.2e-2 in bfloat16 and 1.5e-3 in float16 (1.5 units in the last place at 1). Each threshold is
 # at least five times that (8 units in the last place at 1 for the 16-bit types).
 NEAR_TIE_THRESHOLD = {torch.float32: 1e-4, torch.bfloat16: 6.25e-2, torch.float16: 7.8e-3}
-
-
-# Peak memory bandwidth in GB/s (10^9 bytes/s) by torch.cuda.get_device_name, first match wins.
-HBM_GBPS: tuple[tuple[str, float], ...] = (
-    (r"H200", 4800.0),
-    (r"H100.*PCIe", 2000.0),
-    (r"H100", 3350.0),  # SXM (HBM3)
-    (r"A100.*80\s*GB", 2039.0),
-    (r"A100", 1555.0),  # 40 GB
-    (r"L40S", 864.0),
-    (r"\bL4\b", 300.0),
-)
-
-
-def hbm_gbps(device_name: str) -> float | None:
-    """The bandwidth of a known GPU by its name, None for any other device."""
-    for pattern, gbps in HBM_GBPS:
-        if re.search(pattern, device_name):
-            return gbps
-    return None
-
-
-def device_bandwidth(device: str, override: float | None) -> tuple[float | None, str]:
-    """(GB/s, where the figure comes from): `override` when given, else the table for a CUDA device, else
-    None (a CPU has no entry)."""
-    if override is not None:
-        return override, "--hbm-gbps"
-    if not device.startswith("cuda"):
-        return None, "a CPU has no entry; give --hbm-gbps"
-    name = torch.cuda.get_device_name(torch.device(device))
-    gbps = hbm_gbps(name)
-    return gbps, (name if gbps is not None else f"{name} not in the table; give --hbm-gbps")
-
-
-def weight_bytes_per_step(config: PretrainedConfig, element_size: int) -> int:
-    """Bytes of weights one decode step reads: every parameter but an untied input embedding."""
-    model = meta_model(config)
-    total = sum(p.numel() for p in model.parameters())
-    embedding = model.get_input_embeddings().weight
-    if not config.tie_word_embeddings:
-        total -= embedding.numel()
-    return total * element_size
-
-
-@dataclass(frozen=True)
-class Roofline:
-    """The bytes one decode step reads and, given a bandwidth, the least time it takes."""
-
-    weight_bytes: int
-    kv_bytes: int
-    gbps: float | None
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_bytes
-
-    @property
-    def seconds(self) -> float | None:
-        return None if not self.gbps else self.total_bytes / (self.gbps * 1e9)
-
-
-def decode_roofline(
-    config: PretrainedConfig, element_size: int, batch: int, context: float, gbps: float | None
-) -> Roofline:
-    """The roofline of a decode step of `batch` rows with `context` tokens each (mean, new token included)."""
-    kv = round(batch * context * drv.kv_bytes_per_token(config, element_size))
-    return Roofline(weight_bytes_per_step(config, element_size), kv, gbps)
 
 
 @dataclass(frozen=True)

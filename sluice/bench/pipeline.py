@@ -17,7 +17,7 @@ from typing import Any
 from sluice.bench import engine_driver as drv
 from sluice.bench import sweep as sw
 from sluice.bench.common import int_range
-from sluice.bench.report import pipeline_plot, write_json
+from sluice.bench.report import format_pipeline, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
 from sluice.plan import default_engine_threads
 
@@ -139,39 +139,15 @@ class Comparison:
         """End to end ÷ (in-process × the share of the machine the load generator leaves)."""
         return self.raw_ratio / (1.0 - self.end_to_end.generator_share)
 
-    def lines(self) -> list[str]:
-        inp, e2e = self.in_process, self.end_to_end
-        e2e_steps, e2e_step_s = e2e.stages.get("engine step", (0, 0.0))
-        cores = os.cpu_count() or 1
-        out = [
-            f"in-process engine : {inp.tokens_per_s:9.1f} tok/s  ({inp.output_tokens} tokens in "
-            f"{inp.wall_s:.2f} s; {inp.steps} steps, mean step {inp.mean_step_ms:.1f} ms; "
-            f"{inp.cpu_s / inp.wall_s:.2f} cores)",
-            f"end to end        : {e2e.tokens_per_s:9.1f} tok/s  ({e2e.summary['total_output_tokens']} "
-            f"tokens in {e2e.wall_s:.2f} s; {e2e_steps} steps, mean step "
-            f"{1000 * e2e_step_s / max(1, e2e_steps):.1f} ms; {e2e.summary['failed']} failed)",
-            f"ratio, raw        : {self.raw_ratio:.3f}",
-            f"load generator    : {e2e.generator_share:.1%} of the machine ({cores} cores)",
-            f"ratio, scaled     : {self.scaled_ratio:.3f}",
-            "",
-            "CPU over the end-to-end run   seconds   cores",
-        ]
-        for name, seconds in sorted(e2e.cpu_s.items(), key=lambda kv: -kv[1]):
-            out.append(f"  {name:<27} {seconds:8.2f}   {seconds / e2e.wall_s:5.2f}")
-        idle = cores - sum(e2e.cpu_s.values()) / e2e.wall_s
-        out.append(f"  {'(not used by these)':<27} {'':8}   {idle:5.2f}")
-        out += ["", "stage times (services' histograms)   count   mean ms   total s"]
-        for name, (count, total) in e2e.stages.items():
-            mean = 1000 * total / count if count else float("nan")
-            out.append(f"  {name:<34} {count:6d}  {mean:8.2f}  {total:8.2f}")
-        return out
-
     def to_json(self) -> dict[str, Any]:
         inp, e2e = self.in_process, self.end_to_end
-        e2e_doc = {**asdict(e2e), "tokens_per_s": e2e.tokens_per_s, "generator_share": e2e.generator_share}
         return {
             "in_process": {**asdict(inp), "tokens_per_s": inp.tokens_per_s},
-            "end_to_end": e2e_doc,
+            "end_to_end": {
+                **asdict(e2e),
+                "tokens_per_s": e2e.tokens_per_s,
+                "generator_share": e2e.generator_share,
+            },
             "raw_ratio": self.raw_ratio,
             "scaled_ratio": self.scaled_ratio,
         }
@@ -189,10 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api", choices=("openai", "ws", "grpc"), default="openai", help="the gateway API to drive")
     helps = {
         "num_requests": "requests, all sent at once (default 64)",
-        "repeat": "alternate the two runs N times, best of each",
-        "plot": "write tokens/s and cores used here",
+        "repeat": "alternate the two runs N times",
     }
-    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", "plot", **helps)
+    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", **helps)
     add(
         "--up-flags",
         default="",
@@ -248,10 +223,8 @@ def main(argv: list[str]) -> int:
         max((c.end_to_end for c in run.points), key=lambda r: r.tokens_per_s),
     )
     loads.append(load_average())
-    print("\n" + "\n".join(best.lines()))
+    print("\n" + format_pipeline(best))
     print(f"load average (1/5/15 min): {loads[0]} at the start, {loads[1]} at the end")
     doc = {"meta": sw.sweep_meta("pipeline", argv, model, load_average=loads), "best": best.to_json()}
     write_json(args.json, {**doc, "runs": [c.to_json() for c in run.points]}, announce=True)
-    if args.plot is not None:
-        pipeline_plot(args.plot, best)
     return 1 if any(c.end_to_end.summary["failed"] for c in run.points) else 0

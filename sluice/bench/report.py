@@ -1,8 +1,7 @@
-"""Every table, JSON document and plot of the benchmarks, as pure functions of measured figures: the
-shared renderers (one table renderer, one JSON writer, one figure canvas), then the reports of `serve`
-(vLLM's summary layout, latency CDFs, tokens/s over time), `engine` (a block of methods per concurrency,
-the decode steps, ratios), its `latency` variant (speculation and quantized weights) and the `sweep`
-presets (compare, pipeline, routing, peers). No torch here: `sluice bench serve` reports without it.
+"""Every table and JSON document of the benchmarks, as pure functions of measured figures: one table renderer
+(`column_table`: a header and a cell function per column) and one JSON writer, then the reports of `serve`
+(vLLM's summary layout), `engine` (a block of methods per concurrency, ratios), its
+`latency` variant and the `sweep` presets. No torch here: `sluice bench serve` reports without it.
 """
 
 from __future__ import annotations
@@ -16,21 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
     from sluice.bench.compare import Point
     from sluice.bench.engine_methods import (
-        DecodeStep,
         GreedyCheck,
         GreedyMatch,
         MethodResult,
-        Roofline,
         Workload,
     )
-    from sluice.bench.latency_run import RunFigures
+    from sluice.bench.latency import RunFigures
     from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
     from sluice.bench.pipeline import Comparison
@@ -44,7 +37,6 @@ GREEDY_RULE = (
     "token by token up to each request's first difference, which is a near-tie when the reference's logits "
     "score the other token within the near-tie threshold of its own"
 )
-PEER = "transformers-serve"  # sweep compare's peer: `transformers serve --continuous-batching`
 ROUTING_BASELINE = "round_robin"  # sweep routing's policies are set against this one
 OFF = "off"  # the latency variant every other is set against
 HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
@@ -67,13 +59,13 @@ def format_table(rows: Iterable[Sequence[object]], right_from: int | None = None
     `right_from` on aligned right."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-
-    def line(row: list[str]) -> str:
-        right = right_from is not None
-        return "  ".join(c.rjust(w) if right and i >= right_from else c.ljust(w)  # type: ignore[operator]
-                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()  # fmt: skip
-
-    lines = [line(row) for row in cells]
+    right = len(widths) if right_from is None else right_from
+    lines = [
+        "  ".join(
+            c.rjust(w) if i >= right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -91,7 +83,9 @@ def column_table(columns: Sequence[Column], items: Iterable[Any], right_from: in
 
 
 def json_safe(value: Any) -> Any:
-    """`value` with every non-finite float written as the string "inf", "-inf" or "nan" (JSON has none)."""
+    """`value` as JSON can hold it: dataclasses as dicts, every non-finite float as "inf", "-inf" or "nan"."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
@@ -102,8 +96,8 @@ def json_safe(value: Any) -> Any:
 
 
 def write_json(path: Path | None, doc: dict[str, Any], announce: bool = False) -> None:
-    """Writes `doc` to `path` (nothing when None) as JSON, non-finite floats as strings (see
-    `json_safe`), making the folder if needed; `announce` prints where."""
+    """Writes `doc` to `path` (nothing when None) as `json_safe` JSON, making the folder if needed;
+    `announce` prints where."""
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -112,37 +106,27 @@ def write_json(path: Path | None, doc: dict[str, Any], announce: bool = False) -
         print(f"wrote {path}")
 
 
-def figure(width: float, height: float, dpi: int = 120) -> Figure:
-    """A matplotlib figure on the Agg canvas (no pyplot state)."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=dpi)
-
-
-def save_figure(fig: Figure, path: Path, title: str = "") -> None:
-    """Titles, lays out and writes `fig` as a PNG to `path` (making the folder), then prints where."""
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-    print(f"wrote {path}")
-
-
 # serve
 
 PERCENTILES = (50, 90, 99)
-
-
 METRICS = (  # summary key, short name, table heading
     ("ttft_ms", "TTFT", "Time to First Token"),
     ("tpot_ms", "TPOT", "Time per Output Token (excl. 1st)"),
     ("itl_ms", "ITL", "Inter-token Latency"),
     ("e2el_ms", "E2EL", "End-to-end Latency"),
 )
-
-
-CDF_NAMES = ("TTFT", "TPOT", "ITL", "E2E")  # the latency CDFs' axis names, in METRICS' order
+SUMMARY_LINES = (  # label, summary key, format
+    ("Successful requests:", "completed", ""),
+    ("Failed requests:", "failed", ""),
+    ("Benchmark duration (s):", "duration_s", ".2f"),
+    ("Total input tokens:", "total_input_tokens", ""),
+    ("Total generated tokens:", "total_output_tokens", ""),
+    ("Request throughput (req/s):", "request_throughput", ".2f"),
+    ("Output token throughput (tok/s):", "output_throughput", ".2f"),
+    ("Total token throughput (tok/s):", "total_token_throughput", ".2f"),
+    ("Mean concurrency:", "mean_concurrency", ".2f"),
+    ("Load generator CPU (s):", "client_cpu_s", ".2f"),
+)
 
 
 def latency_series(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
@@ -163,20 +147,10 @@ def _line(label: str, value: object, spec: str = "") -> str:
 
 def format_summary(result: ServeResult) -> str:
     """The summary as a readable table, in the layout of vLLM's serving benchmark."""
-    s = result.summary()
-    width = 52
-    lines = [" Serving Benchmark Result ".center(width, "=")]
-    lines += [
-        _line("Successful requests:", s["completed"]),
-        _line("Failed requests:", s["failed"]),
-        _line("Benchmark duration (s):", s["duration_s"], ".2f"),
-        _line("Total input tokens:", s["total_input_tokens"]),
-        _line("Total generated tokens:", s["total_output_tokens"]),
-        _line("Request throughput (req/s):", s["request_throughput"], ".2f"),
-        _line("Output token throughput (tok/s):", s["output_throughput"], ".2f"),
-        _line("Total token throughput (tok/s):", s["total_token_throughput"], ".2f"),
-        _line("Mean concurrency:", s["mean_concurrency"], ".2f"),
-        _line("Load generator CPU (s):", s["client_cpu_s"], ".2f"),
+    s, width = result.summary(), 52
+    lines = [
+        " Serving Benchmark Result ".center(width, "="),
+        *(_line(a, s[k], f) for a, k, f in SUMMARY_LINES),
     ]
     if s["valid_fraction"] is not None:
         what = "tool calls" if result.config.tools else f"{result.config.structured} outputs"
@@ -185,80 +159,25 @@ def format_summary(result: ServeResult) -> str:
         slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
         lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]
     for key, short, title in METRICS:
-        lines.append(f" {title} ".center(width, "-"))
-        stats = s[key]
-        lines.append(_line(f"Mean {short} (ms):", stats["mean"], ".2f"))
-        lines += [_line(f"P{p} {short} (ms):", stats[f"p{p}"], ".2f") for p in PERCENTILES]
+        lines += [f" {title} ".center(width, "-"), _line(f"Mean {short} (ms):", s[key]["mean"], ".2f")]
+        lines += [_line(f"P{p} {short} (ms):", s[key][f"p{p}"], ".2f") for p in PERCENTILES]
     if s["errors"]:
-        lines.append(" Errors ".center(width, "-"))
-        lines += [f"{e['count']:>5} × {e['message'][:200]}" for e in s["errors"]]
-    lines.append("=" * width)
-    return "\n".join(lines)
+        lines += [
+            " Errors ".center(width, "-"),
+            *(f"{e['count']:>5} × {e['message'][:200]}" for e in s["errors"]),
+        ]
+    return "\n".join([*lines, "=" * width])
 
 
 def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
     """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
     doc = {
         "meta": meta,
-        "config": dataclasses.asdict(result.config),
+        "config": result.config,
         "summary": result.summary(),
         "started_at": result.started_at,
-        "records": [dataclasses.asdict(r) for r in result.records],
     }
-    write_json(path, doc)
-
-
-def chunk_times(record: RequestRecord) -> np.ndarray:
-    """When each text-carrying chunk of a successful request arrived, in seconds from the run's start.
-    Shape (len(itl_s) + 1,), or (0,) for a request that produced no chunk."""
-    if not record.ok or record.output_tokens == 0:
-        return np.zeros(0)
-    return record.start + record.ttft_s + np.concatenate(([0.0], np.cumsum(record.itl_s)))
-
-
-def tokens_per_second(records: list[RequestRecord], bin_s: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """Output tokens/s in bins of `bin_s` from the run's start: (bin starts, rates), each shape (bins,).
-    A request's tokens are spread evenly over its chunks (a chunk may carry several)."""
-    times, weights = [], []
-    for record in records:
-        at = chunk_times(record)
-        if at.size:
-            times.append(at)
-            weights.append(np.full(at.size, record.output_tokens / at.size))
-    if not times:
-        return np.zeros(0), np.zeros(0)
-    all_times = np.concatenate(times)
-    bins = int(all_times.max() // bin_s) + 1
-    index = (all_times // bin_s).astype(np.int64)
-    counts = np.bincount(index, weights=np.concatenate(weights), minlength=bins)
-    return np.arange(bins) * bin_s, counts / bin_s
-
-
-def write_plots(directory: Path, result: ServeResult, prefix: str = "serve") -> list[Path]:
-    """Writes two PNGs into `directory` (matplotlib's Agg canvas, no pyplot state):
-    `{prefix}-latency-cdf.png` (CDFs of TTFT, TPOT, ITL, E2E over the successful requests) and
-    `{prefix}-throughput.png` (output tokens/s over time, 1 s bins). Returns their paths."""
-    completed = sum(r.ok for r in result.records)
-    title = f"sluice bench serve: {result.config.api}, {completed}/{len(result.records)} requests completed"
-    cdf, throughput = directory / f"{prefix}-latency-cdf.png", directory / f"{prefix}-throughput.png"
-    fig = figure(10, 7, dpi=110)
-    series = zip(fig.subplots(2, 2).flat, CDF_NAMES, latency_series(result.records).values(), strict=True)
-    for ax, name, values in series:
-        ms = np.sort(np.asarray(values, dtype=np.float64)) * 1000.0
-        if ms.size:
-            ax.plot(ms, np.arange(1, ms.size + 1) / ms.size, drawstyle="steps-post")
-        ax.set(xlabel=f"{name} (ms)", ylabel="fraction of gaps" if name == "ITL" else "fraction of requests")
-        ax.grid(alpha=0.3)
-    save_figure(fig, cdf, title)
-    starts, rates = tokens_per_second(result.records)
-    fig = figure(8, 4.5, dpi=110)
-    ax = fig.subplots()
-    if starts.size:
-        ax.stairs(rates, np.append(starts, starts[-1] + 1.0), baseline=0.0)
-    ax.set(xlabel="seconds since the start", ylabel="output tokens/s (1 s bins)")
-    ax.grid(alpha=0.3)
-    save_figure(fig, throughput, title)
-    return [cdf, throughput]
+    write_json(path, {**doc, "records": result.records})
 
 
 # engine
@@ -272,7 +191,7 @@ class Measured:
     value: float | None
 
     def line(self) -> str:
-        return f"  {self.name}: {fmt(self.value, '.3g') if self.value is not None else 'n/a'}"
+        return f"  {self.name}: {fmt(self.value, '.3g', 'n/a')}"
 
 
 @dataclass(frozen=True)
@@ -286,22 +205,21 @@ class Row:
 
 def build_rows(results: dict[str, MethodResult], check: GreedyCheck | None) -> list[Row]:
     base = results.get(BASELINE)
-    rows = []
-    for result in results.values():
-        ratio = result.tokens_per_s / base.tokens_per_s if base and base.tokens_per_s > 0 else None
-        rows.append(Row(result, ratio, check.methods[result.name] if check else None))
-    return rows
+    base_speed = base.tokens_per_s if base else None
+    return [
+        Row(r, ratio(r.tokens_per_s, base_speed), check.methods[r.name] if check else None)
+        for r in results.values()
+    ]
 
 
 def headline_ratios(results: dict[str, MethodResult], label: str = "") -> list[Measured]:
     """HEADLINE's tokens/s over each transformers method's (names prefixed with `[label]` when given)."""
-    head = results.get(HEADLINE)
+    speed = {name: r.tokens_per_s for name, r in results.items()}
     prefix = f"[{label}] " if label else ""
     return [
-        Measured(f"{prefix}{HEADLINE} tokens/s ÷ {other}",
-                 ratio(head and head.tokens_per_s, (base := results.get(other)) and base.tokens_per_s))
-        for other in HF_METHODS[::-1]
-    ]  # fmt: skip
+        Measured(f"{prefix}{HEADLINE} tokens/s ÷ {o}", ratio(speed.get(HEADLINE), speed.get(o)))
+        for o in HF_METHODS[::-1]
+    ]
 
 
 @dataclass
@@ -329,29 +247,14 @@ class Block:
         return headline_ratios(self.results, self.label)
 
 
-@dataclass(frozen=True)
-class DecodeFigure:
-    """Decode-only steps as measured, and the memory roofline of the same steps."""
-
-    step: DecodeStep
-    roofline: Roofline
-    bandwidth_source: str  # the GPU's name, "--hbm-gbps", or why there is no figure
-
-    @property
-    def ratio(self) -> float | None:
-        """Measured step time ÷ roofline time (1 = as fast as memory allows); None without a bandwidth."""
-        seconds = self.roofline.seconds
-        return self.step.step_s / seconds if seconds else None
-
-
-def graphs_ratio(figures: list[DecodeFigure], model: str, batch: int) -> Measured:
-    """Decode tokens/s with CUDA graphs over eager (CUDA only: None elsewhere)."""
-    main = next((f for f in figures if f.step.cuda_graphs in ("on", NOT_ON_CPU)), None)
-    eager = next((f for f in figures if f.step.cuda_graphs == "off"), None)
-    return Measured(
-        f"[{model}] decode tokens/s with CUDA graphs ÷ eager (decode-only steps, batch {batch})",
-        ratio(main and main.step.tokens_per_s, eager and eager.step.tokens_per_s),
+def _greedy_cell(greedy: GreedyMatch | None) -> str:
+    if greedy is None:
+        return "-"
+    ties = f"{greedy.near_ties} near-tie" if greedy.near_ties else ""
+    verdict, why = (
+        ("yes", ties) if greedy.equal else ("no", "; ".join(filter(None, [str(greedy.differing), ties])))
     )
+    return f"{verdict} ({why})" if why else verdict
 
 
 def format_methods(
@@ -373,64 +276,14 @@ def format_methods(
         ("setting", lambda row: row.result.setting),
     ]
     lines = column_rows(columns, rows)
-    lines.extend((name, "FAILED", "", "", "", "", "", "", "", msg[:80]) for name, msg in errors.items())
-    lines.extend((name, why, "", "", "", "", "", "", why, "") for name, why in (skipped or {}).items())
+    lines += [(name, "FAILED", *[""] * 7, msg[:80]) for name, msg in errors.items()]
+    lines += [(name, why, *[""] * 6, why, "") for name, why in (skipped or {}).items()]
     return format_table(lines) + (
         f"\n(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ, 'k near-tie' that k are "
         "equal up to a near-tie (see the greedy check); fwd share: time in the model forward / step time, "
         "overall and over the steps with the largest batch (its size); graphs: CUDA graphs for decode-only "
         "steps)"
     )
-
-
-def format_block(block: Block) -> str:
-    """One concurrency's table, its greedy check and hf-continuous's sweep."""
-    rows = block.rows
-    parts = [f"-- {block.label} at once", format_methods(rows, block.errors, len(block.work), block.skipped)]
-    if block.check is not None:
-        parts.append(format_greedy_check(block.check, rows))
-    hf_cb = block.results.get("hf-continuous")
-    if hf_cb is not None:
-        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
-        parts.append(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
-    return "\n".join(parts)
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB"
-
-
-def format_decode(figures: list[DecodeFigure], error: str | None) -> str:
-    """The decode-step measurement: step time, tokens/s and the roofline, per CUDA graphs setting."""
-    if not figures and error is None:
-        return "decode-only steps: not measured (--decode-batch 0)"
-    lines = []
-    for f in figures:
-        s, roof = f.step, f.roofline
-        bound = (
-            f"roofline {roof.seconds * 1e3:.3f} ms ({_gb(roof.weight_bytes)} weights + {_gb(roof.kv_bytes)} "
-            f"KV at {roof.gbps:g} GB/s, {f.bandwidth_source}): {f.ratio:.2f}× the roofline"
-            if roof.seconds
-            else f"roofline n/a: {_gb(roof.weight_bytes)} weights + {_gb(roof.kv_bytes)} KV read per step, "
-            f"no bandwidth: {f.bandwidth_source}"
-        )
-        lines.append(
-            f"decode-only steps, batch {s.batch}, context ~{s.mean_context:.0f}, CUDA graphs "
-            f"{s.cuda_graphs}: {s.step_s * 1e3:.2f} ms a step over {s.steps} steps, "
-            f"{s.tokens_per_s:.1f} tok/s; {bound}"
-        )
-    if error is not None:
-        lines.append(f"decode-only steps FAILED: {error}")
-    return "\n".join(lines)
-
-
-def _greedy_cell(greedy: GreedyMatch | None) -> str:
-    if greedy is None:
-        return "-"
-    ties = f"{greedy.near_ties} near-tie" if greedy.near_ties else ""
-    if greedy.equal:
-        return f"yes ({ties})" if ties else "yes"
-    return f"no ({greedy.differing}; {ties})" if ties else f"no ({greedy.differing})"
 
 
 def format_greedy_check(check: GreedyCheck, rows: list[Row]) -> str:
@@ -447,6 +300,18 @@ def format_greedy_check(check: GreedyCheck, rows: list[Row]) -> str:
     )
 
 
+def format_block(block: Block) -> str:
+    """One concurrency's table, its greedy check and hf-continuous's sweep."""
+    rows = block.rows
+    parts = [f"-- {block.label} at once", format_methods(rows, block.errors, len(block.work), block.skipped)]
+    if block.check is not None:
+        parts.append(format_greedy_check(block.check, rows))
+    if (hf_cb := block.results.get("hf-continuous")) is not None:
+        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
+        parts.append(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
+    return "\n".join(parts)
+
+
 def engine_json(
     rows: list[Row],
     errors: dict[str, str],
@@ -458,86 +323,36 @@ def engine_json(
     methods: dict[str, Any] = {}
     for row in rows:
         r, g = row.result, row.greedy
-        figures = {k: v for k, v in dataclasses.asdict(r).items() if k not in ("name", "outputs")}
         methods[r.name] = {
             "tokens_per_s": r.tokens_per_s,
             f"ratio_to_{BASELINE}": row.ratio,
-            f"greedy_equals_{REFERENCE}": None if g is None else g.equal,
-            "mismatching_requests": None if g is None else g.differing,
-            "near_tie_requests": None if g is None else g.near_ties,
-            "tokens_compared": None if g is None else g.tokens_compared,
-            **figures,
+            f"greedy_equals_{REFERENCE}": g and g.equal,
+            "mismatching_requests": g and g.differing,
+            "near_tie_requests": g and g.near_ties,
+            "tokens_compared": g and g.tokens_compared,
+            **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("name", "outputs")},
             "error": None,
         }
-    for name, msg in errors.items():
-        methods[name] = {"error": msg}
-    for name, why in (skipped or {}).items():
-        methods[name] = {"skipped": why, "error": None}
-    return {
-        **meta,
-        "reference": REFERENCE,
-        "baseline": BASELINE,
-        "greedy_check": None if check is None else check.to_json(),
-        "methods": methods,
-    }
+    methods.update({name: {"error": msg} for name, msg in errors.items()})
+    methods.update({name: {"skipped": why, "error": None} for name, why in (skipped or {}).items()})
+    greedy = check and check.to_json()
+    return {**meta, "reference": REFERENCE, "baseline": BASELINE, "greedy_check": greedy, "methods": methods}
 
 
-def decode_json(figure: DecodeFigure) -> dict[str, Any]:
-    s, roof = figure.step, figure.roofline
-    return {
-        **dataclasses.asdict(s),
-        "tokens_per_s": s.tokens_per_s,
-        "weight_bytes": roof.weight_bytes,
-        "kv_bytes": roof.kv_bytes,
-        "hbm_gbps": roof.gbps,
-        "bandwidth_source": figure.bandwidth_source,
-        "roofline_s": roof.seconds,
-        "ratio_to_roofline": figure.ratio,
-    }
-
-
-def engine_json_runs(
-    blocks: list[Block],
-    decode: list[DecodeFigure],
-    decode_error: str | None,
-    ratios: list[Measured],
-    meta: dict[str, Any],
-) -> dict[str, Any]:
+def engine_json_runs(blocks: list[Block], meta: dict[str, Any]) -> dict[str, Any]:
     """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
-    the top are the first block's (the layout of a one-block run); `ratios` are all of them."""
-    runs = []
-    for block in blocks:
-        doc = engine_json(block.rows, block.errors, {}, block.check, block.skipped)
-        runs.append({"concurrency": block.concurrency, "workload": block.workload, **doc})
-    first = runs[0]
-    return {
-        "partial": False,
-        **meta,
-        **{key: first[key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")},
-        "runs": runs,
-        "decode_steps": [decode_json(f) for f in decode],
-        "decode_error": decode_error,
-        "ratios": [r.__dict__ for r in ratios],
-    }
-
-
-def engine_plot(path: Path, rows: list[tuple[Block, Row]], title: str) -> None:
-    """A PNG bar chart of output tokens/s per method and concurrency (transformers grey, sluice blue)."""
-    several = len({b.concurrency for b, _ in rows}) > 1
-    names = [r.result.name + (f" @{b.concurrency}" if several else "") for b, r in rows]
-    colors = ["#1f77b4" if r.result.name in SLUICE_METHODS else "#9a9a9a" for _, r in rows]
-    fig = figure(max(8, 0.8 * len(rows)), 4.5)
-    ax = fig.subplots()
-    bars = ax.bar(names, [r.result.tokens_per_s for _, r in rows], color=colors)
-    labels = [
-        f"{r.result.tokens_per_s:.0f}" + ("" if r.ratio is None else f"\n{r.ratio:.2f}×") for _, r in rows
+    the top are the first block's (the layout of a one-block run); `ratios` are every block's."""
+    runs = [
+        {
+            "concurrency": b.concurrency,
+            "workload": b.workload,
+            **engine_json(b.rows, b.errors, {}, b.check, b.skipped),
+        }
+        for b in blocks
     ]
-    ax.bar_label(bars, labels=labels, fontsize=8)
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=10)
-    ax.margins(y=0.2)
-    ax.tick_params(axis="x", labelrotation=20)
-    save_figure(fig, path)
+    top = {key: runs[0][key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")}
+    ratios_doc = [dataclasses.asdict(r) for b in blocks for r in b.ratios()]
+    return {"partial": False, **meta, **top, "runs": runs, "ratios": ratios_doc}
 
 
 # engine latency
@@ -546,37 +361,13 @@ def engine_plot(path: Path, rows: list[tuple[Block, Row]], title: str) -> None:
 @dataclass
 class Cell:
     """One variant on one workload: its batch-1 run and its concurrent run (None when not run), and the
-    share of its outputs that copies the prompt / that prompt lookup can find."""
+    share of its outputs that copies the prompt."""
 
     variant: str
     workload: str
     batch1: RunFigures | None = None
     concurrent: RunFigures | None = None
     copy_fraction: float | None = None
-    lookup_fraction: float | None = None
-
-
-@dataclass
-class ShapeRun:
-    """Batch-1 decode on a larger model shape (random weights), per variant."""
-
-    model: str
-    dtype: str
-    runs: dict[str, RunFigures] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class KvBlocks:
-    """KV pool blocks at one budget with the model's dtype and with fp8 (CUDA only)."""
-
-    budget_gb: float
-    blocks: dict[str, int] = field(default_factory=dict)  # kv_cache_dtype -> num_blocks
-    error: str | None = None
-
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.blocks.get("fp8"), self.blocks.get("auto"))
 
 
 @dataclass
@@ -586,8 +377,6 @@ class LatencyReport:
     cells: list[Cell]
     errors: dict[str, str] = field(default_factory=dict)  # variant -> why it has no figures
     workloads: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> description
-    shape: ShapeRun | None = None
-    kv: KvBlocks | None = None
     quality: list[QualityResult] = field(default_factory=list)
     quality_model: str = ""
 
@@ -611,12 +400,6 @@ def concurrent_ratio(report: LatencyReport, variant: str, workload: str) -> floa
     return ratio(_conc(report.cell(variant, workload)), _conc(report.cell(OFF, workload)))
 
 
-def shape_ratio(shape: ShapeRun | None, variant: str) -> float | None:
-    if shape is None or variant not in shape.runs or OFF not in shape.runs:
-        return None
-    return ratio(shape.runs[variant].decode_tok_s, shape.runs[OFF].decode_tok_s)
-
-
 def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | None:
     base = next((q.perplexity for q in quality if q.variant == "none"), None)
     mine = next((q for q in quality if q.variant == variant), None)
@@ -624,21 +407,17 @@ def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | Non
 
 
 def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.1f}"
+    return fmt(value and value * 1e3, ".1f")
 
 
 def _x(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+    return fmt(value, ".2f") + ("x" if value is not None else "")
 
 
 def _spec_cell(variant: str, run: RunFigures | None) -> str:
-    if variant != "ngram" or run is None or not run.spec:
-        return "-"
-    rate = run.spec.get("spec_acceptance_rate")
-    length = run.spec.get("spec_mean_accepted_length")
-    if rate is None and length is None:
-        return "-"
-    return f"{fmt(rate, '.0%')} / {fmt(length, '.2f')}"
+    spec = run.spec if variant == "ngram" and run is not None else {}
+    rate, length = spec.get("spec_acceptance_rate"), spec.get("spec_mean_accepted_length")
+    return "-" if rate is None and length is None else f"{fmt(rate, '.0%')} / {fmt(length, '.2f')}"
 
 
 def format_latency(report: LatencyReport) -> str:
@@ -659,30 +438,9 @@ def format_latency(report: LatencyReport) -> str:
         ("accept/len b1", lambda cell: _spec_cell(cell.variant, cell.batch1)),
         (f"accept/len {c}", lambda cell: _spec_cell(cell.variant, cell.concurrent)),
         ("copy", lambda cell: fmt(cell.copy_fraction, ".0%")),
-        ("lookup", lambda cell: fmt(cell.lookup_fraction, ".0%")),
     ]
-    text = column_table(columns, report.cells, right_from=2)
-    for variant, why in report.errors.items():
-        text += f"\n{variant}: no figures ({why})"
-    return text
-
-
-def format_shape(shape: ShapeRun | None) -> str:
-    if shape is None:
-        return "larger shape: not run"
-    columns: list[Column] = [
-        ("model", lambda _: shape.model),
-        ("variant", lambda item: item[0]),
-        ("b1 dec tok/s", lambda item: fmt(item[1].decode_tok_s, ",.2f")),
-        ("x off", lambda item: _x(shape_ratio(shape, item[0]))),
-        ("b1 TTFT p50 ms", lambda item: _ms(item[1].ttft(0.5))),
-        ("tokens", lambda item: item[1].output_tokens),
-    ]
-    text = f"batch-1 decode on {shape.model} ({shape.dtype}, random weights):\n"
-    text += column_table(columns, shape.runs.items(), right_from=2)
-    for variant, why in shape.errors.items():
-        text += f"\n{shape.model} {variant}: no figures ({why})"
-    return text
+    errors = "".join(f"\n{variant}: no figures ({why})" for variant, why in report.errors.items())
+    return column_table(columns, report.cells, right_from=2) + errors
 
 
 def format_quality(report: LatencyReport) -> str:
@@ -700,15 +458,6 @@ def format_quality(report: LatencyReport) -> str:
     return title + column_table(columns, report.quality, right_from=2)
 
 
-def format_kv(kv: KvBlocks | None) -> str:
-    if kv is None:
-        return "fp8 KV blocks: not measured (CUDA only)"
-    if kv.error:
-        return f"fp8 KV blocks: FAILED: {kv.error}"
-    shown = ", ".join(f"{k}: {n:,}" for k, n in kv.blocks.items())
-    return f"KV blocks at {kv.budget_gb:g} GiB: {shown} ({_x(kv.ratio)})"
-
-
 def run_json(run: RunFigures | None) -> dict[str, Any] | None:
     """A run's figures (its TTFTs as p50 and p99, its outputs left out)."""
     if run is None:
@@ -720,76 +469,50 @@ def run_json(run: RunFigures | None) -> dict[str, Any] | None:
 
 def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
     cells = [
-        {
-            **vars(c),
-            "batch1": run_json(c.batch1),
-            "concurrent": run_json(c.concurrent),
-            "batch1_ratio_to_off": batch1_ratio(report, c.variant, c.workload),
-            "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload),
-        }
+        {**vars(c), "batch1": run_json(c.batch1), "concurrent": run_json(c.concurrent),
+         "batch1_ratio_to_off": batch1_ratio(report, c.variant, c.workload),
+         "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload)}
         for c in report.cells
+    ]  # fmt: skip
+    quality = [{**vars(q), "ratio_to_none": quality_ratio(report.quality, q.variant)} for q in report.quality]
+    return {**meta, "bench": "latency", "model": report.model, "concurrency": report.concurrency,
+            "workloads": report.workloads, "cells": cells, "errors": report.errors,
+            "quality_model": report.quality_model, "quality": quality}  # fmt: skip
+
+
+# sweep presets: pipeline, compare, routing, peers
+
+
+def format_pipeline(best: Comparison) -> str:
+    """`sweep pipeline`'s report: both runs' rates and steps, the raw and scaled ratios, the CPU each
+    process used over the end-to-end run and the services' stage histograms."""
+    inp, e2e, cores = best.in_process, best.end_to_end, os.cpu_count() or 1
+    steps, step_s = e2e.stages.get("engine step", (0, 0.0))
+    out = [
+        f"in-process engine : {inp.tokens_per_s:9.1f} tok/s  ({inp.output_tokens} tokens in "
+        f"{inp.wall_s:.2f} s; {inp.steps} steps, mean step {inp.mean_step_ms:.1f} ms; "
+        f"{inp.cpu_s / inp.wall_s:.2f} cores)",
+        f"end to end        : {e2e.tokens_per_s:9.1f} tok/s  ({e2e.summary['total_output_tokens']} tokens in "
+        f"{e2e.wall_s:.2f} s; {steps} steps, mean step {1000 * step_s / max(1, steps):.1f} ms; "
+        f"{e2e.summary['failed']} failed)",
+        f"ratio, raw        : {best.raw_ratio:.3f}",
+        f"load generator    : {e2e.generator_share:.1%} of the machine ({cores} cores)",
+        f"ratio, scaled     : {best.scaled_ratio:.3f}",
+        "",
+        "CPU over the end-to-end run   seconds   cores",
     ]
-    shape, kv, quality = report.shape, report.kv, report.quality
-    if shape is not None:
-        runs = {v: run_json(r) for v, r in shape.runs.items()}
-        shape_doc = {**vars(shape), "runs": runs, "ratios_to_off": {v: shape_ratio(shape, v) for v in runs}}
-    return {
-        **meta,
-        "bench": "latency",
-        "model": report.model,
-        "concurrency": report.concurrency,
-        "workloads": report.workloads,
-        "cells": cells,
-        "errors": report.errors,
-        "shape": shape_doc if shape is not None else None,
-        "kv_blocks": kv and {**vars(kv), "ratio": kv.ratio},
-        "quality_model": report.quality_model,
-        "quality": [{**vars(q), "ratio_to_none": quality_ratio(quality, q.variant)} for q in quality],
-    }
-
-
-VARIANT_COLORS = {"off": "#9a9a9a", "ngram": "#1f77b4", "int8": "#2ca02c", "fp8": "#d62728"}
-
-
-def latency_plot(path: Path, report: LatencyReport, title: str) -> None:
-    """One PNG, two panels (batch 1: decode tok/s; N at once: output tok/s), bars per workload and variant,
-    each labelled with its ratio to off."""
-    workloads = list(dict.fromkeys(c.workload for c in report.cells))
-    variants = list(dict.fromkeys(c.variant for c in report.cells))
-    fig = figure(11, 4.5)
-    axes = fig.subplots(1, 2)
-    panels = (
-        ("batch 1: decode tokens/s", _b1, batch1_ratio),
-        (f"{report.concurrency} at once: output tokens/s", _conc, concurrent_ratio),
-    )
-    width = 0.8 / max(1, len(variants))
-    for ax, (label, value_of, ratio_of) in zip(axes, panels, strict=True):
-        for k, variant in enumerate(variants):
-            xs = [i + (k - (len(variants) - 1) / 2) * width for i in range(len(workloads))]
-            values = [value_of(report.cell(variant, w)) or 0.0 for w in workloads]
-            bars = ax.bar(xs, values, width, label=variant, color=VARIANT_COLORS.get(variant, "#8c564b"))
-            ratios = [ratio_of(report, variant, w) for w in workloads]
-            shown = [
-                f"{v:.0f}" + ("" if r is None or variant == OFF else f"\n{r:.2f}x")
-                for v, r in zip(values, ratios, strict=True)
-            ]
-            ax.bar_label(bars, labels=shown, fontsize=7)
-        ax.set_xticks(range(len(workloads)), workloads)
-        ax.set_title(label, fontsize=10)
-        ax.margins(y=0.35)
-    axes[0].legend(fontsize=8, loc="upper left", ncol=len(variants))
-    save_figure(fig, path, title)
-
-
-# sweep presets: compare, pipeline, routing
+    for name, seconds in sorted(e2e.cpu_s.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {name:<27} {seconds:8.2f}   {seconds / e2e.wall_s:5.2f}")
+    out += [f"  {'(not used by these)':<27} {'':8}   {cores - sum(e2e.cpu_s.values()) / e2e.wall_s:5.2f}", ""]
+    out.append("stage times (services' histograms)   count   mean ms   total s")
+    for name, (count, total) in e2e.stages.items():
+        mean = 1000 * total / count if count else math.nan
+        out.append(f"  {name:<34} {count:6d}  {mean:8.2f}  {total:8.2f}")
+    return "\n".join(out)
 
 
 def rate_text(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
-
-
-def system_label(system: str) -> str:
-    return system if system == PEER else f"sluice-{system}"
 
 
 def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
@@ -799,7 +522,7 @@ def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
         )
 
     columns: list[Column] = [
-        ("system", lambda p: system_label(p.system)),
+        ("system", lambda p: f"sluice-{p.system}"),
         ("rate req/s", lambda p: rate_text(p.rate)),
         ("done", lambda p: f"{p.completed}/{num_requests}"),
         ("out tok/s", lambda p: fmt(p.tokens_per_s, ".1f")),
@@ -811,120 +534,31 @@ def format_points(runs: dict[str, SystemRun], num_requests: int) -> str:
     rows = column_rows(columns, [])
     for run in runs.values():
         if run.error is not None:
-            rows.append(
-                (system_label(run.name), "FAILED", "", "", "", "", "", run.error.splitlines()[0][:80])
-            )
+            rows.append((f"sluice-{run.name}", "FAILED", *[""] * 5, run.error.splitlines()[0][:80]))
         rows += column_rows(columns, run.points)[1:]
     return format_table(rows)
-
-
-def format_peer(rows: list[dict[str, Any]]) -> str:
-    def tokens(row: dict[str, Any]) -> str:
-        out, asked = row["peer_output_tokens"], row["peer_asked_tokens"]
-        note = " (EOS)" if out < asked else ""
-        return f"{out}/{asked}{note}" if row["peer_completed"] else "no request completed"
-
-    columns: list[Column] = [
-        ("rate req/s", lambda row: rate_text(row["rate"])),
-        ("tok/s ÷ peer", lambda row: fmt(row["tokens_per_s_ratio"], ".2f")),
-        ("p99 TTFT ÷ peer", lambda row: fmt(row["ttft_p99_ratio"], ".2f")),
-        ("peer tokens out/asked", tokens),
-    ]
-    return column_table(columns, rows)
 
 
 def compare_json(
     runs: dict[str, SystemRun],
     capacities: dict[str, float | None],
     capacity: tuple[float | None, str],
-    peer_rows: list[dict[str, Any]],
     meta: dict[str, Any],
 ) -> dict[str, Any]:
-    """`sluice bench compare`'s document: every system's points, the capacities, their ratio (value, note)
-    and the peer ratios."""
+    """`sluice bench compare`'s document: every policy's points, the capacities and their ratio."""
     systems = {
-        name: {
-            "label": system_label(name),
-            "error": run.error,
-            "points": [
-                {"rate": p.rate, "asked_tokens": p.asked_tokens, "cpu_s": p.cpu_s, **p.summary}
-                for p in run.points
-            ],
-        }
+        name: {"label": f"sluice-{name}", "error": run.error,
+               "points": [{"rate": p.rate, "asked_tokens": p.asked_tokens, "cpu_s": p.cpu_s, **p.summary}
+                          for p in run.points]}
         for name, run in runs.items()
-    }
+    }  # fmt: skip
     value, note = capacity
-    return {
-        "meta": meta,
-        "systems": systems,
-        "highest_rate_under_ttft_bound": capacities,
-        "capacity_ratio": {"value": value, "note": note},
-        "peer_ratios": peer_rows,
-    }
-
-
-def _plot_x(rates: Sequence[float]) -> dict[float, float]:
-    """Where each rate sits on the log x axis: finite rates as they are, inf one doubling past the
-    highest finite rate (or at 1 when the sweep has no finite rate)."""
-    finite = [r for r in rates if math.isfinite(r)]
-    inf_x = 2 * max(finite) if finite else 1.0
-    return {r: (inf_x if math.isinf(r) else r) for r in rates}
-
-
-def compare_plot(
-    path: Path, runs: dict[str, SystemRun], rates: Sequence[float], bound_ms: float, title: str
-) -> None:
-    """A PNG of two panels against request rate (log scale, inf at the right end, labelled): output
-    tokens/s, and p99 TTFT (log scale) with the bound dashed; one line per system."""
-    from matplotlib.ticker import NullLocator
-
-    xs = _plot_x(rates)
-    fig = figure(11, 4.5, dpi=110)
-    speed_ax, ttft_ax = fig.subplots(1, 2)
-    for run in runs.values():
-        points = [p for p in run.points if p.completed]
-        x = [xs[p.rate] for p in points]
-        style = {
-            "marker": "o",
-            "label": system_label(run.name),
-            "linestyle": "--" if run.name == PEER else "-",
-        }
-        speed_ax.plot(x, [p.tokens_per_s for p in points], **style)
-        ttft_ax.plot(x, [p.ttft_p99_ms for p in points], **style)
-    ttft_ax.axhline(bound_ms, color="grey", linestyle=":", label=f"bound {bound_ms:g} ms")
-    ttft_ax.set_yscale("log")
-    for ax, ylabel in ((speed_ax, "output tokens/s"), (ttft_ax, "p99 TTFT (ms)")):
-        ax.set(xscale="log", xlabel="request rate (req/s; inf = all at once)", ylabel=ylabel)
-        ax.set_xticks(list(xs.values()), [rate_text(r) for r in xs])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    save_figure(fig, path, title)
-
-
-def pipeline_plot(path: Path, best: Comparison) -> None:
-    """A PNG of two panels: output tokens/s in-process and end to end, and the cores each process used
-    over the end-to-end run."""
-    fig = figure(10, 4)
-    speed, cores = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
-    rates = [best.in_process.tokens_per_s, best.end_to_end.tokens_per_s]
-    bars = speed.bar(["in-process engine", "end to end"], rates, color=["#9a9a9a", "#1f77b4"])
-    speed.bar_label(bars, labels=[f"{r:.0f}" for r in rates], fontsize=8)
-    speed.set_ylabel("output tokens/s")
-    title = f"end to end ÷ in-process: {best.raw_ratio:.3f} raw, {best.scaled_ratio:.3f} scaled"
-    speed.set_title(title, fontsize=9)
-    speed.margins(y=0.15)
-    e2e = best.end_to_end
-    used = sorted(e2e.cpu_s.items(), key=lambda kv: kv[1])
-    cores.barh([name for name, _ in used], [seconds / e2e.wall_s for _, seconds in used], color="#1f77b4")
-    cores.axvline(os.cpu_count() or 1, color="grey", linestyle=":", label="cores of the machine")
-    cores.set_xlabel("cores used over the end-to-end run")
-    cores.legend(fontsize=8, loc="lower right")
-    save_figure(fig, path, "sluice bench pipeline")
+    return {"meta": meta, "systems": systems, "highest_rate_under_ttft_bound": capacities,
+            "capacity_ratio": {"value": value, "note": note}}  # fmt: skip
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """One line per policy: its figures and its tokens/s and p90 TTFT over round_robin's."""
+    """One line per routing policy: its figures and its tokens/s and p90 TTFT over round_robin's."""
     base = next((r for r in rows if r["policy"] == ROUTING_BASELINE), None)
 
     def over_base(key: str) -> Callable[[dict[str, Any]], str]:
@@ -944,32 +578,31 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
 
 def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str:
     lines = [f"median over {num_rounds} rounds, relative to {ROUTING_BASELINE} in the same round:"]
-    for policy, m in medians.items():
-        lines.append(f"  {policy:<16} x tok/s {m['tok_s']:.2f}   x p90 TTFT {m['ttft_p90']:.2f}")
+    lines += [
+        f"  {p:<16} x tok/s {m['tok_s']:.2f}   x p90 TTFT {m['ttft_p90']:.2f}" for p, m in medians.items()
+    ]
     return "\n".join(lines)
-
-
-# sweep peers
-
-PEERS_HEADERS = ("server", "{n} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50")  # then a note
 
 
 def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str]) -> str:
     """`sweep peers`' side-by-side table: a row per server (`labels`: its name as shown), its figures, or
     dashes and why it has none."""
     rows: list[Sequence[object]] = [
-        (PEERS_HEADERS[0], PEERS_HEADERS[1].format(n=streams), *PEERS_HEADERS[2:], "note")
+        ("server", f"{streams} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50", "note")
     ]
     for name, run in runs.items():
         if run.error is not None or not run.points:
-            why = (run.error or "no figures").splitlines()[0][:160]
-            rows.append((labels[name], "-", "-", "-", "-", why))
+            rows.append((labels[name], "-", "-", "-", "-", (run.error or "no figures").splitlines()[0][:160]))
             continue
         f: PeerFigures = run.points[0]
-        seconds = None if f.ttft_p99_ms is None else f.ttft_p99_ms / 1000
-        cells = (fmt(f.streams_tok_s, ",.0f"), f"{fmt(seconds, '.2f')} s", fmt(f.batch1_tok_s, ",.0f"))
-        note = f"{f.failed} requests failed" if f.failed else ""
-        rows.append((labels[name], *cells, f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms", note))
+        ttft = f"{fmt(f.ttft_p99_ms and f.ttft_p99_ms / 1000, '.2f')} s"
+        cells = (
+            fmt(f.streams_tok_s, ",.0f"),
+            ttft,
+            fmt(f.batch1_tok_s, ",.0f"),
+            f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms",
+        )
+        rows.append((labels[name], *cells, f"{f.failed} requests failed" if f.failed else ""))
     return format_table(rows)
 
 
@@ -981,14 +614,12 @@ def peers_json(
     servers = {}
     for name, run in runs.items():
         f: PeerFigures | None = run.points[0] if run.points else None
+        heads = ("streams_tok_s", "ttft_p99_ms", "batch1_tok_s", "batch1_itl_p50_ms")
         servers[name] = {
             "label": labels[name],
             "error": run.error,
             "not_installed": bool(run.error and run.error.startswith(not_installed)),
-            "streams_tok_s": f and f.streams_tok_s,
-            "ttft_p99_ms": f and f.ttft_p99_ms,
-            "batch1_tok_s": f and f.batch1_tok_s,
-            "batch1_itl_p50_ms": f and f.batch1_itl_p50_ms,
+            **{key: f and getattr(f, key) for key in heads},
             **(dataclasses.asdict(f) if f else {}),
         }
     return {"meta": meta, "servers": servers}

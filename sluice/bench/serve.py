@@ -1,5 +1,5 @@
 """`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
-and the figures of a run: records, summary, table, JSON, plots. Latencies are over the requests that
+and the figures of a run: records, summary, table, JSON. Latencies are over the requests that
 succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
 gap between chunks that carried text. With `--structured` or `--tools` every request carries a constraint
 or tools (`serve_data.with_structure`) and the summary adds how many completed outputs were valid
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from sluice.bench.common import add_count, add_flags, positive_float, progress_bar, run_meta
-from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_plots, write_result
+from sluice.bench.common import add_flags, positive_float, positive_int, progress_bar, run_meta
+from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_result
 from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
 from sluice.bench.serve_data import (
     STRUCTURED_KINDS,
@@ -287,48 +287,43 @@ def _slo(text: str) -> dict[str, float]:
     return slos
 
 
+N: dict[str, Any] = dict(type=positive_int, metavar="N")
+URLS = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT (default: sluice up's)"
+FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
+    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat | ws | grpc")),
+    ("--url", dict(help=URLS)),
+    ("--model", dict(help="openai model name (default: the first of GET /v1/models)")),
+    ("--num-requests", dict(**N, help=f"requests (default {DEFAULT_NUM_REQUESTS}; a .jsonl: its lines)")),
+    ("--request-rate", dict(type=positive_float, default=math.inf, metavar="R", help="req/s (default inf)")),
+    ("--burstiness", dict(type=positive_float, default=1.0, help="gamma shape of arrival gaps (1: Poisson)")),
+    ("--max-concurrency", dict(**N, help="at most N requests in flight")),
+    ("--num-warmup", dict(type=int, default=0, metavar="N", help="requests awaited before measuring")),
+    ("--dataset", dict(default="synthetic", help="synthetic (default) | shared-prefix | FILE.jsonl")),
+    ("--input-len", dict(**N, default=128, help="synthetic: mean prompt words (~tokens)")),
+    ("--output-len", dict(**N, help="output tokens: synthetic mean (128), shared-prefix (64)")),
+    ("--sigma", dict(type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")),
+    ("--prefix-len", dict(**N, default=512, help="shared-prefix: words of each context")),
+    ("--num-prefixes", dict(**N, default=4, help="shared-prefix: tenants (contexts)")),
+    ("--suffix-len", dict(**N, default=32, help="shared-prefix: words of a request's own")),
+    ("--no-ignore-eos", dict(action="store_true", help="let requests stop at EOS (output lengths vary)")),
+    ("--structured", dict(choices=STRUCTURED_KINDS, help="every request constrains its output (checked)")),
+    ("--tools", dict(action="store_true", help='openai-chat: two tools, tool_choice "required" (checked)')),
+    ("--temperature", dict(type=float, default=0.0, help="sampling temperature (default 0: greedy)")),
+    ("--slo", dict(type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")),
+    ("--timeout", dict(type=positive_float, default=600.0, metavar="S", help="per-request timeout (s)")),
+)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench serve",
-        description="Drive a running sluice gateway (or any OpenAI-compatible server) with a workload and "
-        "report throughput and latency percentiles.",
-    )
-    add = parser.add_argument
-    about = "which API to drive (default openai: completions; openai-chat: chat completions)"
-    add("--api", choices=APIS, default="openai", help=about)
-    about = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT"
-    add("--url", help=f"{about} (default: `sluice up`'s ports on 127.0.0.1)")
-    add("--model", help="openai model name (default: the first of GET /v1/models)")
-    about = f"requests measured (default {DEFAULT_NUM_REQUESTS}; with a .jsonl dataset, its lines)"
-    add_count(parser, "--num-requests", None, about)
-    about = "requests/s (default inf: all at once)"
-    add("--request-rate", type=positive_float, default=math.inf, metavar="R", help=about)
-    about = "gamma shape of the arrival gaps (1 = Poisson)"
-    add("--burstiness", type=positive_float, default=1.0, help=about)
-    add_count(parser, "--max-concurrency", None, "at most N requests in flight")
-    add_count(parser, "--num-warmup", 0, "requests sent and awaited before measuring", type=int)
-    add("--dataset", default="synthetic", help="synthetic | shared-prefix | FILE.jsonl (default synthetic)")
-    add_count(parser, "--input-len", 128, "synthetic: mean prompt words (~tokens)")
-    about = "synthetic: mean output tokens (default 128); shared-prefix: output tokens (default 64)"
-    add_count(parser, "--output-len", None, about)
-    add("--sigma", type=float, default=0.5, help="synthetic: sigma of the log-normal lengths (0 = fixed)")
-    add_count(parser, "--prefix-len", 512, "shared-prefix: words of each shared context")
-    add_count(parser, "--num-prefixes", 4, "shared-prefix: tenants (shared contexts)")
-    add_count(parser, "--suffix-len", 32, "shared-prefix: words of each request's own part")
-    add("--no-ignore-eos", action="store_true", help="let requests stop at EOS (output lengths vary)")
-    about = "every request constrains its output (fixed constraints, rotated); outputs are checked"
-    add("--structured", choices=STRUCTURED_KINDS, help=about)
-    about = 'openai-chat: every request sends two tools with tool_choice "required"; calls are checked'
-    add("--tools", action="store_true", help=about)
-    add("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    add("--slo", type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")
-    add("--timeout", type=positive_float, default=600.0, metavar="S", help="per-request timeout in seconds")
+    about = "Drive a running server (sluice's gateway or any OpenAI-compatible one) with a workload; report "
+    parser = argparse.ArgumentParser(prog="sluice bench serve", description=about + "throughput and latency.")
+    for flag, keywords in FLAGS:
+        parser.add_argument(flag, **keywords)
     helps = {
         "json": "write the summary and every request here",
-        "plot": "write latency CDF and throughput PNGs into this folder",
-        "seed": "seed of the workload and the arrival times",
+        "seed": "seed of the workload and the arrivals",
     }
-    add_flags(parser, "json", "plot", "seed", "no-progress", **helps)
+    add_flags(parser, "json", "seed", "no-progress", **helps)
     return parser
 
 
@@ -390,7 +385,7 @@ def main(argv: list[str]) -> int:
 
 
 def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> int:
-    """Prints the table, writes the JSON and the plots; returns the exit status."""
+    """Prints the table, writes the JSON; returns the exit status."""
     summary = result.summary()
     if args.json is not None:
         write_result(args.json, result, run_meta(["serve", *argv]))
@@ -400,6 +395,4 @@ def _report(args: argparse.Namespace, argv: list[str], result: ServeResult) -> i
         print(f"sluice bench serve: every request failed: {first}", file=sys.stderr)
         return 1
     print(format_summary(result))
-    if args.plot is not None:
-        write_plots(args.plot, result)
     return 0

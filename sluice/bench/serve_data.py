@@ -102,44 +102,24 @@ def _words(rng: np.random.Generator, count: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=count))
 
 
-def lognormal_lengths(
-    rng: np.random.Generator, num: int, mean: int, sigma: float, lo: int, hi: int
-) -> np.ndarray:
-    """`num` integer lengths, log-normal with mean `mean` before clipping to [lo, hi] (sigma 0: all `mean`).
-    Shape (num,)."""
-    if sigma == 0:
-        values = np.full(num, float(mean))
-    else:
-        mu = math.log(mean) - sigma * sigma / 2  # E[exp(N(mu, sigma²))] = mean
-        values = rng.lognormal(mu, sigma, size=num)
-    return np.clip(np.rint(values), lo, hi).astype(np.int64)
+def lognormal_lengths(rng: np.random.Generator, num: int, mean: int, sigma: float) -> np.ndarray:
+    """`num` integer lengths, log-normal with mean `mean` before clipping to [1, 4 × mean] (sigma 0: all
+    `mean`). Shape (num,)."""
+    mu = math.log(mean) - sigma * sigma / 2  # E[exp(N(mu, sigma²))] = mean
+    values = rng.lognormal(mu, sigma, size=num) if sigma else np.full(num, float(mean))
+    return np.clip(np.rint(values), 1, 4 * mean).astype(np.int64)
 
 
 def synthetic_requests(
-    num: int,
-    seed: int,
-    *,
-    input_len: int = 128,
-    output_len: int = 128,
-    sigma: float = 0.5,
-    min_len: int = 1,
-    max_input: int | None = None,
-    max_output: int | None = None,
+    num: int, seed: int, *, input_len: int = 128, output_len: int = 128, sigma: float = 0.5
 ) -> list[BenchRequest]:
     """`num` requests of random words, prompt and output lengths drawn log-normal around `input_len` and
-    `output_len` (sigma of the underlying normal; 0 = fixed lengths) and clipped to [min_len, max_*]
-    (default max: 4× the mean). Same arguments, same requests."""
-    if num < 1 or input_len < 1 or output_len < 1 or min_len < 1 or sigma < 0:
-        raise ValueError("num, lengths and min_len must be at least 1, sigma at least 0")
-    max_in = max_input if max_input is not None else max(min_len, 4 * input_len)
-    max_out = max_output if max_output is not None else max(min_len, 4 * output_len)
-    if max_in < min_len or max_out < min_len:
-        raise ValueError(f"max_input and max_output must be at least min_len ({min_len})")
+    `output_len` (sigma of the underlying normal; 0 = fixed lengths). Same arguments, same requests."""
+    if num < 1 or input_len < 1 or output_len < 1 or sigma < 0:
+        raise ValueError("num and lengths must be at least 1, sigma at least 0")
     rng = np.random.default_rng(seed)
-    ins = lognormal_lengths(rng, num, input_len, sigma, min_len, max_in)
-    outs = lognormal_lengths(rng, num, output_len, sigma, min_len, max_out)
-    pairs = zip(ins.tolist(), outs.tolist(), strict=True)
-    return [BenchRequest(_words(rng, n_in), n_out, n_in) for n_in, n_out in pairs]
+    ins, outs = (lognormal_lengths(rng, num, mean, sigma).tolist() for mean in (input_len, output_len))
+    return [BenchRequest(_words(rng, n_in), n_out, n_in) for n_in, n_out in zip(ins, outs, strict=True)]
 
 
 def shared_prefix_requests(
@@ -224,57 +204,32 @@ def _object(properties: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _string(max_length: int) -> dict[str, Any]:
+    return {"type": "string", "maxLength": max_length}
+
+
+def _integer(low: int, high: int) -> dict[str, Any]:
+    return {"type": "integer", "minimum": low, "maximum": high}
+
+
 # Fixed constraints, rotated over a workload's requests. Every string and number is bounded, and JSON
 # whitespace is bounded by the engine, so each output ends within a few dozen tokens.
+WEATHER = ["sunny", "rain", "wind", "snow"]
+SCHEMAS = {
+    "pet": {"name": _string(12), "kind": {"enum": ["cat", "dog", "fish"]}, "age": _integer(0, 30)},
+    "order": {"item": _string(16), "quantity": _integer(1, 99), "express": {"type": "boolean"}},
+    "forecast": {"city": _string(16), "tags": {"type": "array", "items": {"enum": WEATHER}, "maxItems": 3}},
+}  # fmt: skip
+REGEXES = (r"[A-Z][a-z]{2,9} [0-9]{1,3}", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(yes|no|maybe), [a-z]{3,12}\.")
+CHOICES = (
+    ["positive", "negative", "neutral"],
+    ["red", "green", "blue", "yellow"],
+    ["north", "south", "east", "west"],
+)
 CONSTRAINTS: dict[str, tuple[Constraint, ...]] = {
-    "json_schema": (
-        Constraint(
-            "json_schema",
-            _object(
-                {
-                    "name": {"type": "string", "maxLength": 12},
-                    "kind": {"enum": ["cat", "dog", "fish"]},
-                    "age": {"type": "integer", "minimum": 0, "maximum": 30},
-                }
-            ),
-            "pet",
-        ),
-        Constraint(
-            "json_schema",
-            _object(
-                {
-                    "item": {"type": "string", "maxLength": 16},
-                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
-                    "express": {"type": "boolean"},
-                }
-            ),
-            "order",
-        ),
-        Constraint(
-            "json_schema",
-            _object(
-                {
-                    "city": {"type": "string", "maxLength": 16},
-                    "tags": {
-                        "type": "array",
-                        "items": {"enum": ["sunny", "rain", "wind", "snow"]},
-                        "maxItems": 3,
-                    },
-                }
-            ),
-            "forecast",
-        ),
-    ),
-    "regex": (
-        Constraint("regex", r"[A-Z][a-z]{2,9} [0-9]{1,3}"),
-        Constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
-        Constraint("regex", r"(yes|no|maybe), [a-z]{3,12}\."),
-    ),
-    "choice": (
-        Constraint("choice", ["positive", "negative", "neutral"]),
-        Constraint("choice", ["red", "green", "blue", "yellow"]),
-        Constraint("choice", ["north", "south", "east", "west"]),
-    ),
+    "json_schema": tuple(Constraint("json_schema", _object(props), name) for name, props in SCHEMAS.items()),
+    "regex": tuple(Constraint("regex", pattern) for pattern in REGEXES),
+    "choice": tuple(Constraint("choice", choices) for choices in CHOICES),
 }
 
 
@@ -283,21 +238,11 @@ def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, 
     return {"type": "function", "function": function}
 
 
+UNITS = ["celsius", "fahrenheit"]
 TOOLS: tuple[dict[str, Any], ...] = (
-    _tool(
-        "get_weather",
-        "The current weather in a city",
-        {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"enum": ["celsius", "fahrenheit"]},
-        },
-    ),
-    _tool(
-        "get_time",
-        "The current time in a time zone",
-        {"timezone": {"type": "string", "maxLength": 24}},
-    ),
-)
+    _tool("get_weather", "The current weather in a city", {"city": _string(20), "unit": {"enum": UNITS}}),
+    _tool("get_time", "The current time in a time zone", {"timezone": _string(24)}),
+)  # fmt: skip
 
 
 def with_structure(
@@ -320,12 +265,9 @@ def check_output(request: BenchRequest, text: str, tool_calls: Sequence[ToolCall
     None when the request asks for neither (nothing to check)."""
     if request.tools:
         declared = {t["function"]["name"]: t["function"]["parameters"] for t in request.tools}
-        return bool(tool_calls) and all(
-            c.name in declared and _valid_json(c.arguments, declared[c.name]) for c in tool_calls
-        )
-    if request.constraint is not None:
-        return request.constraint.check(text)
-    return None
+        valid = [c.name in declared and _valid_json(c.arguments, declared[c.name]) for c in tool_calls]
+        return bool(valid) and all(valid)
+    return None if request.constraint is None else request.constraint.check(text)
 
 
 def _valid_json(text: str, schema: dict[str, Any]) -> bool:

@@ -1,25 +1,21 @@
-"""Servers that benchmarks start and stop themselves on free loopback ports: `Stack` (the four services as
-child processes, by the launcher's plan) and `PeerServer` (`transformers serve`). Entering returns once
-they answer (RuntimeError with a child's last lines otherwise), leaving stops every process (SIGTERM, then
-SIGKILL); enter them outside a running event loop.
+"""`Stack`: the four sluice services as child processes of a benchmark (by the launcher's plan) on free
+loopback ports. Entering returns once they answer (RuntimeError with a child's last lines otherwise),
+leaving stops every process (SIGTERM, then SIGKILL); enter it outside a running event loop.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Self
@@ -32,11 +28,6 @@ from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
-# transformers' continuous batching sizes its KV cache from device memory unless told; on a CPU that is
-# 60% of RAM. These sizes hold far more than a benchmark's requests (blocks of 256 tokens).
-PEER_CPU_CACHE_ARGS = ("--cb-num-blocks", "128", "--cb-max-batch-tokens", "512")
-_NO_TRACING = argparse.Namespace(otlp_endpoint="", trace_console=False)  # child_env's flags for the peer
-PEER = "transformers serve"  # the peer's name in errors
 
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
@@ -67,12 +58,6 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
     except OSError:
         return ""
     return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _failure(name: str, what: str, log: Path) -> RuntimeError:
-    output = tail(log)
-    shown = f"; its last output:\n{output}" if output else " (it wrote nothing)"
-    return RuntimeError(f"{name} {what}{shown}")
 
 
 def process_cpu_s(pid: int) -> float:
@@ -110,42 +95,27 @@ class _LoggedSupervisor(Supervisor):
 
     def __init__(self, children: list[Child], env: dict[str, str], log_dir: Path) -> None:
         super().__init__(children, env)
-        self.log_dir = log_dir
-        self._logs: list[IO[bytes]] = []
-
-    def log_path(self, name: str) -> Path:
-        return self.log_dir / f"{name}.log"
+        self.log_dir, self._logs = log_dir, list[IO[bytes]]()
 
     def start(self) -> None:
         for child in self.children:
-            log = self.log_path(child.name).open("wb")
-            self._logs.append(log)
-            self.procs[child.name] = subprocess.Popen(
-                self.command(child),
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                preexec_fn=with_nice(None, child.nice),
-            )
+            self._logs.append(log := (self.log_dir / f"{child.name}.log").open("wb"))
+            nice = with_nice(None, child.nice)
+            command = self.command(child)
+            out = {"stdout": log, "stderr": subprocess.STDOUT}
+            self.procs[child.name] = subprocess.Popen(command, env=self.env, preexec_fn=nice, **out)
+
+    def failure(self, name: str, what: str) -> RuntimeError:
+        """RuntimeError "`name` `what`" quoting the child's last lines of output."""
+        output = tail(self.log_dir / f"{name}.log")
+        return RuntimeError(
+            f"{name} {what}" + (f"; its last output:\n{output}" if output else " (it wrote nothing)")
+        )
 
     def death(self) -> RuntimeError | None:
         """The error to raise for a child that has exited, naming it and quoting its output; or None."""
         dead = self.dead_child()
-        if dead is None:
-            return None
-        name, code = dead
-        return _failure(name, f"exited with code {code} during start-up", self.log_path(name))
-
-    def wait_until(self, ready: Callable[[], bool], deadline: float, name: str, what: str) -> None:
-        """Polls `ready()` until it holds; raises `death()` when a child has exited, and RuntimeError
-        "`name` `what`" with its output once `deadline` (time.monotonic) has passed."""
-        while not ready():
-            failure = self.death()
-            if failure is not None:
-                raise failure
-            if time.monotonic() > deadline:
-                raise _failure(name, what, self.log_path(name))
-            time.sleep(POLL_S)
+        return None if dead is None else self.failure(dead[0], f"exited with code {dead[1]} during start-up")
 
     def stop(self) -> None:
         super().stop()
@@ -153,28 +123,61 @@ class _LoggedSupervisor(Supervisor):
             log.close()
 
 
-class _Started:
-    """Children under a `_LoggedSupervisor` that a `with` block starts and stops: the subclass makes the
-    supervisor (`_supervise`, given the folder of the children's output files) and waits until they are
-    ready (`_wait_ready`)."""
+class Stack:
+    """The four sluice services as children of this process, on ports of `options.host` chosen when the
+    Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
 
-    tmp_prefix = "sluice-stack-"
-    _supervisor: _LoggedSupervisor | None = None
-    _tmp: tempfile.TemporaryDirectory[str] | None = None
-
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        raise NotImplementedError
-
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        raise NotImplementedError
+    def __init__(self, options: StackOptions) -> None:
+        self.options, host, engines = options, options.host, options.engines
+        http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
+        metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
+        self.http_url = f"http://{host}:{http_port}"
+        self.openai_url, self.ws_url = f"{self.http_url}/v1", f"ws://{host}:{http_port}/v1/ws"
+        self.grpc_address = f"{host}:{grpc_base}"
+        ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
+        ports += ["--metrics-base-port", str(metrics_base)]
+        flags = ["--model", options.model, "--host", host, *ports]
+        flags += ["--engines", str(engines)] if engines > 1 else []
+        flags += ["--batching", options.batching] if options.batching else []
+        plan = parse_args([*flags, *options.up_flags])
+        more = options.engine_flags
+        self._children = [
+            dataclasses.replace(c, flags=(*c.flags, *more)) if c.kind == "engine" and more else c
+            for c in plan_children(plan, options.model)
+        ]
+        self._env = child_env(plan, {**os.environ, **(options.env or {})})
+        self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
+        if options.metrics:
+            names = ["tokenizer", *(c.name for c in self._children if c.kind == "engine"), "detokenizer"]
+            self.metrics_urls |= {n: f"http://{host}:{metrics_base + k}/metrics" for k, n in enumerate(names)}
+        self.pids: dict[str, int] = {}
+        self._supervisor: _LoggedSupervisor | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
     def start(self) -> None:
-        """Starts the children and waits until they are ready; on failure stops them and raises."""
-        self._tmp = tempfile.TemporaryDirectory(prefix=self.tmp_prefix)
-        self._supervisor = self._supervise(Path(self._tmp.name))
+        """Starts the children and waits for every child's gRPC health check, then for the gateway's
+        /readyz (every upstream SERVING as the gateway sees it); on failure stops them and raises."""
+        self._tmp = tempfile.TemporaryDirectory(prefix="sluice-stack-")
+        supervisor = self._supervisor = _LoggedSupervisor(self._children, self._env, Path(self._tmp.name))
+        timeout = self.options.startup_timeout_s
         try:
-            self._supervisor.start()
-            self._wait_ready(self._supervisor)
+            supervisor.start()
+            self.pids = {name: proc.pid for name, proc in supervisor.procs.items()}
+            deadline = time.monotonic() + timeout
+            try:
+                asyncio.run(supervisor.wait_all_healthy(self.options.host, timeout))
+            except RuntimeError as exc:
+                if (failure := supervisor.death()) is None:
+                    raise
+                raise failure from exc
+            except TimeoutError as exc:
+                raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
+            while _http_status(ready := f"{self.http_url}/readyz") != 200:
+                if (failure := supervisor.death()) is not None:
+                    raise failure
+                if time.monotonic() > deadline:
+                    raise supervisor.failure("gateway", f"was not ready at {ready} in time")
+                time.sleep(POLL_S)
         except BaseException:
             self.stop()
             raise
@@ -196,65 +199,8 @@ class _Started:
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
 
-
-class Stack(_Started):
-    """The four sluice services as children of this process, on ports of `options.host` chosen when the
-    Stack is made; ready once every one answers its gRPC health check and the gateway's `/readyz`."""
-
-    def __init__(self, options: StackOptions) -> None:
-        self.options = options
-        host = options.host
-        engines = options.engines
-        http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
-        metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
-        self.http_url = f"http://{host}:{http_port}"
-        self.openai_url = f"{self.http_url}/v1"
-        self.ws_url = f"ws://{host}:{http_port}/v1/ws"
-        self.grpc_address = f"{host}:{grpc_base}"
-        ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
-        flags = ["--model", options.model, "--host", host, *ports, "--metrics-base-port", str(metrics_base)]
-        flags += ["--engines", str(engines)] if engines > 1 else []
-        flags += ["--batching", options.batching] if options.batching else []
-        plan = parse_args([*flags, *options.up_flags])
-        self._children = [self._with_engine_flags(c) for c in plan_children(plan, options.model)]
-        self._env = child_env(plan, {**os.environ, **(options.env or {})})
-        self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
-        if options.metrics:
-            names = ["tokenizer", *(c.name for c in self._children if c.kind == "engine"), "detokenizer"]
-            for offset, name in enumerate(names):
-                self.metrics_urls[name] = f"http://{host}:{metrics_base + offset}/metrics"
-        self.pids: dict[str, int] = {}
-
-    def _with_engine_flags(self, child: Child) -> Child:
-        if child.kind != "engine" or not self.options.engine_flags:
-            return child
-        return dataclasses.replace(child, flags=(*child.flags, *self.options.engine_flags))
-
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        return _LoggedSupervisor(self._children, self._env, log_dir)
-
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        """Every child's gRPC health check, then the gateway's /readyz (every upstream SERVING as the
-        gateway sees it)."""
-        self.pids = {name: proc.pid for name, proc in supervisor.procs.items()}
-        deadline = time.monotonic() + self.options.startup_timeout_s
-        try:
-            asyncio.run(supervisor.wait_all_healthy(self.options.host, self.options.startup_timeout_s))
-        except RuntimeError as exc:
-            failure = supervisor.death()
-            if failure is None:
-                raise
-            raise failure from exc
-        except TimeoutError as exc:
-            raise RuntimeError(f"the sluice stack did not become healthy: {exc}") from exc
-        ready = f"{self.http_url}/readyz"
-        supervisor.wait_until(
-            lambda: _http_status(ready) == 200, deadline, "gateway", f"was not ready at {ready} in time"
-        )
-
     def cpu_seconds(self) -> dict[str, float]:
-        """User + system CPU seconds each service has used so far (with any worker processes it
-        started), keyed by service name."""
+        """User + system CPU seconds each service has used so far (with its worker processes)."""
         return {name: process_cpu_s(pid) for name, pid in self.pids.items()}
 
 
@@ -267,73 +213,3 @@ def _http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return exc.code
     except (OSError, TimeoutError):
         return None
-
-
-class PeerServer(_Started):
-    """`transformers serve` on a local model directory (offline, in the sluice services' environment):
-    ready once `GET /v1/models` answers; `openai_url` is its API base, `model` the name requests carry.
-    `continuous_batching` bounds its KV cache on a CPU (PEER_CPU_CACHE_ARGS); `extra_args` come last and
-    override. It rejects vLLM's `ignore_eos`/`min_tokens`: drive it with ignore_eos off."""
-
-    tmp_prefix = "sluice-peer-"
-
-    def __init__(
-        self,
-        model: str,
-        *,
-        continuous_batching: bool = True,
-        extra_args: Sequence[str] = (),
-        host: str = "127.0.0.1",
-        startup_timeout_s: float = 300.0,
-    ) -> None:
-        self.path = str(Path(model).expanduser().resolve())
-        self.model = self.path
-        self.host = host
-        self.port = free_port_run(1, host)
-        self.openai_url = f"http://{host}:{self.port}/v1"
-        self.startup_timeout_s = startup_timeout_s
-        batching = "--continuous-batching" if continuous_batching else "--no-continuous-batching"
-        where = ("--host", host, "--port", str(self.port), "--log-level", "warning")
-        self.args = (self.path, batching, *where, *_peer_device_args(continuous_batching), *extra_args)
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes] | None:
-        return self._supervisor.procs.get(PEER) if self._supervisor else None
-
-    def _supervise(self, log_dir: Path) -> _LoggedSupervisor:
-        offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        env = child_env(_NO_TRACING, {**os.environ, **offline})
-        return _PeerSupervisor([Child(PEER, self.port, self.args)], env, log_dir)
-
-    def _wait_ready(self, supervisor: _LoggedSupervisor) -> None:
-        """Until `GET /v1/models` answers; the first model listed is the one requests name."""
-
-        def listed() -> bool:
-            with contextlib.suppress(OSError, TimeoutError, ValueError):
-                with urllib.request.urlopen(f"{self.openai_url}/models", timeout=2.0) as resp:
-                    models = json.load(resp)["data"]
-                if models:
-                    self.model = str(models[0]["id"])
-                return True
-            return False
-
-        what = f"did not answer {self.openai_url}/models in {self.startup_timeout_s:g} s"
-        supervisor.wait_until(listed, time.monotonic() + self.startup_timeout_s, PEER, what)
-
-
-class _PeerSupervisor(_LoggedSupervisor):
-    """Runs its one child as `transformers serve` with the child's flags."""
-
-    @staticmethod
-    def command(child: Child) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", *child.flags]
-
-
-def _peer_device_args(continuous_batching: bool) -> tuple[str, ...]:
-    """The peer's device and dtype as the sluice engine picks its own (CUDA bf16 when there is a GPU,
-    CPU fp32 otherwise), with a bounded KV cache for continuous batching on a CPU."""
-    import torch
-
-    if torch.cuda.is_available():
-        return ("--device", "cuda", "--dtype", "bfloat16")
-    return ("--device", "cpu", "--dtype", "float32", *(PEER_CPU_CACHE_ARGS if continuous_batching else ()))

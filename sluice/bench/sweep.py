@@ -1,6 +1,6 @@
 """`sluice bench sweep PRESET`: the load generator (`serve`) over systems started one at a time, a load swept
-over each, start-up failures recorded rather than raised. The presets: `compare` (batching policies and
-transformers serve against request rate), `pipeline` (the four services against the engine alone), `routing`
+over each, start-up failures recorded rather than raised. The presets: `compare` (batching policies against
+request rate), `pipeline` (the four services against the engine alone), `routing`
 (routing policies across engine replicas) and `peers` (sluice, vLLM's CPU server and llama.cpp side by side);
 each is also `sluice bench PRESET` for the first three.
 
@@ -25,7 +25,7 @@ from tqdm import tqdm
 from sluice.bench.common import add_flags, positive_int, run_meta
 from sluice.bench.serve import ServeConfig, ServeResult, run_serve
 from sluice.bench.serve_data import BenchRequest
-from sluice.bench.stack import PeerServer, Stack, StackOptions
+from sluice.bench.stack import Stack, StackOptions
 from sluice.launcher import resolve_model
 
 P = TypeVar("P")  # a point of the load
@@ -62,13 +62,6 @@ def stack_endpoint(model: str, engine_flags: Sequence[str] = (), **options: Any)
     with Stack(StackOptions(model, engine_flags=tuple(engine_flags), **options)) as stack:
         urls = {"openai": stack.openai_url, "ws": stack.ws_url, "grpc": stack.grpc_address}
         yield Endpoint(urls, None, stack.cpu_seconds, stack.metrics_urls)
-
-
-@contextmanager
-def peer_endpoint(model: str) -> Iterator[Endpoint]:
-    """`transformers serve --continuous-batching` on `model`, for the life of the context."""
-    with PeerServer(model) as peer:
-        yield Endpoint({"openai": peer.openai_url}, peer.model, dict)
 
 
 def sweep(
@@ -129,7 +122,7 @@ def counter(samples: Samples, name: str) -> float:
 
 def add_sweep_flags(parser: argparse.ArgumentParser, requests: int, *flags: str, **helps: str) -> None:
     """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --json,
-    --no-progress), then the shared `flags` asked for ("plot", "repeat", "engine-flags")."""
+    --no-progress), then the shared `flags` asked for ("repeat", "engine-flags")."""
     add_flags(parser, "model", "seed")
     about = helps.pop("num_requests", f"requests per point (default {requests})")
     parser.add_argument("--num-requests", type=positive_int, default=requests, metavar="N", help=about)

@@ -1,22 +1,11 @@
 """Training text for the embedded model, built from the Python installation itself (no download).
 
-`build_corpus()` returns a deterministic list of documents (for a given Python installation):
-
-1. the English prose of the Python documentation shipped as `pydoc_data.topics`, split into paragraphs;
-2. the prose paragraphs of docstrings (module, class, function) of the top-level standard-library source
-   files, read with `ast` (nothing is imported, so no module runs any code);
-3. a small generated part with multi-byte text (accented Latin, Greek, Cyrillic, CJK, Hangul, emoji
-   with ZWJ sequences and skin tones, combining characters) so the tokenizer learns merges for them;
-4. short chat conversations (system/user/assistant turns) whose answers are a few sentences of
-   documentation prose, so a trained model learns the chat markup and ends its turn with the
-   end-of-turn token.
-
-Prose means paragraphs without code, grammar rules, doctests or tables (no indented lines, no `::`,
-`>>>`, `***`), with hard line wraps joined into single spaces.
-
-Documents 1–3 are plain text; documents 4 are `Conversation` tuples that the trainer renders with the
-chat template. Order is fixed (sorted topic keys and file names), so the same installation always gives
-the same corpus.
+`build_corpus()` returns a `Corpus`: plain-text documents (prose paragraphs of `pydoc_data.topics` and
+of the standard library's docstrings, read with `ast`, so nothing is imported or run; generated
+multi-byte text) and `Conversation` tuples of chat turns, which the trainer renders with the chat
+template. Contract: deterministic for a given installation and seed (sorted topic keys and file names).
+Prose is paragraphs without code, grammar rules, doctests or tables, hard wraps joined into spaces.
+Why each part is there: docs/architecture.md ("The embedded model").
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Byte-level BPE tokenizer for the embedded model, trained with `tokenizers` on the project's corpus.
 
-Special tokens (fixed ids, before every learned token):
-
-- 0 `<pad>`: padding (`pad_token`).
-- 1 `<s>`: beginning of sequence (`bos_token`). The post-processor puts it in front of every encoding
-  made with `add_special_tokens=True`; the chat template renders it itself.
-- 2 `</s>`: end of a plain-text document (the model writes it after a finished text).
-- 3 `<|im_start|>`: opens a chat turn, `<|im_start|>{role}\\n{content}<|im_end|>\\n` (ChatML).
-- 4 `<|im_end|>`: closes a chat turn. It is `eos_token`, so anything that stops at the tokenizer's eos
-  ends generation at the end of the assistant's turn.
-
-`generation_config.json` lists both ends, `eos_token_id = [4, 2]` (`<|im_end|>` first), so plain-text
-completions stop at `</s>` and chat completions stop at `<|im_end|>`.
-
-The pre-tokenizer and decoder are `ByteLevel` (GPT-2 byte alphabet, no prefix space) with no normalizer,
-so `decode(encode(text)) == text` for any Unicode text, including combining characters and emoji.
+Special tokens have fixed ids before every learned token: 0 `<pad>`, 1 `<s>` (bos, put in front by the
+post-processor with `add_special_tokens=True`; the chat template writes it itself), 2 `</s>` (end of a
+plain-text document), 3 `<|im_start|>` and 4 `<|im_end|>` (ChatML turns; `<|im_end|>` is `eos_token`).
+`GENERATION_EOS_IDS` = [4, 2] goes to generation_config.json, so chat and plain text both stop.
+Invariant: `ByteLevel` pre-tokenizer and decoder, no normalizer, so `decode(encode(text)) == text` for
+any Unicode text (combining characters and emoji included).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""`sluice bench engine` on a reduced workload: every method's figures, the greedy check, the decode steps,
-JSON and PNG; its options."""
+"""`sluice bench engine` on a reduced workload: every method's figures, the greedy check, JSON; its
+options."""
 
 from __future__ import annotations
 
@@ -23,16 +23,13 @@ from sluice.bench.engine_methods import (
     Workload,
     load_hf_model,
     make_workload,
-    measure_decode_step,
     reference_logits,
     run_hf_sequential,
 )
 from sluice.model.presets import BOS_ID, EOS_ID, FIRST_PLAIN_ID, PAD_ID, preset_model_dir
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # One torch thread: the figures don't matter here, and it keeps the run short on a busy machine.
 QUICK = ["--quick", "--device", "cpu", "--no-progress", "--threads", "1", "--output-len", "6,14"]
-NO_DECODE = ["--decode-batch", "0"]  # for tests about the methods only
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -43,14 +40,14 @@ def _restore_torch_threads() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any], Path]:
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict[str, Any]]:
     out = tmp_path_factory.mktemp("bench")
-    rc = bench.main([*QUICK, "--json", str(out / "b.json"), "--plot", str(out / "b.png")])
-    return rc, json.loads((out / "b.json").read_text()), out / "b.png"
+    rc = bench.main([*QUICK, "--json", str(out / "b.json")])
+    return rc, json.loads((out / "b.json").read_text())
 
 
-def test_every_method_runs_and_reports_its_figures(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    rc, doc, _ = quick_run
+def test_every_method_runs_and_reports_its_figures(quick_run: tuple[int, dict[str, Any]]) -> None:
+    rc, doc = quick_run
     assert rc == 0, {name: m.get("error") for name, m in doc["methods"].items()}
     assert list(doc["methods"]) == list(DEFAULT_METHODS)  # on a CPU, no eager engine: the same one there
     assert [run["concurrency"] for run in doc["runs"]] == [4] and doc["runs"][0]["methods"] == doc["methods"]
@@ -72,22 +69,22 @@ def test_the_json_holds_each_finished_concurrency_before_the_run_ends(
 ) -> None:
     out = tmp_path / "b.json"
     seen: list[dict[str, Any]] = []
+    report_of = bench._report
 
-    def decode_reads_the_json(*args: object) -> tuple[list[Any], None]:
+    def report_reads_the_json(*args: Any) -> int:
         seen.append(json.loads(out.read_text()))
-        return [], None
+        return report_of(*args)
 
-    monkeypatch.setattr(bench, "run_decode", decode_reads_the_json)
+    monkeypatch.setattr(bench, "_report", report_reads_the_json)
     argv = [*QUICK, "--concurrency", "2,3", "--methods", "sluice-continuous", "--json", str(out)]
     assert bench.main(argv) == 0
     (partial,) = seen
     assert partial["partial"] is True and [r["concurrency"] for r in partial["runs"]] == [2, 3]
-    assert partial["decode_steps"] == [] and partial["decode_error"] == "not measured yet"
     assert json.loads(out.read_text())["partial"] is False
 
 
-def test_greedy_outputs_agree_with_sequential_generate(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    _, doc, _ = quick_run
+def test_greedy_outputs_agree_with_sequential_generate(quick_run: tuple[int, dict[str, Any]]) -> None:
+    _, doc = quick_run
     check = doc["greedy_check"]
     assert check["reference"] == "hf-sequential" and check["near_tie_threshold"] == 1e-4
     assert 0.0 < check["reference_min_top2_margin"] < 10.0
@@ -131,7 +128,7 @@ def _run_with_one_token_changed(
     monkeypatch.setattr(bench, "run_sluice", altered)
     out = tmp_path / "b.json"
     methods = "hf-sequential,sluice-static,sluice-dynamic,sluice-continuous"
-    argv = [*QUICK, *NO_DECODE, "--num-requests", "2", "--methods", methods, "--json", str(out)]
+    argv = [*QUICK, "--concurrency", "2", "--methods", methods, "--json", str(out)]
     assert bench.main(argv) == 0
     doc = json.loads(out.read_text())
     return doc, doc["methods"]["sluice-continuous"]
@@ -168,8 +165,8 @@ def test_a_runner_up_within_the_near_tie_threshold_is_reported_as_a_near_tie(
     assert "yes (1 near-tie)" in capsys.readouterr().out
 
 
-def test_engine_figures_are_fractions(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    _, doc, _ = quick_run
+def test_engine_figures_are_fractions(quick_run: tuple[int, dict[str, Any]]) -> None:
+    _, doc = quick_run
     engine_keys = ("forward_share", "forward_share_max_batch", "kv_efficiency", "max_batch", "preemptions")
     for name, fig in doc["methods"].items():
         if name in HF_METHODS:
@@ -181,46 +178,20 @@ def test_engine_figures_are_fractions(quick_run: tuple[int, dict[str, Any], Path
             assert 1 <= fig["max_batch"] <= 4 and fig["preemptions"] == 0, name
 
 
-def test_ratios_are_measured_figures_without_verdicts(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    _, doc, _ = quick_run
+def test_ratios_are_measured_figures_without_verdicts(quick_run: tuple[int, dict[str, Any]]) -> None:
+    _, doc = quick_run
     methods = doc["methods"]
-    *speed, graphs = doc["ratios"]
+    speed = doc["ratios"]
     assert [r["name"].split("÷ ")[1] for r in speed] == ["hf-continuous", "hf-static", "hf-sequential"]
     for r in speed:
         other = r["name"].split("÷ ")[1]
         assert r["value"] == pytest.approx(
             methods["sluice-continuous"]["tokens_per_s"] / methods[other]["tokens_per_s"]
         )
-    assert graphs["value"] is None  # no CUDA graphs on a CPU
     assert all(set(r) == {"name", "value"} for r in doc["ratios"]) and "targets" not in doc
 
 
-def test_decode_steps_are_timed_on_the_whole_batch(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    _, doc, _ = quick_run
-    assert doc["decode_error"] is None
-    (step,) = doc["decode_steps"]  # one run on a CPU: graphs do not apply
-    assert step["cuda_graphs"] == "n/a (CPU)" and step["batch"] == 4 and step["steps"] == 4
-    assert step["step_s"] > 0 and step["tokens_per_s"] == pytest.approx(4 / step["step_s"])
-    workload = doc["workload"]
-    assert step["mean_context"] == pytest.approx(
-        (workload["prompt_tokens"] + workload["output_tokens"] / 2) / 4, abs=3
-    )
-    assert step["weight_bytes"] > 0 and step["kv_bytes"] > 0
-    assert step["roofline_s"] is None and step["ratio_to_roofline"] is None
-
-
-def test_decode_steps_of_a_burst_whose_prefill_takes_several_steps(tmp_path: Path) -> None:
-    # 32 prompts of ~400 tokens: the prefill takes 7 steps of 2048 tokens, and the requests whose prefill
-    # ended first decode ahead of the others (by up to 6 tokens): none may finish while the steps are timed.
-    ctx = BenchContext(preset_model_dir("tiny", "float32", 0, tmp_path), "cpu", "float32")
-    step = measure_decode_step(ctx, batch=32, context=410, steps=8)
-    assert (step.batch, step.steps, step.cuda_graphs) == (32, 8, "n/a (CPU)")
-    assert step.mean_context == pytest.approx(410, abs=4) and step.step_s > 0
-
-
-def test_concurrency_blocks_eager_on_cpu_and_a_given_bandwidth(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_concurrency_blocks_and_eager_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "b.json"
     argv = [
         *QUICK,
@@ -228,12 +199,6 @@ def test_concurrency_blocks_eager_on_cpu_and_a_given_bandwidth(
         "2,3",
         "--methods",
         "sluice-continuous,sluice-continuous-eager",
-        "--decode-batch",
-        "2",
-        "--decode-steps",
-        "2",
-        "--hbm-gbps",
-        "50",
         "--json",
         str(out),
     ]
@@ -243,10 +208,6 @@ def test_concurrency_blocks_eager_on_cpu_and_a_given_bandwidth(
     for run in doc["runs"]:
         assert run["methods"]["sluice-continuous-eager"] == {"skipped": "n/a (CPU)", "error": None}
         assert run["methods"]["sluice-continuous"]["cuda_graphs"] == "n/a (CPU)"
-    (step,) = doc["decode_steps"]
-    assert step["hbm_gbps"] == 50 and step["bandwidth_source"] == "--hbm-gbps"
-    assert step["roofline_s"] == pytest.approx((step["weight_bytes"] + step["kv_bytes"]) / 50e9)
-    assert step["ratio_to_roofline"] == pytest.approx(step["step_s"] / step["roofline_s"])
     printed = capsys.readouterr().out
     assert "-- tiny, 2 requests at once" in printed and "-- tiny, 3 requests at once" in printed
     assert "[tiny, 3 requests] sluice-continuous" in printed
@@ -260,25 +221,17 @@ def _resolved(argv: list[str]) -> Any:
 
 def test_concurrency_parsing() -> None:
     assert _resolved(["--device", "cpu", "--concurrency", "64,256"]).concurrency == (64, 256)
-    assert _resolved(["--device", "cpu", "--num-requests", "8", "--concurrency", "8"]).concurrency == (8,)
-    assert _resolved(["--device", "cpu", "--num-requests", "8"]).concurrency == (8,)
     cpu = _resolved(["--device", "cpu", "--preset", "qwen2-0.5b"])
     assert (cpu.concurrency, cpu.dtype, cpu.methods) == ((64,), "float32", DEFAULT_METHODS)  # CPU defaults
 
 
 def test_on_cuda_a_real_model_defaults_to_bf16_at_64_and_256(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gpu = _resolved(["--preset", "qwen2-0.5b"])
     assert (gpu.device, gpu.dtype, gpu.concurrency) == ("cuda", "bfloat16", (64, 256))
     assert gpu.methods == ALL_METHODS
     tiny = _resolved(["--device", "cuda"])
     assert (tiny.dtype, tiny.concurrency) == ("float32", (64,))
-
-
-def test_plot_is_a_png(quick_run: tuple[int, dict[str, Any], Path]) -> None:
-    _, _, png = quick_run
-    data = png.read_bytes()
-    assert data.startswith(PNG_MAGIC) and len(data) > 1000
 
 
 def test_a_failing_method_is_reported_and_the_others_still_run(
@@ -289,7 +242,7 @@ def test_a_failing_method_is_reported_and_the_others_still_run(
 
     monkeypatch.setitem(bench.HF_RUNNERS, "hf-static", broken)
     out = tmp_path / "b.json"
-    argv = [*QUICK, *NO_DECODE, "--methods", "hf-sequential,hf-static", "--repeat", "2", "--json", str(out)]
+    argv = [*QUICK, "--methods", "hf-sequential,hf-static", "--repeat", "2", "--json", str(out)]
     rc = bench.main(argv)
     doc = json.loads(out.read_text())
     assert rc == 1
@@ -306,15 +259,13 @@ def test_a_failing_method_is_reported_and_the_others_still_run(
     [
         ["--methods", "nope"],
         ["--prompt-len", "9,3"],
-        ["--num-requests", "0"],
         ["--repeat", "0"],
         ["--concurrency", "0"],
         ["--concurrency", "8,x"],
-        ["--num-requests", "8", "--concurrency", "16"],
         ["--preset", "gpt-9"],
         ["--preset", "llama-1b", "--model", "."],
         ["--model", "/nonexistent"],
-        ["--hbm-gbps", "0"],
+        ["--decode-batch", "8"],  # decode-only steps: scripts/decode_roofline.py
     ],
 )
 def test_bad_arguments_exit_with_usage_error(argv: list[str]) -> None:

@@ -1,4 +1,4 @@
-"""Figures, greedy check, ratios, decode steps and JSON of the engine benchmark, from hand-made results and
+"""Figures, greedy check, ratios and JSON of the engine benchmark, from hand-made results and
 logits (no model)."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ import torch
 
 from sluice.bench.engine_methods import (
     NOT_ON_CPU,
-    DecodeStep,
     GreedyCheck,
     MethodResult,
-    Roofline,
     Workload,
     check_greedy,
     compare_request,
@@ -19,14 +17,11 @@ from sluice.bench.engine_methods import (
 from sluice.bench.report import (
     REFERENCE,
     Block,
-    DecodeFigure,
     build_rows,
     engine_json,
     engine_json_runs,
-    format_decode,
     format_greedy_check,
     format_methods,
-    graphs_ratio,
     headline_ratios,
 )
 
@@ -143,34 +138,6 @@ def test_a_failed_sluice_method_is_shown_as_failed() -> None:
     assert "FAILED" in format_methods(rows, errors, 2)
 
 
-def _decode(graphs: str, step_s: float, gbps: float | None = 1000.0) -> DecodeFigure:
-    step = DecodeStep(cuda_graphs=graphs, batch=64, mean_context=200.0, steps=32, step_s=step_s)
-    roofline = Roofline(weight_bytes=900_000_000, kv_bytes=100_000_000, gbps=gbps)
-    return DecodeFigure(step, roofline, "NVIDIA H200")
-
-
-def test_decode_roofline_ratio_and_graphs_speedup() -> None:
-    on, off = _decode("on", 0.002), _decode("off", 0.004)  # roofline: 1e9 bytes at 1000 GB/s = 1 ms
-    assert on.roofline.seconds == pytest.approx(1e-3) and on.ratio == pytest.approx(2.0)
-    graphs = graphs_ratio([on, off], "qwen2-0.5b", 64)
-    assert (
-        graphs.value == pytest.approx(2.0) and "[qwen2-0.5b] decode tokens/s with CUDA graphs" in graphs.name
-    )
-    slow = graphs_ratio([_decode("on", 0.0035), _decode("off", 0.004)], "m", 64)
-    assert _decode("on", 0.0035).ratio == pytest.approx(3.5) and slow.value == pytest.approx(0.004 / 0.0035)
-    text = format_decode([on, off], None)
-    assert "2.00 ms a step" in text and "2.00× the roofline" in text and "CUDA graphs off" in text
-
-
-def test_decode_ratios_unmeasured_on_cpu_or_without_a_run() -> None:
-    cpu = _decode(NOT_ON_CPU, 0.01, gbps=None)
-    assert cpu.ratio is None
-    assert graphs_ratio([cpu], "tiny", 64).value is None
-    assert graphs_ratio([], "tiny", 64).value is None
-    assert "roofline n/a" in format_decode([cpu], None)
-    assert "FAILED: RuntimeError: x" in format_decode([], "RuntimeError: x")
-
-
 def test_table_shows_cuda_graphs_and_methods_skipped_on_cpu() -> None:
     results = _all(1000.0)
     results["sluice-continuous"].cuda_graphs = "on"
@@ -190,13 +157,11 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
         Block("tiny", c, work, {"num_requests": c}, _all(speed), {}, {"sluice-continuous-eager": NOT_ON_CPU})
         for c, speed in ((64, 1000.0), (256, 700.0))
     ]
-    ratios = [r for b in blocks for r in b.ratios()] + [graphs_ratio([], "tiny", 64)]
-    doc = engine_json_runs(blocks, [_decode("on", 0.002)], None, ratios, {"model": "tiny"})
+    doc = engine_json_runs(blocks, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
     assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)
     assert doc["runs"][0]["methods"]["sluice-continuous-eager"] == {"skipped": NOT_ON_CPU, "error": None}
     firsts = [r["name"].split("]")[0] for r in doc["ratios"][0:6:3]]
     assert firsts == ["[tiny, 64 requests", "[tiny, 256 requests"]
-    assert doc["decode_steps"][0]["ratio_to_roofline"] == pytest.approx(2.0)
-    assert len(doc["ratios"]) == 7
+    assert len(doc["ratios"]) == 6 and "decode_steps" not in doc

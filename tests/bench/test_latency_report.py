@@ -1,5 +1,5 @@
 """`sluice bench latency`'s figures on synthetic numbers: ratios against off and unquantized, the
-tables and JSON; the copy / lookup fractions and the percentile it reports."""
+tables and JSON; the copy fraction and the percentile it reports."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import math
 import pytest
 
 from sluice.bench import report as rep
-from sluice.bench.latency import faster
-from sluice.bench.latency_run import (
+from sluice.bench.latency import (
     NON_REPETITIVE,
     REPETITIVE,
     RunFigures,
     copy_fraction,
-    lookup_fraction,
+    faster,
     percentile,
 )
 from sluice.bench.perplexity import QualityResult
@@ -57,23 +56,16 @@ def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
     assert rep.batch1_ratio(report, "int8", REPETITIVE) is None  # not run
 
 
-def test_shape_quality_and_kv_ratios() -> None:
+def test_quality_ratios() -> None:
     report = _report(100.0, 1000.0, 2000.0)
-    report.shape = rep.ShapeRun("qwen2-0.5b", "float32", {"off": _run(1, 4.0), "int8": _run(1, 6.4)})
     report.quality = [
         QualityResult("none", "none", "auto", 100.0, 1000),
         QualityResult("int8", "int8", "auto", 102.5, 1000),
     ]
-    report.kv = rep.KvBlocks(1.0, {"auto": 1000, "fp8": 2000})
-    assert rep.shape_ratio(report.shape, "int8") == pytest.approx(1.6)
-    assert rep.shape_ratio(report.shape, "fp8") is None  # not run
     assert rep.quality_ratio(report.quality, "int8") == pytest.approx(1.025)
-    assert report.kv.ratio == 2.0
-    assert "1.60x" in rep.format_shape(report.shape) and "1.0250" in rep.format_quality(report)
-    assert "(2.00x)" in rep.format_kv(report.kv)
+    assert "1.0250" in rep.format_quality(report)
     doc = rep.latency_json(report, {})
-    assert doc["shape"]["ratios_to_off"]["int8"] == pytest.approx(1.6) and doc["kv_blocks"]["ratio"] == 2.0
-    assert "targets" not in doc
+    assert doc["quality"][1]["ratio_to_none"] == pytest.approx(1.025) and "targets" not in doc
 
 
 def test_tables_and_json_carry_the_figures() -> None:
@@ -93,17 +85,13 @@ def test_tables_and_json_carry_the_figures() -> None:
     assert [c["concurrent_ratio_to_off"] for c in doc["cells"]][2:] == pytest.approx([1.0, 1.0])
 
 
-def test_copy_and_lookup_fractions() -> None:
+def test_copy_fraction() -> None:
     prompt = [1, 2, 3, 4, 5, 6]
     assert copy_fraction(prompt, [3, 4, 5, 6]) == 1.0
     assert copy_fraction(prompt, [9, 9, 9, 9]) == 0.0
     assert copy_fraction(prompt, [2, 3, 4, 5, 7, 8, 9, 10]) == 0.5
     assert copy_fraction(prompt, [2, 3, 4]) == 0.0  # shorter than an n-gram
-    # An output that repeats itself is found by lookup (prompt + earlier output), not by copy.
-    loop = [7, 8, 7, 8, 7, 8, 7, 8]
-    assert copy_fraction(prompt, loop) == 0.0
-    assert lookup_fraction(prompt, loop) == pytest.approx(6 / 8)  # spans from the third token on
-    assert lookup_fraction(prompt, [3, 4, 5, 6]) == 1.0
+    assert copy_fraction(prompt, [7, 8, 7, 8, 7, 8, 7, 8]) == 0.0  # repeating itself is not copying
 
 
 def test_percentile_interpolates_between_ranks() -> None:

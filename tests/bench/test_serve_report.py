@@ -1,4 +1,4 @@
-"""Figures of `sluice bench serve` from hand-made records: summary math, SLO goodput, table, JSON, plots."""
+"""Figures of `sluice bench serve` from hand-made records: summary math, SLO goodput, table, JSON."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from sluice.bench.report import format_summary, tokens_per_second, write_plots, write_result
+from sluice.bench.report import format_summary, write_result
 from sluice.bench.serve import RequestRecord, ServeConfig, ServeResult
-
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def _records() -> list[RequestRecord]:
@@ -87,17 +85,3 @@ def test_json_carries_meta_config_summary_and_records(tmp_path: Path) -> None:
     assert doc["summary"]["completed"] == 3
     assert len(doc["records"]) == 6
     assert doc["records"][0]["itl_s"] == [0.1, 0.1, 0.1, 0.1]
-
-
-def test_tokens_per_second_spreads_tokens_over_their_chunks() -> None:
-    # Chunks at 0.1..0.5 s (5 tokens), 0.7, 0.9, 1.1 s (3) and 1.3 s (1).
-    starts, rates = tokens_per_second(_records())
-    assert starts.tolist() == [0.0, 1.0]
-    assert rates.tolist() == pytest.approx([7.0, 2.0])
-
-
-def test_plots_are_png_files(tmp_path: Path) -> None:
-    paths = write_plots(tmp_path / "plots", _result(), prefix="run1")
-    assert [p.name for p in paths] == ["run1-latency-cdf.png", "run1-throughput.png"]
-    for path in paths:
-        assert path.read_bytes().startswith(PNG_SIGNATURE)

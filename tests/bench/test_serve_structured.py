@@ -11,24 +11,16 @@ JSON, and of a tool call (its tags, name and arguments) likewise. A constrained 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sluice.bench import serve
-from tests.e2e.conftest import Pipeline, start_pipeline
+from tests.e2e.conftest import Pipeline
 
 pytestmark = pytest.mark.e2e
 
 NUM, OUTPUT_LEN = 3, 512
-
-
-@pytest.fixture(scope="module")
-def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    running = start_pipeline(tiny_model_dir)
-    yield running
-    assert running.stop() == 0, running.output()
 
 
 def _run(pipeline: Pipeline, api: str, out: Path, *flags: str) -> dict:

@@ -1,5 +1,5 @@
-"""The benchmark launchers: a `Stack` of the four sluice services and `transformers serve` as a peer, each
-started on free loopback ports and stopped without leaving a process behind."""
+"""The benchmark launcher: a `Stack` of the four sluice services, started on free loopback ports and stopped
+without leaving a process behind."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sluice.bench.stack import PeerServer, Stack, StackOptions, free_port_run
+from sluice.bench.stack import Stack, StackOptions, free_port_run
 from sluice.plan import LIGHT_NICE
 
 pytestmark = pytest.mark.e2e
@@ -65,39 +65,6 @@ def test_a_service_that_dies_at_start_up_is_named_with_its_output(tmp_path: Path
     assert len(message.splitlines()) > 1
     assert set(stack.pids) == SERVICES
     assert not any(_alive(pid) for pid in stack.pids.values())
-
-
-def test_peer_server_answers_a_streaming_completion(tiny_model_dir: Path) -> None:
-    with PeerServer(str(tiny_model_dir)) as peer:
-        pid = peer.proc.pid if peer.proc else 0
-        assert peer.model == str(tiny_model_dir.resolve())
-        body = json.dumps(
-            {
-                "model": peer.model,
-                "prompt": "the old house",
-                "max_tokens": 8,
-                "stream": True,
-                "temperature": 0,
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"{peer.openai_url}/completions", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(request, timeout=120) as resp:
-            events = [line[6:] for line in resp.read().splitlines() if line.startswith(b"data: ")]
-        chunks = [json.loads(e) for e in events if e != b"[DONE]"]
-        usage = [c["usage"] for c in chunks if c.get("usage")]
-        assert usage and 1 <= usage[-1]["completion_tokens"] <= 8
-        assert any(c["choices"] and c["choices"][0].get("text") for c in chunks)
-    assert pid and not _alive(pid)
-
-
-def test_peer_server_that_cannot_load_its_model_is_reported(tmp_path: Path) -> None:
-    broken = tmp_path / "broken"
-    broken.mkdir()
-    (broken / "config.json").write_text("{}")
-    with pytest.raises(RuntimeError, match=r"^transformers serve exited with code \d+ during start-up"):
-        PeerServer(str(broken), startup_timeout_s=120).start()
 
 
 def test_up_flags_set_the_stacks_cpu_policy(tiny_model_dir: Path) -> None:

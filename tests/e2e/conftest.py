@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,7 +139,11 @@ def _pump(pipeline: Pipeline) -> None:
 
 def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None = None) -> Pipeline:
     """Starts `sluice up` (with `env` added to the environment) and returns at once; `ready` is set
-    when it prints its ready line or exits."""
+    when it prints its ready line or exits. Without `--standby` in `extra` it runs with none: a warm
+    standby costs every start an engine's imports, and only the tests of standbys, restarts, faults
+    and chaos need one (they pass `--standby 1`, `sluice up`'s default)."""
+    if "--standby" not in extra:
+        extra = (*extra, "--standby", "0")
     http, base = free_ports(stage_port_count(extra))
     cmd = [
         sys.executable,
@@ -188,11 +192,3 @@ def start_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None =
         pipeline.stop(signal.SIGTERM)
         pytest.fail(f"sluice up did not become ready:\n{pipeline.output()}")
     return pipeline
-
-
-@pytest.fixture(scope="module")
-def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    running = start_pipeline(tiny_model_dir)
-    yield running
-    code = running.stop()
-    assert code == 0, running.output()

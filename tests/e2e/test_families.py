@@ -1,11 +1,9 @@
-"""Model families through the whole pipeline (`sluice up`, four processes): a random-weight Gemma 2
-(alternating sliding/full layers, attention and final soft-capping) and Qwen3 (QK norms, head_dim
-apart from hidden / heads, MQA) stream the same greedy text as transformers' `generate` decoded, with a
-pool and a step budget small enough that prompts are chunked, share cached blocks and are preempted.
-Every other dense family of sluice/model/families.py (the MoE ones are in test_moe.py) does the same in
-one test: one pipeline's tokenizer and detokenizer serve every family (they share the project's
-tokenizer), each other family adds only an engine (on one torch thread) and a gateway, and all start at
-once, so that the cost is about an engine start per family."""
+"""Every dense model family of sluice/model/families.py (the MoE ones are in test_moe.py) through the
+whole pipeline: each streams the same greedy text as transformers' `generate` decoded, with a pool and
+a step budget small enough that prompts are chunked, share cached blocks and are preempted. One
+`sluice up` serves the first family; its tokenizer and detokenizer serve every other one too (they share
+the project's tokenizer), each other family adding only an engine (on one torch thread) and a gateway,
+all started at once, so that the cost is about an engine start per family."""
 
 from __future__ import annotations
 
@@ -26,7 +24,6 @@ from tests.e2e.conftest import (
     free_ports,
     launch_pipeline,
     launch_service,
-    start_pipeline,
 )
 from tests.e2e.test_up import generate_all, greedy_requests, references
 
@@ -50,9 +47,7 @@ ENGINE_ENV = {
 }
 
 
-# The families of the first test and of test_moe.py; every other one runs in the shared test.
-OWN_TESTS = ("gemma2", "qwen3")
-SHARED_RUN = tuple(f for f in FAMILIES if f not in OWN_TESTS)
+DENSE = tuple(FAMILIES)
 
 
 def stream_prompts(ws_url: str) -> dict[str, dict[str, Any]]:
@@ -79,18 +74,6 @@ def assert_equals_generate(model_dir: Path, family: str, got: dict[str, dict[str
         assert got[f"r{i}"]["done"]["usage"]["completion_tokens"] == completion_tokens
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3"])
-def test_streamed_greedy_text_equals_generate(family: str, family_model_dir: Callable[[str], Path]) -> None:
-    model_dir = family_model_dir(family)
-    pipeline = start_pipeline(model_dir, "--standby", "0", env=ENGINE_ENV)
-    try:
-        got = stream_prompts(pipeline.ws_url)
-    finally:
-        code = pipeline.stop()
-    assert code == 0, pipeline.output()
-    assert_equals_generate(model_dir, family, got)
-
-
 def wait_ready(url: str, service: Pipeline, deadline: float) -> None:
     """Polls the gateway's /readyz at `url` until 200 (every stage serving); fails the test with the
     output of `service` when it exits or `deadline` (time.monotonic()) passes first."""
@@ -103,18 +86,17 @@ def wait_ready(url: str, service: Pipeline, deadline: float) -> None:
         time.sleep(0.2)
 
 
-def test_every_other_family_streams_greedy_text_equal_to_generate(
+def test_every_family_streams_greedy_text_equal_to_generate(
     family_model_dir: Callable[[str], Path],
 ) -> None:
-    """Llama, Qwen2, Mistral, Gemma 3, Phi-3, OLMo 2, Granite, SmolLM3, Cohere 2 and StarCoder2 (windows
-    on every layer or alternating with full layers in a KV group of their own, partial rotary,
-    multipliers, QK norms, biases: sluice/model/families.py). Llama runs in a whole `sluice up`; each
-    other family gets an engine and a gateway of its own (`sluice serve`) in front of that pipeline's
-    tokenizer and detokenizer (every family has the project's tokenizer), all started at once."""
-    model_dirs = {family: family_model_dir(family) for family in SHARED_RUN}
-    first, *others = SHARED_RUN
-    threads = ("--standby", "0", "--engine-threads", "1")
-    front = launch_pipeline(model_dirs[first], *threads, env=ENGINE_ENV)
+    """Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Phi-3, OLMo 2, Granite, SmolLM3, Cohere 2 and
+    StarCoder2 (windows on every layer or alternating with full layers in a KV group of their own,
+    soft-capping, QK norms, head_dim apart from hidden / heads, partial rotary, multipliers, biases).
+    Llama runs in a whole `sluice up`; each other family gets an engine and a gateway of its own
+    (`sluice serve`) in front of that pipeline's tokenizer and detokenizer, all started at once."""
+    model_dirs = {family: family_model_dir(family) for family in DENSE}
+    first, *others = DENSE
+    front = launch_pipeline(model_dirs[first], "--engine-threads", "1", env=ENGINE_ENV)
     tokenizer, detokenizer = (f"127.0.0.1:{front.grpc_base_port + i}" for i in (1, 3))
     gateways: dict[str, tuple[str, Pipeline]] = {}
     services = []

@@ -30,7 +30,7 @@ from tests.e2e.test_restart import _one_generation, _wait_ready, standbys
 pytestmark = pytest.mark.e2e
 
 UNHEALTHY_RESTART_S = 2.0
-FLAGS = ("--unhealthy-restart-s", str(UNHEALTHY_RESTART_S), "--health-timeout-s", "1")
+FLAGS = ("--standby", "1", "--unhealthy-restart-s", str(UNHEALTHY_RESTART_S), "--health-timeout-s", "1")
 FAULTS_ON = {"SLUICE_FAULT_INJECTION": "1"}
 WAIT_S = 120.0  # generous: two shared cores, other tests running
 
@@ -114,7 +114,7 @@ def test_a_stage_killed_before_up_is_ready_is_restarted_and_no_child_outlives_up
 ) -> None:
     """The tokenizer serves long before the engine has loaded its model: killed then, it is restarted
     and `sluice up` comes up. Then `sluice up` itself is SIGKILLed: every child stops on its own."""
-    running = launch_pipeline(tiny_model_dir)
+    running = launch_pipeline(tiny_model_dir, "--standby", "1")
     try:
         tokenizer = f"127.0.0.1:{running.grpc_base_port + 1}"
         deadline = time.monotonic() + WAIT_S

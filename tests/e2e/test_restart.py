@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -30,7 +31,7 @@ import websockets
 from sluice import launcher, plan, supervise
 from sluice.plan import Child
 from sluice.supervise import RestartPolicy, RestartTracker, Supervisor, Watcher, describe_exit
-from tests.e2e.conftest import Pipeline
+from tests.e2e.conftest import Pipeline, start_pipeline
 
 CHILDREN = ("tokenizer", "engine", "detokenizer", "gateway")
 POLICY = RestartPolicy(max_restarts=5, window_s=60.0, initial_backoff_s=0.5, max_backoff_s=8.0)
@@ -411,6 +412,15 @@ async def _kill_under_load(pipeline: Pipeline, stage: str) -> None:
     spares = {proc.pid for procs in standbys(pipeline).values() for proc in procs}
     assert {child.pid for child in children} - spares == set(now.values())
     assert f"{stage} exited with code -9" in pipeline.output()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
+    """This module's own `sluice up` (it kills stages), with a warm standby per kind as by default."""
+    running = start_pipeline(tiny_model_dir, "--standby", "1")
+    yield running
+    code = running.stop()
+    assert code == 0, running.output()
 
 
 @pytest.mark.e2e

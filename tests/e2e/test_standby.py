@@ -40,7 +40,9 @@ def wait_for(condition, what: str, pipeline: Pipeline):  # type: ignore[no-untyp
 
 @pytest.fixture(scope="module")
 def warm(tiny_model_dir: Path) -> Iterator[Pipeline]:
-    running = start_pipeline(tiny_model_dir, "--unhealthy-restart-s", "2", "--health-timeout-s", "1")
+    running = start_pipeline(
+        tiny_model_dir, "--standby", "1", "--unhealthy-restart-s", "2", "--health-timeout-s", "1"
+    )
     yield running
     code = running.stop()
     assert code == 0, running.output()
@@ -95,7 +97,7 @@ def test_the_only_engine_killed_right_after_the_ready_line_drops_readiness_and_a
     launcher has seen the engine die until its restart starts (no cached 200); a request sent then,
     while the engine is down, waits for the restarted one (the gateway's upstream wait) and completes,
     with the same text as the same request afterwards."""
-    running = start_pipeline(tiny_model_dir)
+    running = start_pipeline(tiny_model_dir, "--standby", "1")
     body = {"model": running_model(running), "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
 
     async def scenario() -> tuple[list[int], httpx.Response, httpx.Response]:

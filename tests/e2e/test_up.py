@@ -162,8 +162,8 @@ def test_a_model_the_services_refuse_stops_up_at_once_with_status_2(tmp_path: Pa
 
 
 def test_sigterm_stops_every_child(tiny_model_dir: Path) -> None:
-    running = start_pipeline(tiny_model_dir)
-    # The four services and any standby by now. A service is known by its start line's pid, not by its
+    running = start_pipeline(tiny_model_dir, "--standby", "1")
+    # The four services and their standbys by now. A service is known by its start line's pid, not by its
     # command line: a standby between fork and exec still shows the launcher's.
     children = psutil.Process(running.proc.pid).children()
     services = running.pids()

@@ -1,4 +1,4 @@
-"""The benchmarks' model presets and the roofline: preset shapes, the directories they write, arithmetic."""
+"""The benchmarks' model presets: preset shapes and the directories they write."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
-from sluice.bench.engine_driver import kv_bytes_per_token
-from sluice.bench.engine_methods import decode_roofline, device_bandwidth, hbm_gbps, weight_bytes_per_step
 from sluice.model import presets
 from sluice.model.presets import PRESETS, count_parameters, preset_config, write_random_model
 
@@ -115,37 +113,3 @@ def test_a_preset_is_cached_and_not_rewritten(tmp_path: Path, monkeypatch: pytes
     assert first == second == tmp_path / "cache" / "qwen2-0.5b-bfloat16-s7"
     assert len(writes) == 1 and (first / "config.json").is_file()
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["qwen2-0.5b-bfloat16-s7"]  # no leftovers
-
-
-def test_roofline_arithmetic() -> None:
-    qwen = preset_config("qwen2-0.5b")  # tied: the embedding is read whole, as the output projection
-    assert weight_bytes_per_step(qwen, 2) == 2 * count_parameters(qwen)
-    assert kv_bytes_per_token(qwen, 2) == 2 * 24 * 2 * 64 * 2
-    llama8 = preset_config("llama-8b")  # untied: the input embedding is read at a few rows only
-    assert weight_bytes_per_step(llama8, 2) == 2 * (count_parameters(llama8) - 128256 * 4096)
-    roof = decode_roofline(qwen, 2, batch=64, context=200, gbps=4800)
-    assert roof.kv_bytes == 64 * 200 * 12288
-    assert roof.seconds == pytest.approx((2 * 494_032_768 + 64 * 200 * 12288) / 4.8e12)
-    assert decode_roofline(qwen, 2, 64, 200, None).seconds is None
-
-
-@pytest.mark.parametrize(
-    ("name", "gbps"),
-    [
-        ("NVIDIA H200", 4800),
-        ("NVIDIA H100 80GB HBM3", 3350),
-        ("NVIDIA H100 PCIe", 2000),
-        ("NVIDIA A100-SXM4-80GB", 2039),
-        ("NVIDIA A100-SXM4-40GB", 1555),
-        ("NVIDIA L40S", 864),
-        ("NVIDIA L4", 300),
-        ("NVIDIA GeForce RTX 4090", None),
-    ],
-)
-def test_bandwidth_by_gpu_name(name: str, gbps: float | None) -> None:
-    assert hbm_gbps(name) == gbps
-
-
-def test_a_cpu_has_a_bandwidth_only_when_given() -> None:
-    assert device_bandwidth("cpu", None)[0] is None
-    assert device_bandwidth("cpu", 100.0) == (100.0, "--hbm-gbps")

@@ -81,6 +81,7 @@ UP_FLAGS = (
     "--health-timeout-s", str(HEALTH_TIMEOUT_S),
     "--unhealthy-restart-s", str(UNHEALTHY_RESTART_S),
     "--max-restarts", "30",  # the schedule kills far more often than the policy is meant for
+    "--standby", "1",  # sluice up's default, which the suite's other pipelines turn off
 )  # fmt: skip
 # A request that finds no replica of a stage waits for one up to the gateway's upstream wait, then fails.
 FAILED_WITHIN_S = GatewaySettings().upstream_wait_s + 5.0

@@ -1,15 +1,14 @@
 """AsyncEngine: the engine's step loop on its own thread, with asyncio-facing callers.
 
-The loop thread owns the `LLMEngine` (`build` constructs it there too: on CPU, one thread for every torch
-operation keeps one OpenMP pool): it applies queued submits and aborts between steps, runs `step()`, hands
-outputs to their callers and publishes the routing reports (services/engine/core/reports.py); it sleeps
-while there is nothing to do or a batch forms. A `Caller` (a gRPC stream or one `Generate`) validates a
-request once, on its event loop (`LLMEngine.make_request`); the loop adds it (`LLMEngine.add`: the
-duplicate-id check). Outputs are coalesced per request in one slot (never a growing queue); request ids
-are scoped per caller (`<caller key>/<id>` inside). A step that raises fails the engine's requests and the
-loop goes on; a failure of the loop itself (or `max_step_failures` in a row) ends every caller's requests
-`unavailable` and rebuilds in-process (`LLMEngine.reset`, an empty snapshot on every feed) within
-`loop_recoveries` per `loop_recovery_window_s`; past that, for good (`on_fatal`).
+The loop thread owns the `LLMEngine` (`build` constructs it there too, so torch keeps one OpenMP pool): it
+applies queued submits and aborts between steps, runs `step()`, hands outputs to their callers and
+publishes the routing reports (core/reports.py); it sleeps while there is nothing to do or a batch forms.
+A `Caller` (a gRPC stream or one `Generate`) validates a request once, on its event loop
+(`LLMEngine.make_request`); the loop adds it (`LLMEngine.add`: the duplicate-id check). Outputs are
+coalesced per request in one slot (never a growing queue); ids are scoped per caller (`<caller key>/<id>`).
+A step that raises fails its requests and the loop goes on; a loop failure (or `max_step_failures` in a
+row) ends every caller's requests `unavailable` and rebuilds in-process (`LLMEngine.reset`, an empty
+snapshot per feed) within `loop_recoveries` per `loop_recovery_window_s`; past that, for good (`on_fatal`).
 """
 
 from __future__ import annotations

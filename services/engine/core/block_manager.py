@@ -1,16 +1,14 @@
 """Paged KV cache bookkeeping: which block of the pool belongs to whom (no tensors here).
 
-`num_blocks` blocks of `block_size` slots (the tensors live in the model runner). A block is in use
-(`ref_count > 0`, in one or more requests' block tables) or free (on the free list); a free block may
-still hold a full block whose content hash is registered, which a later request with that prefix revives
-(prefix caching); allocating takes the least recently freed block and forgets its hash. `track_events`
-records every change of the hash map for `take_events`, so a router can mirror the cache exactly.
-One manager per group of layers that attend alike (`KVGroupSpec`; a hybrid model has a full and a
-sliding group, docs/architecture.md "KV pool"): a sliding group's blocks behind the window are freed while
-their request runs and `hole` (the scratch block, never handed out) takes their table entries, which
-`acquire`, `can_allocate` and `free_blocks` skip; `longest_hit` is how far a prefix hit may go per group.
-Contract: callers check, then act (`can_allocate` before `allocate`); every block from `allocate` or
-`acquire` is given back exactly once per reference; with nothing running, `num_free_blocks == num_blocks`.
+`num_blocks` blocks of `block_size` slots. A block is in use (`ref_count > 0`, in one or more block
+tables) or free (on the free list); a free block may still hold registered full-block content that a
+later request with that prefix revives; allocating takes the least recently freed block and forgets its
+hash. `track_events` records every change of the hash map for `take_events` (a router mirrors it). One
+manager per KV group (`KVGroupSpec`): a sliding group frees blocks behind the window while their request
+runs, `hole` (the scratch block, never handed out) taking their entries, which `acquire`,
+`can_allocate` and `free_blocks` skip; `longest_hit` is how far a prefix hit may go in the group.
+Contract: check, then act (`can_allocate` before `allocate`); every block from `allocate` or `acquire`
+is given back exactly once per reference; with nothing running, `num_free_blocks == num_blocks`.
 """
 
 from __future__ import annotations

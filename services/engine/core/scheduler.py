@@ -4,13 +4,11 @@ which tokens each keeps (`update_from_output`, `update_from_verified`; rules: co
 Invariants: a step's tokens fit `max_num_batched_tokens` and its requests `max_num_seqs`; the pool never
 overflows (check, then act: `can_allocate` before `allocate`). Running requests go first, oldest first; a
 request short of a block preempts the most recently admitted one (freed, recomputed later from its kept
-tokens). Waiting requests are admitted in arrival order, only in a step without preemption; a long prefill
-is chunked. Continuous batching with prefix caching defers a request whose next uncached block a running
-request is computing (it finds it cached a step later). dynamic/static policies differ only in admission.
-KV groups (block_manager.KVGroupSpec) each have a block table per request with an entry per logical block:
-a request runs only when every group has its new blocks. A sliding group frees the blocks wholly before
-every later query's window (`hole`); a prefix hit is the longest every group can serve. Speculative drafts
-fit after every real token, in the budget and blocks left, never preempting; hashes come from kept tokens.
+tokens). Waiting requests are admitted in arrival order, only in a step without preemption; a long
+prefill is chunked; under continuous batching with prefix caching, a request whose next uncached block a
+running request computes waits a step. dynamic/static differ only in admission. A request runs only when
+every KV group has its new blocks; a prefix hit is the longest every group serves. Speculative drafts fit
+after every real token, in the budget and blocks left, never preempting; hashes come from kept tokens.
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """Prompt lookup: proposing a request's next tokens from its own earlier tokens (n-gram speculation).
 
 A proposal is the tokens that followed the latest earlier occurrence of the request's last n tokens
-(prompt + output): outputs often copy their context (edits, quotes, code, loops). The engine runs them as
-extra positions of the request's chunk and `Sampler.verify` keeps the longest prefix the model agrees with
-plus one token of its own, so the output is the model's alone. No draft model: a search costs about 15 µs
-for 2,000 tokens (`TokenMirror` keeps the ids as a numpy array); the cost is on the device, where a
-rejected position is compute thrown away, so it pays at small batches on outputs that copy their context.
-The engine holds one `Speculator` unless `EngineSettings.speculative` is "off": `propose` gives drafts to
-the requests that pass the gate (`_gate`: batch size, per-request acceptance; the one place) before
-`Scheduler.schedule_drafts` fits them, and `verified` moves the acceptance window. Per-request state: one
-`SpecState` at `Request.spec`. Host-side only: no torch here.
+(prompt + output); the engine runs them as extra positions of the request's chunk and `Sampler.verify`
+keeps the longest prefix the model agrees with plus one token of its own, so the output is the model's
+alone. The engine holds one `Speculator` unless `EngineSettings.speculative` is "off": `propose` gives
+drafts to the requests that pass the gate (`_gate`: batch size, per-request acceptance; the one place)
+before `Scheduler.schedule_drafts` fits them, and `verified` moves the acceptance window. Per-request
+state: one `SpecState` at `Request.spec`. Host-side only: no torch here. Why no draft model, and what a
+search costs: docs/architecture.md ("Fewer forwards per token").
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Which models the engine serves: by capability, not by a list of family names.
 
-The engine serves a decoder-only causal LM whose transformers implementation routes attention through
-the attention interface (the engine's paged attention is registered there), and refuses the rest at
-start-up with a ValueError that names what is missing. Two checks:
-
-- `check_config`, before any weight is read: a causal-LM class (`AutoModelForCausalLM`) that supports
-  custom attention (`_supports_attention_backend`), no encoder-decoder, every entry of `layer_types` an
-  attention layer (full or sliding; a linear-attention, mamba, recurrent, conv, chunked or indexed layer
-  is named and refused), no DeepSeek-style multi-head latent attention (K and V of different head
-  sizes: refused by name), no layers that share another layer's KV.
-- `probe`, once the model is loaded: one forward of two tokens whose attention calls only record what
-  the model code hands them (`AttentionProbe`): per layer the query / key / value head counts and sizes
-  and every keyword argument. A keyword the paged attention does not honour (`HONOURED`) and that is
-  not inert (`INERT`) is refused by name, as are a non-causal call, K and V of different head sizes,
-  layers of different KV shapes, and attention that some layer never calls. The result, an
-  `AttentionSpec`, sizes the pool and tells the scheduler whether every layer slides.
-
-RoPE kinds whose frequencies depend on the length of the forward (transformers' `dynamic` and
-`longrope` recompute them from the longest position in the batch) give the same result as a request
-alone only up to `original_max_position_embeddings`: `rope_length_limit` returns that limit. The runner
-caps the context length there, except for longrope served past it, where `pin_long_factor` fixes the
-frequencies to the long factor for every forward (the choice made once, from the context length).
+Everything refused raises ValueError at start-up, naming what is missing. `check_config`, before any
+weight is read: a causal-LM class supporting custom attention, no encoder-decoder, only full or sliding
+attention layers, no multi-head latent attention, no layer sharing another's KV. `probe`, once loaded:
+one two-token forward whose attention calls only record what they get (`AttentionProbe`); a keyword
+neither `HONOURED` nor `INERT`, a non-causal call, K and V of different head sizes, layers of different
+KV shapes or a layer that never calls attention is refused; the `AttentionSpec` it returns sizes the pool
+and tells the scheduler whether every layer slides. `rope_length_limit` and `pin_long_factor`: RoPE whose
+frequencies follow the forward's longest position (`dynamic`, `longrope`). Rationale and the families
+refused: docs/architecture.md ("Which models").
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The model step under torch.compile (inductor), with the paged attention as one opaque custom op.
 
-`sluice::paged_attention` (torch.library.custom_op) wraps `attention.paged_attention` unchanged: the
-compiled graph passes it the layer's query, key and value and the keywords the layer hands over; its real
-implementation reads the step's `StepMeta` from `current_step` (set by the runner around the call, so
-no Python structure of the step reaches the graph and nothing is guarded on it), attends the step's real
-tokens (the first `len(meta.slot_mapping)` rows) exactly as the eager path does and leaves the padding
-rows after them zero. Its fake implementation gives the output's shape, so the graph never breaks on it.
-
-`CompiledStep` compiles `model(input_ids, position_ids)` -> logits of every row with `dynamic=False`,
-for a few token counts (`buckets`): a step of T tokens runs padded to the smallest bucket >= T (padding
-rows: id 0 at position 0, outside the step's metadata), and a step longer than the largest bucket runs
-eagerly. `warm_up` compiles every bucket at start-up, logging each one's time, so no step compiles. On
-CUDA the runner's `StaticDecode` captures its graphs from the compiled step instead (cuda_graphs.py).
+`sluice::paged_attention` wraps `attention.paged_attention` unchanged: its real implementation reads the
+step's `StepMeta` from `current_step` (set by the runner around the call, so nothing of the step reaches
+the graph or its guards), attends the step's real tokens (the first `len(meta.slot_mapping)` rows) as
+the eager path does and leaves the padding rows zero; its fake implementation gives the shape.
+`CompiledStep` compiles `model(input_ids, position_ids)` -> logits of every row with `dynamic=False` per
+token bucket: a step of T tokens runs padded to the smallest bucket >= T (padding: id 0 at position 0,
+outside the metadata); a longer step runs eagerly. `warm_up` compiles every bucket at start-up, so no
+step compiles. docs/architecture.md ("A compiled step") has the buckets and what compiles.
 """
 
 from __future__ import annotations

@@ -2,16 +2,11 @@
 to the logits inside the sampler.
 
 `GrammarBatch.fill` writes one bitmask row per sampled row, (rows, ceil(vocab / 32)) int32 on the host,
-bit j of word w allowing token 32·w + j (services/engine/core/grammar.py holds the states), and
-`apply_bitmask_` sets the logits of forbidden tokens to -inf in place, on CPU or CUDA by the same torch
-code. `GrammarBatch.mask_` does both for the sampler and keeps its pinned host buffer from being
-overwritten while a non-blocking copy from it may still be queued on the device.
-
-llguidance's own `apply_token_bitmask_inplace` is a torch.compile'd function: 0.05 ms instead of 2.1 ms at
-(64, 8192) on the 2-core development CPU, but its first call compiled for 19 s there and each new shape
-class for 1.6 s more, so `apply_bitmask_` runs the same operations eagerly; and since merely importing
-`llguidance.torch` builds that compiled function (seconds of torch._dynamo start-up), the masks are filled
-through the executor's pointer calls, as that module's own helpers do.
+bit j of word w allowing token 32·w + j (core/grammar.py holds the states); `apply_bitmask_` sets the
+logits of forbidden tokens to -inf in place, by the same torch code on CPU or CUDA. `GrammarBatch.mask_`
+does both for the sampler and never overwrites its pinned host buffer while a non-blocking copy from it
+may still be queued on the device. Eager on purpose, and `llguidance.torch` never imported (its compiled
+function's cost): docs/benchmarks.md ("Grammar library").
 """
 
 from __future__ import annotations

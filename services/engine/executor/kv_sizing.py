@@ -1,29 +1,14 @@
 """The KV pool's size: explicit, or on CUDA a share of the memory left once the model runs.
 
-`kv_cache_gb = 0` and `num_kv_blocks = 0` (the defaults) mean "size it for me". On CPU that is
-`DEFAULT_KV_CACHE_GB`. On CUDA the runner is built with that provisional pool, then `fit_kv_pool` runs one
-warm-up forward as large as the biggest step (`max_num_batched_tokens` prompt tokens), reads the free device
-memory, and replaces the pool with one of `gpu_memory_utilization` × (free memory + the provisional pool it
-releases). The warm-up's activations stay reserved by torch's caching allocator, so the free figure already
-leaves room for the largest step: the pool takes what the model and its activations do not need (as vLLM's
-`gpu_memory_utilization` does after its profiling run), rather than a fixed 0.5 GiB on an 80 GiB GPU. It
-never takes more blocks than `max_num_seqs` requests at the full context length can fill.
-
-Hybrid models (`KVLayout`): layers whose windows differ form KV groups (full-attention layers first,
-then one group per window, the widest first), each with a pool of its own. `num_kv_blocks` is the first
-group's size: a block there holds `block_size` tokens of every layer of that group. A sliding group gets
-min(num_kv_blocks, `window_blocks`) blocks of `block_size` tokens of its own layers: what its running
-requests can ever hold at once (their windows, plus the chunks of one step), so its memory is bounded by
-window × requests and not by the context length. A budget in bytes (`kv_cache_gb`, or the device's free
-memory) goes to the largest `num_kv_blocks` whose groups together fit it (`KVLayout.blocks_for_bytes`):
-the sliding groups take their bounded share first, the full-attention group the rest.
-
-The warm-up step asks for prompt logprobs (at the most alternatives a request may ask for), since that is
-the largest step there is: the runner keeps a logits row per prompt position (up to
-`max_num_batched_tokens` − 1 rows × the vocabulary) and the sampler turns them into log-probabilities in
-fp32 (2,047 × 151,936 × 4 bytes = 1.2 GiB on a Qwen2-sized vocabulary, beside the row copies and the
-top-k). Its peak is reserved before free memory is read, so a prompt-logprobs request at the full step
-budget fits beside the pool instead of running the device out of memory.
+`kv_cache_gb = 0` and `num_kv_blocks = 0` (the defaults) mean "size it for me": on CPU
+`DEFAULT_KV_CACHE_GB`; on CUDA the runner starts with that provisional pool and `fit_kv_pool` runs one
+warm-up step as large as any (`max_num_batched_tokens` prompt tokens asking for prompt logprobs), then
+replaces the pool with `gpu_memory_utilization` × (free memory + the provisional pool), never more blocks
+than `max_num_seqs` full contexts fill (`useful_blocks`). `KVLayout` splits a pool among the KV groups
+(full-attention layers first, then one group per window, widest first): `num_kv_blocks` is the first
+group's size, a sliding group gets min(that, `window_blocks`), and `blocks_for_bytes` gives the most
+blocks whose groups fit a byte budget together. Why, and the figures: docs/architecture.md ("The pool
+sized from memory", "Paged KV cache").
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
 """Mixture-of-experts layers of the served model: the experts kernel they run, and what each step routes.
 
-transformers builds the experts of an MoE layer (Mixtral, Qwen3-MoE, GPT-OSS, ...) as one module holding
-every expert's weights as 3-D tensors; its forward takes the hidden states (T, hidden), the top-k expert
-indices (T, k) and their weights (T, k), and dispatches through transformers' experts interface
-(`config._experts_implementation`):
-- "grouped_mm": the (token, expert) pairs sorted by expert, one grouped matmul per projection over all
-  experts (torch's `grouped_mm`), no host sync: the one a CUDA graph can capture;
-- "eager": a Python loop over the experts hit, which reads the routing on the host (`nonzero`);
-- "batched_mm": each pair's expert weights gathered, then one batched matmul: it copies k weight
-  matrices per token.
-`moe_experts` (a setting) chooses; auto = grouped_mm where torch's grouped matmul runs on the device (it
-needs torch >= 2.9 on a CPU, compute capability 8.0 on CUDA), else eager. On the 2-core development CPU
-(fp32, one thread, thread CPU time of one layer's experts, best of 8-30 calls), grouped_mm and eager are
-within 15% of each other from 1 to 1,024 tokens (memory-bound: both read each expert hit once), and
-batched_mm is 8-60x slower (it copies weights per token); see docs/benchmarks.md.
-
-`ExpertLoad` counts the tokens routed to each expert of each MoE layer, per step: a forward pre-hook on
-every experts module scatter-adds its top-k indices into a (layers, experts) counter on the device (no
-host sync; captured into CUDA graphs with the rest of the forward), each row weighted by `begin`'s row
-mask so that the padding rows of a padded decode batch count 0. `begin` zeroes the counter before each
-forward; `end` moves the step's counts to the host (on CUDA a non-blocking copy into pinned memory behind
-an event); `take` returns the finished steps' counts.
+transformers holds an MoE layer's experts as one module of 3-D weight tensors, called with the hidden
+states (T, hidden), the top-k expert indices (T, k) and their weights (T, k) through its experts interface.
+`choose_experts_implementation` sets that interface once, at start-up, as `moe_experts` says: "grouped_mm"
+(one grouped matmul per projection, no host sync: the one a CUDA graph captures), "eager" (a loop over the
+experts hit, reading the routing on the host) or "batched_mm"; auto = grouped_mm where it runs, else eager.
+`ExpertLoad` counts the tokens routed to each expert of each layer per step with forward pre-hooks, on the
+device (no host sync; captured into graphs): `begin` zeroes the counter and weights the padding rows 0,
+`end` moves the step's counts to the host (CUDA: non-blocking, behind an event), `take` returns finished
+steps' counts. Kernel measurements: docs/architecture.md ("Mixture of experts"), docs/benchmarks.md.
 """
 
 from __future__ import annotations

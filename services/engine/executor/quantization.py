@@ -1,53 +1,14 @@
 """Quantized weights, applied to a loaded transformers model in place (the model code stays the same).
 
-- int8: weight-only, symmetric, one scale per output channel, computed by torchao
-  (`Int8Tensor.from_hp` with `PerRow()`, what `Int8WeightOnlyConfig` stores). Every `nn.Linear` of the
-  decoder layers and the lm_head becomes an `Int8Linear`; a tied lm_head gets its own int8 copy and the
-  embedding stays as it is. A decode step reads every weight once for a few rows of activations, so its
-  time is the time to stream the weights from memory, and the kernel decides how close to the memory's
-  rate that is. Steps of fewer than `FEW_ROWS` rows (every decode step of a small batch) take one of two
-  CPU kernels, chosen per layer at load:
-  - `onednn`: oneDNN's int8 matmul (`onednn::qlinear_pointwise`, VNNI / AMX, the weight prepacked once),
-    which multiplies int8 by int8 exactly into int32. To keep the activations' precision (weight-only
-    quantization), each activation row x is split into two int8 limbs, x ~ s (a1 + a2 / 254) with s =
-    max|x| / 127, a1 = round(x / s), a2 = round(254 (x / s - a1)): both limbs go through the matmul as
-    rows of one call (the weight is read once), and the output is s (y1 + y2 / 254). The activation's
-    error is at most s / 508 per element (max|x| / 64,516: finer than bf16's 2^-9 relative). Used on a
-    CPU with VNNI for layers at least `ONEDNN_MIN_OUT` outputs wide: on narrower ones (and on single-row
-    problems, hence never one limb alone) oneDNN picks its reference kernel, 9 ms for a 128 x 896 weight
-    against 25 us for int8pack. And only for layers of enough weights: with one torch thread
-    `ONEDNN_MIN_WEIGHTS` (smaller ones sit in cache, where the limbs' dozen small ops cost more than
-    they save: the embedded model's decode ran 0.65x of int8pack with oneDNN on every layer), with more
-    threads `ONEDNN_MIN_WEIGHTS_THREADED`, in practice the lm_head (at two threads oneDNN's few-row
-    matmul on the 0.5B shape's 896- and 4864-wide layers ran slower than int8pack).
-  - `int8pack`: `torch._weight_int8pack_mm` (bf16 activations, the int8 weight read as is, the scale
-    applied by the kernel), for the narrower layers and CPUs without VNNI. It streams int8 weights at
-    about 6 GB/s on one core of this project's Xeon, where oneDNN's kernel and fp32 matmuls reach 13.
-  Measured on the qwen2-0.5b preset (fp32, batch-1 forward, the variants alternated in one process, 12
-  rounds, median ms): one thread, fp32 134.6, int8pack everywhere 96.6 (1.39x), oneDNN on the lm_head
-  80.0 (1.68x), oneDNN on every layer from 2^19 weights 67.8 (1.99x); two threads, fp32 108.7, int8pack
-  74.0 (1.47x), oneDNN on the lm_head 72.9 (1.49x), on every layer 92.7 (1.17x). This shared host's AMX
-  units have slow spells (oneDNN's rate on the lm_head falls from ~13 to ~5 GB/s for a while), which
-  the medians include. Larger steps (prefill, big decode batches) convert the weight to bf16 and run a
-  bf16 matmul, scaling the output (torchao's eager weight-only linear does the same in the model's dtype).
-  torchao's own `Int8WeightOnlyConfig` linear converts the weight to the activation dtype on every call,
-  which on a CPU makes an fp32 model's decode slower, not faster. On CUDA every step takes the
-  converting path: torch 2.11's CUDA int8pack kernel was slower still on an H200 (896x4864 weight, one
-  row, in a CUDA graph: 42 us against 15 us converting and 3.8 us for bf16; batch-1 decode of the
-  qwen2-0.5b preset 12.6 ms/token against 4.7 converting and 2.7 bf16). Without a fused kernel
-  (torch.compile) int8 only saves memory on a GPU. The `onednn` kernel keeps the prepacked weight beside
-  the int8 one (which the large steps convert), so int8 weights take half the bytes of fp32 there, not a
-  quarter.
-- fp8: torchao `Float8DynamicActivationFloat8WeightConfig` with per-row scales: the weights in float8
-  e4m3 and each step's activations quantized per row on the fly, the matmul on the fp8 tensor cores
-  (`torch._scaled_mm`). torchao's Float8WeightOnlyConfig converts the weight back for every matmul in
-  eager mode, as above (H200, qwen2-0.5b preset, batch-1 decode: 7.1 ms/token against 5.6 with dynamic
-  activations and 2.7 for bf16: at this size a step is bound by kernel count, and each fp8 linear adds the
-  activation's quantization kernels). Needs CUDA compute capability 8.9 or newer (Ada, Hopper); anywhere
-  else a ValueError at start-up.
-
-torchao is imported here only when a quantization is asked for (its import looks for CUDA extensions;
-transformers imports it anyway when it is installed).
+`quantize_model(model, method, device)`: "int8" replaces every `nn.Linear` (the lm_head included; a tied
+one gets its own copy, the embedding stays) by an `Int8Linear`: weight-only, symmetric, one scale per
+output channel (torchao's); "fp8" applies torchao's float8 weights with per-row dynamic activation scales.
+`check_quantization` raises ValueError, before the model loads, for an unknown method or fp8 off a CUDA
+GPU of capability 8.9 or newer. An `Int8Linear` step under `FEW_ROWS` rows runs the kernel chosen per
+layer at load (`few_row_kernel`: `onednn`, oneDNN's int8 matmul on two int8 limbs of each activation
+row; `int8pack`; or `convert`, always on CUDA); larger steps convert the weight. torchao is imported only
+when a quantization is asked for. Design: docs/architecture.md ("Quantized weights"); kernel choice and
+measurements: docs/benchmarks.md ("The int8 kernels").
 """
 
 from __future__ import annotations
@@ -64,7 +25,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("none", "int8", "fp8")
 FEW_ROWS = 16  # steps of fewer rows take the few-row kernels (measured crossing at ~16 rows on CPU)
-ONEDNN_MIN_OUT = 192  # narrower layers fall to oneDNN's reference int8 kernel (see the module docstring)
+ONEDNN_MIN_OUT = 192  # narrower layers fall to oneDNN's reference int8 kernel (docs/benchmarks.md)
 ONEDNN_MIN_WEIGHTS = 1 << 19  # one thread: smaller weights stay in cache, where the limbs' ops cost more
 ONEDNN_MIN_WEIGHTS_THREADED = 1 << 24  # more threads: only the largest layers (the lm_head) gain
 LIMB = 254.0  # the second limb counts 1/254ths of the first's unit: |x / s - a1| <= 1/2 -> |a2| <= 127
@@ -77,8 +38,8 @@ class Int8Linear(nn.Module):
 
     `qweight` (N, K) int8, `scale` (N,) in the compute dtype (bf16 for fp32 models, else the model's
     half dtype), `bias` (N,) in the model's dtype or None. `kernel` is the few-row kernel (one of
-    KERNELS; see the module docstring); steps of FEW_ROWS rows or more always convert. The output is in
-    the input's dtype.
+    KERNELS; docs/benchmarks.md, "The int8 kernels"); steps of FEW_ROWS rows or more always convert.
+    The output is in the input's dtype.
     """
 
     def __init__(
@@ -202,8 +163,8 @@ def onednn_int8_supported() -> bool:
 
 def few_row_kernel(device: torch.device, dtype: torch.dtype, out_features: int, in_features: int) -> str:
     """The kernel of an int8 layer (out_features, in_features) for steps of fewer than FEW_ROWS rows on
-    `device` with activations of `dtype` in the matmul: onednn, int8pack or convert (see the module
-    docstring). The size floor depends on torch's thread count at the time of the call."""
+    `device` with activations of `dtype` in the matmul: onednn, int8pack or convert (docs/benchmarks.md,
+    "The int8 kernels"). The size floor depends on torch's thread count at the time of the call."""
     if device.type != "cpu":
         return "convert"
     floor = ONEDNN_MIN_WEIGHTS if torch.get_num_threads() == 1 else ONEDNN_MIN_WEIGHTS_THREADED

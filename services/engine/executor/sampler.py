@@ -1,32 +1,14 @@
 """Turns the logits of one step into one token per sampling request, vectorised over the batch.
 
-Order of operations per row: logit bias, penalties (repetition over prompt and output, presence and
-frequency over the output), suppression of EOS / stop ids before `min_new_tokens`, the grammar's token
-mask (structured outputs: `GrammarBatch.mask_`, executor/grammar_mask.py), then either argmax (greedy) or
-temperature → top-k → top-p → min-p → a draw. A step in which no request has a bias or a grammar does
-none of that work. A draw is `argmax(probs / q)` with `q ~ Exp(1)`, which
-picks token i with probability probs[i]; a seeded request draws `q` from its own generator, so its
-tokens do not depend on what else is in the batch. Log-probabilities are those of the model's raw
-distribution.
-
-The host never waits on the device inside `launch`: per-request parameters go to the device from pinned
-staging buffers with non-blocking copies (CUDA; plain tensors on CPU), and the step's results (sampled
-ids, and the chosen and top-k log-probabilities when a request asks for them) are gathered into one
-device tensor and copied back once, non-blocking, into a pinned host buffer with an event recorded
-after the copy. `SampleHandle.result()` waits for that event only. The sampled ids also stay on the
-device (`SampleHandle.token_ids`) for the next step's inputs (async scheduling).
-
-Speculative decoding (`verify`): a request with d drafted tokens owns d + 1 rows, row j being the
-distribution after its first j drafts. Every row is sampled exactly as `launch` samples a row (one
-definition of the distribution), and the drafts are accepted while each equals its row's token; the
-emitted tokens are the accepted drafts and the token of the first disagreeing row (or of the last row).
-For greedy rows that is the argmax rule. For sampled rows it is rejection sampling with a deterministic
-proposal (q one-hot on the draft d): the row's token equals d with probability p(d) (accept), and given
-that it differs it is distributed as p with d removed and renormalised (the residual); so the output
-has exactly the target distribution. A seeded request draws its rows from its own generator in order
-and, after a rejection, its generator is set back to its state after the last emitted row: it has then
-consumed one draw per emitted token, as without speculation, and its tokens do not depend on the drafts
-(nor on whether it was given any), only on the logits.
+Per row, in order: logit bias, penalties (repetition over prompt and output, presence and frequency over
+the output), EOS / stop ids suppressed before `min_new_tokens`, the grammar mask (`GrammarBatch.mask_`),
+then argmax (greedy) or temperature → top-k → top-p → min-p → a draw, `argmax(probs / q)` with `q ~
+Exp(1)` (a seeded request's `q` from its own generator: its tokens never depend on the batch). A step
+with no bias or grammar skips their work. Log-probabilities are those of the raw distribution. `launch` never
+waits on the device: inputs go by non-blocking copies, results (ids, requested logprobs) come back in one
+copy behind an event that `SampleHandle.result()` alone waits for; ids stay on the device
+(`SampleHandle.token_ids`) for async scheduling. `verify` samples d + 1 rows per drafted request exactly
+as `launch` would and keeps drafts while they match: docs/architecture.md ("Prompt-lookup speculation").
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""`python -m sluice.bench.step_profile`: where an engine step's time goes, in-process, for decode-only
-steps at a few batch sizes, eager against compiled (`--compile`) in the same run.
+"""`PYTHONPATH=. .venv/bin/python scripts/step_profile.py`: where an engine step's time goes, in-process,
+for decode-only steps at a few batch sizes, eager against compiled (`--compile`) in the same run.
 
-Per (model, batch) it builds one engine per compile mode (the benchmarks' driver, engine_driver.py),
-prefills `batch` requests of `--context` tokens, then times decode steps with the modes stepping in turn
-(so that a shared machine's load falls on both alike) and reports fractions: of a step, the scheduler,
-the runner's host work (packing inputs), the model forward, the sampler and the rest of the engine; of
-the forward (one torch.profiler pass per mode), GEMMs, attention (attention.paged_attention, inclusive),
-the other operators or fused kernels, and what is left: Python and dispatch (the profiler's own cost per
-operator included), also per layer. Step times are medians. The GEMMs' GFLOP/s in the model are compared
-with torch.mm of the same shapes and layouts on the same threads. Shapes: `tiny` (the benchmarks' tiny
-Llama) and `h1024` (hidden 1024, 8 layers, about 107M parameters, random weights). Prints one Markdown
-table; absolute times are noisy on a shared machine, the fractions and ratios are measured side by side.
+Per (model, batch): one engine per compile mode (engine_driver.py), `batch` requests prefilled with
+`--context` tokens, decode steps timed with the modes stepping in turn (medians), then one torch.profiler
+pass per mode. Prints one Markdown table of fractions: of a step (scheduler, runner host work, forward,
+sampler) and of the forward (GEMMs, attention, other operators, Python and dispatch, per layer), and the
+GEMMs' GFLOP/s against torch.mm of the same shapes. docs/architecture.md ("Where the cycles go: one
+decode step") explains each column and holds the measured tables.
 """
 
 from __future__ import annotations
@@ -247,7 +243,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sluice.bench.step_profile", description=__doc__)
+    parser = argparse.ArgumentParser(prog="scripts/step_profile.py", description=__doc__)
     parser.add_argument("--shapes", default="tiny,h1024", help="tiny | h1024, comma-separated")
     parser.add_argument("--batches", default="1,64", help="decode batch sizes, comma-separated")
     parser.add_argument(
