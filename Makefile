@@ -6,12 +6,14 @@ PYTEST_ARGS ?=
 
 .PHONY: install up test lint browser protos model soak chaos compose clean
 
-# Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken.
+# Installs exactly the pinned versions (constraints.txt); torch first, so the CPU wheel is taken. Then builds
+# the CPU paged attention kernel once (cached; without a C++ compiler it says why and the engine gathers).
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m services.engine.executor.kernels.cpu_paged
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -8,12 +8,15 @@ paged_attention.py): every decode row reads its K/V in place through its block t
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -67,15 +70,37 @@ def status() -> tuple[ModuleType | None, str]:
     from torch.utils import cpp_extension
 
     name = _build_name()
+    build_dir = Path(cpp_extension.get_default_build_root()) / name
     start = time.monotonic()
     try:
-        module = cpp_extension.load(
-            name, [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-lmvec"], verbose=False
-        )
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with _build_lock(build_dir):
+            module = cpp_extension.load(
+                name,
+                [str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-lmvec"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
     except Exception as exc:  # a compiler or linker error: the torch path serves instead
         return _unavailable(f"the build failed: {type(exc).__name__}: {str(exc)[-500:]}")
     log.info("CPU paged attention kernel ready in %.1f s: %s", time.monotonic() - start, module.__file__)
     return module, ""
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Holds an flock beside `build_dir` (the kernel dies with its holder, unlike cpp_extension's own
+    `lock` file, which a process killed mid-build leaves behind for every later build to wait on
+    forever); with it held no live process is building, so a leftover `lock` file is removed."""
+    with open(build_dir.with_name(build_dir.name + ".flock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _unavailable(why: str) -> tuple[None, str]:
@@ -109,3 +134,8 @@ def paged_decode(
         q, k_pool, v_pool, block_tables, seq_lens, block_size, scale, window, softcap, sinks
     )
     out.copy_(res)
+
+
+if __name__ == "__main__":  # `make install` builds it once, so that no engine start pays for it
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    status()
