@@ -31,8 +31,10 @@ browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 	  || echo "warning: could not install chromium: the browser test is skipped outside CI"
 
+# Two pytest workers: one runs the tests that start service processes (tests/conftest.py puts them in one
+# xdist group, one after another as before), the other the in-process tests beside them.
 test: install lint browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
 
 # The soak test for SOAK_S seconds (the suite runs it for 60): 500 concurrent streams a round, every text
 # checked, memory and descriptors of each service compared with the warm-up's.
