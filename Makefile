@@ -31,10 +31,15 @@ browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 	  || echo "warning: could not install chromium: the browser test is skipped outside CI"
 
-# Two pytest workers: one runs the tests that start service processes (tests/conftest.py puts them in one
-# xdist group, one after another as before), the other the in-process tests beside them.
+# Two pytest runs side by side, each on one torch thread: the tests that start whole stacks (STACK_TESTS) one
+# after another as a plain run would, and the other tests beside them, whose output follows at the end.
+STACK_TESTS := tests/e2e tests/reliability tests/bench tests/deploy
 test: install lint browser
-	$(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS)
+	@SLUICE_TEST_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider $(addprefix --ignore=,$(STACK_TESTS)) $(PYTEST_ARGS) \
+	  > $(VENV)/other-tests.log 2>&1 & other=$$!; \
+	SLUICE_TEST_THREADS=1 $(PY) -m pytest -q $(STACK_TESTS) $(PYTEST_ARGS); stacks=$$?; \
+	wait $$other; others=$$?; echo "== the other tests ($(VENV)/other-tests.log):"; cat $(VENV)/other-tests.log; \
+	exit $$(( stacks || others ))
 
 # The soak test for SOAK_S seconds (the suite runs it for 60): 500 concurrent streams a round, every text
 # checked, memory and descriptors of each service compared with the warm-up's.

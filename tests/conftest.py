@@ -24,22 +24,9 @@ if TYPE_CHECKING:
 
 TinyModelFactory = Callable[..., Path]
 
-# Tests that start service processes: under `make test`'s two workers (pytest-xdist, --dist loadgroup)
-# they run one after another on one worker, as in a plain run, while the other takes the in-process tests.
-STACK_PATHS = ("tests/e2e/", "tests/reliability/", "tests/bench/", "tests/deploy/", "tests/test_gpu_check.py")
-STACK_GROUP = "stacks"
-
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    torch.set_num_threads(1)  # two workers on two cores: one torch thread each, no oversubscribed pools
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Puts every test that starts service processes (STACK_PATHS, or marked `e2e`) in STACK_GROUP."""
-    root = Path(str(config.rootpath))
-    for item in items:
-        rel = Path(str(item.path)).relative_to(root).as_posix()
-        if rel.startswith(STACK_PATHS) or item.get_closest_marker("e2e"):
-            item.add_marker(pytest.mark.xdist_group(STACK_GROUP))
+# `make test` runs the stack tests and the others side by side, two pytest processes on two cores.
+if os.environ.get("SLUICE_TEST_THREADS"):
+    torch.set_num_threads(int(os.environ["SLUICE_TEST_THREADS"]))
 
 
 @pytest.fixture(scope="session")
