@@ -4,7 +4,7 @@ options."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +30,6 @@ from sluice.model.presets import BOS_ID, EOS_ID, FIRST_PLAIN_ID, PAD_ID, preset_
 
 # One torch thread: the figures don't matter here, and it keeps the run short on a busy machine.
 QUICK = ["--quick", "--device", "cpu", "--no-progress", "--threads", "1", "--output-len", "6,14"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-import torch
 
 from sluice.bench.engine_driver import kv_bytes_per_token
 from sluice.bench.latency import RunFigures
@@ -36,13 +34,6 @@ def _script(name: str) -> ModuleType:
 roof = _script("decode_roofline")
 extras = _script("gpu_latency_extras")
 QUICK = ["--quick", "--device", "cpu", "--no-progress", "--threads", "1"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_roofline_arithmetic() -> None:

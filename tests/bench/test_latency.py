@@ -4,12 +4,10 @@ of every CPU variant writes its JSON."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from sluice.bench import latency
 from sluice.bench.engine_driver import release_memory
@@ -23,13 +21,6 @@ from sluice.bench.latency import (
     repetitive,
     run_concurrent,
 )
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _restore_torch_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> None:
