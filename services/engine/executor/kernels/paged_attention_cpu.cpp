@@ -66,6 +66,21 @@ inline void softmax(float* s, int64_t n, const float* sink, float softcap) {
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
 
+// Row r's visible keys (the last `window` of its context, or all of it): their element offsets in the
+// pool (slot * stride) into `offs`, grown as needed; returns how many.
+inline int64_t row_slots(const Args& a, int64_t r, int64_t stride, std::vector<int64_t>& offs) {
+  const int64_t len = a.lens[r];
+  const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
+  const int64_t n = std::max<int64_t>(0, len - start);
+  const int32_t* table = a.tables + r * a.max_blocks;
+  offs.resize(std::max<size_t>(offs.size(), static_cast<size_t>(n)));
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t pos = start + t;
+    offs[t] = (static_cast<int64_t>(table[pos / a.block_size]) * a.block_size + pos % a.block_size) * stride;
+  }
+  return n;
+}
+
 // Every KV head of a slot in one pass over the row's slots: for one query head per KV head (no grouping).
 template <typename KT, int D>
 void decode_by_slot(const Args& a, const KT* kp, const KT* vp) {
@@ -75,18 +90,10 @@ void decode_by_slot(const Args& a, const KT* kp, const KT* vp) {
     std::vector<float> s;
     std::vector<int64_t> offs;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = a.lens[r];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-      const int64_t n = std::max<int64_t>(0, len - start);
+      const int64_t n = row_slots(a, r, stride, offs);
       const float* q = a.q + r * h * d;
       float* o = a.out + r * h * d;
-      const int32_t* table = a.tables + r * a.max_blocks;
       s.resize(std::max<size_t>(s.size(), static_cast<size_t>(h * n)));
-      offs.resize(std::max<size_t>(offs.size(), static_cast<size_t>(n)));
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        offs[t] = (static_cast<int64_t>(table[pos / a.block_size]) * a.block_size + pos % a.block_size) * stride;
-      }
       for (int64_t t = 0; t < n; ++t) {
         const KT* k = kp + offs[t];
         for (int64_t i = 0; i < h; ++i) s[i * n + t] = dot<KT, D>(q + i * d, k + (i / g) * d, d) * a.scale;
@@ -112,18 +119,10 @@ void decode_by_head(const Args& a, const KT* kp, const KT* vp) {
     std::vector<float> s;
     std::vector<int64_t> offs;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = a.lens[r];
-      const int64_t start = a.window > 0 ? std::max<int64_t>(0, len - a.window) : 0;
-      const int64_t n = std::max<int64_t>(0, len - start);
+      const int64_t n = row_slots(a, r, stride, offs);
       const float* q = a.q + r * h * d;
       float* o = a.out + r * h * d;
-      const int32_t* table = a.tables + r * a.max_blocks;
       s.resize(std::max<size_t>(s.size(), static_cast<size_t>(h * n)));
-      offs.resize(std::max<size_t>(offs.size(), static_cast<size_t>(n)));
-      for (int64_t t = 0; t < n; ++t) {
-        const int64_t pos = start + t;
-        offs[t] = (static_cast<int64_t>(table[pos / a.block_size]) * a.block_size + pos % a.block_size) * stride;
-      }
       for (int64_t kh = 0; kh < hkv; ++kh) {
         const float* qh = q + kh * g * d;
         float* sh = s.data() + kh * g * n;
