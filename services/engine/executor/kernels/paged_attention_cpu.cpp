@@ -36,6 +36,16 @@ inline void axpy(float* acc, float p, const KT* v, int64_t d) {
   for (int64_t i = 0; i < n; ++i) acc[i] += p * static_cast<float>(v[i]);
 }
 
+// Asks for the `bytes` from `p` on to be brought into cache. The loops below ask for the vector kAhead
+// slots ahead of the one they read: a row's blocks lie anywhere in the pool, so the hardware's own
+// prefetch stops at each block's end (kAhead = 16 measured 1.2-2x faster than none, fp32 and bf16
+// pools, head sizes 64 and 128, 64 rows of 128-400 tokens; 8 and 32 were slower or no better).
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+constexpr int64_t kAhead = 16;
+
 struct Args {
   const float* q;  // (rows, H, D)
   const int32_t* tables;  // (rows, max_blocks)
@@ -96,12 +106,14 @@ void decode_by_slot(const Args& a, const KT* kp, const KT* vp) {
       s.resize(std::max<size_t>(s.size(), static_cast<size_t>(h * n)));
       for (int64_t t = 0; t < n; ++t) {
         const KT* k = kp + offs[t];
+        if (t + kAhead < n) prefetch(kp + offs[t + kAhead], stride * sizeof(KT));
         for (int64_t i = 0; i < h; ++i) s[i * n + t] = dot<KT, D>(q + i * d, k + (i / g) * d, d) * a.scale;
       }
       for (int64_t i = 0; i < h; ++i) softmax(s.data() + i * n, n, a.sinks ? a.sinks + i : nullptr, a.softcap);
       std::fill(o, o + h * d, 0.f);
       for (int64_t t = 0; t < n; ++t) {
         const KT* v = vp + offs[t];
+        if (t + kAhead < n) prefetch(vp + offs[t + kAhead], stride * sizeof(KT));
         for (int64_t i = 0; i < h; ++i) axpy<KT, D>(o + i * d, s[i * n + t], v + (i / g) * d, d);
       }
     }
@@ -128,6 +140,7 @@ void decode_by_head(const Args& a, const KT* kp, const KT* vp) {
         float* sh = s.data() + kh * g * n;
         for (int64_t t = 0; t < n; ++t) {
           const KT* k = kp + offs[t] + kh * d;
+          if (t + kAhead < n) prefetch(kp + offs[t + kAhead] + kh * d, d * sizeof(KT));
           for (int64_t j = 0; j < g; ++j) sh[j * n + t] = dot<KT, D>(qh + j * d, k, d) * a.scale;
         }
       }
@@ -140,6 +153,7 @@ void decode_by_head(const Args& a, const KT* kp, const KT* vp) {
         const float* ph = s.data() + kh * g * n;
         for (int64_t t = 0; t < n; ++t) {
           const KT* v = vp + offs[t] + kh * d;
+          if (t + kAhead < n) prefetch(vp + offs[t + kAhead] + kh * d, d * sizeof(KT));
           for (int64_t j = 0; j < g; ++j) axpy<KT, D>(ac + j * d, ph[j * n + t], v, d);
         }
         std::copy(ac, ac + g * d, oh);
