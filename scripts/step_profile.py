@@ -12,6 +12,7 @@ decode step") explains each column and holds the measured tables.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -36,6 +37,8 @@ H1024 = dict(
     intermediate_size=2816,
 )
 GEMMS = ("aten::mm", "aten::addmm", "aten::bmm")
+# Linear layers as oneDNN runs them once inductor freezes the weights (their time only: packed shapes)
+PACKED_GEMMS = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 LABELS = ("schedule", "execute", "forward", "sample", "attention")
 
 
@@ -164,6 +167,8 @@ def forward_parts(prof: Any) -> dict[str, Any]:
             if ev.name != "aten::bmm":
                 a, b = (shapes[1], shapes[2]) if ev.name == "aten::addmm" else (shapes[0], shapes[1])
                 out["shapes"][(a[0], a[1], b[1])] += 1
+        elif ev.name in PACKED_GEMMS:
+            out["gemm"] += ev.self_cpu_time_total / 1e6
         elif ev.name.startswith(("aten::", "cpp_fused", "sluice::")) or "kernel" in ev.name:
             out["ops"] += ev.self_cpu_time_total / 1e6
     return out
@@ -204,7 +209,7 @@ def measure(args: argparse.Namespace, shape: str, batch: int) -> list[dict[str, 
             gemm=parts["gemm"] / fwd, attn=parts["attention"] / fwd, ops=parts["ops"] / fwd,
             python=python / fwd,
             python_layer_us=python / args.steps / engine.runner.num_layers * 1e6,
-            gemm_ratio=in_model / plain_gflops(parts["shapes"]), gemm_gflops=in_model,
+            gemm_ratio=in_model / (plain_gflops(parts["shapes"]) or math.nan), gemm_gflops=in_model,
         ))  # fmt: skip
     base = rows[0]["step_ms"]
     for row in rows:
