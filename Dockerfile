@@ -17,6 +17,15 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=igno
     PIP_BREAK_SYSTEM_PACKAGES=1 SLUICE_CACHE_DIR=/models/cache
 WORKDIR /app
 
+# A C++ compiler for the CPU paged attention kernel (services/engine/executor/kernels/): built below for
+# the build host's CPU, and again at an engine's first start on a CPU with other flags.
+# Python's headers too where the base lacks them (Debian's python3 keeps them in python3-dev).
+RUN pkgs=g++; python3 -c 'import pathlib, sysconfig, sys; \
+sys.exit(not (pathlib.Path(sysconfig.get_paths()["include"]) / "Python.h").exists())' || pkgs="$pkgs python3-dev"; \
+    apt-get update -qq \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $pkgs >/dev/null \
+ && rm -rf /var/lib/apt/lists/*
+
 # torch first, in its own layer: editing the source does not reinstall it. cpu: a torch wheel placed in
 # docker/wheels/ (`make compose` copies the CPU wheel pip already has on disk there, so nothing large is
 # downloaded), else the PyTorch CPU index (2.13.0+cpu, which pip prefers to PyPI's CUDA build of the same
@@ -52,6 +61,9 @@ RUN pip install --no-cache-dir --no-deps .
 
 RUN useradd --create-home --uid 10001 sluice && mkdir -p /models && chown sluice /models
 USER sluice
+# From /, so that the installed package's source is the one built (the path an engine loads it by).
+RUN cd / && python -c "import sys; from services.engine.executor.kernels import cpu_paged; \
+sys.exit(f'the CPU paged kernel did not build: {cpu_paged.status()[1]}' if cpu_paged.load() is None else 0)"
 
 EXPOSE 8000 50050 50051 50052 50053 9090
 CMD ["sluice", "up", "--host", "0.0.0.0"]

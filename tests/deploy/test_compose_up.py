@@ -227,7 +227,8 @@ def wait_engines_serving(env: dict[str, str], cli: list[str], count: int) -> lis
 
 
 def test_docker_compose_v1_runs_the_stack(image: str, stack_env: dict[str, str], teardown: None) -> None:
-    """docker-compose 1.29 accepts the file, starts the CPU stack and serves; `down` keeps the volume."""
+    """docker-compose 1.29 accepts the file, starts the CPU stack and serves, the engine on the CPU paged
+    kernel the image built; `down` keeps the volume."""
     compose(V1, stack_env, "config", "--quiet")
     started = time.monotonic()
     try:
@@ -236,6 +237,8 @@ def test_docker_compose_v1_runs_the_stack(image: str, stack_env: dict[str, str],
         took = time.monotonic() - started
         print(f"\ndocker-compose 1.29: up and ready in {took:.0f} s (ready wait {ready:.0f} s)")
         check_serving(stack_env)
+        engine_log = compose(V1, stack_env, "logs", "--no-color", "engine-cpu")
+        assert "CPU paged attention kernel ready" in engine_log, engine_log[-4000:]
     finally:
         compose(V1, stack_env, "down", "-t", "10")
 
