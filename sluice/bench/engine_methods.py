@@ -81,12 +81,14 @@ def make_workload(
 
 @dataclass(frozen=True)
 class BenchContext:
-    """What every method needs: the model directory, where to run, and the transformers settings."""
+    """What every method and engine variant needs: the model directory, where to run, the engine's torch
+    threads (0: torch's) and the transformers settings."""
 
     model_dir: Path
     device: str  # "cpu" | "cuda" | "cuda:N"
     dtype: str  # "float32" | "bfloat16" | "float16"
     hf_batch_tokens: tuple[int, ...] = (256, 512, 1024)  # max_batch_tokens tried for hf-continuous
+    threads: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:

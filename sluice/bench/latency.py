@@ -29,6 +29,7 @@ from sluice.bench import perplexity as ppl
 from sluice.bench import report as rep
 from sluice.bench.common import add_count, error_text, names, progress_bar
 from sluice.bench.engine_driver import LLMEngine, Progress
+from sluice.bench.engine_methods import BenchContext
 from sluice.bench.report import OFF, write_json
 from sluice.model.presets import PRESET_NAMES
 
@@ -168,17 +169,7 @@ def mean_copy_fraction(prompts: Sequence[Sequence[int]], outputs: Sequence[Seque
     return sum(copy_fraction(p, o) * len(o) for p, o in pairs) / total if total else 0.0
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What every variant's engine shares: the model and where it runs."""
-
-    model_dir: Path
-    device: str
-    dtype: str
-    threads: int = 0
-
-
-def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
+def build_engine(spec: BenchContext, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
     """The engine of `variant` for requests of these total lengths (prompt + output) at most
     `max_num_seqs` at once; the pool also holds each request's drafts."""
     fixed = {"threads": spec.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
@@ -287,7 +278,7 @@ def run_concurrent(
 
 
 def greedy_continuations(
-    spec: EngineSpec, prompts: list[list[int]], n: int, max_num_seqs: int
+    spec: BenchContext, prompts: list[list[int]], n: int, max_num_seqs: int
 ) -> list[list[int]]:
     """Each prompt's `n` greedy tokens from a speculation-off engine (built for this and released)."""
     engine = build_engine(spec, OFF, [len(p) + n for p in prompts], max_num_seqs)
@@ -372,7 +363,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, label: str, meta: dict[str, Any]) -> None:
         self.args, self.model_dir, self.meta = args, model_dir, meta
-        self.spec = EngineSpec(model_dir, args.device, args.dtype, args.threads or 0)
+        self.spec = BenchContext(model_dir, args.device, args.dtype, threads=args.threads or 0)
         self.report = rep.LatencyReport(label, args.concurrency, [])
 
     def save(self, partial: bool) -> None:

@@ -11,8 +11,8 @@ import pytest
 
 from sluice.bench import latency
 from sluice.bench.engine_driver import release_memory
+from sluice.bench.engine_methods import BenchContext
 from sluice.bench.latency import (
-    EngineSpec,
     build_engine,
     greedy_continuations,
     make_encoder,
@@ -30,7 +30,7 @@ def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> 
     from services.common.models import resolve_model_dir
 
     model_dir = resolve_model_dir("")
-    spec = EngineSpec(model_dir, "cpu", "float32", threads=1)
+    spec = BenchContext(model_dir, "cpu", "float32", threads=1)
     encode = make_encoder(model_dir, 4096)
     n, length = 8, 64
     works = [
