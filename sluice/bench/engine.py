@@ -16,7 +16,6 @@ from typing import Any
 
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from sluice.bench import engine_methods as em
 from sluice.bench import report
 from sluice.bench.common import (
     add_flags,
@@ -40,7 +39,6 @@ from sluice.bench.engine_methods import (
     Workload,
     load_hf_model,
     make_workload,
-    reference_logits,
     run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
@@ -250,20 +248,16 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
 def run_block(
     args: argparse.Namespace, ctx: BenchContext, config: PretrainedConfig, label: str, concurrency: int
 ) -> report.Block:
-    """Every method on the workload of `concurrency` requests arriving at once, and the greedy check."""
+    """Every method on the workload of `concurrency` requests arriving at once."""
     work = make_workload(concurrency, args.seed, config.vocab_size, args.prompt_len, args.output_len)
     described = work.describe(args.prompt_len, args.output_len, args.seed)
     print(f"== {label}, {concurrency} requests at once: {described}")
     results, errors, skipped = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
-    check, ref = None, results.get(report.REFERENCE)
-    if ref is not None:  # every method against the reference's own logits, scored after the timed runs
-        logits = reference_logits(ctx, work, ref.outputs)
-        check = em.check_greedy(results, logits, em.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
-    return report.Block(label, concurrency, work, described, results, errors, skipped, check)
+    return report.Block(label, concurrency, work, described, results, errors, skipped)
 
 
 def _report(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> int:
-    """Prints each concurrency's table and greedy check and the ratios, writes the JSON; returns the exit
+    """Prints each concurrency's table and the ratios, writes the JSON; returns the exit
     status."""
     ratios = [r for b in blocks for r in b.ratios()]
     for text in map(report.format_block, blocks):

@@ -1,8 +1,7 @@
 """The engine benchmark's fixed workload (random-token requests, a pure function of the seed) and the
 methods it times (transformers baselines, the engine's policies). Every method returns, per request in
 workload order, exactly its `max_new_tokens[i]` greedy tokens (EOS never ends a request), and runs a short
-warm-up outside the timed region. Then what the report rests on: the greedy comparison with the reference's
-logits.
+warm-up outside the timed region.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import random
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from sluice.bench import engine_driver as drv
 from sluice.bench.engine_driver import Progress, on_cuda, timed
-from sluice.bench.report import EAGER, GREEDY_RULE, HF_METHODS, NOT_ON_CPU, REFERENCE, SLUICE_METHODS
+from sluice.bench.report import EAGER, HF_METHODS, NOT_ON_CPU, SLUICE_METHODS
 from sluice.model.presets import FIRST_PLAIN_ID, PAD_ID
 
 ALL_METHODS = HF_METHODS + SLUICE_METHODS
@@ -179,20 +177,6 @@ run_hf_sequential = run_hf_batches
 run_hf_static = functools.partial(run_hf_batches, batch_size=STATIC_BATCH_SIZE)
 
 
-def reference_logits(ctx: BenchContext, work: Workload, outputs: list[list[int]]) -> Iterator[torch.Tensor]:
-    """The logits behind a greedy reference's choices: for each request in workload order, one
-    teacher-forced forward over its prompt and `outputs[i]` yields a (len(outputs[i]), vocab) fp32 CPU
-    tensor whose row j scored `outputs[i][j]`. Loads its own model; runs outside any timed region.
-    """
-    model = load_hf_model(ctx)
-    with torch.inference_mode():
-        for prompt, output in zip(work.prompts, outputs, strict=True):
-            assert output, "every request asks for at least one token"
-            ids = torch.tensor([[*prompt, *output[:-1]]], device=ctx.device)  # (1, P + n - 1)
-            logits = model(input_ids=ids, logits_to_keep=len(output)).logits  # (1, n, vocab)
-            yield logits[0].float().cpu()
-
-
 def _hf_cb_config(max_batch_tokens: int, work: Workload) -> Any:
     """A `ContinuousBatchingConfig` whose KV cache holds the whole workload at once (no eviction)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -308,107 +292,4 @@ def run_sluice(
         kv_efficiency=stats.peak_kv_efficiency,
         preemptions=stats.num_preemptions,
         cuda_graphs=cuda_graphs if on_cuda(ctx.device) else NOT_ON_CPU,
-    )
-
-
-# Logit gap under which two correct greedy paths may pick different tokens by float noise alone, per dtype.
-# Measured on the benchmark model on CPU (logits within ±1.7): the largest logit difference between
-# hf-sequential and hf-static or a teacher-forced forward, up to their first differing token, is 1.7e-6 in
-# float32, 1.2e-2 in bfloat16 and 1.5e-3 in float16 (1.5 units in the last place at 1). Each threshold is
-# at least five times that (8 units in the last place at 1 for the 16-bit types).
-NEAR_TIE_THRESHOLD = {torch.float32: 1e-4, torch.bfloat16: 6.25e-2, torch.float16: 7.8e-3}
-
-
-@dataclass(frozen=True)
-class GreedyMatch:
-    """One method's greedy outputs against REFERENCE's, each request compared up to its first differing
-    token: *equal* without one, *equal up to a near-tie* when the reference's logits there score the method's
-    token within the threshold of its own (float noise can flip such a choice between two correct paths),
-    else *differing* (a token the reference clearly ranks lower, or an output of another length)."""
-
-    differing: int  # requests with a real difference
-    near_ties: int  # requests equal up to a near-tie
-    tokens_compared: int  # every position of an equal request; of another, up to its first difference
-
-    @property
-    def equal(self) -> bool:
-        """Equal to the reference up to near-ties: no request differs."""
-        return self.differing == 0
-
-
-@dataclass(frozen=True)
-class GreedyCheck:
-    """The greedy comparison of every method with REFERENCE, and the reference margins it rested on."""
-
-    threshold: float  # logit gap below which a first difference is a near-tie
-    reference_tokens: int  # output positions of the reference, all requests
-    close_calls: int  # of those, positions whose top-two logit margin is below the threshold
-    min_margin: float  # smallest top-two logit margin of the reference over all its output positions
-    methods: dict[str, GreedyMatch]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "reference": REFERENCE,
-            "rule": GREEDY_RULE,
-            "near_tie_threshold": self.threshold,
-            "reference_tokens": self.reference_tokens,
-            "reference_close_calls": self.close_calls,
-            "reference_min_top2_margin": self.min_margin,
-        }
-
-
-def first_difference(got: list[int], want: list[int]) -> int | None:
-    """The first position where the two token lists differ (a missing token counts); None when equal."""
-    for pos, (a, b) in enumerate(zip(got, want, strict=False)):
-        if a != b:
-            return pos
-    return None if len(got) == len(want) else min(len(got), len(want))
-
-
-def compare_request(
-    got: list[int], want: list[int], logits: torch.Tensor, threshold: float
-) -> tuple[str, int]:
-    """Classifies one request as "equal", "near-tie" or "differs" (see GreedyMatch); returns the verdict and
-    the positions compared. `logits` (len(want), vocab) are the reference's at each of its output positions.
-    """
-    pos = first_difference(got, want)
-    if pos is None:
-        return "equal", len(want)
-    if pos == len(got) or pos == len(want) or not 0 <= got[pos] < logits.shape[-1]:
-        return "differs", pos + 1
-    gap = (logits[pos, want[pos]] - logits[pos, got[pos]]).item()
-    return ("near-tie" if gap < threshold else "differs"), pos + 1
-
-
-def top2_margins(logits: torch.Tensor) -> torch.Tensor:
-    """(n, vocab) logits → (n,) gap between the largest and the second largest logit of each row."""
-    top = logits.topk(2, dim=-1).values
-    return top[:, 0] - top[:, 1]
-
-
-def check_greedy(
-    results: dict[str, MethodResult], reference_logits: Iterable[torch.Tensor], threshold: float
-) -> GreedyCheck:
-    """Compares every method's outputs with REFERENCE's (which must be in `results`).
-
-    `reference_logits` yields, in workload order, each request's (len(output), vocab) reference logits.
-    """
-    want = results[REFERENCE].outputs
-    verdicts: dict[str, list[tuple[str, int]]] = {name: [] for name in results}
-    min_margin, close_calls = math.inf, 0
-    for i, logits in enumerate(reference_logits):
-        margins = top2_margins(logits)
-        min_margin = min(min_margin, margins.min().item())
-        close_calls += int((margins < threshold).sum())
-        for name, result in results.items():
-            verdicts[name].append(compare_request(result.outputs[i], want[i], logits, threshold))
-    methods = {name: _match(v) for name, v in verdicts.items()}
-    return GreedyCheck(threshold, sum(len(w) for w in want), close_calls, min_margin, methods)
-
-
-def _match(verdicts: list[tuple[str, int]]) -> GreedyMatch:
-    return GreedyMatch(
-        differing=sum(v == "differs" for v, _ in verdicts),
-        near_ties=sum(v == "near-tie" for v, _ in verdicts),
-        tokens_compared=sum(n for _, n in verdicts),
     )
