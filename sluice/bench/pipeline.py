@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--prompt-words", type=int_range, default=(12, 200), metavar="MIN,MAX", help="prompt words (12,200)")
     add("--output-len", type=int_range, default=(8, 256), metavar="MIN,MAX", help="output tokens (8,256)")
-    add("--api", choices=("openai", "ws", "grpc"), default="openai", help="the gateway API to drive")
+    add("--api", choices=("openai", "grpc"), default="openai", help="the gateway API to drive")
     helps = {
         "num_requests": "requests, all sent at once (default 64)",
         "repeat": "alternate the two runs N times",

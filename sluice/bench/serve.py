@@ -42,7 +42,6 @@ from sluice.bench.serve_data import (
 DEFAULT_URLS = {
     "openai": "http://127.0.0.1:8000/v1",
     "openai-chat": "http://127.0.0.1:8000/v1",
-    "ws": "ws://127.0.0.1:8000/v1/ws",
     "grpc": "127.0.0.1:50050",
 }
 DEFAULT_NUM_REQUESTS = 64
@@ -50,11 +49,11 @@ DEFAULT_NUM_REQUESTS = 64
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How one run drives the server. `url`: grpc "host:port"; ws "ws://host:port/v1/ws"; openai and
-    openai-chat "http://host:port/v1". `structured` and `tools` say what the workload's requests carry
+    """How one run drives the server. `url`: grpc "host:port"; openai and openai-chat
+    "http://host:port/v1". `structured` and `tools` say what the workload's requests carry
     (the requests themselves hold it: serve_data.with_structure)."""
 
-    api: str  # "grpc" | "ws" | "openai" | "openai-chat"
+    api: str  # "grpc" | "openai" | "openai-chat"
     url: str
     model: str | None = None  # openai "model" field; None = first of GET /v1/models
     request_rate: float = math.inf  # requests/s, Poisson arrivals (inf = all at t=0)
@@ -288,9 +287,9 @@ def _slo(text: str) -> dict[str, float]:
 
 
 N: dict[str, Any] = dict(type=positive_int, metavar="N")
-URLS = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT (default: sluice up's)"
+URLS = "openai(-chat) http://HOST:PORT/v1 | grpc HOST:PORT (default: sluice up's)"
 FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
-    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat | ws | grpc")),
+    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat | grpc")),
     ("--url", dict(help=URLS)),
     ("--model", dict(help="openai model name (default: the first of GET /v1/models)")),
     ("--num-requests", dict(**N, help=f"requests (default {DEFAULT_NUM_REQUESTS}; a .jsonl: its lines)")),

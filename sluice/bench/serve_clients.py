@@ -1,5 +1,5 @@
-"""The API clients of `sluice bench serve` (OpenAI streaming completions or chat completions, WebSocket
-`/v1/ws`, gRPC `Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried
+"""The API clients of `sluice bench serve` (OpenAI streaming completions or chat completions, gRPC
+`Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried
 text on the request's `ChunkClock`, sends the request's output constraint or tools in its API's form,
 and returns the answer's text, tool calls and the server's usage; the run loop times, counts, checks
 and handles errors.
@@ -15,13 +15,12 @@ from typing import Any
 
 import aiohttp
 import grpc
-from websockets.asyncio.client import connect
 
 from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from sluice.bench.serve_data import BenchRequest, Constraint, ToolCall
 
 CONNECT_TIMEOUT_S = 10.0
-APIS = ("openai", "openai-chat", "ws", "grpc")
+APIS = ("openai", "openai-chat", "grpc")
 
 
 class RequestFailed(Exception):
@@ -91,8 +90,6 @@ def make_client(api: str, url: str, *, model: str | None, ignore_eos: bool, temp
     """The client of `api` (one of APIS) for the server at `url`."""
     if api in ("openai", "openai-chat"):
         return OpenAIClient(url, model, ignore_eos, temperature, chat=api == "openai-chat")
-    if api == "ws":
-        return WebSocketClient(url, ignore_eos, temperature)
     if api == "grpc":
         return GrpcClient(url, ignore_eos, temperature)
     raise ValueError(f"unknown api {api!r}; choose from {', '.join(APIS)}")
@@ -107,7 +104,7 @@ def _length_params(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
 
 
 def _constraint_fields(constraint: Constraint | None) -> dict[str, Any]:
-    """The constraint as OpenAI body (or WebSocket params) fields: OpenAI's strict `response_format`
+    """The constraint as OpenAI body fields: OpenAI's strict `response_format`
     for a JSON schema, vLLM's `structured_outputs` for a regex or a choice."""
     if constraint is None:
         return {}
@@ -241,44 +238,6 @@ def _error_message(body: str | bytes) -> str:
         return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return body.decode(errors="replace") if isinstance(body, bytes) else body
-
-
-class WebSocketClient(Client):
-    """One socket per request to `ws://host:port/v1/ws`: its handshake counts in the request's TTFT."""
-
-    def _connect(self) -> connect:
-        return connect(self._url, compression=None, max_size=None, ping_interval=None, open_timeout=None)
-
-    async def open(self) -> None:
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S), self._connect():
-                pass
-        except (OSError, TimeoutError) as exc:
-            raise RequestFailed(f"cannot reach {self._url}: {exc or type(exc).__name__}") from None
-
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
-        params = {
-            "temperature": self._temperature,
-            **_length_params(request, self._ignore_eos),
-            **_constraint_fields(request.constraint),
-        }
-        frame = {"type": "generate", "id": "r", "prompt": request.prompt, "params": params}
-        text: list[str] = []
-        async with self._connect() as ws:
-            await ws.send(json.dumps(frame))
-            async for raw in ws:
-                message = json.loads(raw)
-                kind = message["type"]
-                if kind == "delta":
-                    text.append(message["text"])
-                    clock.chunk()
-                elif kind == "done":
-                    if message["finish_reason"] == "cancelled":
-                        raise RequestFailed("cancelled by the server")
-                    return Reply(_usage(message["usage"]), "".join(text))
-                elif kind == "error":
-                    raise RequestFailed(f"{message['code']}: {message['message']}")
-        raise RequestFailed("the socket closed before the done frame")
 
 
 class GrpcClient(Client):

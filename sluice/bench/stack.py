@@ -132,7 +132,7 @@ class Stack:
         http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
         metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
         self.http_url = f"http://{host}:{http_port}"
-        self.openai_url, self.ws_url = f"{self.http_url}/v1", f"ws://{host}:{http_port}/v1/ws"
+        self.openai_url = f"{self.http_url}/v1"
         self.grpc_address = f"{host}:{grpc_base}"
         ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
         ports += ["--metrics-base-port", str(metrics_base)]
