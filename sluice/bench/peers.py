@@ -184,7 +184,7 @@ def peer_endpoint(
     env = {"LLAMACPP_CTX": str(args.llamacpp_ctx)} if name == "llama.cpp" and args.llamacpp_ctx else {}
     timeout = args.startup_timeout
     with ScriptServer(name, layout.script, model, args.peers_dir, extra, timeout, env) as server:
-        yield sw.Endpoint({"openai": server.openai_url}, server.model, server.cpu_seconds)
+        yield sw.Endpoint(server.openai_url, server.model, server.cpu_seconds)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 from sluice.bench.common import add_flags, positive_float, positive_int, progress_bar, run_meta
 from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_result
-from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
+from sluice.bench.serve_clients import APIS, ChunkClock, OpenAIClient, RequestFailed
 from sluice.bench.serve_data import (
     STRUCTURED_KINDS,
     BenchRequest,
@@ -39,21 +39,16 @@ from sluice.bench.serve_data import (
     with_structure,
 )
 
-DEFAULT_URLS = {
-    "openai": "http://127.0.0.1:8000/v1",
-    "openai-chat": "http://127.0.0.1:8000/v1",
-    "grpc": "127.0.0.1:50050",
-}
+DEFAULT_URL = "http://127.0.0.1:8000/v1"  # sluice up's
 DEFAULT_NUM_REQUESTS = 64
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How one run drives the server. `url`: grpc "host:port"; openai and openai-chat
-    "http://host:port/v1". `structured` and `tools` say what the workload's requests carry
-    (the requests themselves hold it: serve_data.with_structure)."""
+    """How one run drives the server at `url` ("http://host:port/v1"). `structured` and `tools` say what
+    the workload's requests carry (the requests themselves hold it: serve_data.with_structure)."""
 
-    api: str  # "grpc" | "openai" | "openai-chat"
+    api: str  # "openai" | "openai-chat"
     url: str
     model: str | None = None  # openai "model" field; None = first of GET /v1/models
     request_rate: float = math.inf  # requests/s, Poisson arrivals (inf = all at t=0)
@@ -177,7 +172,7 @@ def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> np.nda
 
 
 async def _send_one(
-    client: Client,
+    client: OpenAIClient,
     request: BenchRequest,
     record: RequestRecord,
     t0: float,
@@ -207,7 +202,7 @@ async def _send_one(
 
 
 async def _launch(
-    client: Client,
+    client: OpenAIClient,
     config: ServeConfig,
     requests: Sequence[BenchRequest],
     records: list[RequestRecord],
@@ -229,7 +224,7 @@ async def _launch(
     await asyncio.gather(*tasks)
 
 
-async def _warm_up(client: Client, config: ServeConfig, requests: Sequence[BenchRequest]) -> None:
+async def _warm_up(client: OpenAIClient, config: ServeConfig, requests: Sequence[BenchRequest]) -> None:
     """Sends the first `num_warmup` requests (cycling through the workload) at once and awaits them."""
     picked = [requests[i % len(requests)] for i in range(config.num_warmup)]
     at_once = dataclasses.replace(config, request_rate=math.inf)
@@ -242,8 +237,8 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     be reached at all, every request fails with that reason."""
     if not requests:
         raise ValueError("the workload has no requests")
-    options = {"model": config.model, "ignore_eos": config.ignore_eos, "temperature": config.temperature}
-    client = make_client(config.api, config.url, **options)
+    chat = config.api == "openai-chat"
+    client = OpenAIClient(config.url, config.model, config.ignore_eos, config.temperature, chat=chat)
     records = [RequestRecord() for _ in requests]
     try:
         await client.open()
@@ -287,10 +282,9 @@ def _slo(text: str) -> dict[str, float]:
 
 
 N: dict[str, Any] = dict(type=positive_int, metavar="N")
-URLS = "openai(-chat) http://HOST:PORT/v1 | grpc HOST:PORT (default: sluice up's)"
 FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
-    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat | grpc")),
-    ("--url", dict(help=URLS)),
+    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat")),
+    ("--url", dict(help="http://HOST:PORT/v1 (default: sluice up's)")),
     ("--model", dict(help="openai model name (default: the first of GET /v1/models)")),
     ("--num-requests", dict(**N, help=f"requests (default {DEFAULT_NUM_REQUESTS}; a .jsonl: its lines)")),
     ("--request-rate", dict(type=positive_float, default=math.inf, metavar="R", help="req/s (default inf)")),
@@ -359,7 +353,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name in vars(args)}
     slo = args.slo or {}
     return ServeConfig(
-        **{**same, "url": args.url or DEFAULT_URLS[args.api]},
+        **{**same, "url": args.url or DEFAULT_URL},
         ignore_eos=not args.no_ignore_eos,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),

@@ -1,26 +1,22 @@
-"""The API clients of `sluice bench serve` (OpenAI streaming completions or chat completions, gRPC
-`Gateway/Generate`). A client only speaks its protocol: it marks each chunk that carried
-text on the request's `ChunkClock`, sends the request's output constraint or tools in its API's form,
-and returns the answer's text, tool calls and the server's usage; the run loop times, counts, checks
-and handles errors.
+"""The client of `sluice bench serve`: OpenAI streaming completions or chat completions. It only speaks
+the protocol: it marks each chunk that carried text on the request's `ChunkClock`, sends the request's
+output constraint or tools in the API's form, and returns the answer's text, tool calls and the server's
+usage; the run loop times, counts, checks and handles errors.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-import grpc
 
-from services.common.pb import common_pb2, gateway_pb2, gateway_pb2_grpc
 from sluice.bench.serve_data import BenchRequest, Constraint, ToolCall
 
 CONNECT_TIMEOUT_S = 10.0
-APIS = ("openai", "openai-chat", "grpc")
+APIS = ("openai", "openai-chat")
 
 
 class RequestFailed(Exception):
@@ -63,36 +59,6 @@ class ChunkClock:
             self.ttft_s = now - self.t0
         self.last = now
         self.chunks += 1
-
-
-class Client:
-    """One API's client, opened once per run and closed by the caller even when `open` failed; it
-    samples at `temperature` and, with `ignore_eos`, asks for exactly each request's output length."""
-
-    def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
-        self._url = url
-        self._ignore_eos = ignore_eos
-        self._temperature = temperature
-
-    async def open(self) -> None:
-        """Checks that the server answers (and resolves what the client needs); raises RequestFailed."""
-
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
-        """Streams one request to its end and returns its answer. Raises RequestFailed (or the
-        transport's own exception) when the request did not complete."""
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        return None
-
-
-def make_client(api: str, url: str, *, model: str | None, ignore_eos: bool, temperature: float) -> Client:
-    """The client of `api` (one of APIS) for the server at `url`."""
-    if api in ("openai", "openai-chat"):
-        return OpenAIClient(url, model, ignore_eos, temperature, chat=api == "openai-chat")
-    if api == "grpc":
-        return GrpcClient(url, ignore_eos, temperature)
-    raise ValueError(f"unknown api {api!r}; choose from {', '.join(APIS)}")
 
 
 def _length_params(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
@@ -146,21 +112,24 @@ class _StreamedAnswer:
         return Reply(usage, "".join(self._text), calls)
 
 
-class OpenAIClient(Client):
+class OpenAIClient:
     """`POST {url}/completions` (or, with `chat`, `{url}/chat/completions` with the prompt as one user
     message) with `stream: true` and usage in the last chunk, over one aiohttp session whose connector
-    never throttles (no connection limit). `model` None: the first of `GET {url}/models`. A request's
-    tools go with `tool_choice: "required"` and `parallel_tool_calls: false` (one call per answer)."""
+    never throttles (no connection limit), opened once per run and closed by the caller even when `open`
+    failed. `model` None: the first of `GET {url}/models`. It samples at `temperature` and, with
+    `ignore_eos`, asks for exactly each request's output length. A request's tools go with `tool_choice:
+    "required"` and `parallel_tool_calls: false` (one call per answer)."""
 
     def __init__(
         self, url: str, model: str | None, ignore_eos: bool, temperature: float, *, chat: bool = False
     ) -> None:
-        super().__init__(url.rstrip("/"), ignore_eos, temperature)
+        self._url, self._ignore_eos, self._temperature = url.rstrip("/"), ignore_eos, temperature
         self._model = model
         self._chat = chat
         self._session: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
+        """Checks that the server answers and resolves the model; raises RequestFailed."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
         )
@@ -198,6 +167,8 @@ class OpenAIClient(Client):
         return body
 
     async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
+        """Streams one request to its end and returns its answer. Raises RequestFailed (or aiohttp's own
+        exception) when the request did not complete."""
         assert self._session is not None
         endpoint = "chat/completions" if self._chat else "completions"
         async with self._session.post(f"{self._url}/{endpoint}", json=self._body(request)) as resp:
@@ -238,70 +209,3 @@ def _error_message(body: str | bytes) -> str:
         return str(json.loads(body)["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return body.decode(errors="replace") if isinstance(body, bytes) else body
-
-
-class GrpcClient(Client):
-    """`sluice.v1.Gateway/Generate` calls on one channel to `host:port`."""
-
-    def __init__(self, url: str, ignore_eos: bool, temperature: float) -> None:
-        super().__init__(url, ignore_eos, temperature)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: gateway_pb2_grpc.GatewayStub | None = None
-
-    async def open(self) -> None:
-        """Waits for the channel to connect; a refused connection fails at once, not after the timeout."""
-        self._channel = channel = grpc.aio.insecure_channel(self._url)
-        self._stub = gateway_pb2_grpc.GatewayStub(channel)
-        try:
-            async with asyncio.timeout(CONNECT_TIMEOUT_S):
-                state = channel.get_state(try_to_connect=True)
-                while state != grpc.ChannelConnectivity.READY:
-                    if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
-                        raise RequestFailed(f"cannot reach {self._url}: the connection failed")
-                    await channel.wait_for_state_change(state)
-                    state = channel.get_state(try_to_connect=True)
-        except TimeoutError:
-            within = f"no connection within {CONNECT_TIMEOUT_S:g} s"
-            raise RequestFailed(f"cannot reach {self._url}: {within}") from None
-
-    def _sampling(self, constraint: Constraint | None) -> common_pb2.SamplingParams:
-        sampling = common_pb2.SamplingParams(temperature=self._temperature)
-        if constraint is not None:
-            strict = constraint.kind == "json_schema"
-            sampling.structured.CopyFrom(
-                common_pb2.StructuredOutput(kind=constraint.kind, text=constraint.text, strict=strict)
-            )
-        return sampling
-
-    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
-        n = request.output_len
-        stopping = common_pb2.StoppingParams(
-            max_new_tokens=n, min_new_tokens=n if self._ignore_eos else 0, ignore_eos=self._ignore_eos
-        )
-        assert self._stub is not None
-        call = self._stub.Generate(
-            gateway_pb2.PublicGenerateRequest(
-                prompt=request.prompt, sampling=self._sampling(request.constraint), stopping=stopping
-            )
-        )
-        text: list[str] = []
-        try:
-            async for reply in call:
-                if reply.WhichOneof("kind") == "delta":
-                    if reply.delta.text:
-                        text.append(reply.delta.text)
-                        clock.chunk()
-                    continue
-                if reply.final.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
-                    raise RequestFailed("cancelled by the server")
-                usage = reply.final.usage
-                return Reply(Usage(usage.prompt_tokens, usage.completion_tokens), "".join(text))
-        except grpc.aio.AioRpcError as exc:
-            raise RequestFailed(f"{exc.code().name}: {exc.details()}") from None
-        finally:
-            call.cancel()
-        raise RequestFailed("the call ended without a final message")
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()

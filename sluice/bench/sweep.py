@@ -38,7 +38,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, 
 class Endpoint:
     """A started system as a load drives it."""
 
-    urls: Mapping[str, str]  # API ("openai", "grpc") → its URL
+    url: str  # its OpenAI API, "http://host:port/v1"
     model: str | None  # the OpenAI "model" field; None = the first of GET /models
     cpu_seconds: Callable[[], dict[str, float]]  # CPU seconds per process so far ({} when unknown)
     metrics_urls: Mapping[str, str] = field(default_factory=dict)  # process → its /metrics URL
@@ -60,8 +60,7 @@ class SystemRun(Generic[R]):
 def stack_endpoint(model: str, engine_flags: Sequence[str] = (), **options: Any) -> Iterator[Endpoint]:
     """The whole sluice pipeline on `model` (`options`: other StackOptions fields), for the context's life."""
     with Stack(StackOptions(model, engine_flags=tuple(engine_flags), **options)) as stack:
-        urls = {"openai": stack.openai_url, "grpc": stack.grpc_address}
-        yield Endpoint(urls, None, stack.cpu_seconds, stack.metrics_urls)
+        yield Endpoint(stack.openai_url, None, stack.cpu_seconds, stack.metrics_urls)
 
 
 def sweep(
@@ -91,11 +90,10 @@ def sweep(
     return runs
 
 
-def serve_load(
-    endpoint: Endpoint, requests: Sequence[BenchRequest], api: str = "openai", **config: Any
-) -> ServeResult:
-    """One run of the load generator against `endpoint` (`config`: other ServeConfig fields)."""
-    settings = ServeConfig(api=api, url=endpoint.urls[api], model=endpoint.model, **config)
+def serve_load(endpoint: Endpoint, requests: Sequence[BenchRequest], **config: Any) -> ServeResult:
+    """One run of the load generator's OpenAI completions against `endpoint` (`config`: other ServeConfig
+    fields)."""
+    settings = ServeConfig(api="openai", url=endpoint.url, model=endpoint.model, **config)
     return uvloop.run(run_serve(settings, requests))
 
 

@@ -41,7 +41,7 @@ def pipeline(always_eos_model: Path) -> Iterator[Pipeline]:
     assert running.stop() == 0, running.output()
 
 
-@pytest.mark.parametrize("api", ["openai", "grpc"])
+@pytest.mark.parametrize("api", ["openai", "openai-chat"])
 def test_fixed_length_workload_through_each_api(pipeline: Pipeline, api: str, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     argv = [

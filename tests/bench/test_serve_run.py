@@ -60,7 +60,7 @@ class FakeClient:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
     client = FakeClient()
-    monkeypatch.setattr(serve, "make_client", lambda *args, **kwargs: client)
+    monkeypatch.setattr(serve, "OpenAIClient", lambda *args, **kwargs: client)
     return client
 
 
@@ -162,6 +162,8 @@ def test_dead_port_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     [
         ["--request-rate", "0"],
         ["--api", "carrier-pigeon"],
+        ["--api", "grpc"],
+        ["--api", "ws"],
         ["--slo", "ttft=fast"],
         ["--slo", "e2e=10"],
         ["--num-requests", "0"],
@@ -180,7 +182,6 @@ def test_bad_arguments_exit_2(argv: list[str]) -> None:
     ("argv", "message"),
     [
         (["--tools"], "--tools needs chat completions: use --api openai-chat, not openai"),
-        (["--tools", "--api", "grpc"], "not grpc"),
         (["--tools", "--api", "openai-chat", "--structured", "regex"], "cannot be combined"),
     ],
 )

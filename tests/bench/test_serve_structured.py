@@ -41,7 +41,7 @@ def _check_all_valid(doc: dict, printed: str, heading: str) -> None:
     assert f"{heading} (fraction):" in printed and "1.000" in printed
 
 
-@pytest.mark.parametrize("api", ["openai", "openai-chat", "grpc"])
+@pytest.mark.parametrize("api", ["openai", "openai-chat"])
 def test_every_json_output_is_valid_on_every_api(
     pipeline: Pipeline, api: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
