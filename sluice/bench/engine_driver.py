@@ -113,12 +113,14 @@ def stop_after(n: int) -> StoppingParams:
 @dataclass
 class Track:
     """One request as the engine delivers it: when it was added and when its first token and its end came
-    (perf_counter seconds, the end of their step), and its tokens."""
+    (perf_counter seconds, the end of their step), its tokens and its prompt's log-probabilities (when it
+    asked for them)."""
 
     added: float = 0.0
     first: float | None = None
     done: float | None = None
     tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
 
 
 def drain(
@@ -139,6 +141,7 @@ def drain(
             if out.new_token_ids and track.first is None:
                 track.first = now
             track.tokens.extend(out.new_token_ids)
+            track.prompt_logprobs.extend(p.logprob for p in out.prompt_logprobs or ())
             if progress is not None:
                 progress(len(out.new_token_ids))
             if out.finished:

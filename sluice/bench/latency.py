@@ -434,15 +434,17 @@ class Bench:
         cases += [("fp8-kv", "none", "fp8")] if args.device.startswith("cuda") else []
         print(f"== perplexity on {len(ids)} held-out tokens: {', '.join(c[0] for c in cases)}")
         for case in cases:
+            options = {"threads": self.spec.threads, "quantization": case[1], "kv_cache_dtype": case[2]}
             try:
-                runner = ppl.make_runner(model_dir, args.device, args.dtype, *case[1:], ppl.DEFAULT_WINDOW)
-                result = ppl.runner_perplexity(runner, ids)
-                self.report.quality.append(ppl.QualityResult(*case, result.value, result.tokens))
+                value, tokens = ppl.perplexity(
+                    model_dir, ids, args.device, args.dtype, cuda_graphs="off", **options
+                )
+                result = ppl.QualityResult(*case, value, tokens)
             except Exception as exc:
-                self.report.quality.append(ppl.QualityResult(*case, None, 0, error_text(exc)))
+                result = ppl.QualityResult(*case, None, 0, error_text(exc))
             finally:
-                runner = None
                 drv.release_memory(args.device)
+            self.report.quality.append(result)
         self.save(partial=True)
 
 
