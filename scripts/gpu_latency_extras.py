@@ -40,7 +40,7 @@ from sluice.bench.latency import (
     RunFigures,
     build_engine,
     faster,
-    run_batch1,
+    run_requests,
     warm_up,
 )
 from sluice.bench.report import OFF, Column, column_table, fmt, ratio, run_json, write_json
@@ -137,7 +137,7 @@ def run_shape(args: argparse.Namespace, path: Path) -> ShapeRun:
                 eng = build_engine(spec, variant, lengths, 1)
                 warm_up(eng, work, 1, tokens=2)
                 for _ in range(args.repeat):
-                    run = run_batch1(eng, work, args.device, bar.update)
+                    run = run_requests(eng, work, args.device, bar.update, at_once=False)
                     shape.runs[variant] = faster(shape.runs.get(variant), run, "decode_tok_s")
         except Exception as exc:
             shape.errors[variant] = error_text(exc)

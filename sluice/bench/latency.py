@@ -230,51 +230,41 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, 100 * q)) if len(values) else math.nan
 
 
-def _figures(
-    tracks: list[drv.Track], wall_s: float, decode_s: float, engine: LLMEngine, batch1: bool
+def run_requests(
+    engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress, at_once: bool
 ) -> RunFigures:
+    """The workload's requests one at a time (batch 1), or all added at once (see the module docstring)."""
+    engine.reset_stats()
+    tracks = {f"r{i}": drv.Track() for i in range(len(workload))}
+    drv.sync(device)
+    start = time.perf_counter()
+    for (rid, track), req in zip(tracks.items(), workload.requests, strict=True):
+        track.added = start
+        if not at_once:
+            drv.sync(device)
+            track.added = time.perf_counter()
+        _add(engine, rid, req)
+        if not at_once:
+            drv.drain(engine, {rid: track}, progress)
+    drv.drain(engine, tracks, progress)
+    runs: list[Any] = list(tracks.values())  # every one finished: first and done are set
+    if at_once:
+        end = max(t.done for t in runs)
+        wall, decode = end - start, end - min(t.first for t in runs)
+    else:
+        wall, decode = sum(t.done - t.added for t in runs), sum(t.done - t.first for t in runs)
     return RunFigures(
-        concurrency=1 if batch1 else len(tracks),
-        requests=len(tracks),
-        output_tokens=sum(len(t.tokens) for t in tracks),
-        wall_s=wall_s,
-        decode_tokens=sum(max(0, len(t.tokens) - 1) for t in tracks),
-        decode_s=decode_s,
-        ttft_s=[t.first - t.added for t in tracks],  # type: ignore[operator]
-        outputs=[t.tokens for t in tracks],
+        concurrency=len(runs) if at_once else 1,
+        requests=len(runs),
+        output_tokens=sum(len(t.tokens) for t in runs),
+        wall_s=wall,
+        decode_tokens=sum(max(0, len(t.tokens) - 1) for t in runs),
+        decode_s=decode,
+        ttft_s=[t.first - t.added for t in runs],
+        outputs=[t.tokens for t in runs],
         spec=drv.spec_stats(engine),
         steps=engine.stats().steps,
     )
-
-
-def run_batch1(engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress) -> RunFigures:
-    """The workload's requests one at a time (see the module docstring)."""
-    engine.reset_stats()
-    tracks: list[drv.Track] = []
-    for i, req in enumerate(workload.requests):
-        drv.sync(device)
-        track = drv.Track(added=time.perf_counter())
-        _add(engine, f"b{i}", req)
-        drv.drain(engine, {f"b{i}": track}, progress)
-        tracks.append(track)
-    wall = sum(t.done - t.added for t in tracks)  # type: ignore[operator]
-    return _figures(tracks, wall, sum(t.done - t.first for t in tracks), engine, batch1=True)  # type: ignore[operator,misc]
-
-
-def run_concurrent(
-    engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress
-) -> RunFigures:
-    """Every request added at once (see the module docstring)."""
-    engine.reset_stats()
-    drv.sync(device)
-    start = time.perf_counter()
-    tracks = {f"c{i}": drv.Track(added=start) for i in range(len(workload))}
-    for i, req in enumerate(workload.requests):
-        _add(engine, f"c{i}", req)
-    drv.drain(engine, tracks, progress)
-    ordered = list(tracks.values())
-    end, first = max(t.done for t in ordered), min(t.first for t in ordered)  # type: ignore[type-var]
-    return _figures(ordered, end - start, end - first, engine, batch1=False)  # type: ignore[operator]
 
 
 def greedy_continuations(
@@ -403,8 +393,8 @@ class Bench:
                 eng = build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
                     warm_up(eng, w, args.concurrency)
-                    b1 = run_batch1(eng, w.head(args.num_requests), args.device, bar.update)
-                    many = run_concurrent(eng, w.head(args.concurrency), args.device, bar.update)
+                    b1 = run_requests(eng, w.head(args.num_requests), args.device, bar.update, at_once=False)
+                    many = run_requests(eng, w.head(args.concurrency), args.device, bar.update, at_once=True)
                     if (cell := report.cell(variant, w.name)) is None:
                         report.cells.append(cell := rep.Cell(variant, w.name))
                     cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")

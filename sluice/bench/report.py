@@ -376,20 +376,15 @@ class LatencyReport:
         return next((c for c in self.cells if c.variant == variant and c.workload == workload), None)
 
 
-def _b1(cell: Cell | None) -> float | None:
-    return None if cell is None or cell.batch1 is None else cell.batch1.decode_tok_s
+def _rate(cell: Cell | None, run: str) -> float | None:
+    """A cell's headline figure of its `run`: "batch1" decode tok/s or "concurrent" output tok/s."""
+    figures = None if cell is None else getattr(cell, run)
+    return None if figures is None else figures.decode_tok_s if run == "batch1" else figures.output_tok_s
 
 
-def _conc(cell: Cell | None) -> float | None:
-    return None if cell is None or cell.concurrent is None else cell.concurrent.output_tok_s
-
-
-def batch1_ratio(report: LatencyReport, variant: str, workload: str) -> float | None:
-    return ratio(_b1(report.cell(variant, workload)), _b1(report.cell(OFF, workload)))
-
-
-def concurrent_ratio(report: LatencyReport, variant: str, workload: str) -> float | None:
-    return ratio(_conc(report.cell(variant, workload)), _conc(report.cell(OFF, workload)))
+def ratio_to_off(report: LatencyReport, cell: Cell, run: str) -> float | None:
+    """A cell's headline figure of `run` over the off variant's on the same workload."""
+    return ratio(_rate(cell, run), _rate(report.cell(OFF, cell.workload), run))
 
 
 def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | None:
@@ -420,11 +415,11 @@ def format_latency(report: LatencyReport) -> str:
     columns: list[Column] = [
         ("workload", lambda cell: cell.workload),
         ("variant", lambda cell: cell.variant),
-        ("b1 dec tok/s", lambda cell: fmt(_b1(cell), ",.1f")),
-        ("x off", lambda cell: _x(batch1_ratio(report, cell.variant, cell.workload))),
+        ("b1 dec tok/s", lambda cell: fmt(_rate(cell, "batch1"), ",.1f")),
+        ("x off", lambda cell: _x(ratio_to_off(report, cell, "batch1"))),
         ("b1 TTFT p50 ms", lambda cell: _ms(cell.batch1 and cell.batch1.ttft(0.5))),
-        (f"{c} tok/s", lambda cell: fmt(_conc(cell), ",.1f")),
-        ("x off", lambda cell: _x(concurrent_ratio(report, cell.variant, cell.workload))),
+        (f"{c} tok/s", lambda cell: fmt(_rate(cell, "concurrent"), ",.1f")),
+        ("x off", lambda cell: _x(ratio_to_off(report, cell, "concurrent"))),
         (f"{c} TTFT p50 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.5))),
         ("p99 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.99))),
         ("accept/len b1", lambda cell: _spec_cell(cell.variant, cell.batch1)),
@@ -462,8 +457,8 @@ def run_json(run: RunFigures | None) -> dict[str, Any] | None:
 def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
     cells = [
         {**vars(c), "batch1": run_json(c.batch1), "concurrent": run_json(c.concurrent),
-         "batch1_ratio_to_off": batch1_ratio(report, c.variant, c.workload),
-         "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload)}
+         "batch1_ratio_to_off": ratio_to_off(report, c, "batch1"),
+         "concurrent_ratio_to_off": ratio_to_off(report, c, "concurrent")}
         for c in report.cells
     ]  # fmt: skip
     quality = [{**vars(q), "ratio_to_none": quality_ratio(report.quality, q.variant)} for q in report.quality]

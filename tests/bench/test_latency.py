@@ -19,7 +19,7 @@ from sluice.bench.latency import (
     mean_copy_fraction,
     non_repetitive,
     repetitive,
-    run_concurrent,
+    run_requests,
 )
 
 
@@ -40,7 +40,7 @@ def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> 
     engine = build_engine(spec, "off", [len(r.prompt) + length for w in works for r in w.requests], n)
     copied = []
     for work in works:
-        outputs = run_concurrent(engine, work, "cpu", lambda _: None).outputs
+        outputs = run_requests(engine, work, "cpu", lambda _: None, at_once=True).outputs
         assert [len(o) for o in outputs] == [length] * n
         prompts = [r.prompt for r in work.requests]
         copied.append(mean_copy_fraction(prompts, outputs))

@@ -50,10 +50,11 @@ def _report(ngram_b1: float, ngram_rep: float, ngram_non: float) -> rep.LatencyR
 
 def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
     report = _report(ngram_b1=160.0, ngram_rep=960.0, ngram_non=1800.0)
-    assert rep.batch1_ratio(report, "ngram", REPETITIVE) == pytest.approx(1.6)
-    assert rep.concurrent_ratio(report, "ngram", REPETITIVE) == pytest.approx(0.96)
-    assert rep.concurrent_ratio(report, "ngram", NON_REPETITIVE) == pytest.approx(0.9)
-    assert rep.batch1_ratio(report, "int8", REPETITIVE) is None  # not run
+    cells = {(c.variant, c.workload): c for c in report.cells}
+    assert rep.ratio_to_off(report, cells["ngram", REPETITIVE], "batch1") == pytest.approx(1.6)
+    assert rep.ratio_to_off(report, cells["ngram", REPETITIVE], "concurrent") == pytest.approx(0.96)
+    assert rep.ratio_to_off(report, cells["ngram", NON_REPETITIVE], "concurrent") == pytest.approx(0.9)
+    assert rep.ratio_to_off(report, rep.Cell("int8", REPETITIVE), "batch1") is None  # not run
 
 
 def test_quality_ratios() -> None:
