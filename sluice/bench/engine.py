@@ -39,7 +39,6 @@ from sluice.bench.engine_methods import (
     Workload,
     load_hf_model,
     make_workload,
-    run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
     run_sluice,
@@ -51,7 +50,6 @@ DEFAULTS = {  # option: (with --quick, without)
     "concurrency": ((4,), (64,)),
     "prompt_len": ((16, 48), (16, 256)),
     "output_len": ((8, 24), (8, 256)),
-    "hf_batch_tokens": ((256,), (256, 512, 1024)),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
 
@@ -108,8 +106,6 @@ def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
     add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
-    about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
-    add("--hf-batch-tokens", type=int_list, metavar="LIST", help=about)
 
 
 def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real_model: bool) -> bool:
@@ -138,11 +134,7 @@ def _resolve(args: argparse.Namespace) -> None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
 
 
-HF_RUNNERS = {
-    "hf-sequential": run_hf_sequential,
-    "hf-static": run_hf_static,
-    "hf-continuous": run_hf_continuous,
-}
+HF_RUNNERS = {"hf-sequential": run_hf_sequential, "hf-static": run_hf_static}
 
 
 def _runner(
@@ -171,8 +163,7 @@ def run_methods(
         if name == EAGER and not on_cuda(ctx.device):
             skipped[name] = NOT_ON_CPU
             continue
-        passes = (len(ctx.hf_batch_tokens) if name == "hf-continuous" else 1) * repeat
-        bar = progress_bar(show_progress, work.total_output_tokens * passes, f"[{k}/{len(methods)}] {name}")
+        bar = progress_bar(show_progress, work.total_output_tokens * repeat, f"[{k}/{len(methods)}] {name}")
         try:
             runner = _runner(name, ctx, work, lambda: load_hf_model(ctx))
             with bar:
@@ -236,7 +227,7 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
     print(f"machine: {meta['machine']}")
     path = model_dir(args, scratch)
     config = AutoConfig.from_pretrained(path)
-    ctx = BenchContext(path, args.device, args.dtype, args.hf_batch_tokens)
+    ctx = BenchContext(path, args.device, args.dtype)
     blocks: list[report.Block] = []
     for concurrency in args.concurrency:
         blocks.append(run_block(args, ctx, config, label, concurrency))

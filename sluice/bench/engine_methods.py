@@ -7,11 +7,9 @@ warm-up outside the timed region.
 from __future__ import annotations
 
 import functools
-import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
@@ -85,7 +83,6 @@ class BenchContext:
     model_dir: Path
     device: str  # "cpu" | "cuda" | "cuda:N"
     dtype: str  # "float32" | "bfloat16" | "float16"
-    hf_batch_tokens: tuple[int, ...] = (256, 512, 1024)  # max_batch_tokens tried for hf-continuous
     threads: int = 0
 
     @property
@@ -101,14 +98,13 @@ class MethodResult:
     wall_s: float
     output_tokens: int
     outputs: list[list[int]]
-    setting: str = ""  # the configuration the figures belong to (e.g. hf-continuous's best)
+    setting: str = ""  # the configuration the figures belong to (e.g. hf-static's batch size)
     forward_share: float | None = None  # engine: time in the model forward / whole step time
     forward_share_max_batch: float | None = None  # engine: the same over the steps with the largest batch
     max_batch: int | None = None  # engine: the most requests in one step
     kv_efficiency: float | None = None  # engine: tokens stored / token slots allocated at peak block use
     preemptions: int | None = None  # engine: requests preempted (recomputed later)
     cuda_graphs: str | None = None  # engine: "on" | "off" on CUDA, NOT_ON_CPU elsewhere
-    sweep: list[dict[str, Any]] = field(default_factory=list)  # hf-continuous: every setting tried
     runs_tokens_per_s: list[float] = field(default_factory=list)  # every repeat of the method
 
     @property
@@ -132,15 +128,8 @@ def load_hf_model(ctx: BenchContext) -> PreTrainedModel:
     return model
 
 
-def _greedy_config(max_new_tokens: int, eos_token_id: int | None = None) -> GenerationConfig:
-    """Greedy decoding; `generate` takes no EOS as None, continuous batching as -1."""
-    return GenerationConfig(
-        do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, pad_token_id=PAD_ID
-    )
-
-
 def _generate(model: PreTrainedModel, batch: list[tuple[int, ...]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy `generate` on a left-padded batch; returns each row's `max_new_tokens` new tokens."""
+    """Greedy `generate` on a left-padded batch, no EOS; returns each row's `max_new_tokens` new tokens."""
     width = max(len(p) for p in batch)
     ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -150,7 +139,9 @@ def _generate(model: PreTrainedModel, batch: list[tuple[int, ...]], max_new_toke
     out = model.generate(
         input_ids=ids.to(model.device),
         attention_mask=mask.to(model.device),
-        generation_config=_greedy_config(max_new_tokens),
+        generation_config=GenerationConfig(
+            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=PAD_ID
+        ),
     )  # (B, width + max_new_tokens)
     return out[:, width:].tolist()
 
@@ -175,95 +166,6 @@ def run_hf_batches(
 
 run_hf_sequential = run_hf_batches
 run_hf_static = functools.partial(run_hf_batches, batch_size=STATIC_BATCH_SIZE)
-
-
-def _hf_cb_config(max_batch_tokens: int, work: Workload) -> Any:
-    """A `ContinuousBatchingConfig` whose KV cache holds the whole workload at once (no eviction)."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    config = ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens)
-    page = config.page_size
-    needed = sum(
-        math.ceil((len(p) + n) / page) for p, n in zip(work.prompts, work.max_new_tokens, strict=True)
-    )
-    config.num_blocks = needed + len(work) + 4  # one spare block per request for the token being written
-    return config
-
-
-def _hf_cb_once(
-    model: PreTrainedModel, work: Workload, max_batch_tokens: int, progress: Progress, device: str
-) -> tuple[float, list[list[int]]]:
-    """One timed pass of transformers' continuous batching: all requests added at once, own max_new_tokens.
-
-    Set up as `generate_batch` does (workload hints, warm-up before the loop starts), but with
-    `add_request` so that each request gets its own max_new_tokens.
-    """
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    hints = WorkloadHints(
-        max_prompt_length=max(len(p) for p in work.prompts),
-        max_generated_length=max(work.max_new_tokens),
-        num_requests=len(work),
-    )
-    manager = model.init_continuous_batching(
-        generation_config=_greedy_config(max(work.max_new_tokens), eos_token_id=-1),
-        continuous_batching_config=_hf_cb_config(max_batch_tokens, work),
-        workload_hints=hints,
-    )
-    manager.warmup()
-    manager.start()
-    try:
-        manager.add_request(_warmup_prompt(), request_id="warmup", max_new_tokens=4, eos_token_id=-1)
-        _hf_cb_collect(manager, {"warmup"}, lambda _: None)
-        ids = [f"r{i}" for i in range(len(work))]
-        with timed(device) as elapsed:
-            for rid, prompt, n in zip(ids, work.prompts, work.max_new_tokens, strict=True):
-                manager.add_request(list(prompt), request_id=rid, max_new_tokens=n, eos_token_id=-1)
-            results = _hf_cb_collect(manager, set(ids), progress)
-    finally:
-        manager.stop(block=True)
-        manager.destroy()
-    return elapsed[0], [results[rid] for rid in ids]
-
-
-def _hf_cb_collect(manager: Any, pending: set[str], progress: Progress) -> dict[str, list[int]]:
-    """Waits for every request id in `pending`; raises RuntimeError if one fails or the loop dies."""
-    results: dict[str, list[int]] = {}
-    while len(results) < len(pending):
-        out = manager.get_result(timeout=1.0)
-        if out is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop stopped before finishing")
-            continue
-        if out.request_id not in pending or not out.is_finished():
-            continue
-        if out.error is not None:
-            raise RuntimeError(f"transformers' continuous batching failed {out.request_id}: {out.error}")
-        results[out.request_id] = list(out.generated_tokens)
-        progress(len(out.generated_tokens))
-    return results
-
-
-def run_hf_continuous(
-    ctx: BenchContext, model: PreTrainedModel, work: Workload, progress: Progress
-) -> MethodResult:
-    """transformers' continuous batching at each `ctx.hf_batch_tokens` setting; the fastest one is reported.
-
-    The progress callback sees every pass (its total is the workload's tokens times the settings tried).
-    """
-    best: MethodResult | None = None
-    sweep: list[dict[str, Any]] = []
-    for tokens in ctx.hf_batch_tokens:
-        wall_s, outputs = _hf_cb_once(model, work, tokens, progress, ctx.device)
-        result = MethodResult(
-            "hf-continuous", wall_s, _count(outputs), outputs, setting=f"max_batch_tokens={tokens}"
-        )
-        sweep.append({"max_batch_tokens": tokens, "wall_s": wall_s, "tokens_per_s": result.tokens_per_s})
-        if best is None or result.tokens_per_s > best.tokens_per_s:
-            best = result
-    assert best is not None
-    best.sweep = sweep
-    return best
 
 
 def run_sluice(

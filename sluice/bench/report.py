@@ -26,11 +26,11 @@ if TYPE_CHECKING:
     from sluice.bench.sweep import SystemRun
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
-BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
+BASELINE = "hf-static"  # tokens/s ratios are taken against this method
 HEADLINE = "sluice-continuous"  # the method whose tokens/s is set against each transformers method's
 ROUTING_BASELINE = "round_robin"  # sweep routing's policies are set against this one
 OFF = "off"  # the latency variant every other is set against
-HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
+HF_METHODS = ("hf-sequential", "hf-static")
 EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
 SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous", EAGER)
 NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
@@ -298,15 +298,10 @@ def format_methods(
 
 
 def format_block(block: Block) -> str:
-    """One concurrency's table and hf-continuous's sweep."""
-    parts = [
-        f"-- {block.label} at once",
-        format_methods(block.rows, block.errors, len(block.work), block.skipped),
-    ]
-    if (hf_cb := block.results.get("hf-continuous")) is not None:
-        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
-        parts.append(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
-    return "\n".join(parts)
+    """One concurrency's table under its label."""
+    return f"-- {block.label} at once\n" + format_methods(
+        block.rows, block.errors, len(block.work), block.skipped
+    )
 
 
 def engine_methods_json(block: Block) -> dict[str, Any]:

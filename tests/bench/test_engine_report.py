@@ -28,7 +28,6 @@ def _all(speed: float, outputs: list[list[int]] = REF) -> dict[str, MethodResult
     results = [
         _result(REFERENCE, 100.0),
         _result("hf-static", 300.0),
-        _result("hf-continuous", 400.0),
         _result("sluice-static", 500.0, forward_share=0.8, kv_efficiency=0.9),
         _result("sluice-dynamic", 600.0, forward_share=0.8, kv_efficiency=0.9),
         _result("sluice-continuous", speed, outputs, forward_share_max_batch=0.93, kv_efficiency=0.97),
@@ -53,9 +52,9 @@ def test_a_request_is_compared_up_to_its_first_difference() -> None:
 
 def test_headline_ratios_are_over_each_transformers_method() -> None:
     ratios = headline_ratios(_all(1000.0), "tiny, 2 requests")
-    assert [r.value for r in ratios] == pytest.approx([2.5, 1000 / 300, 10.0])
-    assert ratios[0].name == "[tiny, 2 requests] sluice-continuous tokens/s ÷ hf-continuous"
-    assert ratios[0].line() == "  [tiny, 2 requests] sluice-continuous tokens/s ÷ hf-continuous: 2.5"
+    assert [r.value for r in ratios] == pytest.approx([1000 / 300, 10.0])
+    assert ratios[0].name == "[tiny, 2 requests] sluice-continuous tokens/s ÷ hf-static"
+    assert ratios[0].line() == "  [tiny, 2 requests] sluice-continuous tokens/s ÷ hf-static: 3.33"
 
 
 def test_an_equal_method_is_reported_as_equal_in_the_table_and_the_json() -> None:
@@ -67,18 +66,18 @@ def test_an_equal_method_is_reported_as_equal_in_the_table_and_the_json() -> Non
 
 
 def test_a_slower_headline_and_a_differing_request_are_reported_with_their_values() -> None:
-    results = _all(700.0, [[5, 6, 7], [8, 1]])
+    results = _all(750.0, [[5, 6, 7], [8, 1]])
     rows = build_rows(results)
-    assert headline_ratios(results)[0].value == pytest.approx(1.75)
+    assert headline_ratios(results)[0].value == pytest.approx(2.5)
     assert [r.greedy.differing for r in rows if r.result.name == "sluice-continuous"] == [1]
     table = format_methods(rows, {}, 2)
-    assert "no (1)" in table and "1.75" in table
+    assert "no (1)" in table and "2.50" in table
 
 
 def test_without_the_reference_nothing_is_compared() -> None:
     results = _all(1000.0)
     del results[REFERENCE]
-    assert headline_ratios(results)[2].value is None
+    assert headline_ratios(results)[1].value is None
     assert engine_json_runs([_block(results)], {})["methods"]["hf-static"]["mismatching_requests"] is None
 
 
@@ -97,7 +96,7 @@ def test_table_shows_cuda_graphs_and_methods_skipped_on_cpu() -> None:
     column = table.splitlines()[0].index("graphs")
     line = {ln.split()[0]: ln for ln in table.splitlines()[2:]}
     assert line["sluice-continuous"][column:].split()[0] == "on"
-    assert line["hf-continuous"][column:].split()[0] == "-"
+    assert line["hf-static"][column:].split()[0] == "-"
     assert "n/a (CPU)" in line["sluice-dynamic"] and "n/a (CPU)" in line["sluice-continuous-eager"]
 
 
@@ -110,8 +109,8 @@ def test_json_of_several_concurrencies_keeps_the_one_block_layout_at_the_top() -
     doc = engine_json_runs(blocks, {"model": "tiny"})
     assert [r["concurrency"] for r in doc["runs"]] == [64, 256]
     assert doc["methods"] == doc["runs"][0]["methods"] and doc["workload"] == {"num_requests": 64}
-    assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-continuous"] == pytest.approx(1.75)
+    assert doc["runs"][1]["methods"]["sluice-continuous"]["ratio_to_hf-static"] == pytest.approx(700 / 300)
     assert doc["runs"][0]["methods"]["sluice-continuous-eager"] == {"skipped": NOT_ON_CPU, "error": None}
-    firsts = [r["name"].split("]")[0] for r in doc["ratios"][0:6:3]]
+    firsts = [r["name"].split("]")[0] for r in doc["ratios"][0:4:2]]
     assert firsts == ["[tiny, 64 requests", "[tiny, 256 requests"]
-    assert len(doc["ratios"]) == 6 and "decode_steps" not in doc
+    assert len(doc["ratios"]) == 4 and "decode_steps" not in doc
