@@ -143,9 +143,6 @@ def format_summary(result: ServeResult) -> str:
         " Serving Benchmark Result ".center(width, "="),
         *(_line(a, s[k], f) for a, k, f in SUMMARY_LINES),
     ]
-    if s["valid_fraction"] is not None:
-        what = "tool calls" if result.config.tools else f"{result.config.structured} outputs"
-        lines.append(_line(f"Valid {what} (fraction):", s["valid_fraction"], ".3f"))
     if s["goodput"] is not None:
         slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
         lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]

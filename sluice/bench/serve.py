@@ -1,11 +1,8 @@
 """`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
 and the figures of a run: records, summary, table, JSON. Latencies are over the requests that
 succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
-gap between chunks that carried text. With `--structured` or `--tools` every request carries a constraint
-or tools (`serve_data.with_structure`) and the summary adds how many completed outputs were valid
-(`serve_data.check_output`, run after the measured run so that checking costs it nothing). Exit status
-0 when some request completed, 1 when every one failed or the server could not be reached, 2 on bad
-arguments.
+gap between chunks that carried text. Exit status 0 when some request completed, 1 when every one failed
+or the server could not be reached, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -28,16 +25,7 @@ import numpy as np
 from sluice.bench.common import add_flags, positive_float, positive_int, progress_bar, run_meta
 from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_result
 from sluice.bench.serve_clients import APIS, ChunkClock, OpenAIClient, RequestFailed
-from sluice.bench.serve_data import (
-    STRUCTURED_KINDS,
-    BenchRequest,
-    ToolCall,
-    check_output,
-    jsonl_requests,
-    shared_prefix_requests,
-    synthetic_requests,
-    with_structure,
-)
+from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
 
 DEFAULT_URL = "http://127.0.0.1:8000/v1"  # sluice up's
 DEFAULT_NUM_REQUESTS = 64
@@ -45,8 +33,7 @@ DEFAULT_NUM_REQUESTS = 64
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How one run drives the server at `url` ("http://host:port/v1"). `structured` and `tools` say what
-    the workload's requests carry (the requests themselves hold it: serve_data.with_structure)."""
+    """How one run drives the server at `url` ("http://host:port/v1")."""
 
     api: str  # "openai" | "openai-chat"
     url: str
@@ -62,8 +49,6 @@ class ServeConfig:
     slo_tpot_ms: float | None = None
     request_timeout_s: float = 600.0
     progress: bool = True  # tqdm bar on stderr (requests done)
-    structured: str | None = None  # one of serve_data.STRUCTURED_KINDS
-    tools: bool = False
 
 
 MAX_ERRORS = 5  # distinct error messages kept in the summary
@@ -73,9 +58,7 @@ MAX_ERRORS = 5  # distinct error messages kept in the summary
 class RequestRecord:
     """What happened to one request. Times in seconds; `start` counts from the run's start (when the
     request was sent, after any concurrency limit let it go); `ttft_s` and `e2e_s` from `start`;
-    `itl_s` are the gaps between consecutive chunks that carried text or tokens. `text` and `tool_calls`
-    are the answer's; `valid` whether they satisfy the request's constraint or tools (None: nothing to
-    check, or the request failed)."""
+    `itl_s` are the gaps between consecutive chunks that carried text or tokens; `text` is the answer."""
 
     ok: bool = False
     error: str = ""
@@ -86,8 +69,6 @@ class RequestRecord:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    valid: bool | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -140,7 +121,6 @@ class ServeResult:
         if slo_ttft is not None or slo_tpot is not None:
             goodput = sum(meets_slos(r, slo_ttft, slo_tpot) for r in ok) / duration
         errors = Counter(r.error for r in self.records if not r.ok)
-        checked = [r.valid for r in ok if r.valid is not None]
         return {
             "completed": len(ok),
             "failed": len(self.records) - len(ok),
@@ -155,8 +135,6 @@ class ServeResult:
             "goodput": goodput,
             "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
             "client_cpu_s": self.client_cpu_s,
-            "valid_outputs": sum(checked) if checked else None,
-            "valid_fraction": sum(checked) / len(checked) if checked else None,
             "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
         }
 
@@ -194,7 +172,7 @@ async def _send_one(
             record.error = f"{type(exc).__name__}: {exc}"
         else:
             record.ok = True
-            record.text, record.tool_calls, usage = reply.text, reply.tool_calls, reply.usage
+            record.text, usage = reply.text, reply.usage
             record.output_tokens = usage.completion_tokens if usage is not None else clock.chunks
             record.prompt_tokens = usage.prompt_tokens if usage is not None else request.prompt_len
         record.e2e_s = time.perf_counter() - clock.t0
@@ -256,9 +234,6 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
             await _launch(client, config, requests, records, bar.update)
         duration = time.perf_counter() - start
         client_cpu_s = time.process_time() - cpu
-        for request, record in zip(requests, records, strict=True):
-            if record.ok:
-                record.valid = check_output(request, record.text, record.tool_calls)
         return ServeResult(config, records, duration, started_at, client_cpu_s)
     finally:
         await client.close()
@@ -299,8 +274,6 @@ FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
     ("--num-prefixes", dict(**N, default=4, help="shared-prefix: tenants (contexts)")),
     ("--suffix-len", dict(**N, default=32, help="shared-prefix: words of a request's own")),
     ("--no-ignore-eos", dict(action="store_true", help="let requests stop at EOS (output lengths vary)")),
-    ("--structured", dict(choices=STRUCTURED_KINDS, help="every request constrains its output (checked)")),
-    ("--tools", dict(action="store_true", help='openai-chat: two tools, tool_choice "required" (checked)')),
     ("--temperature", dict(type=float, default=0.0, help="sampling temperature (default 0: greedy)")),
     ("--slo", dict(type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")),
     ("--timeout", dict(type=positive_float, default=600.0, metavar="S", help="per-request timeout (s)")),
@@ -324,28 +297,21 @@ def _check(args: argparse.Namespace) -> None:
     """Raises ValueError on option values the parser's types let through."""
     if args.num_warmup < 0 or args.sigma < 0 or args.temperature < 0:
         raise ValueError("--num-warmup, --sigma and --temperature must not be negative")
-    if args.tools and args.api != "openai-chat":
-        raise ValueError(f"--tools needs chat completions: use --api openai-chat, not {args.api}")
-    if args.tools and args.structured is not None:
-        raise ValueError("--tools and --structured cannot be combined: the required call is the constraint")
 
 
 def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    """The requests the options describe, with their constraints or tools. Raises ValueError (and
-    OSError for an unreadable file)."""
+    """The requests the options describe. Raises ValueError (and OSError for an unreadable file)."""
     num = args.num_requests
     if args.dataset == "synthetic":
         lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
-        requests = synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
-    elif args.dataset == "shared-prefix":
+        return synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
+    if args.dataset == "shared-prefix":
         shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len")}
-        requests = shared_prefix_requests(
+        return shared_prefix_requests(
             num or DEFAULT_NUM_REQUESTS, args.seed, output_len=args.output_len or 64, **shape
         )
-    else:
-        lines = jsonl_requests(Path(args.dataset))
-        requests = [lines[i % len(lines)] for i in range(num or len(lines))]
-    return with_structure(requests, args.structured, args.tools)
+    lines = jsonl_requests(Path(args.dataset))
+    return [lines[i % len(lines)] for i in range(num or len(lines))]
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
