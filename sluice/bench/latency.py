@@ -189,11 +189,8 @@ def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, toke
     rounds = [workload.requests[:1]] + ([workload.requests[:concurrency]] if concurrency > 1 else [])
     for k, requests in enumerate(rounds):
         for i, req in enumerate(requests):
-            _add(
-                engine,
-                f"warmup{k}-{i}",
-                dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens)),
-            )
+            short = dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens))
+            _add(engine, f"warmup{k}-{i}", short)
         drv.drain(engine)
 
 
@@ -222,12 +219,8 @@ class RunFigures:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def ttft(self, q: float) -> float:
-        return percentile(self.ttft_s, q)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between closest ranks; nan when empty."""
-    return float(np.percentile(values, 100 * q)) if len(values) else math.nan
+        """The q-quantile (0..1) of the TTFTs, interpolated between closest ranks; nan without any."""
+        return float(np.percentile(self.ttft_s, 100 * q)) if self.ttft_s else math.nan
 
 
 def run_requests(

@@ -59,13 +59,6 @@ class ChunkClock:
         self.chunks += 1
 
 
-def _length_params(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-    """max_tokens, and with ignore_eos the vLLM extensions that make it the exact output length."""
-    if ignore_eos:
-        return {"max_tokens": request.output_len, "ignore_eos": True, "min_tokens": request.output_len}
-    return {"max_tokens": request.output_len}
-
-
 def _chunk_text(choice: dict[str, Any], chat: bool) -> tuple[str, bool]:
     """One chunk's (first) choice: its text (completions: `text`; chat: `delta.content`) and whether it
     carried any (chat: reasoning too)."""
@@ -73,10 +66,6 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> tuple[str, bool]:
         return choice.get("text") or "", bool(choice.get("text"))
     delta = choice.get("delta") or {}
     return delta.get("content") or "", bool(delta.get("content") or delta.get("reasoning_content"))
-
-
-def _usage(raw: dict[str, Any]) -> Usage:
-    return Usage(int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0)))
 
 
 class OpenAIClient:
@@ -122,8 +111,10 @@ class OpenAIClient:
             "temperature": self._temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
-            **_length_params(request, self._ignore_eos),
+            "max_tokens": request.output_len,
         }
+        if self._ignore_eos:  # vLLM's extensions that make max_tokens the exact output length
+            body.update(ignore_eos=True, min_tokens=request.output_len)
         if self._chat:
             return {**body, "messages": [{"role": "user", "content": request.prompt}]}
         return {**body, "prompt": request.prompt}
@@ -155,7 +146,8 @@ class OpenAIClient:
                         clock.chunk()
                     finished = finished or bool(choices[0].get("finish_reason"))
                 if chunk.get("usage"):  # its own chunk (OpenAI, sluice) or the last choice's (some servers)
-                    usage = _usage(chunk["usage"])
+                    raw = chunk["usage"]
+                    usage = Usage(int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0)))
         # Servers that close the stream after the finish reason, without [DONE], are served too.
         if not finished:
             raise RequestFailed("the stream ended before a finish reason or [DONE]")
