@@ -77,6 +77,7 @@ _FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
     ),
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
+    "engine-flags": dict(default="", metavar="FLAGS", help='extra engine flags, e.g. "--num-kv-blocks 256"'),
 }
 
 

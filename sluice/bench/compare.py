@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     about = "requests per point (default 64: at rate inf, 64 streams at once)"
-    sw.add_sweep_flags(parser, 64, "engine-flags", num_requests=about)
+    sw.add_sweep_flags(parser, 64, num_requests=about)
     return parser
 
 

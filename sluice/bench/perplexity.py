@@ -114,8 +114,3 @@ class QualityResult:
     perplexity: float | None
     tokens: int
     error: str | None = None
-
-    def ratio_to(self, base: float | None) -> float | None:
-        if self.perplexity is None or not base:
-            return None
-        return self.perplexity / base

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         "num_requests": "requests, all sent at once (default 64)",
         "repeat": "alternate the two runs N times",
     }
-    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", **helps)
+    sw.add_sweep_flags(parser, 64, "repeat", **helps)
     add(
         "--up-flags",
         default="",

@@ -382,7 +382,7 @@ def ratio_to_off(report: LatencyReport, cell: Cell, run: str) -> float | None:
 def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | None:
     base = next((q.perplexity for q in quality if q.variant == "none"), None)
     mine = next((q for q in quality if q.variant == variant), None)
-    return None if mine is None else mine.ratio_to(base)
+    return None if mine is None else ratio(mine.perplexity, base)
 
 
 def _ms(value: float | None) -> str:

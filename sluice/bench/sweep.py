@@ -119,21 +119,18 @@ def counter(samples: Samples, name: str) -> float:
 
 
 def add_sweep_flags(parser: argparse.ArgumentParser, requests: int, *flags: str, **helps: str) -> None:
-    """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --json,
-    --no-progress), then the shared `flags` asked for ("repeat", "engine-flags")."""
+    """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --engine-flags,
+    --json, --no-progress), then the shared `flags` asked for ("repeat")."""
     add_flags(parser, "model", "seed")
     about = helps.pop("num_requests", f"requests per point (default {requests})")
     parser.add_argument("--num-requests", type=positive_int, default=requests, metavar="N", help=about)
-    if "engine-flags" in flags:
-        parser.add_argument("--engine-flags", default="", metavar="FLAGS",
-                            help="extra engine flags, e.g. \"--num-kv-blocks 256\"")  # fmt: skip
-    add_flags(parser, "json", "no-progress", *(f for f in flags if f != "engine-flags"), **helps)
+    add_flags(parser, "engine-flags", "json", "no-progress", *flags, **helps)
 
 
 def model_and_flags(args: argparse.Namespace) -> tuple[str, list[str]]:
     """The model directory every system serves (the embedded model when none is given) and the engine
     flags as a list."""
-    return resolve_model(str(args.model or "")), shlex.split(getattr(args, "engine_flags", ""))
+    return resolve_model(str(args.model or "")), shlex.split(args.engine_flags)
 
 
 def sweep_meta(name: str, argv: Sequence[str], model: str, **more: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from sluice.bench.serve_clients import ChunkClock, OpenAIClient, Reply, RequestFailed, Usage
+from sluice.bench.serve import ChunkClock, OpenAIClient, Reply, RequestFailed, Usage
 from sluice.bench.serve_data import BenchRequest
 
 

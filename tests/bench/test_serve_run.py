@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from sluice.bench import serve
-from sluice.bench.serve import ServeConfig, arrival_times, run_serve
-from sluice.bench.serve_clients import ChunkClock, Reply, RequestFailed, Usage
+from sluice.bench.serve import ChunkClock, Reply, RequestFailed, ServeConfig, Usage, arrival_times, run_serve
 from sluice.bench.serve_data import BenchRequest
 
 
