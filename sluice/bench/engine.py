@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig
 
 from sluice.bench import report
 from sluice.bench.common import (
@@ -99,8 +99,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
 
 def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
-    about += "other than tiny)"
+    about = "requests arriving at once, one workload per value (default 64; 64,256 on CUDA but for tiny)"
     add("--concurrency", type=int_list, metavar="LIST", help=about)
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
@@ -137,12 +136,11 @@ def _resolve(args: argparse.Namespace) -> None:
 HF_RUNNERS = {"hf-sequential": run_hf_sequential, "hf-static": run_hf_static}
 
 
-def _runner(
-    name: str, ctx: BenchContext, work: Workload, hf: Callable[[], PreTrainedModel]
-) -> Callable[[Progress], MethodResult]:
-    """A callable that runs method `name`, reporting delivered tokens to the progress callback."""
+def _runner(name: str, ctx: BenchContext, work: Workload) -> Callable[[Progress], MethodResult]:
+    """A callable that runs method `name` (a transformers method on its own model load), reporting
+    delivered tokens to the progress callback."""
     if name in HF_RUNNERS:
-        return lambda progress: HF_RUNNERS[name](ctx, hf(), work, progress)
+        return lambda progress: HF_RUNNERS[name](ctx, load_hf_model(ctx), work, progress)
     if name == EAGER:
         return lambda progress: run_sluice(ctx, work, "continuous", progress, cuda_graphs="off")
     batching = name.removeprefix("sluice-")
@@ -165,7 +163,7 @@ def run_methods(
             continue
         bar = progress_bar(show_progress, work.total_output_tokens * repeat, f"[{k}/{len(methods)}] {name}")
         try:
-            runner = _runner(name, ctx, work, lambda: load_hf_model(ctx))
+            runner = _runner(name, ctx, work)
             with bar:
                 runs = [runner(bar.update) for _ in range(repeat)]
             best = max(runs, key=lambda r: r.tokens_per_s)

@@ -23,7 +23,7 @@ from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
 
-__all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
+__all__ = ["BATCHING_POLICIES", "SamplingParams"]  # the engine's names the benchmarks use
 
 KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
 MIN_KV_GB = 0.5  # the least KV pool

@@ -112,10 +112,6 @@ class MethodResult:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def _count(outputs: list[list[int]]) -> int:
-    return sum(len(o) for o in outputs)
-
-
 def _warmup_prompt() -> list[int]:
     return list(range(FIRST_PLAIN_ID, FIRST_PLAIN_ID + 16))
 
@@ -161,7 +157,7 @@ def run_hf_batches(
             outputs.extend(row[:n] for row, n in zip(rows, wanted, strict=True))
             progress(sum(wanted))
     name, setting = ("hf-sequential", "") if batch_size == 1 else ("hf-static", f"batch {batch_size}")
-    return MethodResult(name, elapsed[0], _count(outputs), outputs, setting=setting)
+    return MethodResult(name, elapsed[0], sum(map(len, outputs)), outputs, setting=setting)
 
 
 run_hf_sequential = run_hf_batches
@@ -185,7 +181,7 @@ def run_sluice(
     return MethodResult(
         EAGER if eager else f"sluice-{batching}",
         wall_s,
-        _count(outputs),
+        sum(map(len, outputs)),
         outputs,
         setting=f"batching={batching}, {stats.steps} steps",
         forward_share=stats.forward_share,

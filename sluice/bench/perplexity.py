@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.engine.core.params import SamplingParams
 from sluice.bench import engine_driver as drv
 from sluice.model.corpus import build_corpus, prose_paragraphs
 
@@ -98,7 +97,7 @@ def perplexity(
     engine = drv.make_engine(settings)
     tracks = {f"w{i}": drv.Track() for i in range(len(parts))}
     for rid, part in zip(tracks, parts, strict=True):
-        engine.add_request(rid, part, SamplingParams(prompt_logprobs=0), drv.stop_after(1))
+        engine.add_request(rid, part, drv.SamplingParams(prompt_logprobs=0), drv.stop_after(1))
     drv.drain(engine, tracks)
     logprobs = [lp for t in tracks.values() for lp in t.prompt_logprobs]
     return (math.exp(-math.fsum(logprobs) / len(logprobs)) if logprobs else math.nan), len(logprobs)

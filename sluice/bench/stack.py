@@ -23,7 +23,7 @@ from typing import IO, Self
 import psutil
 
 from sluice.launcher import parse_args
-from sluice.plan import Child, child_env, plan_children
+from sluice.plan import Child, busy_port, child_env, plan_children
 from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
@@ -32,23 +32,15 @@ POLL_S = 0.2
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
     """The first of `count` consecutive ports that are free on `host` now (the first found by binding
-    port 0). Raises RuntimeError when no such run turns up in `attempts` tries."""
+    port 0, the others as the services bind: plan.busy_port). Raises RuntimeError when no such run turns up
+    in `attempts` tries."""
     for _ in range(attempts):
         with socket.socket() as sock:
             sock.bind((host, 0))
             first = sock.getsockname()[1]
-        if first + count - 1 <= 65535 and all(_port_free(host, first + k) for k in range(1, count)):
+        if first + count - 1 <= 65535 and busy_port(host, list(range(first + 1, first + count))) is None:
             return first
     raise RuntimeError(f"no run of {count} free ports found on {host}")
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
