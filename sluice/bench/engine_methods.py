@@ -132,13 +132,9 @@ def _generate(model: PreTrainedModel, batch: list[tuple[int, ...]], max_new_toke
     for row, prompt in enumerate(batch):  # left padding: prompts end at the right edge
         ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
-    out = model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        generation_config=GenerationConfig(
-            do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=PAD_ID
-        ),
-    )  # (B, width + max_new_tokens)
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=PAD_ID)  # no EOS
+    ids, mask = ids.to(model.device), mask.to(model.device)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)  # (B, width + new)
     return out[:, width:].tolist()
 
 

@@ -292,13 +292,8 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     about = f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
     add("--variants", type=names(tuple(VARIANTS), "variant(s)"), metavar="LIST", help=about)
-    add(
-        "--workloads",
-        type=names(WORKLOADS, "workload(s)"),
-        default=WORKLOADS,
-        metavar="LIST",
-        help=",".join(WORKLOADS),
-    )
+    workloads = names(WORKLOADS, "workload(s)")
+    add("--workloads", type=workloads, default=WORKLOADS, metavar="LIST", help=",".join(WORKLOADS))
     for flag, about in FLAGS:
         add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {DEFAULTS[flag][1]})")
     about = f"held-out tokens scored for perplexity (default {ppl.DEFAULT_MAX_TOKENS}; 0 = skip)"

@@ -152,11 +152,8 @@ class Comparison:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench pipeline",
-        description="Output tokens/s of one workload through the four services against the engine "
-        "alone, with where the difference goes.",
-    )
+    about = "Output tokens/s of one workload through the four services against the engine alone, with where "
+    parser = argparse.ArgumentParser(prog="sluice bench pipeline", description=about + "the difference goes.")
     add = parser.add_argument
     add("--prompt-words", type=int_range, default=(12, 200), metavar="MIN,MAX", help="prompt words (12,200)")
     add("--output-len", type=int_range, default=(8, 256), metavar="MIN,MAX", help="output tokens (8,256)")
@@ -165,14 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
         "repeat": "alternate the two runs N times",
     }
     sw.add_sweep_flags(parser, 64, "repeat", **helps)
-    add(
-        "--up-flags",
-        default="",
-        metavar="FLAGS",
-        help='`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
-        "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
-        "children have it: docs/benchmarks.md)",
-    )
+    about = '`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
+    about += "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
+    about += "children have it: docs/benchmarks.md)"
+    add("--up-flags", default="", metavar="FLAGS", help=about)
     return parser
 
 
