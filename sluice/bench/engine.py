@@ -20,9 +20,9 @@ from sluice.bench import report
 from sluice.bench.common import (
     add_flags,
     error_text,
-    int_list,
     int_range,
     names,
+    positive_list,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -100,7 +100,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
 def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     about = "requests arriving at once, one workload per value (default 64; 64,256 on CUDA but for tiny)"
-    add("--concurrency", type=int_list, metavar="LIST", help=about)
+    add("--concurrency", type=positive_list, metavar="LIST", help=about)
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")

@@ -101,10 +101,6 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0)
 
 
-def sampling(temperature: float, seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed)
-
-
 def stop_after(n: int) -> StoppingParams:
     """Exactly `n` new tokens: EOS ignored."""
     return StoppingParams(max_new_tokens=n, ignore_eos=True)

@@ -31,7 +31,7 @@ from sluice.bench.common import add_count, error_text, names, progress_bar
 from sluice.bench.engine_driver import LLMEngine, Progress
 from sluice.bench.engine_methods import BenchContext
 from sluice.bench.report import OFF, write_json
-from sluice.model.presets import PRESET_NAMES
+from sluice.model.presets import BOS_ID, PRESET_NAMES
 
 REPETITIVE, NON_REPETITIVE = WORKLOADS = ("repetitive", "non-repetitive")
 VARIANTS: dict[str, dict[str, str]] = {
@@ -51,7 +51,6 @@ SEED_TOKENS = 24  # tokens of a held-out paragraph the model continues into the 
 COPY_NGRAM = 4  # a token counts as copied when it lies in a span of this many tokens found in the prompt
 NON_REPETITIVE_TEMPERATURE = 0.9
 FIRST_PLAIN_ID = 5  # ids below are special tokens in every model the benchmark makes (pad, bos, eos, ...)
-BOS_ID = 1
 QUESTIONS = ("What does {t} do?", "When would I use {t}?", "Give me an overview of {t}.")
 QUESTIONS += ("What are the pitfalls of {t}?",)
 
@@ -179,8 +178,8 @@ def build_engine(spec: BenchContext, variant: str, lengths: Sequence[int], max_n
 
 
 def _add(engine: LLMEngine, rid: str, req: LatencyRequest) -> None:
-    sampling, stop = drv.sampling(req.temperature, req.seed), drv.stop_after(req.max_new_tokens)
-    engine.add_request(rid, list(req.prompt), sampling, stop)
+    sampling = drv.SamplingParams(temperature=req.temperature, seed=req.seed)
+    engine.add_request(rid, list(req.prompt), sampling, drv.stop_after(req.max_new_tokens))
 
 
 def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, tokens: int = 8) -> None:
