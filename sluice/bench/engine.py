@@ -52,8 +52,6 @@ DEFAULTS = {  # option: (with --quick, without)
     "output_len": ((8, 24), (8, 256)),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
-
-
 VARIANTS = ("throughput", "latency", "perplexity")  # `sluice bench engine [VARIANT]`; throughput the default
 DESCRIPTIONS = {  # variant → its --help description
     "throughput": "Time the sluice engine's batching policies against transformers on one fixed workload. "
@@ -61,18 +59,16 @@ DESCRIPTIONS = {  # variant → its --help description
     "latency": "Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
     "perplexity": "Perplexity on held-out text of the unquantized model and each quantization asked for.",
 }
-PRESET_HELP = {
-    "throughput": "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a "
-    "real model's shape (cached)",
-    "latency": "random weights in a model's shape (default: the embedded chat model)",
-}
-RUN_HELP = {  # variant → rewordings of the shared flags
+RUN_HELP = {  # variant → --preset's help and rewordings of the shared flags
     "throughput": {
+        "preset": "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a "
+        "real model's shape (cached)",
         "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
         "repeat": "run each method N times, report its fastest",
         "quick": "a small workload (4 short requests) for smoke tests",
     },
     "latency": {
+        "preset": "random weights in a model's shape (default: the embedded chat model)",
         "dtype": "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
         "repeat": "N rounds of every measurement, the best kept",
         "quick": "tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
@@ -89,7 +85,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTIONS[variant])
     model = parser.add_mutually_exclusive_group()
     preset = TINY if kind == "throughput" else None
-    model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
+    model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=RUN_HELP[kind]["preset"])
     add_flags(model, "model", model="a local Hugging Face model")
     (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
     flags = ("seed", "device", "dtype", "json", "threads", "repeat", "quick", "no-progress")
@@ -177,9 +173,7 @@ def run_methods(
 
 
 def model_label(args: argparse.Namespace) -> str:
-    if args.model is not None:
-        return args.model.name
-    return args.preset or "embedded chat model"
+    return args.model.name if args.model is not None else args.preset or "embedded chat model"
 
 
 def model_dir(args: argparse.Namespace, scratch: Path) -> Path:

@@ -159,13 +159,8 @@ def format_summary(result: ServeResult) -> str:
 
 def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
     """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
-    doc = {
-        "meta": meta,
-        "config": result.config,
-        "summary": result.summary(),
-        "started_at": result.started_at,
-    }
-    write_json(path, {**doc, "records": result.records})
+    doc = {"meta": meta, "config": result.config, "summary": result.summary()}
+    write_json(path, {**doc, "started_at": result.started_at, "records": result.records})
 
 
 # engine

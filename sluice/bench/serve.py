@@ -227,9 +227,7 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+        return None if self.output_tokens < 2 else (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:

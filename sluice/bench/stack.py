@@ -100,9 +100,8 @@ class _LoggedSupervisor(Supervisor):
     def failure(self, name: str, what: str) -> RuntimeError:
         """RuntimeError "`name` `what`" quoting the child's last lines of output."""
         output = tail(self.log_dir / f"{name}.log")
-        return RuntimeError(
-            f"{name} {what}" + (f"; its last output:\n{output}" if output else " (it wrote nothing)")
-        )
+        quoted = f"; its last output:\n{output}" if output else " (it wrote nothing)"
+        return RuntimeError(f"{name} {what}{quoted}")
 
     def death(self) -> RuntimeError | None:
         """The error to raise for a child that has exited, naming it and quoting its output; or None."""

@@ -73,20 +73,18 @@ def sweep(
     (index 0 first: the place to warm up). A start-up failure (RuntimeError, OSError) is recorded in the
     system's run; `bar` advances by one per point, skipped ones included."""
     runs: dict[str, SystemRun[R]] = {}
+    bar = bar or tqdm(disable=True)
     for name, opener in systems.items():
         run = runs[name] = SystemRun(name)
         try:
             with opener() as endpoint:
                 for k, point in enumerate(points):
-                    if bar is not None:
-                        bar.set_postfix_str(f"{name} @ {point}")
+                    bar.set_postfix_str(f"{name} @ {point}")
                     run.points.append(measure(name, endpoint, point, k))
-                    if bar is not None:
-                        bar.update()
+                    bar.update()
         except (RuntimeError, OSError) as exc:
             run.error = str(exc)
-            if bar is not None:
-                bar.update(len(points) - len(run.points))
+            bar.update(len(points) - len(run.points))
     return runs
 
 
