@@ -77,14 +77,10 @@ def engine_settings(
     element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
     tokens = sum(-(-(n + extra) // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE for n in lengths)
-    pool = {
-        "block_size": BLOCK_SIZE,
-        "kv_cache_gb": max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30)),
-    }
+    kv_gb = max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
     max_len = -(-(max(lengths) + extra + 1) // BLOCK_SIZE) * BLOCK_SIZE
-    return EngineSettings(
-        model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
-    )
+    model = {"model": str(model_dir), "device": device, "dtype": dtype, "max_model_len": max_len}
+    return EngineSettings(**model, block_size=BLOCK_SIZE, kv_cache_gb=kv_gb, **fields)
 
 
 def make_engine(settings: EngineSettings | None = None, **fields: Any) -> LLMEngine:

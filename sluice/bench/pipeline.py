@@ -180,9 +180,8 @@ def load_average() -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model, engine_flags = sw.model_and_flags(args)
-    requests = uniform_requests(
-        args.num_requests, args.seed, prompt_words=args.prompt_words, output_len=args.output_len
-    )
+    lengths = {"prompt_words": args.prompt_words, "output_len": args.output_len}
+    requests = uniform_requests(args.num_requests, args.seed, **lengths)
     (words_lo, words_hi), (out_lo, out_hi) = args.prompt_words, args.output_len
     print(
         f"workload: {len(requests)} requests at once, prompts {words_lo}-{words_hi} words, outputs "
