@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine tests and the engine benchmarks on CUDA, in one command, within 9 minutes (time limits below),
-# ending with ONE table (tests passed/failed; per model and concurrency each method's tok/s, × hf-continuous,
+# ending with ONE table (tests passed/failed; per model and concurrency each method's tok/s, × hf-static,
 # forward share, CUDA graphs on/off; decode-only steps against the memory roofline; speculative decoding and
 # quantized weights against the plain engine; sluice-continuous's ratios).
 #
@@ -11,10 +11,10 @@
 #
 # Stages, each under its own time limit, which its commands share: one slow stage cannot eat the others'.
 #   tests        tests/engine with SLUICE_TEST_DEVICE=cuda                                 TESTS_TIMEOUT_S=170
-#   tiny         sluice bench engine: hf-continuous, sluice-continuous, sluice-continuous-eager at 256
+#   tiny         sluice bench engine: hf-static, sluice-continuous, sluice-continuous-eager at 256
 #                requests; scripts/decode_roofline.py: decode-only steps at batch 64 (CUDA graphs on and
 #                off)                                                                        TINY_TIMEOUT_S=90
-#   qwen2-0.5b   sluice bench engine: hf-continuous, sluice-continuous at 64 and 256 requests (bf16);
+#   qwen2-0.5b   sluice bench engine: hf-static, sluice-continuous at 64 and 256 requests (bf16);
 #                scripts/decode_roofline.py: decode-only steps at batch 64 against the memory roofline
 #                                                                                           MODEL_TIMEOUT_S=190
 #   latency      sluice bench latency: off / ngram / int8 / fp8 engines at batch 1 and 64 at once on the
@@ -33,7 +33,7 @@
 # Writes gpu-tests.{log,xml}, bench-<stage>.{log,json}, decode-<stage>.json (bench-latency and
 # latency-extras.json too) and summary.txt to ${OUT:-bench-results}.
 # Environment: TEST_ARGS (extra pytest arguments), BENCH_ARGS (extra arguments of every benchmark),
-# HF_BATCH_TOKENS (hf-continuous's max_batch_tokens tried, default 512,2048), the *_TIMEOUT_S above.
+# the *_TIMEOUT_S above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -64,7 +64,6 @@ TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-170}
 TINY_TIMEOUT_S=${TINY_TIMEOUT_S:-90}
 MODEL_TIMEOUT_S=${MODEL_TIMEOUT_S:-190}
 LATENCY_TIMEOUT_S=${LATENCY_TIMEOUT_S:-70}
-HF_BATCH_TOKENS=${HF_BATCH_TOKENS:-512,2048}
 BENCH=(-m sluice.cli bench engine --no-progress)
 DECODE=(scripts/decode_roofline.py --no-progress)
 LATENCY=(-m sluice.cli bench latency --no-progress)
@@ -75,16 +74,16 @@ bench_args() {
   if [[ $DEVICE == cpu ]]; then
     printf '%s\n' --device cpu --quick --threads 1 --concurrency 4
     case $1 in
-      tiny) printf '%s\n' --preset tiny --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
-      *) printf '%s\n' --preset "$1" --methods hf-continuous,sluice-continuous ;;
+      tiny) printf '%s\n' --preset tiny --methods hf-static,sluice-continuous,sluice-continuous-eager ;;
+      *) printf '%s\n' --preset "$1" --methods hf-static,sluice-continuous ;;
     esac
     return
   fi
-  printf '%s\n' --device cuda --hf-batch-tokens "$HF_BATCH_TOKENS"
+  printf '%s\n' --device cuda
   case $1 in
     tiny) printf '%s\n' --preset tiny --concurrency 256 \
-            --methods hf-continuous,sluice-continuous,sluice-continuous-eager ;;
-    *) printf '%s\n' --preset "$1" --dtype bfloat16 --concurrency 64,256 --methods hf-continuous,sluice-continuous ;;
+            --methods hf-static,sluice-continuous,sluice-continuous-eager ;;
+    *) printf '%s\n' --preset "$1" --dtype bfloat16 --concurrency 64,256 --methods hf-static,sluice-continuous ;;
   esac
 }
 

@@ -32,15 +32,15 @@ from sluice.bench.common import (
     run_meta,
 )
 from sluice.bench.engine import model_dir, resolve
+from sluice.bench.engine_methods import BenchContext
 from sluice.bench.latency import (
     FIRST_PLAIN_ID,
-    EngineSpec,
     LatencyRequest,
     LatencyWorkload,
     RunFigures,
     build_engine,
     faster,
-    run_batch1,
+    run_requests,
     warm_up,
 )
 from sluice.bench.report import OFF, Column, column_table, fmt, ratio, run_json, write_json
@@ -124,7 +124,7 @@ def run_shape(args: argparse.Namespace, path: Path) -> ShapeRun:
     token = functools.partial(rng.randrange, FIRST_PLAIN_ID, vocab)
     prompts = [tuple(token() for _ in range(PROMPT_LEN)) for _ in range(args.requests)]
     work = LatencyWorkload("random", tuple(LatencyRequest(p, args.output_len) for p in prompts), "random")
-    spec = EngineSpec(path, args.device, args.dtype, args.threads or 0)
+    spec = BenchContext(path, args.device, args.dtype, threads=args.threads or 0)
     lengths = [PROMPT_LEN + args.output_len] * args.requests
     print(f"== batch-1 decode on {args.preset}: {', '.join(args.variants)}")
     for variant in args.variants:
@@ -137,7 +137,7 @@ def run_shape(args: argparse.Namespace, path: Path) -> ShapeRun:
                 eng = build_engine(spec, variant, lengths, 1)
                 warm_up(eng, work, 1, tokens=2)
                 for _ in range(args.repeat):
-                    run = run_batch1(eng, work, args.device, bar.update)
+                    run = run_requests(eng, work, args.device, bar.update, at_once=False)
                     shape.runs[variant] = faster(shape.runs.get(variant), run, "decode_tok_s")
         except Exception as exc:
             shape.errors[variant] = error_text(exc)

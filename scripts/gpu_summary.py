@@ -105,7 +105,7 @@ def method_rows(label: str, run: dict[str, Any]) -> list[tuple[str, ...]]:
         elif fig.get("error"):
             rows.append(_line(label, name, f"FAILED: {fig['error'][:60]}", conc))
         else:
-            speed, ratio = fmt(fig["tokens_per_s"], ",.0f"), fmt(fig["ratio_to_hf-continuous"], ".2f")
+            speed, ratio = fmt(fig["tokens_per_s"], ",.0f"), fmt(fig["ratio_to_hf-static"], ".2f")
             share = fmt(fig["forward_share_max_batch"], ".1%")
             rows.append(
                 (label, conc, name, speed, ratio, share, fig["cuda_graphs"] or "-", "-", fig["setting"])

@@ -55,7 +55,7 @@ def test_default_stages_fit_the_nine_minutes() -> None:
     assert "--concurrency 256" in tiny and "sluice-continuous-eager" in tiny
     assert "scripts/decode_roofline.py" in tiny_decode and "--batch 64" in tiny_decode
     assert "--concurrency 64,256" in qwen and "--dtype bfloat16" in qwen
-    assert "--device cuda" in qwen and "--methods hf-continuous,sluice-continuous " in qwen
+    assert "--device cuda" in qwen and "--methods hf-static,sluice-continuous " in qwen
     assert "--preset qwen2-0.5b --dtype bfloat16 --batch 64" in qwen_decode
     lat, extras = stages["latency"][1].split("; ")
     assert "bench latency" in lat and "--variants off,ngram,int8,fp8" in lat and "--concurrency 64" in lat
@@ -79,14 +79,14 @@ def test_cpu_run_ends_with_one_summary_table(tmp_path: Path) -> None:
     assert lines[0].split()[:3] == ["stage", "conc", "method"] and set(lines[1]) <= {"-", " "}
     assert re.search(r"^tests/engine \(cpu\) .* PASSED: [1-9]\d* passed, 0 failed", summary, re.M)
     rows = {(ln.split()[0], ln.split()[2]): ln for ln in lines[2:]}
-    assert re.search(r"tiny +4 +hf-continuous +\d+ +1\.00", rows["tiny", "hf-continuous"])
+    assert re.search(r"tiny +4 +hf-static +\d+ +1\.00", rows["tiny", "hf-static"])
     assert "n/a (CPU)" in rows["tiny", "sluice-continuous"]
     assert "skipped" in rows["tiny", "sluice-continuous-eager"]
     decode = r"^tiny +- +decode steps, batch 4 +[\d,]+ .* n/a \(CPU\) +n/a +[\d.]+ ms a step"
     assert re.search(decode, summary, re.M)
     assert "decode tokens/s with CUDA graphs" not in summary  # a ratio not measured (no graphs on a CPU)
     assert re.search(
-        r"^tiny .* ratio .* \[tiny, 4 requests\] sluice-continuous tokens/s ÷ hf-continuous: ", summary, re.M
+        r"^tiny .* ratio .* \[tiny, 4 requests\] sluice-continuous tokens/s ÷ hf-static: ", summary, re.M
     )
     assert "ok (exit 0" in rows["tiny", "stage"]
     # The latency stage: every CPU variant on both workloads at batch 1 and 4 at once.
@@ -120,7 +120,7 @@ def test_a_stage_past_its_limit_is_cut_and_reported(tmp_path: Path) -> None:
 
 
 def test_a_stage_stopped_midway_keeps_the_concurrencies_it_finished(tmp_path: Path) -> None:
-    fig = {"tokens_per_s": 900.0, "ratio_to_hf-continuous": 2.0, "forward_share_max_batch": 0.95}
+    fig = {"tokens_per_s": 900.0, "ratio_to_hf-static": 2.0, "forward_share_max_batch": 0.95}
     doc = {
         "partial": True,
         "runs": [

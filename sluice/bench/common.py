@@ -21,20 +21,21 @@ from typing import Any
 from tqdm import tqdm
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """`1,64,256` → (1, 64, 256); every value at least 1."""
+def positive_list(text: str, kind: Callable[[str], Any] = int, what: str = "integers") -> tuple[Any, ...]:
+    """`1,64,256` → (1, 64, 256), integers by default (`kind` float: numbers, inf too); every value
+    positive."""
     try:
-        values = tuple(int(part) for part in text.split(",") if part.strip())
+        values = tuple(kind(part) for part in text.split(",") if part.strip())
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}") from exc
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive {what}, got {text!r}")
     return values
 
 
 def int_range(text: str) -> tuple[int, int]:
     """`MIN,MAX` with 1 <= MIN <= MAX."""
-    values = int_list(text)
+    values = positive_list(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected MIN,MAX with 1 <= MIN <= MAX, got {text!r}")
     return values[0], values[1]
@@ -77,6 +78,7 @@ _FLAGS: dict[str, dict[str, Any]] = {  # argparse's default is None unless given
     ),
     "seed": dict(type=int, default=0, metavar="N", help="seed of the workload (and of random weights)"),
     "repeat": dict(type=positive_int, default=1, metavar="N", help="run every measurement N times"),
+    "engine-flags": dict(default="", metavar="FLAGS", help='extra engine flags, e.g. "--num-kv-blocks 256"'),
 }
 
 
@@ -91,10 +93,8 @@ def add_flags(parser: argparse.ArgumentParser | Any, *flags: str, **helps: str) 
     """Adds the shared `flags` (names without dashes) to `parser` (or an argument group); `helps` rewords
     one, keyed by its dest (`no_progress=...`)."""
     for flag in flags:
-        dest = flag.replace("-", "_")
-        parser.add_argument(
-            f"--{flag}", **{**_FLAGS[flag], **({"help": helps[dest]} if dest in helps else {})}
-        )
+        reworded = {"help": helps[dest]} if (dest := flag.replace("-", "_")) in helps else {}
+        parser.add_argument(f"--{flag}", **{**_FLAGS[flag], **reworded})
 
 
 def resolve_device(args: argparse.Namespace) -> bool:

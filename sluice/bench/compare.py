@@ -15,7 +15,7 @@ from functools import partial
 from typing import Any
 
 from sluice.bench import sweep as sw
-from sluice.bench.common import add_count, names, positive_float, progress_bar
+from sluice.bench.common import add_count, names, positive_float, positive_list, progress_bar
 from sluice.bench.engine_driver import BATCHING_POLICIES
 from sluice.bench.report import compare_json, fmt, format_points, rate_text, write_json
 from sluice.bench.serve_data import BenchRequest, synthetic_requests
@@ -56,13 +56,7 @@ class Point:
 
 
 def _rates(text: str) -> tuple[float, ...]:
-    try:
-        rates = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers or inf, got {text!r}") from exc
-    if not rates or any(not r > 0 for r in rates):
-        raise argparse.ArgumentTypeError(f"expected positive request rates, got {text!r}")
-    return tuple(sorted(set(rates)))
+    return tuple(sorted(set(positive_list(text, float, "request rates (numbers or inf)"))))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     about = "p99 TTFT bound of the highest-rate figure (default 1000)"
     add("--ttft-bound-ms", type=positive_float, default=1000.0, metavar="MS", help=about)
     about = "requests per point (default 64: at rate inf, 64 streams at once)"
-    sw.add_sweep_flags(parser, 64, "engine-flags", num_requests=about)
+    sw.add_sweep_flags(parser, 64, num_requests=about)
     return parser
 
 

@@ -14,16 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig
 
-from sluice.bench import engine_methods as em
 from sluice.bench import report
 from sluice.bench.common import (
     add_flags,
     error_text,
-    int_list,
     int_range,
     names,
+    positive_list,
     progress_bar,
     quiet_torch,
     resolve_device,
@@ -40,8 +39,6 @@ from sluice.bench.engine_methods import (
     Workload,
     load_hf_model,
     make_workload,
-    reference_logits,
-    run_hf_continuous,
     run_hf_sequential,
     run_hf_static,
     run_sluice,
@@ -53,11 +50,8 @@ DEFAULTS = {  # option: (with --quick, without)
     "concurrency": ((4,), (64,)),
     "prompt_len": ((16, 48), (16, 256)),
     "output_len": ((8, 24), (8, 256)),
-    "hf_batch_tokens": ((256,), (256, 512, 1024)),
 }
 GPU_MODEL_CONCURRENCY = (64, 256)  # the default on CUDA for every model but the tiny one
-
-
 VARIANTS = ("throughput", "latency", "perplexity")  # `sluice bench engine [VARIANT]`; throughput the default
 DESCRIPTIONS = {  # variant → its --help description
     "throughput": "Time the sluice engine's batching policies against transformers on one fixed workload. "
@@ -65,18 +59,16 @@ DESCRIPTIONS = {  # variant → its --help description
     "latency": "Batch-1 and loaded tokens/s and TTFT of speculative decoding and quantized weights.",
     "perplexity": "Perplexity on held-out text of the unquantized model and each quantization asked for.",
 }
-PRESET_HELP = {
-    "throughput": "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a "
-    "real model's shape (cached)",
-    "latency": "random weights in a model's shape (default: the embedded chat model)",
-}
-RUN_HELP = {  # variant → rewordings of the shared flags
+RUN_HELP = {  # variant → --preset's help and rewordings of the shared flags
     "throughput": {
+        "preset": "the model: the tiny Llama (default), its MoE sibling tiny-moe, or random weights in a "
+        "real model's shape (cached)",
         "dtype": "every method's dtype (default float32; bfloat16 on CUDA for a model other than tiny)",
         "repeat": "run each method N times, report its fastest",
         "quick": "a small workload (4 short requests) for smoke tests",
     },
     "latency": {
+        "preset": "random weights in a model's shape (default: the embedded chat model)",
         "dtype": "the engines' dtype (default float32 on CPU, bfloat16 on CUDA)",
         "repeat": "N rounds of every measurement, the best kept",
         "quick": "tiny counts (2 / 4 requests, 12 tokens) for smoke tests",
@@ -93,7 +85,7 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTIONS[variant])
     model = parser.add_mutually_exclusive_group()
     preset = TINY if kind == "throughput" else None
-    model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=PRESET_HELP[kind])
+    model.add_argument("--preset", default=preset, choices=PRESET_NAMES, help=RUN_HELP[kind]["preset"])
     add_flags(model, "model", model="a local Hugging Face model")
     (_add_throughput_flags if kind == "throughput" else latency.add_variant_flags)(parser)
     flags = ("seed", "device", "dtype", "json", "threads", "repeat", "quick", "no-progress")
@@ -103,15 +95,12 @@ def build_parser(variant: str = "throughput", prog: str = "sluice bench engine")
 
 def _add_throughput_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    about = "requests arriving at once, one workload per value (default 64; on CUDA 64,256 for a model "
-    about += "other than tiny)"
-    add("--concurrency", type=int_list, metavar="LIST", help=about)
+    about = "requests arriving at once, one workload per value (default 64; 64,256 on CUDA but for tiny)"
+    add("--concurrency", type=positive_list, metavar="LIST", help=about)
     about = f"comma list of {','.join(ALL_METHODS)} (default: all; {EAGER} on CUDA only)"
     add("--methods", type=names(ALL_METHODS, "method(s)"), metavar="LIST", help=about)
     add("--prompt-len", type=int_range, metavar="MIN,MAX", help="prompt tokens (default 16,256)")
     add("--output-len", type=int_range, metavar="MIN,MAX", help="output tokens (default 8,256)")
-    about = "max_batch_tokens settings tried for hf-continuous, best reported (default 256,512,1024)"
-    add("--hf-batch-tokens", type=int_list, metavar="LIST", help=about)
 
 
 def resolve(args: argparse.Namespace, defaults: dict[str, tuple[Any, Any]], real_model: bool) -> bool:
@@ -140,19 +129,14 @@ def _resolve(args: argparse.Namespace) -> None:
         args.methods = ALL_METHODS if on_cuda(args.device) else DEFAULT_METHODS
 
 
-HF_RUNNERS = {
-    "hf-sequential": run_hf_sequential,
-    "hf-static": run_hf_static,
-    "hf-continuous": run_hf_continuous,
-}
+HF_RUNNERS = {"hf-sequential": run_hf_sequential, "hf-static": run_hf_static}
 
 
-def _runner(
-    name: str, ctx: BenchContext, work: Workload, hf: Callable[[], PreTrainedModel]
-) -> Callable[[Progress], MethodResult]:
-    """A callable that runs method `name`, reporting delivered tokens to the progress callback."""
+def _runner(name: str, ctx: BenchContext, work: Workload) -> Callable[[Progress], MethodResult]:
+    """A callable that runs method `name` (a transformers method on its own model load), reporting
+    delivered tokens to the progress callback."""
     if name in HF_RUNNERS:
-        return lambda progress: HF_RUNNERS[name](ctx, hf(), work, progress)
+        return lambda progress: HF_RUNNERS[name](ctx, load_hf_model(ctx), work, progress)
     if name == EAGER:
         return lambda progress: run_sluice(ctx, work, "continuous", progress, cuda_graphs="off")
     batching = name.removeprefix("sluice-")
@@ -173,10 +157,9 @@ def run_methods(
         if name == EAGER and not on_cuda(ctx.device):
             skipped[name] = NOT_ON_CPU
             continue
-        passes = (len(ctx.hf_batch_tokens) if name == "hf-continuous" else 1) * repeat
-        bar = progress_bar(show_progress, work.total_output_tokens * passes, f"[{k}/{len(methods)}] {name}")
+        bar = progress_bar(show_progress, work.total_output_tokens * repeat, f"[{k}/{len(methods)}] {name}")
         try:
-            runner = _runner(name, ctx, work, lambda: load_hf_model(ctx))
+            runner = _runner(name, ctx, work)
             with bar:
                 runs = [runner(bar.update) for _ in range(repeat)]
             best = max(runs, key=lambda r: r.tokens_per_s)
@@ -190,9 +173,7 @@ def run_methods(
 
 
 def model_label(args: argparse.Namespace) -> str:
-    if args.model is not None:
-        return args.model.name
-    return args.preset or "embedded chat model"
+    return args.model.name if args.model is not None else args.preset or "embedded chat model"
 
 
 def model_dir(args: argparse.Namespace, scratch: Path) -> Path:
@@ -238,7 +219,7 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
     print(f"machine: {meta['machine']}")
     path = model_dir(args, scratch)
     config = AutoConfig.from_pretrained(path)
-    ctx = BenchContext(path, args.device, args.dtype, args.hf_batch_tokens)
+    ctx = BenchContext(path, args.device, args.dtype)
     blocks: list[report.Block] = []
     for concurrency in args.concurrency:
         blocks.append(run_block(args, ctx, config, label, concurrency))
@@ -250,20 +231,16 @@ def _run_throughput(args: argparse.Namespace, meta: dict[str, Any], scratch: Pat
 def run_block(
     args: argparse.Namespace, ctx: BenchContext, config: PretrainedConfig, label: str, concurrency: int
 ) -> report.Block:
-    """Every method on the workload of `concurrency` requests arriving at once, and the greedy check."""
+    """Every method on the workload of `concurrency` requests arriving at once."""
     work = make_workload(concurrency, args.seed, config.vocab_size, args.prompt_len, args.output_len)
     described = work.describe(args.prompt_len, args.output_len, args.seed)
     print(f"== {label}, {concurrency} requests at once: {described}")
     results, errors, skipped = run_methods(ctx, work, args.methods, args.repeat, not args.no_progress)
-    check, ref = None, results.get(report.REFERENCE)
-    if ref is not None:  # every method against the reference's own logits, scored after the timed runs
-        logits = reference_logits(ctx, work, ref.outputs)
-        check = em.check_greedy(results, logits, em.NEAR_TIE_THRESHOLD[ctx.torch_dtype])
-    return report.Block(label, concurrency, work, described, results, errors, skipped, check)
+    return report.Block(label, concurrency, work, described, results, errors, skipped)
 
 
 def _report(args: argparse.Namespace, meta: dict[str, Any], blocks: list[report.Block]) -> int:
-    """Prints each concurrency's table and greedy check and the ratios, writes the JSON; returns the exit
+    """Prints each concurrency's table and the ratios, writes the JSON; returns the exit
     status."""
     ratios = [r for b in blocks for r in b.ratios()]
     for text in map(report.format_block, blocks):

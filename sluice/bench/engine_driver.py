@@ -23,7 +23,7 @@ from services.engine.core.engine import LLMEngine
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.settings import BATCHING_POLICIES, EngineSettings
 
-__all__ = ["BATCHING_POLICIES"]  # the engine's policy names, for the benchmarks' flags
+__all__ = ["BATCHING_POLICIES", "SamplingParams"]  # the engine's names the benchmarks use
 
 KV_SLACK = 1.25  # the pool holds the whole workload at once with this margin: no request is preempted
 MIN_KV_GB = 0.5  # the least KV pool
@@ -77,14 +77,10 @@ def engine_settings(
     element = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), element)
     tokens = sum(-(-(n + extra) // BLOCK_SIZE) * BLOCK_SIZE + BLOCK_SIZE for n in lengths)
-    pool = {
-        "block_size": BLOCK_SIZE,
-        "kv_cache_gb": max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30)),
-    }
+    kv_gb = max(MIN_KV_GB, KV_SLACK * tokens * per_token / (1 << 30))
     max_len = -(-(max(lengths) + extra + 1) // BLOCK_SIZE) * BLOCK_SIZE
-    return EngineSettings(
-        model=str(model_dir), device=device, dtype=dtype, max_model_len=max_len, **pool, **fields
-    )
+    model = {"model": str(model_dir), "device": device, "dtype": dtype, "max_model_len": max_len}
+    return EngineSettings(**model, block_size=BLOCK_SIZE, kv_cache_gb=kv_gb, **fields)
 
 
 def make_engine(settings: EngineSettings | None = None, **fields: Any) -> LLMEngine:
@@ -101,10 +97,6 @@ def greedy() -> SamplingParams:
     return SamplingParams(temperature=0.0)
 
 
-def sampling(temperature: float, seed: int | None) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed)
-
-
 def stop_after(n: int) -> StoppingParams:
     """Exactly `n` new tokens: EOS ignored."""
     return StoppingParams(max_new_tokens=n, ignore_eos=True)
@@ -113,12 +105,14 @@ def stop_after(n: int) -> StoppingParams:
 @dataclass
 class Track:
     """One request as the engine delivers it: when it was added and when its first token and its end came
-    (perf_counter seconds, the end of their step), and its tokens."""
+    (perf_counter seconds, the end of their step), its tokens and its prompt's log-probabilities (when it
+    asked for them)."""
 
     added: float = 0.0
     first: float | None = None
     done: float | None = None
     tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
 
 
 def drain(
@@ -139,6 +133,7 @@ def drain(
             if out.new_token_ids and track.first is None:
                 track.first = now
             track.tokens.extend(out.new_token_ids)
+            track.prompt_logprobs.extend(p.logprob for p in out.prompt_logprobs or ())
             if progress is not None:
                 progress(len(out.new_token_ids))
             if out.finished:

@@ -29,8 +29,9 @@ from sluice.bench import perplexity as ppl
 from sluice.bench import report as rep
 from sluice.bench.common import add_count, error_text, names, progress_bar
 from sluice.bench.engine_driver import LLMEngine, Progress
+from sluice.bench.engine_methods import BenchContext
 from sluice.bench.report import OFF, write_json
-from sluice.model.presets import PRESET_NAMES
+from sluice.model.presets import BOS_ID, PRESET_NAMES
 
 REPETITIVE, NON_REPETITIVE = WORKLOADS = ("repetitive", "non-repetitive")
 VARIANTS: dict[str, dict[str, str]] = {
@@ -50,7 +51,6 @@ SEED_TOKENS = 24  # tokens of a held-out paragraph the model continues into the 
 COPY_NGRAM = 4  # a token counts as copied when it lies in a span of this many tokens found in the prompt
 NON_REPETITIVE_TEMPERATURE = 0.9
 FIRST_PLAIN_ID = 5  # ids below are special tokens in every model the benchmark makes (pad, bos, eos, ...)
-BOS_ID = 1
 QUESTIONS = ("What does {t} do?", "When would I use {t}?", "Give me an overview of {t}.")
 QUESTIONS += ("What are the pitfalls of {t}?",)
 
@@ -168,17 +168,7 @@ def mean_copy_fraction(prompts: Sequence[Sequence[int]], outputs: Sequence[Seque
     return sum(copy_fraction(p, o) * len(o) for p, o in pairs) / total if total else 0.0
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """What every variant's engine shares: the model and where it runs."""
-
-    model_dir: Path
-    device: str
-    dtype: str
-    threads: int = 0
-
-
-def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
+def build_engine(spec: BenchContext, variant: str, lengths: Sequence[int], max_num_seqs: int) -> LLMEngine:
     """The engine of `variant` for requests of these total lengths (prompt + output) at most
     `max_num_seqs` at once; the pool also holds each request's drafts."""
     fixed = {"threads": spec.threads, "max_num_seqs": max_num_seqs, "enable_prefix_caching": False}
@@ -188,8 +178,8 @@ def build_engine(spec: EngineSpec, variant: str, lengths: Sequence[int], max_num
 
 
 def _add(engine: LLMEngine, rid: str, req: LatencyRequest) -> None:
-    sampling, stop = drv.sampling(req.temperature, req.seed), drv.stop_after(req.max_new_tokens)
-    engine.add_request(rid, list(req.prompt), sampling, stop)
+    sampling = drv.SamplingParams(temperature=req.temperature, seed=req.seed)
+    engine.add_request(rid, list(req.prompt), sampling, drv.stop_after(req.max_new_tokens))
 
 
 def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, tokens: int = 8) -> None:
@@ -198,11 +188,8 @@ def warm_up(engine: LLMEngine, workload: LatencyWorkload, concurrency: int, toke
     rounds = [workload.requests[:1]] + ([workload.requests[:concurrency]] if concurrency > 1 else [])
     for k, requests in enumerate(rounds):
         for i, req in enumerate(requests):
-            _add(
-                engine,
-                f"warmup{k}-{i}",
-                dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens)),
-            )
+            short = dataclasses.replace(req, max_new_tokens=min(tokens, req.max_new_tokens))
+            _add(engine, f"warmup{k}-{i}", short)
         drv.drain(engine)
 
 
@@ -231,63 +218,49 @@ class RunFigures:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
 
     def ttft(self, q: float) -> float:
-        return percentile(self.ttft_s, q)
+        """The q-quantile (0..1) of the TTFTs, interpolated between closest ranks; nan without any."""
+        return float(np.percentile(self.ttft_s, 100 * q)) if self.ttft_s else math.nan
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-quantile (0..1) by linear interpolation between closest ranks; nan when empty."""
-    return float(np.percentile(values, 100 * q)) if len(values) else math.nan
-
-
-def _figures(
-    tracks: list[drv.Track], wall_s: float, decode_s: float, engine: LLMEngine, batch1: bool
+def run_requests(
+    engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress, at_once: bool
 ) -> RunFigures:
+    """The workload's requests one at a time (batch 1), or all added at once (see the module docstring)."""
+    engine.reset_stats()
+    tracks = {f"r{i}": drv.Track() for i in range(len(workload))}
+    drv.sync(device)
+    start = time.perf_counter()
+    for (rid, track), req in zip(tracks.items(), workload.requests, strict=True):
+        track.added = start
+        if not at_once:
+            drv.sync(device)
+            track.added = time.perf_counter()
+        _add(engine, rid, req)
+        if not at_once:
+            drv.drain(engine, {rid: track}, progress)
+    drv.drain(engine, tracks, progress)
+    runs: list[Any] = list(tracks.values())  # every one finished: first and done are set
+    if at_once:
+        end = max(t.done for t in runs)
+        wall, decode = end - start, end - min(t.first for t in runs)
+    else:
+        wall, decode = sum(t.done - t.added for t in runs), sum(t.done - t.first for t in runs)
     return RunFigures(
-        concurrency=1 if batch1 else len(tracks),
-        requests=len(tracks),
-        output_tokens=sum(len(t.tokens) for t in tracks),
-        wall_s=wall_s,
-        decode_tokens=sum(max(0, len(t.tokens) - 1) for t in tracks),
-        decode_s=decode_s,
-        ttft_s=[t.first - t.added for t in tracks],  # type: ignore[operator]
-        outputs=[t.tokens for t in tracks],
+        concurrency=len(runs) if at_once else 1,
+        requests=len(runs),
+        output_tokens=sum(len(t.tokens) for t in runs),
+        wall_s=wall,
+        decode_tokens=sum(max(0, len(t.tokens) - 1) for t in runs),
+        decode_s=decode,
+        ttft_s=[t.first - t.added for t in runs],
+        outputs=[t.tokens for t in runs],
         spec=drv.spec_stats(engine),
         steps=engine.stats().steps,
     )
 
 
-def run_batch1(engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress) -> RunFigures:
-    """The workload's requests one at a time (see the module docstring)."""
-    engine.reset_stats()
-    tracks: list[drv.Track] = []
-    for i, req in enumerate(workload.requests):
-        drv.sync(device)
-        track = drv.Track(added=time.perf_counter())
-        _add(engine, f"b{i}", req)
-        drv.drain(engine, {f"b{i}": track}, progress)
-        tracks.append(track)
-    wall = sum(t.done - t.added for t in tracks)  # type: ignore[operator]
-    return _figures(tracks, wall, sum(t.done - t.first for t in tracks), engine, batch1=True)  # type: ignore[operator,misc]
-
-
-def run_concurrent(
-    engine: LLMEngine, workload: LatencyWorkload, device: str, progress: Progress
-) -> RunFigures:
-    """Every request added at once (see the module docstring)."""
-    engine.reset_stats()
-    drv.sync(device)
-    start = time.perf_counter()
-    tracks = {f"c{i}": drv.Track(added=start) for i in range(len(workload))}
-    for i, req in enumerate(workload.requests):
-        _add(engine, f"c{i}", req)
-    drv.drain(engine, tracks, progress)
-    ordered = list(tracks.values())
-    end, first = max(t.done for t in ordered), min(t.first for t in ordered)  # type: ignore[type-var]
-    return _figures(ordered, end - start, end - first, engine, batch1=False)  # type: ignore[operator]
-
-
 def greedy_continuations(
-    spec: EngineSpec, prompts: list[list[int]], n: int, max_num_seqs: int
+    spec: BenchContext, prompts: list[list[int]], n: int, max_num_seqs: int
 ) -> list[list[int]]:
     """Each prompt's `n` greedy tokens from a speculation-off engine (built for this and released)."""
     engine = build_engine(spec, OFF, [len(p) + n for p in prompts], max_num_seqs)
@@ -318,13 +291,8 @@ def add_variant_flags(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     about = f"comma list of {', '.join(VARIANTS)} (default: off,ngram,int8, and fp8 on CUDA)"
     add("--variants", type=names(tuple(VARIANTS), "variant(s)"), metavar="LIST", help=about)
-    add(
-        "--workloads",
-        type=names(WORKLOADS, "workload(s)"),
-        default=WORKLOADS,
-        metavar="LIST",
-        help=",".join(WORKLOADS),
-    )
+    workloads = names(WORKLOADS, "workload(s)")
+    add("--workloads", type=workloads, default=WORKLOADS, metavar="LIST", help=",".join(WORKLOADS))
     for flag, about in FLAGS:
         add_count(parser, f"--{flag.replace('_', '-')}", None, f"{about} (default {DEFAULTS[flag][1]})")
     about = f"held-out tokens scored for perplexity (default {ppl.DEFAULT_MAX_TOKENS}; 0 = skip)"
@@ -372,7 +340,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, model_dir: Path, label: str, meta: dict[str, Any]) -> None:
         self.args, self.model_dir, self.meta = args, model_dir, meta
-        self.spec = EngineSpec(model_dir, args.device, args.dtype, args.threads or 0)
+        self.spec = BenchContext(model_dir, args.device, args.dtype, threads=args.threads or 0)
         self.report = rep.LatencyReport(label, args.concurrency, [])
 
     def save(self, partial: bool) -> None:
@@ -412,8 +380,8 @@ class Bench:
                 eng = build_engine(self.spec, variant, lengths, args.concurrency)
                 for w in workloads:
                     warm_up(eng, w, args.concurrency)
-                    b1 = run_batch1(eng, w.head(args.num_requests), args.device, bar.update)
-                    many = run_concurrent(eng, w.head(args.concurrency), args.device, bar.update)
+                    b1 = run_requests(eng, w.head(args.num_requests), args.device, bar.update, at_once=False)
+                    many = run_requests(eng, w.head(args.concurrency), args.device, bar.update, at_once=True)
                     if (cell := report.cell(variant, w.name)) is None:
                         report.cells.append(cell := rep.Cell(variant, w.name))
                     cell.batch1 = faster(cell.batch1, b1, "decode_tok_s")
@@ -443,15 +411,17 @@ class Bench:
         cases += [("fp8-kv", "none", "fp8")] if args.device.startswith("cuda") else []
         print(f"== perplexity on {len(ids)} held-out tokens: {', '.join(c[0] for c in cases)}")
         for case in cases:
+            options = {"threads": self.spec.threads, "quantization": case[1], "kv_cache_dtype": case[2]}
             try:
-                runner = ppl.make_runner(model_dir, args.device, args.dtype, *case[1:], ppl.DEFAULT_WINDOW)
-                result = ppl.runner_perplexity(runner, ids)
-                self.report.quality.append(ppl.QualityResult(*case, result.value, result.tokens))
+                value, tokens = ppl.perplexity(
+                    model_dir, ids, args.device, args.dtype, cuda_graphs="off", **options
+                )
+                result = ppl.QualityResult(*case, value, tokens)
             except Exception as exc:
-                self.report.quality.append(ppl.QualityResult(*case, None, 0, error_text(exc)))
+                result = ppl.QualityResult(*case, None, 0, error_text(exc))
             finally:
-                runner = None
                 drv.release_memory(args.device)
+            self.report.quality.append(result)
         self.save(partial=True)
 
 

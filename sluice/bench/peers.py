@@ -184,7 +184,7 @@ def peer_endpoint(
     env = {"LLAMACPP_CTX": str(args.llamacpp_ctx)} if name == "llama.cpp" and args.llamacpp_ctx else {}
     timeout = args.startup_timeout
     with ScriptServer(name, layout.script, model, args.peers_dir, extra, timeout, env) as server:
-        yield sw.Endpoint({"openai": server.openai_url}, server.model, server.cpu_seconds)
+        yield sw.Endpoint(server.openai_url, server.model, server.cpu_seconds)
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     about = "seconds a server may take to answer (default 900; vLLM compiles at its first start)"
     add("--startup-timeout", type=positive_float, default=900.0, metavar="S", help=about)
     helps = {"num_requests": "concurrent streaming requests of the first run (default 64)"}
-    sw.add_sweep_flags(parser, 64, "engine-flags", **helps)
+    sw.add_sweep_flags(parser, 64, **helps)
     return parser
 
 

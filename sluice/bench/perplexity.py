@@ -1,7 +1,7 @@
-"""Perplexity through the engine's model runner on held-out text: the prose of the standard library's
-*packages* (HELD_OUT_PACKAGES), which the embedded model's corpus never reads, less any paragraph that is in
-the corpus. Perplexity = exp(mean NLL) over every predicted token of windows run teacher-forced in prefill
-chunks (each window's first token is context only).
+"""Perplexity through the engine on held-out text: the prose of the standard library's *packages*
+(HELD_OUT_PACKAGES), which the embedded model's corpus never reads, less any paragraph that is in the
+corpus. Perplexity = exp(mean NLL) over every predicted token of windows whose prompt log-probabilities the
+engine returns from its chunked prefill (each window's first token is context only).
 """
 
 from __future__ import annotations
@@ -13,23 +13,16 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-
+from sluice.bench import engine_driver as drv
 from sluice.model.corpus import build_corpus, prose_paragraphs
-
-if TYPE_CHECKING:
-    from services.engine.executor.model_runner import ModelRunner
 
 HELD_OUT_PACKAGES = (
     "asyncio collections concurrent email http importlib json logging multiprocessing unittest urllib xml"
 )
 MIN_PARAGRAPH_CHARS = 80  # as the corpus builder's
 DEFAULT_WINDOW = 512
-DEFAULT_CHUNK = 128
 DEFAULT_MAX_TOKENS = 16384
 
 
@@ -90,79 +83,24 @@ def windows(ids: Sequence[int], window: int) -> list[list[int]]:
     return [p for p in parts if len(p) > 1]
 
 
-@dataclass(frozen=True)
-class Perplexity:
-    """exp(nll / tokens): `nll` summed over `tokens` predicted tokens."""
-
-    nll: float
-    tokens: int
-
-    @property
-    def value(self) -> float:
-        return math.exp(self.nll / self.tokens) if self.tokens else float("nan")
-
-
-@torch.inference_mode()
-def runner_logits(runner: ModelRunner, ids: Sequence[int], chunk: int) -> torch.Tensor:
-    """Teacher-forced logits (len(ids), V), fp32 on the CPU, of one sequence through the runner's paged
-    attention: prefill chunks of `chunk` tokens, each attending to the KV the previous ones wrote to the
-    pool. The sequence takes the pool's first blocks in order (slot p holds position p), so it must fit in
-    the pool (ValueError otherwise); the runner's `_meta` builds the attention metadata as for a step."""
-    from services.engine.executor.attention import META_KWARG
-
-    capacity = runner.num_blocks * runner.block_size
-    if len(ids) > capacity:
-        raise ValueError(f"a window of {len(ids)} tokens does not fit the runner's pool of {capacity} slots")
-    device = runner.device
-    blocks = torch.arange(-(-len(ids) // runner.block_size), device=device)
-    out: list[torch.Tensor] = []
-    for p0 in range(0, len(ids), chunk):
-        n = min(chunk, len(ids) - p0)
-        input_ids = torch.tensor(ids[p0 : p0 + n], device=device)
-        positions = torch.arange(p0, p0 + n, device=device)
-        held = blocks[: -(-(p0 + n) // runner.block_size)] if p0 else torch.zeros(0, dtype=torch.long)
-        seq = SimpleNamespace(num_computed_tokens=p0)
-        meta = runner._meta([], [(seq, n)], positions, [held])  # type: ignore[list-item]
-        logits = runner.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=0,
-            **{META_KWARG: meta},
-        ).logits[0]
-        out.append(logits.float().cpu())
-    return torch.cat(out)
-
-
-def nll_sum(logits: torch.Tensor, ids: Sequence[int]) -> float:
-    """Summed NLL of ids[1:] under logits[:-1] (row t predicts token t + 1)."""
-    target = torch.tensor(ids[1:], dtype=torch.long)
-    return float(F.cross_entropy(logits[:-1].double(), target, reduction="sum"))
-
-
-def runner_perplexity(
-    runner: ModelRunner, ids: Sequence[int], window: int = DEFAULT_WINDOW, chunk: int = DEFAULT_CHUNK
-) -> Perplexity:
-    """Perplexity of `ids` through the runner (see the module docstring)."""
-    nll, tokens = 0.0, 0
-    for part in windows(ids, window):
-        nll += nll_sum(runner_logits(runner, part, chunk), part)
-        tokens += len(part) - 1
-    return Perplexity(nll, tokens)
-
-
-def make_runner(
-    model_dir: Path, device: str, dtype: str, quantization: str, kv_cache_dtype: str, window: int
-) -> ModelRunner:
-    """A ModelRunner as the engine loads it (eager, no CUDA graphs), with a pool of one window."""
-    from services.engine.executor.model_runner import ModelRunner
-    from services.engine.settings import EngineSettings
-
-    weights = dict(
-        model=str(model_dir), device=device, dtype=dtype, quantization=quantization, cuda_graphs="off"
+def perplexity(
+    model_dir: Path, ids: Sequence[int], device: str, dtype: str, window: int = DEFAULT_WINDOW, **fields: Any
+) -> tuple[float, int]:
+    """exp(mean NLL) of `ids` through an engine of the model (`fields`: other EngineSettings fields, such as
+    quantization and kv_cache_dtype), each window one request that asks for its prompt's log-probabilities
+    (prefix caching off, so every window is computed); returns it and the number of tokens predicted."""
+    parts = windows(ids, window)
+    lengths = [len(p) for p in parts]
+    settings = drv.engine_settings(
+        model_dir, device, dtype, lengths, extra=1, enable_prefix_caching=False, **fields
     )
-    pool = dict(block_size=16, num_kv_blocks=-(-window // 16), kv_cache_dtype=kv_cache_dtype)
-    return ModelRunner(EngineSettings(**weights, **pool))
+    engine = drv.make_engine(settings)
+    tracks = {f"w{i}": drv.Track() for i in range(len(parts))}
+    for rid, part in zip(tracks, parts, strict=True):
+        engine.add_request(rid, part, drv.SamplingParams(prompt_logprobs=0), drv.stop_after(1))
+    drv.drain(engine, tracks)
+    logprobs = [lp for t in tracks.values() for lp in t.prompt_logprobs]
+    return (math.exp(-math.fsum(logprobs) / len(logprobs)) if logprobs else math.nan), len(logprobs)
 
 
 @dataclass(frozen=True)
@@ -175,8 +113,3 @@ class QualityResult:
     perplexity: float | None
     tokens: int
     error: str | None = None
-
-    def ratio_to(self, base: float | None) -> float | None:
-        if self.perplexity is None or not base:
-            return None
-        return self.perplexity / base

@@ -93,14 +93,12 @@ def run_in_process(
     return InProcessRun(tokens, wall, cpu, stats.steps, stats.step_time_s, stats.forward_time_s)
 
 
-def run_end_to_end(
-    endpoint: sw.Endpoint, api: str, requests: list[BenchRequest], progress: bool
-) -> EndToEndRun:
-    """Warms the stack up, then sends every request at once through `api` and reads what each process
+def run_end_to_end(endpoint: sw.Endpoint, requests: list[BenchRequest], progress: bool) -> EndToEndRun:
+    """Warms the stack up, then sends every request at once (OpenAI completions) and reads what each process
     spent (CPU seconds from the OS, stage times from the services' own histograms)."""
-    sw.serve_load(endpoint, requests[:WARMUP_REQUESTS], api, progress=False)
+    sw.serve_load(endpoint, requests[:WARMUP_REQUESTS], progress=False)
     cpu_before, stages_before = endpoint.cpu_seconds(), _stage_totals(endpoint)
-    result = sw.serve_load(endpoint, requests, api, progress=progress)
+    result = sw.serve_load(endpoint, requests, progress=progress)
     cpu = sw.cpu_used(cpu_before, endpoint.cpu_seconds())
     stages_after = _stage_totals(endpoint)
     cpu["load generator"] = result.client_cpu_s
@@ -154,28 +152,20 @@ class Comparison:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sluice bench pipeline",
-        description="Output tokens/s of one workload through the four services against the engine "
-        "alone, with where the difference goes.",
-    )
+    about = "Output tokens/s of one workload through the four services against the engine alone, with where "
+    parser = argparse.ArgumentParser(prog="sluice bench pipeline", description=about + "the difference goes.")
     add = parser.add_argument
     add("--prompt-words", type=int_range, default=(12, 200), metavar="MIN,MAX", help="prompt words (12,200)")
     add("--output-len", type=int_range, default=(8, 256), metavar="MIN,MAX", help="output tokens (8,256)")
-    add("--api", choices=("openai", "ws", "grpc"), default="openai", help="the gateway API to drive")
     helps = {
         "num_requests": "requests, all sent at once (default 64)",
         "repeat": "alternate the two runs N times",
     }
-    sw.add_sweep_flags(parser, 64, "engine-flags", "repeat", **helps)
-    add(
-        "--up-flags",
-        default="",
-        metavar="FLAGS",
-        help='`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
-        "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
-        "children have it: docs/benchmarks.md)",
-    )
+    sw.add_sweep_flags(parser, 64, "repeat", **helps)
+    about = '`sluice up` flags of the end-to-end run, e.g. "--engine-threads 1 --light-nice 0" (the '
+    about += "in-process engine keeps sluice up's default threads; OMP_WAIT_POLICY=PASSIVE as sluice up's "
+    about += "children have it: docs/benchmarks.md)"
+    add("--up-flags", default="", metavar="FLAGS", help=about)
     return parser
 
 
@@ -190,13 +180,12 @@ def load_average() -> str:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model, engine_flags = sw.model_and_flags(args)
-    requests = uniform_requests(
-        args.num_requests, args.seed, prompt_words=args.prompt_words, output_len=args.output_len
-    )
+    lengths = {"prompt_words": args.prompt_words, "output_len": args.output_len}
+    requests = uniform_requests(args.num_requests, args.seed, **lengths)
     (words_lo, words_hi), (out_lo, out_hi) = args.prompt_words, args.output_len
     print(
         f"workload: {len(requests)} requests at once, prompts {words_lo}-{words_hi} words, outputs "
-        f"{out_lo}-{out_hi} tokens ({sum(r.output_len for r in requests)} in all), greedy; api {args.api}; "
+        f"{out_lo}-{out_hi} tokens ({sum(r.output_len for r in requests)} in all), greedy; "
         f"model {model}; sluice up {args.up_flags or '(defaults)'}"
     )
     loads = [load_average()]
@@ -211,7 +200,7 @@ def main(argv: list[str]) -> int:
         print(f"[{k + 1}/{args.repeat}] in-process engine ...", file=sys.stderr)
         in_process = run_in_process(model, engine_flags, requests, threads)
         print(f"[{k + 1}/{args.repeat}] end to end ...", file=sys.stderr)
-        return Comparison(in_process, run_end_to_end(endpoint, args.api, requests, not args.no_progress))
+        return Comparison(in_process, run_end_to_end(endpoint, requests, not args.no_progress))
 
     opener = partial(sw.stack_endpoint, model, engine_flags, up_flags=tuple(up_flags))
     (run,) = sw.sweep({"pipeline": opener}, range(args.repeat), measure).values()

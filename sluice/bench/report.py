@@ -17,12 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sluice.bench.compare import Point
-    from sluice.bench.engine_methods import (
-        GreedyCheck,
-        GreedyMatch,
-        MethodResult,
-        Workload,
-    )
+    from sluice.bench.engine_methods import MethodResult, Workload
     from sluice.bench.latency import RunFigures
     from sluice.bench.peers import PeerFigures
     from sluice.bench.perplexity import QualityResult
@@ -31,15 +26,11 @@ if TYPE_CHECKING:
     from sluice.bench.sweep import SystemRun
 
 REFERENCE = "hf-sequential"  # greedy outputs are compared with this method's
-BASELINE = "hf-continuous"  # tokens/s ratios are taken against this method
+BASELINE = "hf-static"  # tokens/s ratios are taken against this method
 HEADLINE = "sluice-continuous"  # the method whose tokens/s is set against each transformers method's
-GREEDY_RULE = (
-    "token by token up to each request's first difference, which is a near-tie when the reference's logits "
-    "score the other token within the near-tie threshold of its own"
-)
 ROUTING_BASELINE = "round_robin"  # sweep routing's policies are set against this one
 OFF = "off"  # the latency variant every other is set against
-HF_METHODS = ("hf-sequential", "hf-static", "hf-continuous")
+HF_METHODS = ("hf-sequential", "hf-static")
 EAGER = "sluice-continuous-eager"  # continuous batching with CUDA graphs off (only differs on CUDA)
 SLUICE_METHODS = ("sluice-static", "sluice-dynamic", "sluice-continuous", EAGER)
 NOT_ON_CPU = "n/a (CPU)"  # CUDA graphs' state, and the eager method's figures, on a CPU
@@ -152,9 +143,6 @@ def format_summary(result: ServeResult) -> str:
         " Serving Benchmark Result ".center(width, "="),
         *(_line(a, s[k], f) for a, k, f in SUMMARY_LINES),
     ]
-    if s["valid_fraction"] is not None:
-        what = "tool calls" if result.config.tools else f"{result.config.structured} outputs"
-        lines.append(_line(f"Valid {what} (fraction):", s["valid_fraction"], ".3f"))
     if s["goodput"] is not None:
         slo = ", ".join(f"{k.removesuffix('_ms')} <= {v:g} ms" for k, v in s["slo"].items() if v is not None)
         lines += [_line("Request goodput (req/s):", s["goodput"], ".2f"), f"  (requests within {slo})"]
@@ -171,13 +159,8 @@ def format_summary(result: ServeResult) -> str:
 
 def write_result(path: Path, result: ServeResult, meta: dict[str, Any]) -> None:
     """Writes `{"meta", "config", "summary", "started_at", "records"}`: the summary and every request."""
-    doc = {
-        "meta": meta,
-        "config": result.config,
-        "summary": result.summary(),
-        "started_at": result.started_at,
-    }
-    write_json(path, {**doc, "records": result.records})
+    doc = {"meta": meta, "config": result.config, "summary": result.summary()}
+    write_json(path, {**doc, "started_at": result.started_at, "records": result.records})
 
 
 # engine
@@ -195,6 +178,33 @@ class Measured:
 
 
 @dataclass(frozen=True)
+class GreedyMatch:
+    """One method's greedy outputs against REFERENCE's, each request compared token by token up to its first
+    difference (a missing or an extra token is one)."""
+
+    differing: int  # requests whose output differs
+    tokens_compared: int  # every position of an equal request; of another, up to its first difference
+
+    @property
+    def equal(self) -> bool:
+        return self.differing == 0
+
+
+def first_difference(got: list[int], want: list[int]) -> int | None:
+    """The first position where the two token lists differ (a missing token counts); None when equal."""
+    for pos, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return pos
+    return None if len(got) == len(want) else min(len(got), len(want))
+
+
+def greedy_match(outputs: list[list[int]], reference: list[list[int]]) -> GreedyMatch:
+    firsts = [first_difference(got, want) for got, want in zip(outputs, reference, strict=True)]
+    compared = sum(len(want) if f is None else f + 1 for f, want in zip(firsts, reference, strict=True))
+    return GreedyMatch(sum(f is not None for f in firsts), compared)
+
+
+@dataclass(frozen=True)
 class Row:
     """One method's figures as printed and written to JSON."""
 
@@ -203,11 +213,12 @@ class Row:
     greedy: GreedyMatch | None  # against REFERENCE; None without a reference
 
 
-def build_rows(results: dict[str, MethodResult], check: GreedyCheck | None) -> list[Row]:
-    base = results.get(BASELINE)
-    base_speed = base.tokens_per_s if base else None
+def build_rows(results: dict[str, MethodResult]) -> list[Row]:
+    base, ref = results.get(BASELINE), results.get(REFERENCE)
     return [
-        Row(r, ratio(r.tokens_per_s, base_speed), check.methods[r.name] if check else None)
+        Row(
+            r, ratio(r.tokens_per_s, base and base.tokens_per_s), ref and greedy_match(r.outputs, ref.outputs)
+        )
         for r in results.values()
     ]
 
@@ -224,7 +235,7 @@ def headline_ratios(results: dict[str, MethodResult], label: str = "") -> list[M
 
 @dataclass
 class Block:
-    """Every method on the workload of one concurrency: results, failures, skipped methods, greedy check."""
+    """Every method on the workload of one concurrency: results, failures and skipped methods."""
 
     model: str
     concurrency: int
@@ -233,7 +244,6 @@ class Block:
     results: dict[str, MethodResult]
     errors: dict[str, str]
     skipped: dict[str, str] = field(default_factory=dict)  # method → why it did not run (NOT_ON_CPU)
-    check: GreedyCheck | None = None
 
     @property
     def label(self) -> str:
@@ -241,20 +251,14 @@ class Block:
 
     @property
     def rows(self) -> list[Row]:
-        return build_rows(self.results, self.check)
+        return build_rows(self.results)
 
     def ratios(self) -> list[Measured]:
         return headline_ratios(self.results, self.label)
 
 
 def _greedy_cell(greedy: GreedyMatch | None) -> str:
-    if greedy is None:
-        return "-"
-    ties = f"{greedy.near_ties} near-tie" if greedy.near_ties else ""
-    verdict, why = (
-        ("yes", ties) if greedy.equal else ("no", "; ".join(filter(None, [str(greedy.differing), ties])))
-    )
-    return f"{verdict} ({why})" if why else verdict
+    return "-" if greedy is None else "yes" if greedy.equal else f"no ({greedy.differing})"
 
 
 def format_methods(
@@ -279,80 +283,55 @@ def format_methods(
     lines += [(name, "FAILED", *[""] * 7, msg[:80]) for name, msg in errors.items()]
     lines += [(name, why, *[""] * 6, why, "") for name, why in (skipped or {}).items()]
     return format_table(lines) + (
-        f"\n(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ, 'k near-tie' that k are "
-        "equal up to a near-tie (see the greedy check); fwd share: time in the model forward / step time, "
-        "overall and over the steps with the largest batch (its size); graphs: CUDA graphs for decode-only "
-        "steps)"
-    )
-
-
-def format_greedy_check(check: GreedyCheck, rows: list[Row]) -> str:
-    """What the greedy comparison compared: its rule, threshold, the reference's margins, tokens compared."""
-    compared = ", ".join(
-        f"{r.result.name} {r.greedy.tokens_compared}/{check.reference_tokens}"
-        for r in rows
-        if r.greedy is not None and r.result.name != REFERENCE
-    )
-    return (
-        f"greedy check against {REFERENCE}: {GREEDY_RULE} ({check.threshold:.2g}); the reference's top-two "
-        f"margin is below it at {check.close_calls} of {check.reference_tokens} positions, smallest "
-        f"{check.min_margin:.3g}; tokens compared: {compared or '-'}"
+        f"\n(= {REFERENCE}: 'no (k)' means k of {num_requests} requests differ; fwd share: time in the model "
+        "forward / step time, overall and over the steps with the largest batch (its size); graphs: CUDA "
+        "graphs for decode-only steps)"
     )
 
 
 def format_block(block: Block) -> str:
-    """One concurrency's table, its greedy check and hf-continuous's sweep."""
-    rows = block.rows
-    parts = [f"-- {block.label} at once", format_methods(rows, block.errors, len(block.work), block.skipped)]
-    if block.check is not None:
-        parts.append(format_greedy_check(block.check, rows))
-    if (hf_cb := block.results.get("hf-continuous")) is not None:
-        tried = ", ".join(f"{s['max_batch_tokens']}: {s['tokens_per_s']:.1f} tok/s" for s in hf_cb.sweep)
-        parts.append(f"hf-continuous max_batch_tokens tried ({tried}); best {hf_cb.setting}")
-    return "\n".join(parts)
+    """One concurrency's table under its label."""
+    return f"-- {block.label} at once\n" + format_methods(
+        block.rows, block.errors, len(block.work), block.skipped
+    )
 
 
-def engine_json(
-    rows: list[Row],
-    errors: dict[str, str],
-    meta: dict[str, Any],
-    check: GreedyCheck | None,
-    skipped: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """One block's figures (`meta` merged in at the top)."""
+def engine_methods_json(block: Block) -> dict[str, Any]:
+    """Per method of one block: its figures, its greedy comparison and its error, or why it was skipped."""
     methods: dict[str, Any] = {}
-    for row in rows:
+    for row in block.rows:
         r, g = row.result, row.greedy
         methods[r.name] = {
             "tokens_per_s": r.tokens_per_s,
             f"ratio_to_{BASELINE}": row.ratio,
             f"greedy_equals_{REFERENCE}": g and g.equal,
             "mismatching_requests": g and g.differing,
-            "near_tie_requests": g and g.near_ties,
             "tokens_compared": g and g.tokens_compared,
             **{k: v for k, v in dataclasses.asdict(r).items() if k not in ("name", "outputs")},
             "error": None,
         }
-    methods.update({name: {"error": msg} for name, msg in errors.items()})
-    methods.update({name: {"skipped": why, "error": None} for name, why in (skipped or {}).items()})
-    greedy = check and check.to_json()
-    return {**meta, "reference": REFERENCE, "baseline": BASELINE, "greedy_check": greedy, "methods": methods}
+    methods.update({name: {"error": msg} for name, msg in block.errors.items()})
+    methods.update({name: {"skipped": why, "error": None} for name, why in block.skipped.items()})
+    return methods
 
 
 def engine_json_runs(blocks: list[Block], meta: dict[str, Any]) -> dict[str, Any]:
-    """The whole run: `runs` holds one block per concurrency; `workload`, `methods` and `greedy_check` at
-    the top are the first block's (the layout of a one-block run); `ratios` are every block's."""
+    """The whole run: `runs` holds one block per concurrency; `workload` and `methods` at the top are the
+    first block's (the layout of a one-block run); `ratios` are every block's."""
     runs = [
-        {
-            "concurrency": b.concurrency,
-            "workload": b.workload,
-            **engine_json(b.rows, b.errors, {}, b.check, b.skipped),
-        }
+        {"concurrency": b.concurrency, "workload": b.workload, "methods": engine_methods_json(b)}
         for b in blocks
     ]
-    top = {key: runs[0][key] for key in ("reference", "baseline", "workload", "greedy_check", "methods")}
+    top = {"reference": REFERENCE, "baseline": BASELINE, "workload": runs[0]["workload"]}
     ratios_doc = [dataclasses.asdict(r) for b in blocks for r in b.ratios()]
-    return {"partial": False, **meta, **top, "runs": runs, "ratios": ratios_doc}
+    return {
+        "partial": False,
+        **meta,
+        **top,
+        "methods": runs[0]["methods"],
+        "runs": runs,
+        "ratios": ratios_doc,
+    }
 
 
 # engine latency
@@ -384,26 +363,21 @@ class LatencyReport:
         return next((c for c in self.cells if c.variant == variant and c.workload == workload), None)
 
 
-def _b1(cell: Cell | None) -> float | None:
-    return None if cell is None or cell.batch1 is None else cell.batch1.decode_tok_s
+def _rate(cell: Cell | None, run: str) -> float | None:
+    """A cell's headline figure of its `run`: "batch1" decode tok/s or "concurrent" output tok/s."""
+    figures = None if cell is None else getattr(cell, run)
+    return None if figures is None else figures.decode_tok_s if run == "batch1" else figures.output_tok_s
 
 
-def _conc(cell: Cell | None) -> float | None:
-    return None if cell is None or cell.concurrent is None else cell.concurrent.output_tok_s
-
-
-def batch1_ratio(report: LatencyReport, variant: str, workload: str) -> float | None:
-    return ratio(_b1(report.cell(variant, workload)), _b1(report.cell(OFF, workload)))
-
-
-def concurrent_ratio(report: LatencyReport, variant: str, workload: str) -> float | None:
-    return ratio(_conc(report.cell(variant, workload)), _conc(report.cell(OFF, workload)))
+def ratio_to_off(report: LatencyReport, cell: Cell, run: str) -> float | None:
+    """A cell's headline figure of `run` over the off variant's on the same workload."""
+    return ratio(_rate(cell, run), _rate(report.cell(OFF, cell.workload), run))
 
 
 def quality_ratio(quality: Sequence[QualityResult], variant: str) -> float | None:
     base = next((q.perplexity for q in quality if q.variant == "none"), None)
     mine = next((q for q in quality if q.variant == variant), None)
-    return None if mine is None else mine.ratio_to(base)
+    return None if mine is None else ratio(mine.perplexity, base)
 
 
 def _ms(value: float | None) -> str:
@@ -428,11 +402,11 @@ def format_latency(report: LatencyReport) -> str:
     columns: list[Column] = [
         ("workload", lambda cell: cell.workload),
         ("variant", lambda cell: cell.variant),
-        ("b1 dec tok/s", lambda cell: fmt(_b1(cell), ",.1f")),
-        ("x off", lambda cell: _x(batch1_ratio(report, cell.variant, cell.workload))),
+        ("b1 dec tok/s", lambda cell: fmt(_rate(cell, "batch1"), ",.1f")),
+        ("x off", lambda cell: _x(ratio_to_off(report, cell, "batch1"))),
         ("b1 TTFT p50 ms", lambda cell: _ms(cell.batch1 and cell.batch1.ttft(0.5))),
-        (f"{c} tok/s", lambda cell: fmt(_conc(cell), ",.1f")),
-        ("x off", lambda cell: _x(concurrent_ratio(report, cell.variant, cell.workload))),
+        (f"{c} tok/s", lambda cell: fmt(_rate(cell, "concurrent"), ",.1f")),
+        ("x off", lambda cell: _x(ratio_to_off(report, cell, "concurrent"))),
         (f"{c} TTFT p50 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.5))),
         ("p99 ms", lambda cell: _ms(cell.concurrent and cell.concurrent.ttft(0.99))),
         ("accept/len b1", lambda cell: _spec_cell(cell.variant, cell.batch1)),
@@ -470,8 +444,8 @@ def run_json(run: RunFigures | None) -> dict[str, Any] | None:
 def latency_json(report: LatencyReport, meta: dict[str, Any]) -> dict[str, Any]:
     cells = [
         {**vars(c), "batch1": run_json(c.batch1), "concurrent": run_json(c.concurrent),
-         "batch1_ratio_to_off": batch1_ratio(report, c.variant, c.workload),
-         "concurrent_ratio_to_off": concurrent_ratio(report, c.variant, c.workload)}
+         "batch1_ratio_to_off": ratio_to_off(report, c, "batch1"),
+         "concurrent_ratio_to_off": ratio_to_off(report, c, "concurrent")}
         for c in report.cells
     ]  # fmt: skip
     quality = [{**vars(q), "ratio_to_none": quality_ratio(report.quality, q.variant)} for q in report.quality]

@@ -33,7 +33,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     add("--output-len", type=int, default=32, help="tokens generated per request")
     add("--rate", type=float, default=float("inf"), help="requests/s (inf = all at once)")
     helps = {"num_requests": "requests (default 96)", "repeat": "rounds of every policy, alternating order"}
-    sw.add_sweep_flags(parser, 96, "engine-flags", "repeat", **helps)
+    sw.add_sweep_flags(parser, 96, "repeat", **helps)
     return parser.parse_args(argv)
 
 

@@ -1,11 +1,10 @@
 """`sluice bench serve`: an open-loop serving load generator against a running gateway (docs/benchmarks.md),
-and the figures of a run: records, summary, table, JSON. Latencies are over the requests that
-succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token; ITL pools every
-gap between chunks that carried text. With `--structured` or `--tools` every request carries a constraint
-or tools (`serve_data.with_structure`) and the summary adds how many completed outputs were valid
-(`serve_data.check_output`, run after the measured run so that checking costs it nothing). Exit status
-0 when some request completed, 1 when every one failed or the server could not be reached, 2 on bad
-arguments.
+its OpenAI client (streaming completions or chat completions: it marks each chunk that carried text on the
+request's `ChunkClock` and returns the answer's text and the server's usage; the run loop times, counts
+and handles errors), and the figures of a run: records, summary, table, JSON. Latencies are over the
+requests that succeeded; TPOT = (e2e - ttft) / (output tokens - 1) for requests of more than one token;
+ITL pools every gap between chunks that carried text. Exit status 0 when some request completed, 1 when
+every one failed or the server could not be reached, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -23,38 +23,174 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import numpy as np
 
 from sluice.bench.common import add_flags, positive_float, positive_int, progress_bar, run_meta
 from sluice.bench.report import PERCENTILES, format_summary, latency_series, write_result
-from sluice.bench.serve_clients import APIS, ChunkClock, Client, RequestFailed, make_client
-from sluice.bench.serve_data import (
-    STRUCTURED_KINDS,
-    BenchRequest,
-    ToolCall,
-    check_output,
-    jsonl_requests,
-    shared_prefix_requests,
-    synthetic_requests,
-    with_structure,
-)
+from sluice.bench.serve_data import BenchRequest, jsonl_requests, shared_prefix_requests, synthetic_requests
 
-DEFAULT_URLS = {
-    "openai": "http://127.0.0.1:8000/v1",
-    "openai-chat": "http://127.0.0.1:8000/v1",
-    "ws": "ws://127.0.0.1:8000/v1/ws",
-    "grpc": "127.0.0.1:50050",
-}
+CONNECT_TIMEOUT_S = 10.0
+APIS = ("openai", "openai-chat")
+
+
+class RequestFailed(Exception):
+    """The server answered with an error, or the exchange broke off; the message says which."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Reply:
+    """A completed answer: the server's usage (None when it sent none) and the generated text (chat: the
+    message's content)."""
+
+    usage: Usage | None
+    text: str = ""
+
+
+class ChunkClock:
+    """Times the text-carrying chunks of one request from its send (`t0`, perf_counter seconds)."""
+
+    __slots__ = ("chunks", "itl_s", "last", "t0", "ttft_s")
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.ttft_s = 0.0
+        self.itl_s: list[float] = []
+        self.chunks = 0
+
+    def chunk(self) -> None:
+        now = time.perf_counter()
+        if self.chunks:
+            self.itl_s.append(now - self.last)
+        else:
+            self.ttft_s = now - self.t0
+        self.last = now
+        self.chunks += 1
+
+
+def _chunk_text(choice: dict[str, Any], chat: bool) -> tuple[str, bool]:
+    """One chunk's (first) choice: its text (completions: `text`; chat: `delta.content`) and whether it
+    carried any (chat: reasoning too)."""
+    if not chat:
+        return choice.get("text") or "", bool(choice.get("text"))
+    delta = choice.get("delta") or {}
+    return delta.get("content") or "", bool(delta.get("content") or delta.get("reasoning_content"))
+
+
+class OpenAIClient:
+    """`POST {url}/completions` (or, with `chat`, `{url}/chat/completions` with the prompt as one user
+    message) with `stream: true` and usage in the last chunk, over one aiohttp session whose connector
+    never throttles (no connection limit), opened once per run and closed by the caller even when `open`
+    failed. `model` None: the first of `GET {url}/models`. It samples at `temperature` and, with
+    `ignore_eos`, asks for exactly each request's output length."""
+
+    def __init__(
+        self, url: str, model: str | None, ignore_eos: bool, temperature: float, *, chat: bool = False
+    ) -> None:
+        self._url, self._ignore_eos, self._temperature = url.rstrip("/"), ignore_eos, temperature
+        self._model = model
+        self._chat = chat
+        self._session: aiohttp.ClientSession | None = None
+
+    async def open(self) -> None:
+        """Checks that the server answers and resolves the model; raises RequestFailed."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+        )
+        if self._model is None:
+            self._model = await self._first_model()
+
+    async def _first_model(self) -> str:
+        assert self._session is not None
+        timeout = aiohttp.ClientTimeout(total=CONNECT_TIMEOUT_S)
+        try:
+            async with self._session.get(f"{self._url}/models", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise RequestFailed(f"GET {self._url}/models: HTTP {resp.status}: {await resp.text()}")
+                models = (await resp.json())["data"]
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise RequestFailed(f"cannot reach {self._url}: {exc or type(exc).__name__}") from None
+        if not models:
+            raise RequestFailed(f"GET {self._url}/models: the server lists no model")
+        return str(models[0]["id"])
+
+    def _body(self, request: BenchRequest) -> dict[str, Any]:
+        body = {
+            "model": self._model,
+            "temperature": self._temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": request.output_len,
+        }
+        if self._ignore_eos:  # vLLM's extensions that make max_tokens the exact output length
+            body.update(ignore_eos=True, min_tokens=request.output_len)
+        if self._chat:
+            return {**body, "messages": [{"role": "user", "content": request.prompt}]}
+        return {**body, "prompt": request.prompt}
+
+    async def send(self, request: BenchRequest, clock: ChunkClock) -> Reply:
+        """Streams one request to its end and returns its answer. Raises RequestFailed (or aiohttp's own
+        exception) when the request did not complete."""
+        assert self._session is not None
+        endpoint = "chat/completions" if self._chat else "completions"
+        async with self._session.post(f"{self._url}/{endpoint}", json=self._body(request)) as resp:
+            if resp.status != 200:
+                raise RequestFailed(f"HTTP {resp.status}: {_error_message(await resp.text())}")
+            usage, finished, text = None, False, []
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue  # blank separators and keep-alive comments
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    finished = True
+                    break
+                chunk = json.loads(payload)
+                if "error" in chunk:
+                    raise RequestFailed(_error_message(payload))
+                choices = chunk.get("choices")
+                if choices:
+                    piece, carried = _chunk_text(choices[0], self._chat)
+                    text.append(piece)
+                    if carried:
+                        clock.chunk()
+                    finished = finished or bool(choices[0].get("finish_reason"))
+                if chunk.get("usage"):  # its own chunk (OpenAI, sluice) or the last choice's (some servers)
+                    raw = chunk["usage"]
+                    usage = Usage(int(raw.get("prompt_tokens", 0)), int(raw.get("completion_tokens", 0)))
+        # Servers that close the stream after the finish reason, without [DONE], are served too.
+        if not finished:
+            raise RequestFailed("the stream ended before a finish reason or [DONE]")
+        return Reply(usage, "".join(text))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+def _error_message(body: str | bytes) -> str:
+    """The message of an OpenAI-style error body, or the body itself."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace") if isinstance(body, bytes) else body
+
+
+DEFAULT_URL = "http://127.0.0.1:8000/v1"  # sluice up's
 DEFAULT_NUM_REQUESTS = 64
 
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """How one run drives the server. `url`: grpc "host:port"; ws "ws://host:port/v1/ws"; openai and
-    openai-chat "http://host:port/v1". `structured` and `tools` say what the workload's requests carry
-    (the requests themselves hold it: serve_data.with_structure)."""
+    """How one run drives the server at `url` ("http://host:port/v1")."""
 
-    api: str  # "grpc" | "ws" | "openai" | "openai-chat"
+    api: str  # "openai" | "openai-chat"
     url: str
     model: str | None = None  # openai "model" field; None = first of GET /v1/models
     request_rate: float = math.inf  # requests/s, Poisson arrivals (inf = all at t=0)
@@ -68,8 +204,6 @@ class ServeConfig:
     slo_tpot_ms: float | None = None
     request_timeout_s: float = 600.0
     progress: bool = True  # tqdm bar on stderr (requests done)
-    structured: str | None = None  # one of serve_data.STRUCTURED_KINDS
-    tools: bool = False
 
 
 MAX_ERRORS = 5  # distinct error messages kept in the summary
@@ -79,9 +213,7 @@ MAX_ERRORS = 5  # distinct error messages kept in the summary
 class RequestRecord:
     """What happened to one request. Times in seconds; `start` counts from the run's start (when the
     request was sent, after any concurrency limit let it go); `ttft_s` and `e2e_s` from `start`;
-    `itl_s` are the gaps between consecutive chunks that carried text or tokens. `text` and `tool_calls`
-    are the answer's; `valid` whether they satisfy the request's constraint or tools (None: nothing to
-    check, or the request failed)."""
+    `itl_s` are the gaps between consecutive chunks that carried text or tokens; `text` is the answer."""
 
     ok: bool = False
     error: str = ""
@@ -92,14 +224,10 @@ class RequestRecord:
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     text: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    valid: bool | None = None
 
     @property
     def tpot_s(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+        return None if self.output_tokens < 2 else (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
@@ -146,7 +274,6 @@ class ServeResult:
         if slo_ttft is not None or slo_tpot is not None:
             goodput = sum(meets_slos(r, slo_ttft, slo_tpot) for r in ok) / duration
         errors = Counter(r.error for r in self.records if not r.ok)
-        checked = [r.valid for r in ok if r.valid is not None]
         return {
             "completed": len(ok),
             "failed": len(self.records) - len(ok),
@@ -161,8 +288,6 @@ class ServeResult:
             "goodput": goodput,
             "slo": {"ttft_ms": slo_ttft, "tpot_ms": slo_tpot},
             "client_cpu_s": self.client_cpu_s,
-            "valid_outputs": sum(checked) if checked else None,
-            "valid_fraction": sum(checked) / len(checked) if checked else None,
             "errors": [{"message": m, "count": n} for m, n in errors.most_common(MAX_ERRORS)],
         }
 
@@ -178,7 +303,7 @@ def arrival_times(num: int, rate: float, burstiness: float, seed: int) -> np.nda
 
 
 async def _send_one(
-    client: Client,
+    client: OpenAIClient,
     request: BenchRequest,
     record: RequestRecord,
     t0: float,
@@ -200,7 +325,7 @@ async def _send_one(
             record.error = f"{type(exc).__name__}: {exc}"
         else:
             record.ok = True
-            record.text, record.tool_calls, usage = reply.text, reply.tool_calls, reply.usage
+            record.text, usage = reply.text, reply.usage
             record.output_tokens = usage.completion_tokens if usage is not None else clock.chunks
             record.prompt_tokens = usage.prompt_tokens if usage is not None else request.prompt_len
         record.e2e_s = time.perf_counter() - clock.t0
@@ -208,7 +333,7 @@ async def _send_one(
 
 
 async def _launch(
-    client: Client,
+    client: OpenAIClient,
     config: ServeConfig,
     requests: Sequence[BenchRequest],
     records: list[RequestRecord],
@@ -230,7 +355,7 @@ async def _launch(
     await asyncio.gather(*tasks)
 
 
-async def _warm_up(client: Client, config: ServeConfig, requests: Sequence[BenchRequest]) -> None:
+async def _warm_up(client: OpenAIClient, config: ServeConfig, requests: Sequence[BenchRequest]) -> None:
     """Sends the first `num_warmup` requests (cycling through the workload) at once and awaits them."""
     picked = [requests[i % len(requests)] for i in range(config.num_warmup)]
     at_once = dataclasses.replace(config, request_rate=math.inf)
@@ -243,8 +368,8 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
     be reached at all, every request fails with that reason."""
     if not requests:
         raise ValueError("the workload has no requests")
-    options = {"model": config.model, "ignore_eos": config.ignore_eos, "temperature": config.temperature}
-    client = make_client(config.api, config.url, **options)
+    chat = config.api == "openai-chat"
+    client = OpenAIClient(config.url, config.model, config.ignore_eos, config.temperature, chat=chat)
     records = [RequestRecord() for _ in requests]
     try:
         await client.open()
@@ -262,9 +387,6 @@ async def run_serve(config: ServeConfig, requests: Sequence[BenchRequest]) -> Se
             await _launch(client, config, requests, records, bar.update)
         duration = time.perf_counter() - start
         client_cpu_s = time.process_time() - cpu
-        for request, record in zip(requests, records, strict=True):
-            if record.ok:
-                record.valid = check_output(request, record.text, record.tool_calls)
         return ServeResult(config, records, duration, started_at, client_cpu_s)
     finally:
         await client.close()
@@ -288,10 +410,9 @@ def _slo(text: str) -> dict[str, float]:
 
 
 N: dict[str, Any] = dict(type=positive_int, metavar="N")
-URLS = "openai(-chat) http://HOST:PORT/v1 | ws ws://HOST:PORT/v1/ws | grpc HOST:PORT (default: sluice up's)"
 FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
-    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat | ws | grpc")),
-    ("--url", dict(help=URLS)),
+    ("--api", dict(choices=APIS, default="openai", help="openai (completions) | openai-chat")),
+    ("--url", dict(help="http://HOST:PORT/v1 (default: sluice up's)")),
     ("--model", dict(help="openai model name (default: the first of GET /v1/models)")),
     ("--num-requests", dict(**N, help=f"requests (default {DEFAULT_NUM_REQUESTS}; a .jsonl: its lines)")),
     ("--request-rate", dict(type=positive_float, default=math.inf, metavar="R", help="req/s (default inf)")),
@@ -306,8 +427,6 @@ FLAGS: tuple[tuple[str, dict[str, Any]], ...] = (  # flag, its argparse keywords
     ("--num-prefixes", dict(**N, default=4, help="shared-prefix: tenants (contexts)")),
     ("--suffix-len", dict(**N, default=32, help="shared-prefix: words of a request's own")),
     ("--no-ignore-eos", dict(action="store_true", help="let requests stop at EOS (output lengths vary)")),
-    ("--structured", dict(choices=STRUCTURED_KINDS, help="every request constrains its output (checked)")),
-    ("--tools", dict(action="store_true", help='openai-chat: two tools, tool_choice "required" (checked)')),
     ("--temperature", dict(type=float, default=0.0, help="sampling temperature (default 0: greedy)")),
     ("--slo", dict(type=_slo, metavar="ttft=MS,tpot=MS", help="SLOs for the goodput figure")),
     ("--timeout", dict(type=positive_float, default=600.0, metavar="S", help="per-request timeout (s)")),
@@ -331,28 +450,21 @@ def _check(args: argparse.Namespace) -> None:
     """Raises ValueError on option values the parser's types let through."""
     if args.num_warmup < 0 or args.sigma < 0 or args.temperature < 0:
         raise ValueError("--num-warmup, --sigma and --temperature must not be negative")
-    if args.tools and args.api != "openai-chat":
-        raise ValueError(f"--tools needs chat completions: use --api openai-chat, not {args.api}")
-    if args.tools and args.structured is not None:
-        raise ValueError("--tools and --structured cannot be combined: the required call is the constraint")
 
 
 def load_workload(args: argparse.Namespace) -> list[BenchRequest]:
-    """The requests the options describe, with their constraints or tools. Raises ValueError (and
-    OSError for an unreadable file)."""
+    """The requests the options describe. Raises ValueError (and OSError for an unreadable file)."""
     num = args.num_requests
     if args.dataset == "synthetic":
         lengths = {"input_len": args.input_len, "output_len": args.output_len or 128, "sigma": args.sigma}
-        requests = synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
-    elif args.dataset == "shared-prefix":
+        return synthetic_requests(num or DEFAULT_NUM_REQUESTS, args.seed, **lengths)
+    if args.dataset == "shared-prefix":
         shape = {name: getattr(args, name) for name in ("num_prefixes", "prefix_len", "suffix_len")}
-        requests = shared_prefix_requests(
+        return shared_prefix_requests(
             num or DEFAULT_NUM_REQUESTS, args.seed, output_len=args.output_len or 64, **shape
         )
-    else:
-        lines = jsonl_requests(Path(args.dataset))
-        requests = [lines[i % len(lines)] for i in range(num or len(lines))]
-    return with_structure(requests, args.structured, args.tools)
+    lines = jsonl_requests(Path(args.dataset))
+    return [lines[i % len(lines)] for i in range(num or len(lines))]
 
 
 def _config(args: argparse.Namespace) -> ServeConfig:
@@ -360,7 +472,7 @@ def _config(args: argparse.Namespace) -> ServeConfig:
     same = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeConfig) if f.name in vars(args)}
     slo = args.slo or {}
     return ServeConfig(
-        **{**same, "url": args.url or DEFAULT_URLS[args.api]},
+        **{**same, "url": args.url or DEFAULT_URL},
         ignore_eos=not args.no_ignore_eos,
         slo_ttft_ms=slo.get("ttft"),
         slo_tpot_ms=slo.get("tpot"),

@@ -1,15 +1,11 @@
 """Workloads of `sluice bench serve`: lists of `BenchRequest` made from a seed (words of the fixed `WORDS`,
-about one token each) or read from a file; the output constraints and tools a workload may carry
-(`with_structure`), and the checks of an output against them (`check_output`).
+about one token each) or read from a file.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,52 +46,14 @@ _VOCABULARY = """
 WORDS: tuple[str, ...] = tuple(dict.fromkeys(_VOCABULARY.split()))
 
 
-STRUCTURED_KINDS = ("json_schema", "regex", "choice")
-
-
-@dataclass(frozen=True)
-class Constraint:
-    """An output constraint a request carries. `spec` by kind: json_schema, a JSON Schema object;
-    regex, a pattern in the syntax Python's `re` and the engine's (Rust) regexes read alike, matched
-    against the whole output; choice, a list of strings, one of which is the whole output."""
-
-    kind: str  # one of STRUCTURED_KINDS
-    spec: Any
-    name: str = ""  # json_schema: the schema's name (OpenAI's json_schema.name)
-
-    @property
-    def text(self) -> str:
-        """The spec as the gRPC API's `StructuredOutput.text`: the regex, or JSON text."""
-        return self.spec if self.kind == "regex" else json.dumps(self.spec, separators=(",", ":"))
-
-    def check(self, output: str) -> bool:
-        """Whether `output` satisfies the constraint: JSON that validates against the schema, a full
-        match of the regex, or one of the choices."""
-        if self.kind == "json_schema":
-            return _valid_json(output, self.spec)
-        if self.kind == "regex":
-            return re.fullmatch(self.spec, output) is not None
-        return output in self.spec
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One call an answer made: the tool's name and its arguments as the JSON text the server sent."""
-
-    name: str
-    arguments: str
-
-
 @dataclass(frozen=True)
 class BenchRequest:
     """One request of a workload, sent as a completion prompt (no chat template), or as the one user
-    message of a chat; with an output constraint, or tools the answer must call (chat only)."""
+    message of a chat."""
 
     prompt: str
     output_len: int  # max_tokens; with ignore_eos the exact number of tokens asked for
     prompt_len: int = 0  # the dataset's own estimate of prompt tokens (0 when unknown)
-    constraint: Constraint | None = None
-    tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools; sent with tool_choice "required"
 
 
 def _words(rng: np.random.Generator, count: int) -> str:
@@ -192,90 +150,3 @@ def uniform_requests(
     words = rng.integers(prompt_words[0], prompt_words[1] + 1, size=num).tolist()
     outs = rng.integers(output_len[0], output_len[1] + 1, size=num).tolist()
     return [BenchRequest(_words(rng, n), out, n) for n, out in zip(words, outs, strict=True)]
-
-
-def _object(properties: dict[str, Any]) -> dict[str, Any]:
-    """A closed JSON object schema whose properties are all required."""
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(properties),
-        "additionalProperties": False,
-    }
-
-
-def _string(max_length: int) -> dict[str, Any]:
-    return {"type": "string", "maxLength": max_length}
-
-
-def _integer(low: int, high: int) -> dict[str, Any]:
-    return {"type": "integer", "minimum": low, "maximum": high}
-
-
-# Fixed constraints, rotated over a workload's requests. Every string and number is bounded, and JSON
-# whitespace is bounded by the engine, so each output ends within a few dozen tokens.
-WEATHER = ["sunny", "rain", "wind", "snow"]
-SCHEMAS = {
-    "pet": {"name": _string(12), "kind": {"enum": ["cat", "dog", "fish"]}, "age": _integer(0, 30)},
-    "order": {"item": _string(16), "quantity": _integer(1, 99), "express": {"type": "boolean"}},
-    "forecast": {"city": _string(16), "tags": {"type": "array", "items": {"enum": WEATHER}, "maxItems": 3}},
-}  # fmt: skip
-REGEXES = (r"[A-Z][a-z]{2,9} [0-9]{1,3}", r"[0-9]{4}-[0-9]{2}-[0-9]{2}", r"(yes|no|maybe), [a-z]{3,12}\.")
-CHOICES = (
-    ["positive", "negative", "neutral"],
-    ["red", "green", "blue", "yellow"],
-    ["north", "south", "east", "west"],
-)
-CONSTRAINTS: dict[str, tuple[Constraint, ...]] = {
-    "json_schema": tuple(Constraint("json_schema", _object(props), name) for name, props in SCHEMAS.items()),
-    "regex": tuple(Constraint("regex", pattern) for pattern in REGEXES),
-    "choice": tuple(Constraint("choice", choices) for choices in CHOICES),
-}
-
-
-def _tool(name: str, description: str, properties: dict[str, Any]) -> dict[str, Any]:
-    function = {"name": name, "description": description, "parameters": _object(properties)}
-    return {"type": "function", "function": function}
-
-
-UNITS = ["celsius", "fahrenheit"]
-TOOLS: tuple[dict[str, Any], ...] = (
-    _tool("get_weather", "The current weather in a city", {"city": _string(20), "unit": {"enum": UNITS}}),
-    _tool("get_time", "The current time in a time zone", {"timezone": _string(24)}),
-)  # fmt: skip
-
-
-def with_structure(
-    requests: Sequence[BenchRequest], structured: str | None, tools: bool
-) -> list[BenchRequest]:
-    """`requests` with request i carrying `CONSTRAINTS[structured][i % 3]` (None: no constraint) and,
-    when `tools`, the two `TOOLS`."""
-    if structured is not None and structured not in CONSTRAINTS:
-        raise ValueError(f"unknown constraint {structured!r}; choose from {', '.join(STRUCTURED_KINDS)}")
-    pool = CONSTRAINTS[structured] if structured is not None else (None,)
-    given = TOOLS if tools else ()
-    return [
-        dataclasses.replace(r, constraint=pool[i % len(pool)], tools=given) for i, r in enumerate(requests)
-    ]
-
-
-def check_output(request: BenchRequest, text: str, tool_calls: Sequence[ToolCall]) -> bool | None:
-    """Whether an answer to `request` is valid: with tools, at least one call, each naming a declared
-    tool with arguments that validate against its parameters; with a constraint, `text` satisfies it.
-    None when the request asks for neither (nothing to check)."""
-    if request.tools:
-        declared = {t["function"]["name"]: t["function"]["parameters"] for t in request.tools}
-        valid = [c.name in declared and _valid_json(c.arguments, declared[c.name]) for c in tool_calls]
-        return bool(valid) and all(valid)
-    return None if request.constraint is None else request.constraint.check(text)
-
-
-def _valid_json(text: str, schema: dict[str, Any]) -> bool:
-    """Whether `text` is one JSON value that validates against `schema`."""
-    import jsonschema  # a development dependency, needed only when outputs are checked
-
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    return jsonschema.Draft202012Validator(schema).is_valid(value)

@@ -23,7 +23,7 @@ from typing import IO, Self
 import psutil
 
 from sluice.launcher import parse_args
-from sluice.plan import Child, child_env, plan_children
+from sluice.plan import Child, busy_port, child_env, plan_children
 from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
@@ -32,23 +32,15 @@ POLL_S = 0.2
 
 def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
     """The first of `count` consecutive ports that are free on `host` now (the first found by binding
-    port 0). Raises RuntimeError when no such run turns up in `attempts` tries."""
+    port 0, the others as the services bind: plan.busy_port). Raises RuntimeError when no such run turns up
+    in `attempts` tries."""
     for _ in range(attempts):
         with socket.socket() as sock:
             sock.bind((host, 0))
             first = sock.getsockname()[1]
-        if first + count - 1 <= 65535 and all(_port_free(host, first + k) for k in range(1, count)):
+        if first + count - 1 <= 65535 and busy_port(host, list(range(first + 1, first + count))) is None:
             return first
     raise RuntimeError(f"no run of {count} free ports found on {host}")
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -108,9 +100,8 @@ class _LoggedSupervisor(Supervisor):
     def failure(self, name: str, what: str) -> RuntimeError:
         """RuntimeError "`name` `what`" quoting the child's last lines of output."""
         output = tail(self.log_dir / f"{name}.log")
-        return RuntimeError(
-            f"{name} {what}" + (f"; its last output:\n{output}" if output else " (it wrote nothing)")
-        )
+        quoted = f"; its last output:\n{output}" if output else " (it wrote nothing)"
+        return RuntimeError(f"{name} {what}{quoted}")
 
     def death(self) -> RuntimeError | None:
         """The error to raise for a child that has exited, naming it and quoting its output; or None."""
@@ -132,7 +123,7 @@ class Stack:
         http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
         metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
         self.http_url = f"http://{host}:{http_port}"
-        self.openai_url, self.ws_url = f"{self.http_url}/v1", f"ws://{host}:{http_port}/v1/ws"
+        self.openai_url = f"{self.http_url}/v1"
         self.grpc_address = f"{host}:{grpc_base}"
         ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
         ports += ["--metrics-base-port", str(metrics_base)]

@@ -38,7 +38,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]  # (sample name, 
 class Endpoint:
     """A started system as a load drives it."""
 
-    urls: Mapping[str, str]  # API ("openai", "ws", "grpc") → its URL
+    url: str  # its OpenAI API, "http://host:port/v1"
     model: str | None  # the OpenAI "model" field; None = the first of GET /models
     cpu_seconds: Callable[[], dict[str, float]]  # CPU seconds per process so far ({} when unknown)
     metrics_urls: Mapping[str, str] = field(default_factory=dict)  # process → its /metrics URL
@@ -60,8 +60,7 @@ class SystemRun(Generic[R]):
 def stack_endpoint(model: str, engine_flags: Sequence[str] = (), **options: Any) -> Iterator[Endpoint]:
     """The whole sluice pipeline on `model` (`options`: other StackOptions fields), for the context's life."""
     with Stack(StackOptions(model, engine_flags=tuple(engine_flags), **options)) as stack:
-        urls = {"openai": stack.openai_url, "ws": stack.ws_url, "grpc": stack.grpc_address}
-        yield Endpoint(urls, None, stack.cpu_seconds, stack.metrics_urls)
+        yield Endpoint(stack.openai_url, None, stack.cpu_seconds, stack.metrics_urls)
 
 
 def sweep(
@@ -74,28 +73,25 @@ def sweep(
     (index 0 first: the place to warm up). A start-up failure (RuntimeError, OSError) is recorded in the
     system's run; `bar` advances by one per point, skipped ones included."""
     runs: dict[str, SystemRun[R]] = {}
+    bar = bar or tqdm(disable=True)
     for name, opener in systems.items():
         run = runs[name] = SystemRun(name)
         try:
             with opener() as endpoint:
                 for k, point in enumerate(points):
-                    if bar is not None:
-                        bar.set_postfix_str(f"{name} @ {point}")
+                    bar.set_postfix_str(f"{name} @ {point}")
                     run.points.append(measure(name, endpoint, point, k))
-                    if bar is not None:
-                        bar.update()
+                    bar.update()
         except (RuntimeError, OSError) as exc:
             run.error = str(exc)
-            if bar is not None:
-                bar.update(len(points) - len(run.points))
+            bar.update(len(points) - len(run.points))
     return runs
 
 
-def serve_load(
-    endpoint: Endpoint, requests: Sequence[BenchRequest], api: str = "openai", **config: Any
-) -> ServeResult:
-    """One run of the load generator against `endpoint` (`config`: other ServeConfig fields)."""
-    settings = ServeConfig(api=api, url=endpoint.urls[api], model=endpoint.model, **config)
+def serve_load(endpoint: Endpoint, requests: Sequence[BenchRequest], **config: Any) -> ServeResult:
+    """One run of the load generator's OpenAI completions against `endpoint` (`config`: other ServeConfig
+    fields)."""
+    settings = ServeConfig(api="openai", url=endpoint.url, model=endpoint.model, **config)
     return uvloop.run(run_serve(settings, requests))
 
 
@@ -121,21 +117,18 @@ def counter(samples: Samples, name: str) -> float:
 
 
 def add_sweep_flags(parser: argparse.ArgumentParser, requests: int, *flags: str, **helps: str) -> None:
-    """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --json,
-    --no-progress), then the shared `flags` asked for ("repeat", "engine-flags")."""
+    """The flags every sweep has (--model, --num-requests with default `requests`, --seed, --engine-flags,
+    --json, --no-progress), then the shared `flags` asked for ("repeat")."""
     add_flags(parser, "model", "seed")
     about = helps.pop("num_requests", f"requests per point (default {requests})")
     parser.add_argument("--num-requests", type=positive_int, default=requests, metavar="N", help=about)
-    if "engine-flags" in flags:
-        parser.add_argument("--engine-flags", default="", metavar="FLAGS",
-                            help="extra engine flags, e.g. \"--num-kv-blocks 256\"")  # fmt: skip
-    add_flags(parser, "json", "no-progress", *(f for f in flags if f != "engine-flags"), **helps)
+    add_flags(parser, "engine-flags", "json", "no-progress", *flags, **helps)
 
 
 def model_and_flags(args: argparse.Namespace) -> tuple[str, list[str]]:
     """The model directory every system serves (the embedded model when none is given) and the engine
     flags as a list."""
-    return resolve_model(str(args.model or "")), shlex.split(getattr(args, "engine_flags", ""))
+    return resolve_model(str(args.model or "")), shlex.split(args.engine_flags)
 
 
 def sweep_meta(name: str, argv: Sequence[str], model: str, **more: Any) -> dict[str, Any]:

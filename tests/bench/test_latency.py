@@ -11,15 +11,15 @@ import pytest
 
 from sluice.bench import latency
 from sluice.bench.engine_driver import release_memory
+from sluice.bench.engine_methods import BenchContext
 from sluice.bench.latency import (
-    EngineSpec,
     build_engine,
     greedy_continuations,
     make_encoder,
     mean_copy_fraction,
     non_repetitive,
     repetitive,
-    run_concurrent,
+    run_requests,
 )
 
 
@@ -30,7 +30,7 @@ def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> 
     from services.common.models import resolve_model_dir
 
     model_dir = resolve_model_dir("")
-    spec = EngineSpec(model_dir, "cpu", "float32", threads=1)
+    spec = BenchContext(model_dir, "cpu", "float32", threads=1)
     encode = make_encoder(model_dir, 4096)
     n, length = 8, 64
     works = [
@@ -40,7 +40,7 @@ def test_repetitive_outputs_copy_the_prompt_and_non_repetitive_ones_do_not() -> 
     engine = build_engine(spec, "off", [len(r.prompt) + length for w in works for r in w.requests], n)
     copied = []
     for work in works:
-        outputs = run_concurrent(engine, work, "cpu", lambda _: None).outputs
+        outputs = run_requests(engine, work, "cpu", lambda _: None, at_once=True).outputs
         assert [len(o) for o in outputs] == [length] * n
         prompts = [r.prompt for r in work.requests]
         copied.append(mean_copy_fraction(prompts, outputs))

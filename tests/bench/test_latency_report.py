@@ -1,5 +1,5 @@
 """`sluice bench latency`'s figures on synthetic numbers: ratios against off and unquantized, the
-tables and JSON; the copy fraction and the percentile it reports."""
+tables and JSON; the copy fraction and the TTFT percentiles it reports."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from sluice.bench.latency import (
     RunFigures,
     copy_fraction,
     faster,
-    percentile,
 )
 from sluice.bench.perplexity import QualityResult
 
@@ -50,10 +49,11 @@ def _report(ngram_b1: float, ngram_rep: float, ngram_non: float) -> rep.LatencyR
 
 def test_ratios_are_taken_against_off_on_the_same_workload() -> None:
     report = _report(ngram_b1=160.0, ngram_rep=960.0, ngram_non=1800.0)
-    assert rep.batch1_ratio(report, "ngram", REPETITIVE) == pytest.approx(1.6)
-    assert rep.concurrent_ratio(report, "ngram", REPETITIVE) == pytest.approx(0.96)
-    assert rep.concurrent_ratio(report, "ngram", NON_REPETITIVE) == pytest.approx(0.9)
-    assert rep.batch1_ratio(report, "int8", REPETITIVE) is None  # not run
+    cells = {(c.variant, c.workload): c for c in report.cells}
+    assert rep.ratio_to_off(report, cells["ngram", REPETITIVE], "batch1") == pytest.approx(1.6)
+    assert rep.ratio_to_off(report, cells["ngram", REPETITIVE], "concurrent") == pytest.approx(0.96)
+    assert rep.ratio_to_off(report, cells["ngram", NON_REPETITIVE], "concurrent") == pytest.approx(0.9)
+    assert rep.ratio_to_off(report, rep.Cell("int8", REPETITIVE), "batch1") is None  # not run
 
 
 def test_quality_ratios() -> None:
@@ -79,9 +79,7 @@ def test_tables_and_json_carry_the_figures() -> None:
     ngram = next(c for c in doc["cells"] if c["variant"] == "ngram" and c["workload"] == REPETITIVE)
     assert ngram["batch1_ratio_to_off"] == pytest.approx(2.5)
     assert ngram["batch1"]["spec"]["spec_acceptance_rate"] == 0.8
-    assert ngram["concurrent"]["ttft_p99_s"] == pytest.approx(
-        percentile([0.01 * (i + 1) for i in range(64)], 0.99)
-    )
+    assert ngram["concurrent"]["ttft_p99_s"] == pytest.approx(0.63 + 0.37 * 0.01)  # rank 0.99 × 63 = 62.37
     assert [c["concurrent_ratio_to_off"] for c in doc["cells"]][2:] == pytest.approx([1.0, 1.0])
 
 
@@ -94,10 +92,13 @@ def test_copy_fraction() -> None:
     assert copy_fraction(prompt, [7, 8, 7, 8, 7, 8, 7, 8]) == 0.0  # repeating itself is not copying
 
 
-def test_percentile_interpolates_between_ranks() -> None:
-    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0
-    assert percentile([1.0, 2.0], 0.99) == pytest.approx(1.99)
-    assert math.isnan(percentile([], 0.5))
+def test_ttft_percentiles_interpolate_between_ranks() -> None:
+    def ttfts(values: list[float]) -> RunFigures:
+        return RunFigures(1, 1, 0, 1.0, 0, 1.0, values, [])
+
+    assert ttfts([3.0, 1.0, 2.0]).ttft(0.5) == 2.0
+    assert ttfts([1.0, 2.0]).ttft(0.99) == pytest.approx(1.99)
+    assert math.isnan(ttfts([]).ttft(0.5))
 
 
 def test_repeats_keep_the_fastest_run_and_list_every_figure() -> None:

@@ -1,7 +1,7 @@
 """The OpenAI client of `sluice bench serve` reads the stream shapes real servers send: [DONE] with a
 usage chunk of its own (OpenAI, sluice), or a finish reason with usage in the last choice and no [DONE]
-(transformers serve); a stream cut before either is a failed request. In chat mode it keeps the content
-and puts streamed tool calls back together, and sends a request's constraint and tools."""
+(transformers serve); a stream cut before either is a failed request. In chat mode it sends the prompt as
+the user's message and keeps the content."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from sluice.bench.serve_clients import ChunkClock, OpenAIClient, Reply, RequestFailed, Usage
-from sluice.bench.serve_data import CONSTRAINTS, TOOLS, BenchRequest, ToolCall
+from sluice.bench.serve import ChunkClock, OpenAIClient, Reply, RequestFailed, Usage
+from sluice.bench.serve_data import BenchRequest
 
 
 def _chunk(text: str, finish: str | None = None, usage: dict[str, int] | None = None) -> dict[str, Any]:
@@ -35,30 +35,11 @@ def _delta(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
     return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
-def _call(index: int, arguments: str, name: str | None = None) -> dict[str, Any]:
-    if name is None:
-        return {"index": index, "function": {"arguments": arguments}}
-    return {
-        "index": index,
-        "id": f"call-{index}",
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-
-
 CHAT_STREAMS: dict[str, list[Any]] = {
     "content": [
         _delta({"role": "assistant", "content": ""}),
         _delta({"content": '{"a":'}),
         _delta({"content": " 1}"}, "stop"),
-        {"choices": [], "usage": USAGE},
-        "[DONE]",
-    ],
-    "calls": [
-        _delta({"role": "assistant", "content": ""}),
-        _delta({"tool_calls": [_call(0, '{"city": ', "get_weather")]}),
-        _delta({"tool_calls": [_call(0, '"Oslo"}')]}),
-        _delta({"tool_calls": [_call(1, "{}", "get_time")]}, "tool_calls"),
         {"choices": [], "usage": USAGE},
         "[DONE]",
     ],
@@ -120,44 +101,12 @@ async def test_usage_and_chunks_are_read_from_either_shape(server: str, shape: s
     assert clock.chunks == 3
 
 
-async def test_chat_content_is_kept_and_the_constraint_sent(
-    server: str, bodies: list[dict[str, Any]]
-) -> None:
-    schema = CONSTRAINTS["json_schema"][0]
-    reply, clock = await _send(server, "content", BenchRequest("hi", 3, constraint=schema), chat=True)
+async def test_chat_content_is_kept(server: str, bodies: list[dict[str, Any]]) -> None:
+    reply, clock = await _send(server, "content", BenchRequest("hi", 3), chat=True)
     assert reply == Reply(Usage(4, 3), '{"a": 1}')
     assert clock.chunks == 2  # the role chunk carries no text
     (body,) = bodies
-    assert body["messages"] == [{"role": "user", "content": "hi"}] and "tools" not in body
-    assert body["response_format"] == {
-        "type": "json_schema",
-        "json_schema": {"name": "pet", "schema": schema.spec, "strict": True},
-    }
-
-
-async def test_streamed_tool_calls_are_put_together(server: str, bodies: list[dict[str, Any]]) -> None:
-    reply, clock = await _send(server, "calls", BenchRequest("hi", 3, tools=TOOLS), chat=True)
-    assert reply.text == ""
-    assert reply.tool_calls == [ToolCall("get_weather", '{"city": "Oslo"}'), ToolCall("get_time", "{}")]
-    assert clock.chunks == 3
-    (body,) = bodies
-    assert (body["tools"], body["tool_choice"], body["parallel_tool_calls"]) == (
-        list(TOOLS),
-        "required",
-        False,
-    )
-
-
-async def test_completions_send_regex_and_choice_as_structured_outputs(
-    server: str, bodies: list[dict[str, Any]]
-) -> None:
-    for constraint in (CONSTRAINTS["regex"][0], CONSTRAINTS["choice"][0]):
-        await _send(server, "openai", BenchRequest("hi", 3, constraint=constraint))
-    assert [b["structured_outputs"] for b in bodies] == [
-        {"regex": CONSTRAINTS["regex"][0].spec},
-        {"choice": CONSTRAINTS["choice"][0].spec},
-    ]
-    assert all(b["prompt"] == "hi" and "response_format" not in b for b in bodies)
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and "prompt" not in body
 
 
 async def test_a_stream_cut_before_its_finish_is_a_failure(server: str) -> None:

@@ -1,5 +1,5 @@
-"""Perplexity through the engine's model runner: the held-out text is not in the training corpus, and the
-runner's chunked, paged forward gives transformers' own perplexity on the same text."""
+"""Perplexity through the engine: the held-out text is not in the training corpus, and the prompt
+log-probabilities of the engine's chunked prefill give transformers' own perplexity on the same text."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from sluice.bench import perplexity as ppl
@@ -29,20 +30,21 @@ def test_windows_cover_every_token_once() -> None:
     ]  # a lone last token predicts nothing
 
 
-def test_runner_perplexity_equals_transformers_forward(tiny_model_dir: Path) -> None:
-    """Windows of 96 tokens in prefill chunks of 40 (so chunks attend to earlier chunks through the pool,
-    across block boundaries) against one plain transformers forward per window, fp32."""
+def test_engine_perplexity_equals_transformers_forward(tiny_model_dir: Path) -> None:
+    """Windows of 96 tokens in prefill chunks of at most 48 (so chunks attend to earlier chunks through the
+    pool) against one plain transformers forward per window, fp32."""
     ids = ppl.encode_documents(tiny_model_dir / "tokenizer.json", ppl.held_out_texts(), 400)
     assert len(ids) == 400
-    runner = ppl.make_runner(tiny_model_dir, "cpu", "float32", "none", "auto", window=96)
-    got = ppl.runner_perplexity(runner, ids, window=96, chunk=40)
+    got, got_tokens = ppl.perplexity(
+        tiny_model_dir, ids, "cpu", "float32", window=96, threads=1, max_num_batched_tokens=48
+    )
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     nll, tokens = 0.0, 0
     with torch.inference_mode():
         for part in ppl.windows(ids, 96):
-            logits = model(input_ids=torch.tensor([part])).logits[0]
-            nll += ppl.nll_sum(logits, part)
+            logits = model(input_ids=torch.tensor([part])).logits[0].double()
+            nll += float(F.cross_entropy(logits[:-1], torch.tensor(part[1:]), reduction="sum"))
             tokens += len(part) - 1
-    assert got.tokens == tokens == 400 - 5  # 4 full windows and one of 16 tokens
+    assert got_tokens == tokens == 400 - 5  # 4 full windows and one of 16 tokens
     expected = math.exp(nll / tokens)
-    assert abs(got.value - expected) <= 1e-4 * expected
+    assert abs(got - expected) <= 1e-4 * expected

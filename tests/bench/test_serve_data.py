@@ -1,26 +1,17 @@
-"""Workloads of `sluice bench serve`: seeded, within their bounds, and files read with clear errors; the
-fixed constraints and tools, which the engine compiles, and the checks of outputs against them."""
+"""Workloads of `sluice bench serve`: seeded, within their bounds, and files read with clear errors."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from services.engine.core.grammar import GrammarCompiler, GrammarSpec
 from sluice.bench.serve_data import (
-    CONSTRAINTS,
-    TOOLS,
     WORDS,
-    BenchRequest,
-    ToolCall,
-    check_output,
     jsonl_requests,
     shared_prefix_requests,
     synthetic_requests,
-    with_structure,
 )
 
 
@@ -106,60 +97,3 @@ def test_empty_jsonl_is_an_error(tmp_path: Path) -> None:
     path.write_text("\n\n")
     with pytest.raises(ValueError, match="no requests"):
         jsonl_requests(path)
-
-
-def test_structure_is_rotated_over_the_requests() -> None:
-    requests = with_structure(synthetic_requests(7, seed=0, output_len=8), "choice", tools=False)
-    assert [r.constraint for r in requests] == [CONSTRAINTS["choice"][i % 3] for i in range(7)]
-    assert all(r.tools == () for r in requests)
-    with_tools = with_structure(requests, None, tools=True)
-    assert all(r.constraint is None and r.tools == TOOLS for r in with_tools)
-    with pytest.raises(ValueError, match="unknown constraint"):
-        with_structure(requests, "xml", tools=False)
-
-
-@pytest.mark.parametrize(
-    ("index", "good", "bad"),
-    [
-        (0, '{"name": "Rex", "kind": "dog", "age": 3}', '{"name": "Rex", "kind": "cow", "age": 3}'),
-        (0, '{"name":"Tom","kind":"cat","age":0}', '{"name": "Rex", "kind": "dog", "age": 3, "x": 1}'),
-        (1, '{"item": "tea", "quantity": 2, "express": false}', '{"item": "tea", "quantity": 2'),
-        (2, '{"city": "Oslo", "tags": ["snow"]}', '{"city": "a very long city name", "tags": []}'),
-    ],
-)
-def test_json_outputs_must_parse_and_match_the_schema(index: int, good: str, bad: str) -> None:
-    schema = CONSTRAINTS["json_schema"][index]
-    request = BenchRequest("p", 8, constraint=schema)
-    assert check_output(request, good, []) is True
-    assert check_output(request, bad, []) is False
-
-
-def test_regex_and_choice_outputs_must_match_whole() -> None:
-    word, date, answer = CONSTRAINTS["regex"]
-    assert word.check("Paris 75") and not word.check("Paris 75 ") and not word.check("paris 75")
-    assert date.check("2026-12-01") and not date.check("x2026-12-01")
-    assert answer.check("maybe, later.") and not answer.check("maybe, later")
-    colors = CONSTRAINTS["choice"][1]
-    assert colors.check("green") and not colors.check("greenish") and not colors.check("")
-
-
-def test_tool_calls_must_name_a_declared_tool_with_valid_arguments() -> None:
-    request = BenchRequest("p", 8, tools=TOOLS)
-    weather = ToolCall("get_weather", '{"city": "Oslo", "unit": "celsius"}')
-    assert check_output(request, "", [weather, ToolCall("get_time", '{"timezone": "UTC"}')]) is True
-    assert check_output(request, "", []) is False  # no call at all
-    assert check_output(request, "", [ToolCall("get_news", "{}")]) is False
-    assert check_output(request, "", [ToolCall("get_weather", '{"city": "Oslo"}')]) is False  # unit missing
-    assert check_output(request, "", [weather, ToolCall("get_time", '{"timezone": ')]) is False
-    assert check_output(BenchRequest("p", 8), "anything", []) is None  # nothing to check
-
-
-def test_every_constraint_and_tool_compiles_in_the_engine(tiny_model_dir: Path) -> None:
-    compiler = GrammarCompiler.from_model_dir(tiny_model_dir, vocab_size=0, eos_ids=frozenset())
-    try:
-        specs = [GrammarSpec(c.kind, c.text, strict=True) for pool in CONSTRAINTS.values() for c in pool]
-        specs += [GrammarSpec("json_schema", json.dumps(t["function"]["parameters"])) for t in TOOLS]
-        for spec in specs:
-            compiler.submit(spec).result(timeout=60)
-    finally:
-        compiler.close()

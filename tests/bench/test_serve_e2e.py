@@ -1,4 +1,4 @@
-"""`sluice bench serve` against a real `sluice up` through each of the three APIs, and the fixed-length
+"""`sluice bench serve` against a real `sluice up` through each of its APIs, and the fixed-length
 extensions (ignore_eos, min_tokens) end to end.
 
 The model is the tiny test model with every token id declared an EOS id, so a request that does not
@@ -41,7 +41,7 @@ def pipeline(always_eos_model: Path) -> Iterator[Pipeline]:
     assert running.stop() == 0, running.output()
 
 
-@pytest.mark.parametrize("api", ["openai", "ws", "grpc"])
+@pytest.mark.parametrize("api", ["openai", "openai-chat"])
 def test_fixed_length_workload_through_each_api(pipeline: Pipeline, api: str, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     argv = [

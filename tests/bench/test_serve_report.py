@@ -59,7 +59,7 @@ def test_goodput_counts_requests_within_every_slo() -> None:
 
 
 def test_no_successful_request_gives_empty_latencies() -> None:
-    result = ServeResult(ServeConfig("ws", "ws://x"), [RequestRecord(error="down")], 0.0, 0.0)
+    result = ServeResult(ServeConfig("openai-chat", "http://x/v1"), [RequestRecord(error="down")], 0.0, 0.0)
     s = result.summary()
     assert s["completed"] == 0 and s["failed"] == 1
     assert s["ttft_ms"] == {"mean": None, "p50": None, "p90": None, "p99": None}

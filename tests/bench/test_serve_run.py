@@ -12,10 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sluice.bench import report, serve
-from sluice.bench.serve import ServeConfig, arrival_times, run_serve
-from sluice.bench.serve_clients import ChunkClock, Reply, RequestFailed, Usage
-from sluice.bench.serve_data import CONSTRAINTS, BenchRequest
+from sluice.bench import serve
+from sluice.bench.serve import ChunkClock, Reply, RequestFailed, ServeConfig, Usage, arrival_times, run_serve
+from sluice.bench.serve_data import BenchRequest
 
 
 class FakeClient:
@@ -28,7 +27,6 @@ class FakeClient:
         self.in_flight = 0
         self.peak = 0
         self.closed = False
-        self.answers: dict[str, str] = {}  # prompt → the answer's text (default: one "x" per token)
 
     async def open(self) -> None:
         if not self.reachable:
@@ -49,7 +47,7 @@ class FakeClient:
                 await asyncio.sleep(0.001)
                 clock.chunk()
             usage = None if request.prompt == "nousage" else Usage(7, request.output_len)
-            return Reply(usage, self.answers.get(request.prompt, "x" * request.output_len))
+            return Reply(usage, "x" * request.output_len)
         finally:
             self.in_flight -= 1
 
@@ -60,7 +58,7 @@ class FakeClient:
 @pytest.fixture
 def fake(monkeypatch: pytest.MonkeyPatch) -> FakeClient:
     client = FakeClient()
-    monkeypatch.setattr(serve, "make_client", lambda *args, **kwargs: client)
+    monkeypatch.setattr(serve, "OpenAIClient", lambda *args, **kwargs: client)
     return client
 
 
@@ -99,22 +97,6 @@ async def test_every_outcome_is_recorded_and_nothing_raises(fake: FakeClient) ->
     assert result.summary()["completed"] == 2
     assert result.duration_s > 0 and result.client_cpu_s >= 0
     assert fake.closed
-
-
-async def test_outputs_are_checked_against_their_constraint(fake: FakeClient) -> None:
-    date = CONSTRAINTS["regex"][1]  # [0-9]{4}-[0-9]{2}-[0-9]{2}
-    fake.answers = {"good": "2026-12-01", "bad": "2026-12-1", "also good": "1999-01-31"}
-    prompts = ["good", "bad", "also good", "fail"]
-    requests = [BenchRequest(p, 3, constraint=date) for p in prompts]
-    result = await run_serve(_config(structured="regex"), requests)
-    assert [r.valid for r in result.records] == [True, False, True, None]  # a failed request is not checked
-    assert result.records[1].text == "2026-12-1"
-    summary = result.summary()
-    assert (summary["valid_outputs"], summary["valid_fraction"]) == (2, pytest.approx(2 / 3))
-    assert "Valid regex outputs (fraction):" in report.format_summary(result)
-    plain = await run_serve(_config(), [BenchRequest("good", 3)])
-    assert plain.summary()["valid_fraction"] is None
-    assert "Valid" not in report.format_summary(plain)
 
 
 async def test_max_concurrency_holds_requests_back(fake: FakeClient) -> None:
@@ -162,35 +144,21 @@ def test_dead_port_exits_1_with_one_line(tmp_path: Path, capsys: pytest.CaptureF
     [
         ["--request-rate", "0"],
         ["--api", "carrier-pigeon"],
+        ["--api", "grpc"],
+        ["--api", "ws"],
         ["--slo", "ttft=fast"],
         ["--slo", "e2e=10"],
         ["--num-requests", "0"],
         ["--max-concurrency", "0"],
         ["--dataset", "/nonexistent/file.jsonl"],
-        ["--structured", "xml"],
+        ["--structured", "regex"],
+        ["--tools"],
     ],
 )
 def test_bad_arguments_exit_2(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exited:
         serve.main(argv)
     assert exited.value.code == 2
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--tools"], "--tools needs chat completions: use --api openai-chat, not openai"),
-        (["--tools", "--api", "grpc"], "not grpc"),
-        (["--tools", "--api", "openai-chat", "--structured", "regex"], "cannot be combined"),
-    ],
-)
-def test_tools_are_refused_outside_chat_and_with_a_constraint(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    with pytest.raises(SystemExit) as exited:
-        serve.main(argv)
-    assert exited.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 def test_bad_jsonl_line_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
