@@ -22,6 +22,7 @@ CHOICES = (
     ("quantization", QUANTIZATIONS),
     ("kv_cache_dtype", KV_CACHE_DTYPES),
     ("moe_experts", MOE_EXPERTS),
+    ("cpu_linear", ("auto", "onednn", "torch")),
 )
 BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recoveries 0 = none
     (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),
@@ -91,6 +92,13 @@ class EngineSettings(StageTlsSettings):
             "help": "decode attention: auto (triton on CUDA, cpu on a CPU where it builds, else torch) | "
             "torch (gather + SDPA) | cpu (the C++ paged kernel, built at first use) | triton (the paged "
             "kernel; on CPU only under TRITON_INTERPRET=1, for tests)"
+        },
+    )
+    cpu_linear: str = field(
+        default="auto",
+        metadata={
+            "help": "linear layers on a CPU: auto (oneDNN's prepacked weights for fp32/bf16 without "
+            "quantization or --compile on, else torch's) | onednn (refused where it cannot run) | torch"
         },
     )
     cuda_graphs: str = field(

@@ -32,6 +32,7 @@ from services.engine.executor.attention import (
     PrefillSeq,
     StepMeta,
 )
+from services.engine.executor.cpu_linear import pack_linears
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
 from services.engine.executor.kernels import cpu_paged
 from services.engine.executor.kv_sizing import KVLayout, group_layers, initial_kv_cache_gb
@@ -151,7 +152,8 @@ class ModelRunner:
     provisional default: kv_sizing.initial_kv_cache_gb), `attention_backend` (auto | torch | cpu | triton, see
     `resolve_backend`), `cuda_graphs` (on | off, acts on CUDA with the triton backend), `compile` (auto |
     on | off: the step under torch.compile, executor/compiled.py; auto = on for CUDA), `quantization`
-    (none | int8 | fp8, applied to the weights after loading: executor/quantization.py) and
+    (none | int8 | fp8, applied to the weights after loading: executor/quantization.py), `cpu_linear`
+    (auto | onednn | torch: oneDNN's prepacked linear layers on a CPU, executor/cpu_linear.py) and
     `kv_cache_dtype` (auto: the model's dtype | fp8: a float8 e4m3 pool, `kv_dtype`, which attention reads
     back in the compute dtype and which halves a block's bytes against bf16). `static_decode`: run
     decode-only steps through the padded static buffers of `StaticDecode` even without graphs (eagerly;
@@ -187,6 +189,9 @@ class ModelRunner:
                 "transformers' kind (rope_type, original_inv_freq) to fix to the long factor"
             )
         quantize_model(self.model, quantization, self.device)
+        self.packed_linears = pack_linears(
+            self.model, settings.cpu_linear, self.device, self.dtype, quantization, settings.compile
+        )
         self.num_layers = int(config.num_hidden_layers)
         # The head layout, windows, soft-caps and sinks as the model's own attention calls show them.
         self.attention = capabilities.probe(self.model, self.num_layers, self.device)

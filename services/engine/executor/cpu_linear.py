@@ -1,0 +1,92 @@
+"""Linear layers on oneDNN's prepacked weights, on a CPU (`--cpu-linear`).
+
+`pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
+reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the original weight is dropped,
+so memory does not grow. A linear whose weight is also another module's parameter (a tied lm_head) stays.
+Modes: auto packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without quantization and
+without `--compile on`; onednn does the same and raises ValueError where it cannot; torch never packs.
+Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "onednn", "torch")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class PackedLinear(nn.Module):
+    """`nn.Linear`'s forward on a weight in oneDNN's layout: y = x W^T + b for x (..., in_features)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        weight = linear.weight.detach()
+        # (out, in) in oneDNN's blocked layout; a buffer, as the weight is no longer a dense tensor.
+        self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        bias = None if linear.bias is None else linear.bias.detach()
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        bias = self.bias is not None
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: str, compile_mode: str) -> str:
+    """Why `mode` packs nothing here ("" when it packs). Raises ValueError for an unknown mode, and for
+    onednn where it cannot run (the reason in the message)."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_linear must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "torch":
+        return "cpu_linear torch"
+    reason = ""
+    if device.type != "cpu":
+        reason = f"the device is {device.type}"
+    elif not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        reason = "this torch has no oneDNN"
+    elif dtype not in DTYPES:
+        reason = f"{dtype} weights (oneDNN's linear here: float32, bfloat16)"
+    elif quantization != "none":
+        reason = f"quantization {quantization} has its own linear layers"
+    elif compile_mode == "on":
+        reason = "the compiled step multiplies with torch's linear"
+    if reason and mode == "onednn":
+        raise ValueError(f"cpu_linear onednn cannot run here: {reason}")
+    return reason
+
+
+def pack_linears(
+    model: nn.Module,
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    quantization: str,
+    compile_mode: str,
+) -> int:
+    """Replaces `model`'s linear layers by `PackedLinear`s where `mode` asks for it (see `why_not`) and
+    returns how many; logs the count or the reason for none."""
+    reason = why_not(mode, device, dtype, quantization, compile_mode)
+    if reason:
+        log.info("linear layers: torch's (%s)", reason)
+        return 0
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1 and m.weight.dtype in DTYPES
+    ]
+    for name, linear in targets:
+        model.set_submodule(name, PackedLinear(linear))
+    log.info("linear layers: %d on oneDNN's prepacked weights", len(targets))
+    return len(targets)

@@ -1,0 +1,93 @@
+"""oneDNN's prepacked linear layers (`--cpu-linear`): the same products as `nn.Linear`, which layers are
+packed, and when none are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from services.engine.executor import cpu_linear
+from services.engine.executor.cpu_linear import PackedLinear, pack_linears, why_not
+
+CPU = torch.device("cpu")
+HAS_ONEDNN = why_not("auto", CPU, torch.float32, "none", "off") == ""
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    linear = nn.Linear(96, 160, bias=bias).to(dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(160, 96, generator=gen))
+    packed = PackedLinear(linear)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    for shape in [(1, 96), (7, 96), (2, 5, 96)]:
+        x = torch.randn(*shape, generator=gen).to(dtype)
+        with torch.inference_mode():
+            want, got = linear(x), packed(x)
+        assert got.shape == want.shape and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
+    x = torch.randn(96, 4, generator=gen).to(dtype).t()  # a non-contiguous input
+    torch.testing.assert_close(packed(x).float(), linear(x).float(), rtol=tol, atol=tol * 10)
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32, bias=False)
+        self.head = nn.Linear(32, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied, as many lm_heads are
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.up(self.embed(ids)))))
+
+
+@needs_onednn
+def test_pack_linears_packs_all_but_a_tied_head_and_keeps_the_outputs() -> None:
+    torch.manual_seed(0)
+    model = _Tied().eval()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        want = model(ids)
+    assert pack_linears(model, "auto", CPU, torch.float32, "none", "off") == 2
+    assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
+    assert isinstance(model.head, nn.Linear) and model.head.weight is model.embed.weight
+    assert not any(name.startswith(("up.", "down.")) for name, _ in model.named_parameters())
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "quantization", "compile_mode", "reason"),
+    [
+        ("cuda", torch.float32, "none", "off", "the device is cuda"),
+        ("cpu", torch.float16, "none", "off", "torch.float16 weights"),
+        ("cpu", torch.float32, "int8", "off", "quantization int8"),
+        ("cpu", torch.float32, "none", "on", "the compiled step"),
+    ],
+)
+def test_auto_packs_nothing_where_it_cannot_and_onednn_is_refused_there(
+    device: str, dtype: torch.dtype, quantization: str, compile_mode: str, reason: str
+) -> None:
+    dev = torch.device(device)
+    assert reason in why_not("auto", dev, dtype, quantization, compile_mode)
+    with pytest.raises(ValueError, match=f"cpu_linear onednn cannot run here: {reason}"):
+        why_not("onednn", dev, dtype, quantization, compile_mode)
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert pack_linears(model, "auto", dev, dtype, quantization, compile_mode) == 0
+    assert isinstance(model[0], nn.Linear)
+
+
+def test_torch_mode_packs_nothing_and_an_unknown_mode_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    assert pack_linears(model, "torch", CPU, torch.float32, "none", "off") == 0
+    assert isinstance(model[0], nn.Linear)
+    with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
+        why_not("mkl", CPU, torch.float32, "none", "off")
+    assert cpu_linear.MODES == ("auto", "onednn", "torch")
