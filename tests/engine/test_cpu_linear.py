@@ -18,14 +18,22 @@ needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneD
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_packed_linear_computes_what_linear_does(dtype: torch.dtype, bias: bool) -> None:
+@pytest.mark.parametrize("keeps_dense", [True, False], ids=["small", "large"])
+def test_packed_linear_computes_what_linear_does(
+    dtype: torch.dtype, bias: bool, keeps_dense: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both paths of a small weight (dense below FEW_ROWS rows, oneDNN from it on) and a large one's
+    (oneDNN at any row count, no dense copy kept)."""
+    if not keeps_dense:
+        monkeypatch.setattr(cpu_linear, "DENSE_MAX_ELEMENTS", 100)
     gen = torch.Generator().manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     with torch.no_grad():
         linear.weight.copy_(torch.randn(160, 96, generator=gen))
     packed = PackedLinear(linear)
+    assert (packed.dense is not None) == keeps_dense
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    for shape in [(1, 96), (7, 96), (2, 5, 96)]:
+    for shape in [(1, 96), (7, 96), (cpu_linear.FEW_ROWS, 96), (2, 5, 96), (33, 96)]:
         x = torch.randn(*shape, generator=gen).to(dtype)
         with torch.inference_mode():
             want, got = linear(x), packed(x)

@@ -1,8 +1,9 @@
 """Linear layers on oneDNN's prepacked weights, on a CPU (`--cpu-linear`).
 
 `pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
-reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the original weight is dropped,
-so memory does not grow. A linear whose weight is also another module's parameter (a tied lm_head) stays.
+reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the dense weight is dropped
+(kept only by small layers, for steps of few rows: `DENSE_MAX_ELEMENTS`). A linear whose weight is also
+another module's parameter (a tied lm_head) stays.
 Modes: auto packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without quantization and
 without `--compile on`; onednn does the same and raises ValueError where it cannot; torch never packs.
 Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
@@ -14,6 +15,7 @@ import logging
 from collections import Counter
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -22,8 +24,17 @@ MODES = ("auto", "onednn", "torch")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+# A weight of at most this many elements also keeps its dense copy, which steps of fewer than FEW_ROWS
+# rows multiply with torch's GEMM: with two threads waiting passively (as `sluice up` runs them), oneDNN's
+# parallel region around a small matrix-vector product cost more than the product (tiny model, batch 1:
+# 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM). Larger weights go to oneDNN at any row count.
+DENSE_MAX_ELEMENTS = 1 << 20
+FEW_ROWS = 8
+
+
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward on a weight in oneDNN's layout: y = x W^T + b for x (..., in_features)."""
+    """`nn.Linear`'s forward on a weight in oneDNN's layout: y = x W^T + b for x (..., in_features); a
+    small weight's steps of few rows on its dense copy (DENSE_MAX_ELEMENTS, FEW_ROWS)."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -32,10 +43,14 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()
         # (out, in) in oneDNN's blocked layout; a buffer, as the weight is no longer a dense tensor.
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
+        small = weight.numel() <= DENSE_MAX_ELEMENTS
+        self.register_buffer("dense", weight if small else None)
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.numel() < FEW_ROWS * self.in_features:
+            return F.linear(x, self.dense, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
