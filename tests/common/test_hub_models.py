@@ -194,7 +194,8 @@ def test_sharded_bf16_checkpoint_from_the_cache_on_cpu(
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
     lay_out(offline_cache, REPO, MAIN, sharded)
 
-    settings = EngineSettings(model=REPO, device="cpu", num_kv_blocks=8, block_size=16)
+    # The loaded weights as dense tensors (oneDNN's packed linear layers: tests/engine/test_cpu_linear.py).
+    settings = EngineSettings(model=REPO, device="cpu", num_kv_blocks=8, block_size=16, cpu_linear="torch")
     runner = ModelRunner(settings)
     fast = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
     assert runner.dtype == (torch.bfloat16 if fast else torch.float32)

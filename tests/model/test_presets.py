@@ -49,9 +49,10 @@ def _small(name: str) -> object:
 def test_a_written_preset_loads_through_the_engines_runner(name: str, tmp_path: Path) -> None:
     config = _small(name)
     model_dir = write_random_model(config, tmp_path / name, "bfloat16", seed=3)
-    runner = ModelRunner(
-        EngineSettings(model=str(model_dir), device="cpu", dtype="bfloat16", kv_cache_gb=0.01)
+    settings = EngineSettings(  # dense weights to read back (packing: tests/engine/test_cpu_linear.py)
+        model=str(model_dir), device="cpu", dtype="bfloat16", kv_cache_gb=0.01, cpu_linear="torch"
     )
+    runner = ModelRunner(settings)
     assert runner.config.model_type == PRESETS[name].model_type
     assert runner.vocab_size == 512 and runner.num_layers == 1
     weights = dict(runner.model.named_parameters())
