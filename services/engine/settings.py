@@ -95,10 +95,12 @@ class EngineSettings(StageTlsSettings):
         },
     )
     cpu_linear: str = field(
-        default="auto",
+        default="torch",
         metadata={
-            "help": "linear layers on a CPU: auto (oneDNN's prepacked weights for fp32/bf16 without "
-            "quantization or --compile on, else torch's) | onednn (refused where it cannot run) | torch"
+            "help": "linear layers on a CPU: torch (torch's GEMM) | auto (oneDNN's prepacked weights for "
+            "fp32/bf16 without quantization or --compile on, else torch's) | onednn (refused where it "
+            "cannot run); not the default yet: oneDNN caches a kernel per row count, and the engine's "
+            "memory grows by a few hundred MB until that cache is full"
         },
     )
     cuda_graphs: str = field(

@@ -64,11 +64,14 @@ EXPECTED = {
 }
 
 
+@pytest.mark.parametrize("cpu_linear", ["torch", "auto"], ids=["torch-gemm", "onednn"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_greedy_matches_generate(family: str, family_model_dir: FamilyDir) -> None:
+def test_greedy_matches_generate(family: str, cpu_linear: str, family_model_dir: FamilyDir) -> None:
     model_dir = family_model_dir(family)
     items = family_workload(seed=3)
-    engine = family_engine(model_dir)
+    engine = family_engine(model_dir, cpu_linear=cpu_linear)
+    packed = engine.runner.packed_linears  # type: ignore[attr-defined]
+    assert (packed > 0) == (cpu_linear == "auto" and engine.runner.device.type == "cpu")  # type: ignore[attr-defined]
     spec = engine.runner.attention  # type: ignore[attr-defined]
     assert EXPECTED.get(family, lambda a: True)(spec), spec
     slid = _count_slides(engine)

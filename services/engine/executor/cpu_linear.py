@@ -4,8 +4,8 @@
 reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the dense weight is dropped
 (kept only by small layers, for steps of few rows: `DENSE_MAX_ELEMENTS`). A linear whose weight is also
 another module's parameter (a tied lm_head) stays.
-Modes: auto packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without quantization and
-without `--compile on`; onednn does the same and raises ValueError where it cannot; torch never packs.
+Modes: torch (the default) never packs; auto packs on a CPU where torch has oneDNN, for fp32 or bf16
+weights without quantization and without `--compile on`; onednn does the same, else raises ValueError.
 Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
 """
 
