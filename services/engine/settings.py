@@ -99,8 +99,8 @@ class EngineSettings(StageTlsSettings):
         metadata={
             "help": "linear layers on a CPU: torch (torch's GEMM) | auto (oneDNN's prepacked weights for "
             "fp32/bf16 without quantization or --compile on, else torch's) | onednn (refused where it "
-            "cannot run); not the default yet: oneDNN caches a kernel per row count, and the engine's "
-            "memory grows by a few hundred MB until that cache is full"
+            "cannot run); not the default yet: with it the engine's memory grew by a few hundred MB "
+            "over a long run (likely oneDNN's kernel per input shape, not yet confirmed)"
         },
     )
     cuda_graphs: str = field(
