@@ -10,6 +10,7 @@ BATCHING_POLICIES = ("continuous", "dynamic", "static")
 SPECULATIVE_METHODS = ("off", "ngram")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+CPU_LINEAR_MODES = ("auto", "onednn", "torch")  # what each does: executor/cpu_linear.py
 MOE_EXPERTS = ("auto", "grouped_mm", "eager", "batched_mm")  # what each is: executor/moe.py
 CHOICES = (
     ("batching", BATCHING_POLICIES),
@@ -22,7 +23,7 @@ CHOICES = (
     ("quantization", QUANTIZATIONS),
     ("kv_cache_dtype", KV_CACHE_DTYPES),
     ("moe_experts", MOE_EXPERTS),
-    ("cpu_linear", ("auto", "onednn", "torch")),
+    ("cpu_linear", CPU_LINEAR_MODES),
 )
 BOUNDS = (  # kv_cache_gb 0 = automatic, threads 0 = torch's default, loop_recoveries 0 = none
     (">=", 1, ("max_num_seqs", "max_num_batched_tokens", "block_size", "static_batch_size")),

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.settings import CPU_LINEAR_MODES as MODES
+
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "onednn", "torch")
 DTYPES = (torch.float32, torch.bfloat16)
 
 
