@@ -94,6 +94,8 @@ def plan_children(args: argparse.Namespace, model: str, load: float | None = Non
         engine_extra += ("--device", args.device)
     if args.compile:
         engine_extra += ("--compile", args.compile)
+    if args.cpu_linear:
+        engine_extra += ("--cpu-linear", args.cpu_linear)
     children: list[Child] = []
     addresses: dict[str, list[str]] = {}
     offset = 0

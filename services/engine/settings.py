@@ -96,12 +96,11 @@ class EngineSettings(StageTlsSettings):
         },
     )
     cpu_linear: str = field(
-        default="torch",
+        default="auto",
         metadata={
-            "help": "linear layers on a CPU: torch (torch's GEMM) | auto (oneDNN's prepacked weights for "
-            "fp32/bf16 without quantization or --compile on, else torch's) | onednn (refused where it "
-            "cannot run); not the default yet: with it the engine's memory grew by a few hundred MB "
-            "over a long run (likely oneDNN's kernel per input shape, not yet confirmed)"
+            "help": "linear layers on a CPU: auto (oneDNN's prepacked weights for fp32/bf16 without "
+            "quantization or --compile on, else torch's) | onednn (refused where it cannot run) | torch "
+            "(torch's GEMM)"
         },
     )
     cuda_graphs: str = field(

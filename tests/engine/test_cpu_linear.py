@@ -9,6 +9,7 @@ from torch import nn
 
 from services.engine.executor import cpu_linear
 from services.engine.executor.cpu_linear import PackedLinear, pack_linears, why_not
+from sluice.launcher import parse_args, plan_children
 
 CPU = torch.device("cpu")
 HAS_ONEDNN = why_not("auto", CPU, torch.float32, "none", "off") == ""
@@ -41,6 +42,40 @@ def test_packed_linear_computes_what_linear_does(
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
     x = torch.randn(96, 4, generator=gen).to(dtype).t()  # a non-contiguous input
     torch.testing.assert_close(packed(x).float(), linear(x).float(), rtol=tol, atol=tol * 10)
+
+
+def test_row_buckets_are_few_and_pad_little() -> None:
+    """Every row count a oneDNN call can see maps to one of a few sizes, with at most 7 padding rows, and at
+    most 1/8 past 64; up to 16 rows run unpadded."""
+    assert len(cpu_linear.ROW_BUCKETS) <= 40 and max(cpu_linear.ROW_BUCKETS) == cpu_linear.MAX_ROWS
+    for n in range(1, cpu_linear.MAX_ROWS + 1):
+        bucket = cpu_linear.row_bucket(n)
+        assert bucket in cpu_linear.ROW_BUCKETS and n <= bucket
+        assert bucket == n if n <= 16 else bucket - n <= max(7, n // 8)
+
+
+@needs_onednn
+def test_packed_linear_calls_onednn_on_bucketed_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever the row count, oneDNN sees only ROW_BUCKETS rows (so its kernel per shape stays bounded),
+    and the product still equals nn.Linear's, across pieces of MAX_ROWS too."""
+    seen: set[int] = set()
+    real = cpu_linear.onednn_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        seen.add(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", recording)
+    monkeypatch.setattr(cpu_linear, "DENSE_MAX_ELEMENTS", 100)
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(32, 48)
+    packed = PackedLinear(linear)
+    for n in [1, 5, 17, 57, 65, 200, 256, 257, 300, 700]:
+        x = torch.randn(n, 32, generator=gen)
+        with torch.inference_mode():
+            torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert seen <= set(cpu_linear.ROW_BUCKETS)
+    assert {1, 5, 24, 64, 72, 208, 256, 48, 192} <= seen  # 17->24, 57->64, 65->72, 200->208, 300: 256+48, ...
 
 
 class _Tied(nn.Module):
@@ -99,3 +134,13 @@ def test_torch_mode_packs_nothing_and_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
         why_not("mkl", CPU, torch.float32, "none", "off")
     assert cpu_linear.MODES == ("auto", "onednn", "torch")
+
+
+def test_sluice_up_passes_cpu_linear_to_the_engines_only() -> None:
+    children = plan_children(parse_args(["--cpu-linear", "torch"]), "/models/m")
+    engine = next(c for c in children if c.service == "engine")
+    assert engine.flags[list(engine.flags).index("--cpu-linear") + 1] == "torch"
+    assert all("--cpu-linear" not in c.flags for c in children if c.service != "engine")
+    assert all("--cpu-linear" not in c.flags for c in plan_children(parse_args([]), "/models/m"))
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu-linear", "mkl"])

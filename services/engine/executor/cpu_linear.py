@@ -4,8 +4,13 @@
 reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the dense weight is dropped
 (kept only by small layers, for steps of few rows: `DENSE_MAX_ELEMENTS`). A linear whose weight is also
 another module's parameter (a tied lm_head) stays.
-Modes: torch (the default) never packs; auto packs on a CPU where torch has oneDNN, for fp32 or bf16
-weights without quantization and without `--compile on`; onednn does the same, else raises ValueError.
+oneDNN builds and keeps a kernel per input shape (in two caches, oneDNN's and its ideep wrapper's, 1,024
+entries each), and the engine's row count changes every step: rows 1 to 2,048 through the tiny model's
+four linear shapes grew a process by 1.35 GB. So the rows go in padded to one of 38 sizes (`row_bucket`:
+at most 7 padding rows, or 1/8) and in pieces of at most `MAX_ROWS`: at most `len(ROW_BUCKETS)` kernels
+per weight shape, whatever the steps (the same rows grew it by 110 MB).
+Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without
+quantization and without `--compile on`; onednn does the same, else raises ValueError; torch never packs.
 Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
 """
 
@@ -31,6 +36,26 @@ DTYPES = (torch.float32, torch.bfloat16)
 # 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM). Larger weights go to oneDNN at any row count.
 DENSE_MAX_ELEMENTS = 1 << 20
 FEW_ROWS = 8
+MAX_ROWS = 256  # rows of one oneDNN call; more go in pieces (a GEMM's speed per row is flat from here)
+
+
+def row_bucket(n: int) -> int:
+    """The padded row count for n rows (1 <= n <= MAX_ROWS): n itself up to 16 (batch-1 and small decode
+    steps pay nothing), a multiple of 8 up to 64, then eight sizes an octave (72, 80, ... 128, 144, ...
+    256): at most 7 padding rows, and at most 1/8 of them past 64. A padding row costs about what a real
+    one does (tiny model's shapes, 57 rows run as 64: +9-13%)."""
+    if n <= 16:
+        return n
+    step = 8 if n <= 64 else 1 << ((n - 1).bit_length() - 4)
+    return -(-n // step) * step
+
+
+ROW_BUCKETS = sorted({row_bucket(n) for n in range(1, MAX_ROWS + 1)})
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's x W^T + b, W as `_reorder_linear_weight` packed it: (rows, in) -> (rows, out)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
@@ -52,7 +77,21 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.numel() < FEW_ROWS * self.in_features:
             return F.linear(x, self.dense, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)  # (n, in)
+        n = rows.shape[0]
+        if n <= MAX_ROWS:
+            y = self._padded(rows)
+        else:
+            y = rows.new_empty(n, self.out_features)  # (n, out), filled piece by piece
+            for start in range(0, n, MAX_ROWS):
+                y[start : start + MAX_ROWS] = self._padded(rows[start : start + MAX_ROWS])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product of n <= MAX_ROWS rows, run on row_bucket(n) rows: (n, in) -> (n, out)."""
+        n, bucket = rows.shape[0], row_bucket(rows.shape[0])
+        padded = F.pad(rows, (0, 0, 0, bucket - n)) if bucket > n else rows  # (bucket, in)
+        return onednn_linear(padded, self.weight, self.bias)[:n]
 
     def extra_repr(self) -> str:
         bias = self.bias is not None
