@@ -6,9 +6,9 @@ reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the 
 another module's parameter (a tied lm_head) stays.
 oneDNN builds and keeps a kernel per input shape (in two caches, oneDNN's and its ideep wrapper's, 1,024
 entries each), and the engine's row count changes every step: rows 1 to 2,048 through the tiny model's
-four linear shapes grew a process by 1.35 GB. So the rows go in padded to one of 38 sizes (`row_bucket`:
-at most 7 padding rows, or 1/8) and in pieces of at most `MAX_ROWS`: at most `len(ROW_BUCKETS)` kernels
-per weight shape, whatever the steps (the same rows grew it by 110 MB).
+four linear shapes grew a process by 1.35 GB. So the rows go in padded to one of 50 sizes (`row_bucket`)
+and in pieces of at most `MAX_ROWS`: at most `len(ROW_BUCKETS)` kernels per weight shape, whatever the
+steps (the same rows then grew it by 130 MB; h1024's shapes by 270 MB).
 Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without
 quantization and without `--compile on`; onednn does the same, else raises ValueError; torch never packs.
 Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
@@ -36,17 +36,19 @@ DTYPES = (torch.float32, torch.bfloat16)
 # 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM). Larger weights go to oneDNN at any row count.
 DENSE_MAX_ELEMENTS = 1 << 20
 FEW_ROWS = 8
-MAX_ROWS = 256  # rows of one oneDNN call; more go in pieces (a GEMM's speed per row is flat from here)
+MAX_ROWS = 2048  # rows of one oneDNN call (the default step budget); more go in pieces
 
 
 def row_bucket(n: int) -> int:
     """The padded row count for n rows (1 <= n <= MAX_ROWS): n itself up to 16 (batch-1 and small decode
-    steps pay nothing), a multiple of 8 up to 64, then eight sizes an octave (72, 80, ... 128, 144, ...
-    256): at most 7 padding rows, and at most 1/8 of them past 64. A padding row costs about what a real
-    one does (tiny model's shapes, 57 rows run as 64: +9-13%)."""
+    steps pay nothing), a multiple of 8 up to 64, eight sizes an octave up to 256 (72, 80, ... 128, 144,
+    ... 256), then four (320, 384, 448, 512, 640, ... 2,048): at most 7 padding rows, 1/8 of them up to
+    256, 1/4 past it. A padding row costs about what a real one does (tiny model's shapes, 57 rows run as
+    64: +9-13%); steps past 256 rows are mostly prefill chunks, which fill the step's budget exactly."""
     if n <= 16:
         return n
-    step = 8 if n <= 64 else 1 << ((n - 1).bit_length() - 4)
+    per_octave = 8 if n <= 256 else 4
+    step = 8 if n <= 64 else (1 << (n - 1).bit_length()) // (2 * per_octave)
     return -(-n // step) * step
 
 

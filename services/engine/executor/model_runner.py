@@ -23,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id
 from services.engine.core.request import Request
-from services.engine.executor import capabilities, compiled, kv_sizing
+from services.engine.executor import capabilities, compiled, host_malloc, kv_sizing
 from services.engine.executor.attention import (
     ATTN_NAME,
     META_KWARG,
@@ -49,10 +49,13 @@ transformers.AttentionInterface.register(ATTN_NAME, compiled.attend)
 
 
 def load_runner(settings: EngineSettings) -> ModelRunner:
-    """The engine's runner as `settings` ask: torch's CPU threads, the model and its pool, resized on CUDA
-    with an automatic size from the memory free after a warm-up forward (kv_sizing.fit_kv_pool)."""
+    """The engine's runner as `settings` ask: torch's CPU threads and, on a CPU, the C allocator keeping
+    freed blocks (host_malloc), the model and its pool, resized on CUDA with an automatic size from the
+    memory free after a warm-up forward (kv_sizing.fit_kv_pool)."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    if resolve_device(settings.device).type == "cpu":
+        host_malloc.keep_freed_memory()
     runner = ModelRunner(settings)
     kv_sizing.fit_kv_pool(runner, settings)
     return runner
