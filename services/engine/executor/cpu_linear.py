@@ -33,8 +33,11 @@ DTYPES = (torch.float32, torch.bfloat16)
 # A weight of at most this many elements also keeps its dense copy, which steps of fewer than FEW_ROWS
 # rows multiply with torch's GEMM: with two threads waiting passively (as `sluice up` runs them), oneDNN's
 # parallel region around a small matrix-vector product cost more than the product (tiny model, batch 1:
-# 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM). Larger weights go to oneDNN at any row count.
-DENSE_MAX_ELEMENTS = 1 << 20
+# 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM; one 256 x 704 weight, two threads: 66 µs against 13).
+# Larger weights go to oneDNN at any row count: from 1024 x 1024 on, torch's matrix-vector product reads
+# the weight at about 20 GB/s, oneDNN's at 35-47 (h1024's batch-1 step 19-21 -> 16-17 ms when this
+# limit went from 2^20 to 2^19).
+DENSE_MAX_ELEMENTS = 1 << 19
 FEW_ROWS = 8
 MAX_ROWS = 2048  # rows of one oneDNN call (the default step budget); more go in pieces
 
