@@ -415,9 +415,10 @@ class GrammarQueue:
         for req, handle in list(self.compiling.items()):
             if not handle.ready():
                 if self.settled(handle, now):
+                    ran = f"{now - handle.started:.1f}s" if handle.started is not None else "?"
                     timeout = f"grammar_compile_timeout_s ({self.timeout_s:g}s)"
-                    detail = f"grammar: compiling it took longer than {timeout}: it is too large or complex; "
-                    failed.append((req, INVALID_ARGUMENT, detail + "simplify it"))
+                    detail = f"grammar: compiling it took longer than {timeout} (running {ran}): it is too "
+                    failed.append((req, INVALID_ARGUMENT, detail + "large or complex; simplify it"))
                 continue
             del self.compiling[req]
             try:
