@@ -62,8 +62,7 @@ RUN pip install --no-cache-dir --no-deps .
 RUN useradd --create-home --uid 10001 sluice && mkdir -p /models && chown sluice /models
 USER sluice
 # From /, so that the installed package's source is the one built (the path an engine loads it by).
-RUN cd / && python -c "import sys; from services.engine.executor.kernels import cpu_paged; \
-sys.exit(f'the CPU paged kernel did not build: {cpu_paged.status()[1]}' if cpu_paged.load() is None else 0)"
+RUN cd / && python -m services.engine.executor.kernels.cpu_paged --require
 
 EXPOSE 8000 50050 50051 50052 50053 9090
 CMD ["sluice", "up", "--host", "0.0.0.0"]

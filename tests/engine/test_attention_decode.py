@@ -255,3 +255,15 @@ def test_a_lock_left_by_a_build_killed_midway_does_not_block_the_next_one() -> N
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (build_dir / "lock").exists()
+
+
+def test_the_kernels_command_fails_only_when_required_and_not_built(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`python -m ...cpu_paged [--require]`: the image's build uses --require to fail without the kernel."""
+    monkeypatch.setattr(cpu_paged, "status", lambda: (None, "no C++ compiler"))
+    assert cpu_paged.main([]) == 0
+    assert cpu_paged.main(["--require"]) == 1
+    assert "did not build: no C++ compiler" in capsys.readouterr().out
+    monkeypatch.setattr(cpu_paged, "status", lambda: (SimpleNamespace(), ""))
+    assert cpu_paged.main(["--require"]) == 0

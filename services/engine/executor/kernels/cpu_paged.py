@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -136,6 +137,17 @@ def paged_decode(
     out.copy_(res)
 
 
-if __name__ == "__main__":  # `make install` builds it once, so that no engine start pays for it
+def main(argv: list[str]) -> int:
+    """`python -m services.engine.executor.kernels.cpu_paged [--require]`: builds the kernel once, so that
+    no engine start pays for it (`make install`, the image's build); with `--require`, exits 1 naming why
+    when it does not build (the image must carry it; a host without a compiler may do without)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    status()
+    module, why = status()
+    if module is None and "--require" in argv:
+        print(f"the CPU paged kernel did not build: {why}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
