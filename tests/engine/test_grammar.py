@@ -18,7 +18,14 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from services.engine.core.grammar import GrammarCompiler, GrammarError, GrammarSpec, GrammarState
+from services.common.errors import INVALID_ARGUMENT
+from services.engine.core.grammar import (
+    GrammarCompiler,
+    GrammarError,
+    GrammarQueue,
+    GrammarSpec,
+    GrammarState,
+)
 from services.engine.executor.grammar_mask import GrammarBatch, apply_bitmask_, bitmask_words
 from services.engine.executor.model_runner import read_eos_ids
 
@@ -574,3 +581,36 @@ def test_apply_bitmask_sets_forbidden_logits_to_minus_inf(device: str, rows: lis
         for token in range(vocab):
             expected = logits[row, token].item() if token in keep else float("-inf")
             assert masked[row, token].item() == expected
+
+
+class _FinishingHandle:
+    """A compile that finishes between the queue's first look and any later one, after `now`."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.looks = 0
+
+    def ready(self) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+    def result(self) -> Any:
+        raise GrammarError("json_schema: a compile error, reported as such")
+
+
+def test_a_compile_finishing_while_the_queue_looks_is_not_a_timeout() -> None:
+    """take() reads a handle's state once: a compile that was running when it looked and done a moment later
+    is reported for what it is at the next take, never as past grammar_compile_timeout_s."""
+    queue = GrammarQueue(compiler=None, timeout_s=300.0)
+    req = object()
+    handle = _FinishingHandle(started=1000.5)
+    queue.compiling[req] = handle  # type: ignore[index]
+    assert queue.take(now=1000.0) == ([], [])
+    ready, failed = queue.take(now=1000.1)
+    assert ready == []
+    assert failed == [(req, INVALID_ARGUMENT, "json_schema: a compile error, reported as such")]
+    running = _FinishingHandle(started=1000.0)
+    running.ready = lambda: False  # type: ignore[method-assign]
+    queue.compiling[req] = running  # type: ignore[index]
+    assert queue.take(now=1299.0) == ([], [])
+    assert "grammar_compile_timeout_s (300s) (running 300.0s)" in queue.take(now=1300.0)[1][0][2]

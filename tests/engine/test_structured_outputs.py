@@ -139,9 +139,6 @@ def engine_for(model_dir: Path, **kw: object) -> LLMEngine:
         num_kv_blocks=200,
         max_num_seqs=64,
         max_model_len=256,
-        # Generous: under the full suite on 2 cores one of these grammars took over the 10 s default to
-        # compile; the tests of the timeout itself pass their own.
-        grammar_compile_timeout_s=300.0,
     )
     settings.update(kw)
     return LLMEngine(EngineSettings(**settings))  # type: ignore[arg-type]

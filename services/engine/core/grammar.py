@@ -413,8 +413,8 @@ class GrammarQueue:
         ready: list[Request] = []
         failed: list[tuple[Request, str, str]] = []
         for req, handle in list(self.compiling.items()):
-            if not handle.ready():
-                if self.settled(handle, now):
+            if not handle.ready():  # read once: a compile may finish between two reads
+                if self.timed_out(handle, now):
                     ran = f"{now - handle.started:.1f}s" if handle.started is not None else "?"
                     timeout = f"grammar_compile_timeout_s ({self.timeout_s:g}s)"
                     detail = f"grammar: compiling it took longer than {timeout} (running {ran}): it is too "
@@ -439,10 +439,12 @@ class GrammarQueue:
         return 0.0
 
     def settled(self, handle: GrammarHandle, now: float) -> bool:
-        """Whether a compile is done or has been running longer than `timeout_s`. A compile still queued is
-        never settled: the queue's length says nothing about the grammar."""
-        if handle.ready():
-            return True
+        """Whether a compile is done or has been running longer than `timeout_s`."""
+        return handle.ready() or self.timed_out(handle, now)
+
+    def timed_out(self, handle: GrammarHandle, now: float) -> bool:
+        """Whether a compile has been running longer than `timeout_s` at `now`. A compile still queued never
+        has: the queue's length says nothing about the grammar."""
         started = handle.started
         return started is not None and now - started >= self.timeout_s
 

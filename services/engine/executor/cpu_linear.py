@@ -3,15 +3,12 @@
 `pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
 reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the dense weight is dropped
 (kept only by small layers, for steps of few rows: `DENSE_MAX_ELEMENTS`). A linear whose weight is also
-another module's parameter (a tied lm_head) stays.
-oneDNN builds and keeps a kernel per input shape (in two caches, oneDNN's and its ideep wrapper's, 1,024
-entries each), and the engine's row count changes every step: rows 1 to 2,048 through the tiny model's
-four linear shapes grew a process by 1.35 GB. So the rows go in padded to one of 50 sizes (`row_bucket`)
-and in pieces of at most `MAX_ROWS`: at most `len(ROW_BUCKETS)` kernels per weight shape, whatever the
-steps (the same rows then grew it by 130 MB; h1024's shapes by 270 MB).
-Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32 or bf16 weights without
-quantization and without `--compile on`; onednn does the same, else raises ValueError; torch never packs.
-Why: docs/architecture.md ("Where the cycles go": torch's default GEMM against oneDNN's on this CPU).
+another module's parameter (a tied lm_head) stays. oneDNN keeps a kernel per input shape, so the rows go in
+padded to one of a few sizes (`row_bucket`) and in pieces of at most `MAX_ROWS`: a bounded number of
+kernels per weight shape, whatever the steps. Modes: auto (the default) packs on a CPU where torch has
+oneDNN, for fp32 or bf16 weights without quantization and without `--compile on`; onednn does the same,
+else raises ValueError; torch never packs. Why, and the kernels' memory: docs/architecture.md ("Where the
+cycles go").
 """
 
 from __future__ import annotations
