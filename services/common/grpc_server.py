@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import signal
 import time
@@ -250,9 +251,11 @@ def run(main: Awaitable[None]) -> int:
     CONFIG_ERROR_STATUS when its configuration is refused: a setting (a ValueError, e.g. a context
     length the KV pool cannot hold, a model type not served) or a file the model needs that is not
     there (FileNotFoundError); the message is logged alone: the reader needs the numbers, not a
-    traceback through the start-up code. `sluice up` does not restart a service that exits so."""
+    traceback through the start-up code. `sluice up` does not restart a service that exits so. A crash
+    in native code (a segfault, an abort) prints every thread's Python stack to stderr (faulthandler)."""
     import uvloop
 
+    faulthandler.enable()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         uvloop.run(main)  # type: ignore[arg-type]

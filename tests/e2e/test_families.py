@@ -122,7 +122,11 @@ def test_every_family_streams_greedy_text_equal_to_generate(
         for url, gateway in gateways.values():
             wait_ready(url, gateway, deadline)
         urls = [front.ws_url] + [url.replace("http://", "ws://") + "/v1/ws" for url, _ in gateways.values()]
-        results = stream_prompts_to_all(urls)
+        try:
+            results = stream_prompts_to_all(urls)
+        except AssertionError as exc:  # which service said what: every engine's and gateway's last output
+            logs = "\n".join(f"--- {' '.join(s.proc.args[3:6])}\n{s.output()[-3000:]}" for s in services)
+            pytest.fail(f"{exc}\n{logs}\n--- sluice up\n{front.output()[-3000:]}")
     finally:
         codes = [service.stop() for service in [*services, front]]
     assert codes == [0] * len(codes), "\n".join(s.output() for s in [*services, front])
