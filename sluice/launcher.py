@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls
-from services.engine.settings import CPU_LINEAR_MODES
+from services.engine.settings import COMPILE_MODES, CPU_LINEAR_MODES
 from sluice.plan import (
     EMBEDDED_MODEL_NAME,
     LIGHT_NICE,
@@ -88,11 +88,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     add("--batching", default=None, help="engine batching policy: continuous | dynamic | static")
     add("--device", default=None, help="engine device: auto | cpu | cuda")
-    add("--compile", default=None, choices=("auto", "on", "off"),
+    add("--compile", default=None, choices=COMPILE_MODES,
         help="engine: torch.compile the model step (auto: on for CUDA, off on a CPU)")  # fmt: skip
     add("--cpu-linear", default=None, choices=CPU_LINEAR_MODES,
-        help="engine: linear layers on a CPU (auto: oneDNN's prepacked weights where they run; torch: "
-        "torch's GEMM)")  # fmt: skip
+        help="engine: linear layers on a CPU (auto: oneDNN's prepacked weights where they run; onednn: "
+        "the same, refused where they cannot; torch: torch's GEMM)")  # fmt: skip
     add(
         "--engine-threads",
         type=int,

@@ -10,6 +10,7 @@ BATCHING_POLICIES = ("continuous", "dynamic", "static")
 SPECULATIVE_METHODS = ("off", "ngram")
 QUANTIZATIONS = ("none", "int8", "fp8")
 KV_CACHE_DTYPES = ("auto", "fp8")
+COMPILE_MODES = ("auto", "on", "off")  # what each does: executor/compiled.py
 CPU_LINEAR_MODES = ("auto", "onednn", "torch")  # what each does: executor/cpu_linear.py
 MOE_EXPERTS = ("auto", "grouped_mm", "eager", "batched_mm")  # what each is: executor/moe.py
 CHOICES = (
@@ -17,7 +18,7 @@ CHOICES = (
     ("dtype", ("auto", "float32", "bfloat16", "float16")),
     ("attention_backend", ("auto", "torch", "cpu", "triton")),
     ("cuda_graphs", ("on", "off")),
-    ("compile", ("auto", "on", "off")),
+    ("compile", COMPILE_MODES),
     ("async_scheduling", ("auto", "on", "off")),
     ("speculative", SPECULATIVE_METHODS),
     ("quantization", QUANTIZATIONS),

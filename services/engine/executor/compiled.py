@@ -25,8 +25,6 @@ from services.engine.executor.attention import StepMeta
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "on", "off")
-
 
 class _Current(threading.local):
     meta: StepMeta | None = None

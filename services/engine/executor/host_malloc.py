@@ -26,6 +26,7 @@ def keep_freed_memory() -> bool:
     """Sets glibc's mmap and trim thresholds to KEEP_BYTES for this process (True when both took; False,
     logged, on another C library or platform). Affects allocations made after the call."""
     if not sys.platform.startswith("linux"):
+        log.info("host allocator: left as it is on %s", sys.platform)
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
