@@ -21,8 +21,10 @@ back get another within a second of answering SERVING again.
 Checks: every request completes with exactly the lone run's text, or ends with an `unavailable` error
 within FAILED_WITHIN_S of a fault, or `internal` within that of a runner's raising (never another error,
 never a hang); after each fault the gateway's
-/readyz is ready again within READY_WITHIN_S, and the faulted replica comes back (replaced or resumed,
-SERVING, and named serving by /readyz: the recovery time of the summary); afterwards every engine's KV
+/readyz names the fault's stage ready again (a replica of it SERVING) within READY_WITHIN_S of the last
+fault on that stage (both replicas of a stage can be down at once; other stages' faults are their own),
+and the faulted replica comes back (replaced or resumed, SERVING, and named serving by /readyz: the
+recovery time of the summary); afterwards every engine's KV
 free list is full, nothing runs or waits there and the gateway has nothing in flight (the engines' Stats
 RPC and the gateway's in-flight gauge, as tests/reliability/conftest.py reads them); `sluice up` never
 gave up.
@@ -44,6 +46,7 @@ import re
 import signal
 import statistics
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
@@ -133,7 +136,7 @@ class Fault:
     pid: int
     stop_s: float = 0.0
     recovered_before: int = 0  # a failed loop: the engine's in-process recoveries logged before it
-    ready_s: float | None = None  # until /readyz next said ready
+    ready_s: float | None = None  # until /readyz next named the fault's stage ready
     recovery_s: float | None = None  # until the replica was back, SERVING, and seen so by the gateway
     resumed: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -309,12 +312,25 @@ def serving(port: int) -> bool:
 
 
 def readyz(pipeline: Pipeline) -> dict[str, Any] | None:
-    """The body of /readyz when it says ready (200), else None."""
+    """The body of /readyz, ready (200) or not (503: it names each stage's readiness too); None when the
+    gateway gave no such answer."""
     try:
         with urllib.request.urlopen(f"{pipeline.http_url}/readyz", timeout=5.0) as reply:
             return dict(json.loads(reply.read()))
-    except OSError:  # urllib's HTTPError (a 503) included
+    except urllib.error.HTTPError as error:
+        return dict(json.loads(error.read())) if error.code == 503 else None
+    except (OSError, ValueError):
         return None
+
+
+def stages(body: dict[str, Any] | None) -> dict[str, Any]:
+    """The stages a /readyz body names (none for an answer without them)."""
+    return dict(body.get("stages", {})) if body is not None else {}
+
+
+def stage_ready(pipeline: Pipeline, stage: str) -> bool:
+    """/readyz names `stage` ready: a replica of it answers SERVING."""
+    return bool(stages(readyz(pipeline)).get(stage, {}).get("ready"))
 
 
 class Schedule:
@@ -376,8 +392,9 @@ class Schedule:
                 self.inject(self._kind(fault.target), fault.target)
 
     async def _ready(self, fault: Fault) -> None:
-        """The first /readyz asked after the fault that says ready."""
-        while await asyncio.to_thread(readyz, self.pipeline) is None:
+        """The first /readyz asked after the fault that names the fault's stage ready."""
+        stage = fault.target.rsplit("-", 1)[0]
+        while not await asyncio.to_thread(stage_ready, self.pipeline, stage):
             if time.monotonic() > fault.at + GIVE_UP_S:
                 return
             await asyncio.sleep(0.05)
@@ -398,8 +415,8 @@ class Schedule:
             return replaced or resumed or recovered or over
 
         def seen() -> bool:
-            body = readyz(self.pipeline)
-            return body is not None and body["stages"][stage]["replicas"][int(number) - 1]
+            named = stages(readyz(self.pipeline)).get(stage)  # ready or not: other stages' faults are theirs
+            return named is not None and bool(named["replicas"][int(number) - 1])
 
         for condition in (back, lambda: serving(port), seen):
             while not await asyncio.to_thread(condition):
@@ -490,7 +507,8 @@ def violations(outcomes: list[Outcome], faults: list[Fault], pathological: list[
     """Every request that neither completed exactly nor failed `unavailable` within FAILED_WITHIN_S of
     a fault (of the stage its error names, when it names one), or `internal` within that of the end of a
     model runner's raising; every pathological request that hung or got no JSON answer; every fault
-    after which /readyz was not ready again within READY_WITHIN_S, or whose replica never came back."""
+    after which /readyz did not name its stage ready within READY_WITHIN_S of the last fault on that
+    stage, and every one whose replica never came back."""
     found = []
     for o in outcomes:
         if o.kind == "exact":
@@ -512,11 +530,22 @@ def violations(outcomes: list[Outcome], faults: list[Fault], pathological: list[
         if o.kind in ("hung", "error"):  # a JSON answer of its own is all it is owed
             found.append(f"pathological {o.prompt} request sent at {o.sent:.1f}: {o.kind}: {o.detail}")
     for f in faults:
-        if f.ready_s is None or f.ready_s > READY_WITHIN_S:
-            found.append(f"{f.kind} of {f.target} at {f.at:.1f}: /readyz ready again after {f.ready_s} s")
+        if f.ready_s is None or f.ready_s - since_last_on_stage(f, faults) > READY_WITHIN_S:
+            when = f"{f.kind} of {f.target} at {f.at:.1f}"
+            found.append(f"{when}: /readyz named its stage ready again after {f.ready_s} s")
         if f.recovery_s is None:
             found.append(f"{f.kind} of {f.target} at {f.at:.1f}: the replica not back after {GIVE_UP_S:g} s")
     return found
+
+
+def since_last_on_stage(fault: Fault, faults: list[Fault]) -> float:
+    """How long after `fault` came the last fault on its stage before /readyz named the stage ready again
+    (0 when none came between): with both of a stage's replicas faulted, its readiness waits for the
+    later one."""
+    stage = fault.target.rsplit("-", 1)[0]
+    end = fault.at + (fault.ready_s or 0.0)
+    later = [g.at for g in faults if g.target.rsplit("-", 1)[0] == stage and fault.at <= g.at <= end]
+    return max(later) - fault.at
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -568,7 +597,7 @@ def summary(
             "p99": percentile(recoveries, 99),
             "max": max(recoveries, default=None),
         },
-        "ready_s": {  # until /readyz said ready again
+        "ready_s": {  # until /readyz named the fault's stage ready again
             "p50": percentile(readies, 50),
             "p99": percentile(readies, 99),
             "max": max(readies, default=None),
