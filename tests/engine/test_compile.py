@@ -75,6 +75,8 @@ def test_compiled_greedy_matches_generate_with_every_graph_compiled_at_start_up(
     engine = _engine(llama_dir, compile="on")
     step = engine.runner._compiled
     assert step is not None and step.sizes == [1, 4]  # decode batches of 1, prefill chunks of up to 4
+    if engine.runner.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        assert engine.runner.packed_linears > 0  # oneDNN's layers inside the graphs (sluice::packed_linear)
     compiled_at_start = counters["stats"]["unique_graphs"] - before
     assert compiled_at_start == len(step.sizes)
     runs = []

@@ -12,7 +12,7 @@ from services.engine.executor.cpu_linear import PackedLinear, pack_linears, why_
 from sluice.launcher import parse_args, plan_children
 
 CPU = torch.device("cpu")
-HAS_ONEDNN = why_not("auto", CPU, torch.float32, "none", "off") == ""
+HAS_ONEDNN = why_not("auto", CPU, torch.float32, "none") == ""
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneDNN")
 
 
@@ -100,7 +100,7 @@ def test_pack_linears_packs_all_but_a_tied_head_and_keeps_the_outputs() -> None:
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.inference_mode():
         want = model(ids)
-    assert pack_linears(model, "auto", CPU, torch.float32, "none", "off") == 2
+    assert pack_linears(model, "auto", CPU, torch.float32, "none") == 2
     assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
     assert isinstance(model.head, nn.Linear) and model.head.weight is model.embed.weight
     assert not any(name.startswith(("up.", "down.")) for name, _ in model.named_parameters())
@@ -109,32 +109,31 @@ def test_pack_linears_packs_all_but_a_tied_head_and_keeps_the_outputs() -> None:
 
 
 @pytest.mark.parametrize(
-    ("device", "dtype", "quantization", "compile_mode", "reason"),
+    ("device", "dtype", "quantization", "reason"),
     [
-        ("cuda", torch.float32, "none", "off", "the device is cuda"),
-        ("cpu", torch.float16, "none", "off", "torch.float16 weights"),
-        ("cpu", torch.float32, "int8", "off", "quantization int8"),
-        ("cpu", torch.float32, "none", "on", "the compiled step"),
+        ("cuda", torch.float32, "none", "the device is cuda"),
+        ("cpu", torch.float16, "none", "torch.float16 weights"),
+        ("cpu", torch.float32, "int8", "quantization int8"),
     ],
 )
 def test_auto_packs_nothing_where_it_cannot_and_onednn_is_refused_there(
-    device: str, dtype: torch.dtype, quantization: str, compile_mode: str, reason: str
+    device: str, dtype: torch.dtype, quantization: str, reason: str
 ) -> None:
     dev = torch.device(device)
-    assert reason in why_not("auto", dev, dtype, quantization, compile_mode)
+    assert reason in why_not("auto", dev, dtype, quantization)
     with pytest.raises(ValueError, match=f"cpu_linear onednn cannot run here: {reason}"):
-        why_not("onednn", dev, dtype, quantization, compile_mode)
+        why_not("onednn", dev, dtype, quantization)
     model = nn.Sequential(nn.Linear(4, 4))
-    assert pack_linears(model, "auto", dev, dtype, quantization, compile_mode) == 0
+    assert pack_linears(model, "auto", dev, dtype, quantization) == 0
     assert isinstance(model[0], nn.Linear)
 
 
 def test_torch_mode_packs_nothing_and_an_unknown_mode_is_refused() -> None:
     model = nn.Sequential(nn.Linear(4, 4))
-    assert pack_linears(model, "torch", CPU, torch.float32, "none", "off") == 0
+    assert pack_linears(model, "torch", CPU, torch.float32, "none") == 0
     assert isinstance(model[0], nn.Linear)
     with pytest.raises(ValueError, match="cpu_linear must be one of auto, onednn, torch"):
-        why_not("mkl", CPU, torch.float32, "none", "off")
+        why_not("mkl", CPU, torch.float32, "none")
     assert cpu_linear.MODES == ("auto", "onednn", "torch")
 
 
@@ -146,3 +145,35 @@ def test_sluice_up_passes_cpu_linear_to_the_engines_only() -> None:
     assert all("--cpu-linear" not in c.flags for c in plan_children(parse_args([]), "/models/m"))
     with pytest.raises(SystemExit):
         parse_args(["--cpu-linear", "mkl"])
+
+
+@needs_onednn
+@pytest.mark.parametrize("keeps_dense", [True, False], ids=["small", "large"])
+def test_a_compiled_graph_multiplies_through_the_custom_op(
+    keeps_dense: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under torch.compile the layer is `sluice::packed_linear`, one opaque node (torch.library.opcheck:
+    its fake shapes and its schema), and the compiled graph around it computes what the eager layer does."""
+    if not keeps_dense:
+        monkeypatch.setattr(cpu_linear, "DENSE_MAX_ELEMENTS", 100)
+    gen = torch.Generator().manual_seed(1)
+    linear = nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(48, 64, generator=gen))
+    packed = PackedLinear(linear)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    fn = torch.compile(lambda x: torch.relu(packed(x)) * 2.0, backend=backend, fullgraph=True, dynamic=False)
+    for rows in (1, 3, 20):
+        x = torch.randn(1, rows, 64, generator=gen)
+        torch.library.opcheck(cpu_linear.packed_linear_op, (x, packed.number))
+        with torch.inference_mode():
+            torch.testing.assert_close(fn(x), torch.relu(linear(x)) * 2.0, rtol=1e-5, atol=1e-5)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert "sluice.packed_linear.default" in targets, targets

@@ -1,19 +1,20 @@
 """Linear layers on oneDNN's prepacked weights, on a CPU (`--cpu-linear`).
 
 `pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
-reordered once into oneDNN's blocked layout, multiplied by oneDNN's linear; the dense weight is dropped
-(kept only by small layers, for steps of few rows: `DENSE_MAX_ELEMENTS`). A linear whose weight is also
-another module's parameter (a tied lm_head) stays. oneDNN keeps a kernel per input shape, so the rows go in
-padded to one of a few sizes (`row_bucket`) and in pieces of at most `MAX_ROWS`: a bounded number of
-kernels per weight shape, whatever the steps. Modes: auto (the default) packs on a CPU where torch has
-oneDNN, for fp32 or bf16 weights without quantization and without `--compile on`; onednn does the same,
-else raises ValueError; torch never packs. Why, and the kernels' memory: docs/architecture.md ("Where the
-cycles go").
+reordered once into oneDNN's blocked layout; the dense weight is dropped (kept by small layers, for steps of
+few rows: `DENSE_MAX_ELEMENTS`); a tied lm_head stays. oneDNN keeps a kernel per input shape, so the rows go
+in padded to a few sizes (`row_bucket`), in pieces of at most `MAX_ROWS`. In a compiled step a layer is the
+opaque custom op `sluice::packed_linear` (naming the layer by a number): inductor fuses what lies between
+the products, oneDNN does them. Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32
+or bf16 weights without quantization; onednn does the same, else raises ValueError; torch never packs.
+Why, and the kernels' memory: docs/architecture.md ("Where the cycles go").
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections import Counter
 
 import torch
@@ -60,12 +61,32 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+# Every PackedLinear of the process by its number: what the custom op multiplies by (a packed weight is an
+# opaque oneDNN tensor, which a traced graph cannot take as an input).
+_LAYERS: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("sluice::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """PackedLinear number `layer` of x: (..., in) -> (..., out), a new tensor."""
+    return _LAYERS[layer].product(x)
+
+
+@packed_linear_op.register_fake
+def _(x: torch.Tensor, layer: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[layer].out_features))
+
+
 class PackedLinear(nn.Module):
     """`nn.Linear`'s forward on a weight in oneDNN's layout: y = x W^T + b for x (..., in_features); a
-    small weight's steps of few rows on its dense copy (DENSE_MAX_ELEMENTS, FEW_ROWS)."""
+    small weight's steps of few rows on its dense copy (DENSE_MAX_ELEMENTS, FEW_ROWS). Traced by
+    torch.compile, the layer is the custom op `sluice::packed_linear`."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
+        self.number = next(_NUMBERS)
+        _LAYERS[self.number] = self
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         weight = linear.weight.detach()
@@ -77,6 +98,12 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear_op(x, self.number)
+        return self.product(x)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b: (..., in_features) -> (..., out_features)."""
         if self.dense is not None and x.numel() < FEW_ROWS * self.in_features:
             return F.linear(x, self.dense, self.bias)
         rows = x.reshape(-1, self.in_features)  # (n, in)
@@ -100,7 +127,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
-def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: str, compile_mode: str) -> str:
+def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: str) -> str:
     """Why `mode` packs nothing here ("" when it packs). Raises ValueError for an unknown mode, and for
     onednn where it cannot run (the reason in the message)."""
     if mode not in MODES:
@@ -116,8 +143,6 @@ def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: s
         reason = f"{dtype} weights (oneDNN's linear here: float32, bfloat16)"
     elif quantization != "none":
         reason = f"quantization {quantization} has its own linear layers"
-    elif compile_mode == "on":
-        reason = "the compiled step multiplies with torch's linear"
     if reason and mode == "onednn":
         raise ValueError(f"cpu_linear onednn cannot run here: {reason}")
     return reason
@@ -129,11 +154,10 @@ def pack_linears(
     device: torch.device,
     dtype: torch.dtype,
     quantization: str,
-    compile_mode: str,
 ) -> int:
     """Replaces `model`'s linear layers by `PackedLinear`s where `mode` asks for it (see `why_not`) and
     returns how many; logs the count or the reason for none."""
-    reason = why_not(mode, device, dtype, quantization, compile_mode)
+    reason = why_not(mode, device, dtype, quantization)
     if reason:
         log.info("linear layers: torch's (%s)", reason)
         return 0

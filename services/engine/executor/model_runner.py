@@ -193,7 +193,7 @@ class ModelRunner:
             )
         quantize_model(self.model, quantization, self.device)
         self.packed_linears = pack_linears(
-            self.model, settings.cpu_linear, self.device, self.dtype, quantization, settings.compile
+            self.model, settings.cpu_linear, self.device, self.dtype, quantization
         )
         self.num_layers = int(config.num_hidden_layers)
         # The head layout, windows, soft-caps and sinks as the model's own attention calls show them.
