@@ -100,7 +100,7 @@ class EngineSettings(StageTlsSettings):
         default="auto",
         metadata={
             "help": "linear layers on a CPU: auto (oneDNN's prepacked weights for fp32/bf16 without "
-            "quantization or --compile on, else torch's) | onednn (refused where it cannot run) | torch "
+            "quantization, compiled or not; else torch's) | onednn (refused where it cannot run) | torch "
             "(torch's GEMM)"
         },
     )
