@@ -7,8 +7,8 @@ once; a child that served and then has not answered SERVING for `unhealthy_resta
 not SERVING within the start-up timeout, gets SIGTERM and SIGCONT, then SIGKILL after KILL_GRACE_S. A start
 takes a ready `Standby` of its kind when there is one; standbys count for nothing in health, and one that
 exits by itself turns its kind's off. Every child and standby gets SIGTERM when the launcher dies
-(PR_SET_PDEATHSIG) and starts at its `Child.nice` (a standby at its kind's). Figures and history:
-docs/architecture.md ("`sluice up`") and docs/reliability.md ("Faults and restarts").
+(PR_SET_PDEATHSIG); a child runs at its `Child.nice` once it serves, a standby at its kind's. Figures and
+history: docs/architecture.md ("`sluice up`") and docs/reliability.md ("Faults and restarts").
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls, client_channel, wait_healthy
+from services.common.priority import NICE_ENV, set_every_thread_nice
 from sluice.plan import STAGES, Child
 
 STARTUP_TIMEOUT_S = 300.0
@@ -145,15 +146,17 @@ class Supervisor:
 
     def start_child(self, child: Child) -> None:
         """Starts (or starts again) one child, from a ready standby of its kind when there is one, and
-        prints its pid. The child gets SIGTERM if the launcher dies (see `_parent_death_signal`)."""
+        prints its pid. The child gets SIGTERM if the launcher dies (see `_parent_death_signal`). A cold
+        start runs at the launcher's priority until the child serves, then `child.nice` lower (NICE_ENV,
+        services/common/priority.py): its imports and loading do not wait behind busy engines; a
+        standby already runs at its kind's."""
         standby, proc, how = self._ready_standby(child.kind), None, ""
         if standby is not None:
             with contextlib.suppress(OSError):  # it died since it said ready: a cold start then
                 proc, how = standby.hand_over(child.argv), " from a standby"
         if proc is None:
-            proc = subprocess.Popen(
-                self.command(child), env=self.env, preexec_fn=self._child_preexec(child.nice)
-            )
+            env = {**self.env, NICE_ENV: str(child.nice)} if child.nice > 0 else self.env
+            proc = subprocess.Popen(self.command(child), env=env, preexec_fn=self._preexec)
         self.procs[child.name] = proc
         print(f"sluice up: {child.name} started (pid {proc.pid}){how}", flush=True)
 
@@ -162,7 +165,7 @@ class Supervisor:
         return next((child.nice for child in self.children if child.kind == kind), 0)
 
     def _child_preexec(self, nice: int) -> Callable[[], None] | None:
-        """Popen's `preexec_fn` for a child or standby `nice` lower in priority than the launcher."""
+        """Popen's `preexec_fn` for a standby `nice` lower in priority than the launcher."""
         return with_nice(self._preexec, nice)
 
     @staticmethod
@@ -600,18 +603,7 @@ def _yield_while_importing() -> Callable[[], None]:
     if sys.platform != "linux" or not _may_raise_priority(nice):
         return lambda: None
     os.setpriority(os.PRIO_PROCESS, 0, nice + STANDBY_NICE)
-    return lambda: _set_every_thread_nice(nice)
-
-
-def _set_every_thread_nice(nice: int) -> None:
-    """Sets the nice value of every thread of this process (Linux: /proc/self/task lists them), again
-    for threads that a thread still at the old value started meanwhile, until no new one appears."""
-    done: set[str] = set()
-    while new := set(os.listdir("/proc/self/task")) - done:
-        for task in new:
-            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-                os.setpriority(os.PRIO_PROCESS, int(task), nice)
-        done |= new
+    return lambda: set_every_thread_nice(nice)
 
 
 def standby_main(argv: list[str]) -> int:

@@ -27,7 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common import telemetry
+from services.common import priority, telemetry
 from services.common.metrics import ServiceMetrics
 from services.common.settings import StageTlsSettings
 
@@ -226,9 +226,11 @@ async def serve_forever(
     banner: str = "",
     on_drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Starts the handle's server, marks it serving, prints `banner` (default: "NAME listening on port
+    """Lowers the process's CPU priority as `sluice up` asked (priority.NICE_ENV: its start is done),
+    starts the handle's server, marks it serving, prints `banner` (default: "NAME listening on port
     N"), and waits for SIGTERM or SIGINT; then stops the handle (not serving, calls in flight given up
     to `grace_s` seconds, the core released), runs `on_drain`, and returns."""
+    priority.lower_when_serving()
     await handle.start()
     log.info("%s serving on port %d", name, handle.port)
     print(banner or f"{name} listening on port {handle.port}", flush=True)

@@ -660,16 +660,33 @@ def test_threads_started_while_a_standby_imports_get_the_replicas_priority_back(
 
 
 class _SleeperSupervisor(Supervisor):
-    """A Supervisor whose children are Python processes that sleep a minute (killed by the test)."""
+    """A Supervisor whose children are Python processes that start a thread, wait for a line on stdin
+    (their start-up), then do what a service does as it starts serving (`priority.lower_when_serving`)
+    and sleep a minute (killed by the test)."""
 
     @staticmethod
     def command(child: Child) -> list[str]:
-        return [sys.executable, "-c", "import time; time.sleep(60)"]
+        code = (
+            "import sys, threading, time; from services.common import priority; "
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); sys.stdin.readline(); "
+            "priority.lower_when_serving(); time.sleep(60)"
+        )
+        return [sys.executable, "-c", code]
+
+
+def _wait_for_nice(pid: int, want: set[int], deadline_s: float = 60.0) -> dict[int, int]:
+    """Thread nice values of `pid` once they are `want` (or as they are at the deadline)."""
+    end = time.monotonic() + deadline_s
+    while (values := thread_nice_values(pid)) and set(values.values()) != want and time.monotonic() < end:
+        time.sleep(0.02)
+    return values
 
 
 def test_children_and_standbys_start_at_their_planned_priority(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The light stages' processes (and their kinds' standbys) run `Child.nice` lower than the
-    launcher, read back from /proc; the engine's run at the launcher's own."""
+    """A cold start runs at the launcher's priority while it starts (its imports and loading do not
+    wait behind busy engines); a light stage then runs `Child.nice` lower, on every thread, once it
+    serves; its kind's standbys start that much lower; the engine runs at the launcher's own. Read back
+    from /proc."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
     children = [Child("tokenizer", 0, (), nice=plan.LIGHT_NICE), Child("engine", 0, ())]
     supervisor = _SleeperSupervisor(children, env=dict(os.environ))
@@ -680,11 +697,26 @@ def test_children_and_standbys_start_at_their_planned_priority(monkeypatch: pyte
         return _FakeStandby(kind, env, preexec)
 
     monkeypatch.setattr(supervise, "Standby", standby)
+    popen = subprocess.Popen
+
+    def with_stdin(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        return popen(*args, stdin=subprocess.PIPE, **kwargs)
+
+    monkeypatch.setattr(supervise.subprocess, "Popen", with_stdin)
     try:
         for child in children:
             supervisor.start_child(child)
-        nice = {name: set(thread_nice_values(proc.pid).values()) for name, proc in supervisor.procs.items()}
-        assert nice == {"tokenizer": {min(19, before + plan.LIGHT_NICE)}, "engine": {before}}
+        procs = supervisor.procs
+        starting = {name: set(_wait_for_nice(proc.pid, {before}).values()) for name, proc in procs.items()}
+        assert starting == {"tokenizer": {before}, "engine": {before}}
+        for proc in procs.values():
+            assert proc.stdin is not None
+            proc.stdin.write(b"serving\n")
+            proc.stdin.flush()
+        light = min(19, before + plan.LIGHT_NICE)
+        tokenizer = _wait_for_nice(procs["tokenizer"].pid, {light})
+        assert len(tokenizer) >= 2 and set(tokenizer.values()) == {light}, tokenizer
+        assert set(_wait_for_nice(procs["engine"].pid, {before}).values()) == {before}
     finally:
         for proc in supervisor.procs.values():
             proc.kill()
