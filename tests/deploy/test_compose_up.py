@@ -30,6 +30,10 @@ IMAGE = "sluice:latest"
 BASE_IMAGE = os.environ.get("SLUICE_BASE_IMAGE", "sluice-base:bookworm")
 UP_DEADLINE_S = 900.0  # the model job trains the embedded model (150 s) on a busy 2-core machine
 REQUEST_TIMEOUT_S = 180.0
+BUILD_TIMEOUT_S = 1800.0  # the image without a layer cache: torch and the paged kernel
+# The suite's 300 s per test would cut the first test short: it holds the image's build (139 s without a
+# cache on a fresh machine) and the model's training before its stack serves; each part has its own bound.
+pytestmark = pytest.mark.timeout(int(BUILD_TIMEOUT_S + UP_DEADLINE_S + 4 * REQUEST_TIMEOUT_S))
 
 V1 = ["docker-compose"]
 V2 = ["docker", "compose"]
@@ -87,7 +91,7 @@ def image() -> str:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=BUILD_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     print(f"\nimage {IMAGE} built in {time.monotonic() - started:.0f} s")
