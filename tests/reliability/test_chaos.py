@@ -140,6 +140,11 @@ class Fault:
     recovery_s: float | None = None  # until the replica was back, SERVING, and seen so by the gateway
     resumed: asyncio.Task[None] | None = field(default=None, repr=False)
 
+    @property
+    def stage(self) -> str:
+        """The stage kind of the target: `engine` for `engine-2`."""
+        return self.target.rsplit("-", 1)[0]
+
 
 def lone_runs(model_dir: Path) -> dict[str, str]:
     """Each prompt's greedy text from transformers' own `generate`, one prompt at a time."""
@@ -393,8 +398,7 @@ class Schedule:
 
     async def _ready(self, fault: Fault) -> None:
         """The first /readyz asked after the fault that names the fault's stage ready."""
-        stage = fault.target.rsplit("-", 1)[0]
-        while not await asyncio.to_thread(stage_ready, self.pipeline, stage):
+        while not await asyncio.to_thread(stage_ready, self.pipeline, fault.stage):
             if time.monotonic() > fault.at + GIVE_UP_S:
                 return
             await asyncio.sleep(0.05)
@@ -514,7 +518,7 @@ def violations(outcomes: list[Outcome], faults: list[Fault], pathological: list[
         if o.kind == "exact":
             continue
         named = [stage for stage in STAGES if re.search(rf"\b{stage}\b", o.detail)]
-        suspects = [f for f in faults if not named or f.target.rsplit("-", 1)[0] in named]
+        suspects = [f for f in faults if not named or f.stage in named]
         near = any(f.at <= o.ended <= f.at + FAILED_WITHIN_S for f in suspects)
         # A step whose model runner raised fails its requests (`internal`), those of that step only.
         raised = any(
@@ -542,9 +546,8 @@ def since_last_on_stage(fault: Fault, faults: list[Fault]) -> float:
     """How long after `fault` came the last fault on its stage before /readyz named the stage ready again
     (0 when none came between): with both of a stage's replicas faulted, its readiness waits for the
     later one."""
-    stage = fault.target.rsplit("-", 1)[0]
     end = fault.at + (fault.ready_s or 0.0)
-    later = [g.at for g in faults if g.target.rsplit("-", 1)[0] == stage and fault.at <= g.at <= end]
+    later = [g.at for g in faults if g.stage == fault.stage and fault.at <= g.at <= end]
     return max(later) - fault.at
 
 
