@@ -107,8 +107,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=LIGHT_NICE,
         choices=range(0, 20),
         metavar="N",
-        help="added to the nice value of the tokenizers, detokenizers and gateway, so that they yield "
-        f"the cores to the engine (0-19; 0 = the engine's priority; default: {LIGHT_NICE})",
+        help="added to the nice value of the tokenizers, detokenizers and gateway once they serve (they "
+        f"start at the engine's), so that they yield the cores to it (0-19; 0 = the engine's priority; "
+        f"default: {LIGHT_NICE})",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
