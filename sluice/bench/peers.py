@@ -1,12 +1,13 @@
 """`sluice bench sweep peers`: sluice and the servers a CPU user would pick instead — vLLM's CPU server and
 llama.cpp's `llama-server`, started by the start scripts of the peers folder (`start-vllm.sh`,
-`start-llamacpp.sh`: MODEL_DIR PORT) on what `setup.sh` built under PEERS_DIR — each started alone in its
-turn on the same model directory and driven by the same load: N concurrent streaming completions (default
-64, prompts 12-200 words, outputs 8-256 tokens, fixed lengths), then M requests one at a time (default 8).
-Prints one row per server: output tok/s and p99 TTFT of the concurrent run, tok/s and ITL p50 of the batch-1
-run. A peer whose build or start script is missing gets a row "not installed at PATH"; one that fails to
-start or to serve a row with its error. Exit status 0 when every installed server was measured, 1 when one
-failed, 2 on bad arguments. Tokens are counted from the servers' usage (llama.cpp sends an empty last chunk).
+`start-llamacpp.sh`: MODEL_DIR PORT) on what `setup.sh` built under PEERS_DIR — each started alone in its turn
+on the same model directory and driven by the same load: N concurrent streaming completions (default 64,
+prompts 12-200 words, outputs 8-256 tokens, fixed lengths), then M requests one at a time (default 8). Each
+server starts once the host's load average has settled (--settle-load). Prints one row per server: output
+tok/s and p99 TTFT of the concurrent run, tok/s and ITL p50 of the batch-1 run, the load at its start. A peer
+whose build or start script is missing gets a row "not installed at PATH"; one that fails to start or to serve
+a row with its error. Exit status 0 when every installed server was measured, 1 when one failed, 2 on bad
+arguments. Tokens are counted from the servers' usage (llama.cpp sends an empty last chunk).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ SERVERS = (SLUICE, *PEERS)
 WARMUP_REQUESTS = 4  # sent and awaited before the concurrent run (first compiles, caches)
 REQUEST_TIMEOUT_S = 900.0
 NOT_INSTALLED = "not installed at"
+SETTLE_LOAD = 0.5  # load average below which the next server starts (--settle-load)
+SETTLE_TIMEOUT_S = 300.0
 
 
 def default_peers_dir() -> Path:
@@ -261,6 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--llamacpp-ctx", type=int, default=ctx, metavar="TOKENS", help=about)
     about = "seconds a server may take to answer (default 900; vLLM compiles at its first start)"
     add("--startup-timeout", type=positive_float, default=900.0, metavar="S", help=about)
+    about = "before each server starts, wait until the host's 1-minute load average is below LOAD (default "
+    about += f"{SETTLE_LOAD:g}; 0 = start at once), so that each starts on an equally quiet host"
+    add("--settle-load", type=float, default=SETTLE_LOAD, metavar="LOAD", help=about)
+    about = f"at most this long (default {SETTLE_TIMEOUT_S:g})"
+    add("--settle-timeout", type=positive_float, default=SETTLE_TIMEOUT_S, metavar="S", help=about)
     helps = {"num_requests": "concurrent streaming requests of the first run (default 64)"}
     sw.add_sweep_flags(parser, 64, **helps)
     return parser
@@ -288,8 +296,12 @@ def main(argv: list[str]) -> int:
         f"{words[0]}-{words[1]} words, outputs {out[0]}-{out[1]} tokens; servers {','.join(args.servers)}"
     )
     progress = not args.no_progress
+    settle = sw.Settle(args.settle_load, args.settle_timeout)
     runs = sw.sweep(
-        openers(args, model, engine_flags), [0], lambda _s, e, _p, _k: measure(e, streams, batch1, progress)
+        openers(args, model, engine_flags),
+        [0],
+        lambda _s, e, _p, _k: measure(e, streams, batch1, progress),
+        settle=settle,
     )
     labels = {name: label(name) for name in runs}
     print("\n" + format_peers(runs, len(streams), labels))

@@ -560,13 +560,15 @@ def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str
 
 def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str]) -> str:
     """`sweep peers`' side-by-side table: a row per server (`labels`: its name as shown), its figures, or
-    dashes and why it has none."""
+    dashes and why it has none, and the host's load average as it started."""
     rows: list[Sequence[object]] = [
-        ("server", f"{streams} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50", "note")
+        ("server", f"{streams} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50", "load", "note")
     ]
     for name, run in runs.items():
+        load = fmt(run.load_at_start, ".2f")
         if run.error is not None or not run.points:
-            rows.append((labels[name], "-", "-", "-", "-", (run.error or "no figures").splitlines()[0][:160]))
+            why = (run.error or "no figures").splitlines()[0][:160]
+            rows.append((labels[name], "-", "-", "-", "-", load, why))
             continue
         f: PeerFigures = run.points[0]
         ttft = f"{fmt(f.ttft_p99_ms and f.ttft_p99_ms / 1000, '.2f')} s"
@@ -576,7 +578,7 @@ def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str
             fmt(f.batch1_tok_s, ",.0f"),
             f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms",
         )
-        rows.append((labels[name], *cells, f"{f.failed} requests failed" if f.failed else ""))
+        rows.append((labels[name], *cells, load, f"{f.failed} requests failed" if f.failed else ""))
     return format_table(rows)
 
 
@@ -593,6 +595,7 @@ def peers_json(
             "label": labels[name],
             "error": run.error,
             "not_installed": bool(run.error and run.error.startswith(not_installed)),
+            "load_at_start": run.load_at_start,
             **{key: f and getattr(f, key) for key in heads},
             **(dataclasses.asdict(f) if f else {}),
         }

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import shlex
+import sys
+import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -27,6 +29,7 @@ from sluice.bench.serve import ServeConfig, ServeResult, run_serve
 from sluice.bench.serve_data import BenchRequest
 from sluice.bench.stack import Stack, StackOptions
 from sluice.launcher import resolve_model
+from sluice.plan import host_load
 
 P = TypeVar("P")  # a point of the load
 R = TypeVar("R")  # what measuring one point gives
@@ -54,6 +57,35 @@ class SystemRun(Generic[R]):
     name: str
     points: list[R] = field(default_factory=list)
     error: str | None = None
+    load_at_start: float | None = None  # the host's 1-minute load average as the system started
+
+
+@dataclass(frozen=True)
+class Settle:
+    """Before each system starts, wait until the host's 1-minute load average is below `max_load` (what
+    the system before it, or other work, left), at most `timeout_s`; `max_load` 0 = do not wait. Each
+    server then starts on a host as quiet as the last one did, and `sluice up`'s engine threads (which
+    follow the load average, sluice/plan.py) see the host as idle when it is."""
+
+    max_load: float = 0.0
+    timeout_s: float = 300.0
+    poll_s: float = 5.0
+    load: Callable[[], float] = host_load
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+
+    def __call__(self, name: str) -> float:
+        """Waits as above and returns the load average when the wait ends (announced on stderr when there
+        was a wait)."""
+        start = self.clock()
+        first = load = self.load()
+        while self.max_load > 0 and load >= self.max_load and self.clock() - start < self.timeout_s:
+            self.sleep(self.poll_s)
+            load = self.load()
+        if load != first or load >= self.max_load > 0:
+            waited = self.clock() - start
+            print(f"{name}: host load {first:.2f} -> {load:.2f} after {waited:.0f} s", file=sys.stderr)
+        return load
 
 
 @contextmanager
@@ -68,14 +100,18 @@ def sweep(
     points: Sequence[P],
     measure: Callable[[str, Endpoint, P, int], R],
     bar: tqdm | None = None,
+    settle: Settle | None = None,
 ) -> dict[str, SystemRun[R]]:
     """Starts each system in turn and calls `measure(system, endpoint, point, index)` for every point on it
     (index 0 first: the place to warm up). A start-up failure (RuntimeError, OSError) is recorded in the
-    system's run; `bar` advances by one per point, skipped ones included."""
+    system's run; `bar` advances by one per point, skipped ones included. `settle` (default: no wait) runs
+    before each start; the load average it returns is the run's `load_at_start`."""
     runs: dict[str, SystemRun[R]] = {}
     bar = bar or tqdm(disable=True)
+    settle = settle or Settle()
     for name, opener in systems.items():
         run = runs[name] = SystemRun(name)
+        run.load_at_start = settle(name)
         try:
             with opener() as endpoint:
                 for k, point in enumerate(points):

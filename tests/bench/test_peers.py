@@ -6,18 +6,24 @@ installed at PATH" row (never left out); one that fails to start gets a row with
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import stat
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sluice.bench import peers
+from sluice.bench import sweep as sw
+from sluice.bench.report import format_peers
 from sluice.cli import main as cli_main
 
 FAKES = Path(__file__).parent / "fake_peers"
 LOAD = ["--num-requests", "6", "--batch1-requests", "3", "--output-len", "2,5", "--prompt-words", "3,9"]
+LOAD += ["--settle-load", "0"]  # a test host is never quiet: start each server at once
 
 
 def _install(peers_dir: Path, *names: str) -> None:
@@ -85,9 +91,10 @@ def test_each_peer_alone_in_turn_with_the_same_load(
         assert server["batch1_tok_s"] == server["batch1"]["output_throughput"] > 0
         assert server["ttft_p99_ms"] == server["concurrent"]["ttft_ms"]["p99"]
         assert server["batch1_itl_p50_ms"] == server["batch1"]["itl_ms"]["p50"]
+        assert server["load_at_start"] >= 0.0
     table = capsys.readouterr().out.split("\n\n")[-1]
     header = table.splitlines()[0]
-    for column in ("server", "6 streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50"):
+    for column in ("server", "6 streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50", "load"):
         assert column in header
     assert [row.split("  ")[0] for row in table.splitlines()[2:4]] == ["vLLM CPU", "llama.cpp server"]
 
@@ -190,3 +197,49 @@ def test_sluice_and_a_peer_on_one_model_directory(tiny_model_dir: Path, tmp_path
     )
     requests = [line.split() for line in events.read_text().splitlines() if line.startswith("request")]
     assert {r[3] for r in requests} == {str(tiny_model_dir.resolve())}
+
+
+class _Host:
+    """A host whose load average falls by `step` at each poll; the clock moves on as the sweep sleeps."""
+
+    def __init__(self, load: float, step: float) -> None:
+        self.value, self.step, self.now, self.polls = load, step, 0.0, 0
+
+    def load(self) -> float:
+        self.polls += 1
+        value, self.value = self.value, max(0.0, self.value - self.step)
+        return value
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _settle(host: _Host, max_load: float, timeout_s: float = 300.0) -> sw.Settle:
+    return sw.Settle(max_load, timeout_s, 5.0, host.load, host.sleep, lambda: host.now)
+
+
+def test_each_server_starts_once_the_load_has_settled(capsys: pytest.CaptureFixture[str]) -> None:
+    host = _Host(2.0, 0.5)  # 2.0, 1.5, 1.0, 0.5, 0.0
+    assert _settle(host, 0.6)("vllm") == 0.5 and host.now == 15.0 and host.polls == 4
+    assert "vllm: host load 2.00 -> 0.50 after 15 s" in capsys.readouterr().err
+    host = _Host(3.0, 0.0)  # never settles: starts after the timeout with the load it has
+    assert _settle(host, 0.5, timeout_s=20.0)("sluice") == 3.0 and host.now == 20.0
+    assert "sluice: host load 3.00 -> 3.00 after 20 s" in capsys.readouterr().err
+    host = _Host(3.0, 1.0)  # 0 = no wait: the load is read once and recorded
+    assert _settle(host, 0.0)("llama.cpp") == 3.0 and host.polls == 1 and host.now == 0.0
+    assert capsys.readouterr().err == ""
+
+
+def test_the_load_at_each_start_is_recorded_and_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    host = _Host(1.0, 0.25)
+
+    @contextlib.contextmanager
+    def system() -> Iterator[sw.Endpoint]:
+        yield sw.Endpoint("http://127.0.0.1:1/v1", None, dict)
+
+    runs = sw.sweep({"a": system, "b": system}, [0], lambda *_: None, settle=_settle(host, 0.0))
+    assert [run.load_at_start for run in runs.values()] == [1.0, 0.75]
+    runs["a"].error, runs["b"].error = "not installed at /x", "failed"
+    table = format_peers(runs, 6, {"a": "A", "b": "B"})
+    rows = [re.split(r"\s{2,}", line) for line in table.splitlines()[2:]]
+    assert [row[5] for row in rows] == ["1.00", "0.75"] and rows[1][6] == "failed"
