@@ -17,7 +17,7 @@ ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=igno
     PIP_BREAK_SYSTEM_PACKAGES=1 SLUICE_CACHE_DIR=/models/cache
 WORKDIR /app
 
-# A C++ compiler for the CPU paged attention kernel (services/engine/executor/kernels/): built below for
+# A C++ compiler for the CPU kernels (services/engine/executor/kernels/): built below for
 # the build host's CPU, and again at an engine's first start on a CPU with other flags.
 # Python's headers too where the base lacks them (Debian's python3 keeps them in python3-dev).
 RUN pkgs=g++; python3 -c 'import pathlib, sysconfig, sys; \
@@ -62,7 +62,7 @@ RUN pip install --no-cache-dir --no-deps .
 RUN useradd --create-home --uid 10001 sluice && mkdir -p /models && chown sluice /models
 USER sluice
 # From /, so that the installed package's source is the one built (the path an engine loads it by).
-RUN cd / && python -m services.engine.executor.kernels.cpu_paged --require
+RUN cd / && python -m services.engine.executor.kernels.cpu_kernels --require
 
 EXPOSE 8000 50050 50051 50052 50053 9090
 CMD ["sluice", "up", "--host", "0.0.0.0"]

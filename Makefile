@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m services.engine.executor.kernels.cpu_paged
+	$(PY) -m services.engine.executor.kernels.cpu_kernels
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -42,6 +42,30 @@ PACKED_GEMMS = ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 LABELS = ("schedule", "execute", "forward", "sample", "attention")
 
 
+@contextmanager
+def rows_kernel_timed(model: torch.nn.Module, flops: list[float]) -> Iterator[None]:
+    """Each linear layer's C++ few-rows kernel (cpu_linear.rows_kernel: a plain function the profiler does
+    not see) inside a profiler range "sluice.linear_rows", its FLOPs added to `flops[0]`."""
+    layers = [m for m in model.modules() if getattr(m, "rows_kernel", None) is not None]
+
+    def timed(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            flops[0] += 2.0 * x.shape[0] * w.shape[0] * w.shape[1]
+            with record_function("sluice.linear_rows"):
+                return kernel(x, w, b)
+
+        return run
+
+    originals = [m.rows_kernel for m in layers]
+    for layer, kernel in zip(layers, originals, strict=True):
+        layer.rows_kernel = timed(kernel)
+    try:
+        yield
+    finally:
+        for layer, kernel in zip(layers, originals, strict=True):
+            layer.rows_kernel = kernel
+
+
 def model_dir(shape: str, scratch: Path) -> Path:
     if shape == "tiny":
         return preset_model_dir("tiny", "float32", 0, scratch)
@@ -157,6 +181,8 @@ def forward_parts(prof: Any) -> dict[str, Any]:
         if "sluice.forward" not in labels or ev.name.startswith("sluice."):
             if ev.name == "sluice.attention":
                 out["attention"] += ev.cpu_time_total / 1e6
+            elif ev.name == "sluice.linear_rows" and "sluice.forward" in labels:
+                out["gemm"] += ev.cpu_time_total / 1e6  # the few-rows kernel (rows_kernel_timed)
             continue
         if "sluice.attention" in labels:
             continue
@@ -189,13 +215,16 @@ def measure(args: argparse.Namespace, shape: str, batch: int) -> list[dict[str, 
     for mode, (engine, timers) in engines.items():
         steps = args.rounds * args.steps
         sec = {k: v / steps for k, v in timers.seconds.items()}
+        kernel_flops = [0.0]
         with (
             profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
             attention_timed(Timers()),
+            rows_kernel_timed(engine.runner.model, kernel_flops),
         ):
             for _ in range(args.steps):
                 engine.step()
         parts = forward_parts(prof)
+        parts["flops"] += kernel_flops[0]
         fwd = sum(e.cpu_time_total for e in prof.events() if e.name == "sluice.forward") / 1e6
         python = max(0.0, fwd - parts["gemm"] - parts["attention"] - parts["ops"])
         step = statistics.median(walls[mode])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.engine.executor.attention import DecodeGroup, PrefillSeq, StepMeta, paged_attention
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from tests.engine.conftest import TEST_DEVICE
 
 DEV = torch.device(TEST_DEVICE)
@@ -95,8 +95,8 @@ SINKS = torch.linspace(-1.0, 2.0, H)
 def test_paged_kernel_backends_equal_torch_backend(
     kernel: str, window: int, softcap: float, sinks: torch.Tensor | None
 ) -> None:
-    if kernel == "cpu" and (DEV.type != "cpu" or cpu_paged.load() is None):
-        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1] or DEV}")
+    if kernel == "cpu" and (DEV.type != "cpu" or cpu_kernels.load() is None):
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_kernels.status()[1] or DEV}")
     layer = SimpleNamespace(layer_idx=0)
     outs = {}
     pools = {}

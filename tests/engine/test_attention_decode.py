@@ -28,7 +28,7 @@ from services.engine.executor.attention import (
     paged_attention,
     write_kv,
 )
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.kernels.paged_attention import paged_decode_attention_reference
 from services.engine.executor.model_runner import resolve_backend
 from tests.engine.conftest import TEST_DEVICE
@@ -178,8 +178,8 @@ CPU_SHAPES = [
 
 
 def _cpu_kernel() -> None:
-    if DEV.type != "cpu" or cpu_paged.load() is None:
-        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1] or DEV}")
+    if DEV.type != "cpu" or cpu_kernels.load() is None:
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_kernels.status()[1] or DEV}")
 
 
 @pytest.mark.parametrize(("h", "hkv", "d", "bs", "window"), CPU_SHAPES)
@@ -192,7 +192,7 @@ def test_cpu_kernel_matches_reference(
     c = make_case(h, hkv, d, bs, lens_for(bs), dtype)
     sinks = torch.linspace(-1.0, 2.0, h) if sinks_on else None
     got = torch.full_like(c.query, float("nan"))
-    cpu_paged.paged_decode(*c.args(), c.scale, window, got, softcap=softcap, sinks=sinks)
+    cpu_kernels.paged_decode(*c.args(), c.scale, window, got, softcap=softcap, sinks=sinks)
     want = paged_decode_attention_reference(*c.args(), c.scale, window, softcap=softcap, sinks=sinks)
     assert torch.isfinite(got).all(), "the kernel read a slot outside a row's context"
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
@@ -208,7 +208,7 @@ def test_cpu_kernel_reads_a_float8_pool_back() -> None:
         write_kv(fp8, torch.arange(pool.shape[0]), pool)
         pools.append(fp8)
     got = torch.empty_like(c.query)
-    cpu_paged.paged_decode(c.query, *pools, c.block_tables, c.seq_lens, c.block_size, c.scale, 0, got)
+    cpu_kernels.paged_decode(c.query, *pools, c.block_tables, c.seq_lens, c.block_size, c.scale, 0, got)
     want = paged_decode_attention_reference(
         c.query, *(p.float() for p in pools), c.block_tables, c.seq_lens, c.block_size, c.scale
     )
@@ -223,14 +223,14 @@ def test_loading_the_kernel_leaves_denormals_alone() -> None:
 
 
 def test_without_the_kernel_auto_is_torch_and_cpu_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(cpu_paged.DISABLE_ENV, "0")
-    cpu_paged.status.cache_clear()
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    cpu_kernels.status.cache_clear()
     try:
         assert resolve_backend("auto", torch.device("cpu")) == "torch"
         with pytest.raises(ValueError, match="attention_backend cpu cannot run"):
             resolve_backend("cpu", torch.device("cpu"))
     finally:
-        cpu_paged.status.cache_clear()
+        cpu_kernels.status.cache_clear()
     assert resolve_backend("torch", torch.device("cpu")) == "torch"
 
 
@@ -239,19 +239,19 @@ def test_the_kernel_builds_where_a_compiler_is() -> None:
     development and CI machines), the kernel must build."""
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         pytest.skip("no C++ compiler on this machine: the torch backend serves")
-    assert cpu_paged.load() is not None, cpu_paged.status()[1]
+    assert cpu_kernels.load() is not None, cpu_kernels.status()[1]
 
 
 def test_a_lock_left_by_a_build_killed_midway_does_not_block_the_next_one() -> None:
     """torch's extension loader waits forever on a `lock` file a killed builder left; the kernel's
     own flock (released when its holder dies) lets a later process clear it and load."""
-    if cpu_paged.load() is None:
-        pytest.skip(f"the CPU paged kernel does not build here: {cpu_paged.status()[1]}")
+    if cpu_kernels.load() is None:
+        pytest.skip(f"the CPU paged kernel does not build here: {cpu_kernels.status()[1]}")
     from torch.utils import cpp_extension
 
-    build_dir = Path(cpp_extension.get_default_build_root()) / cpu_paged._build_name()
+    build_dir = Path(cpp_extension.get_default_build_root()) / cpu_kernels._build_name()
     (build_dir / "lock").touch()
-    code = "from services.engine.executor.kernels import cpu_paged; assert cpu_paged.load() is not None"
+    code = "from services.engine.executor.kernels import cpu_kernels; assert cpu_kernels.load() is not None"
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (build_dir / "lock").exists()
@@ -260,10 +260,10 @@ def test_a_lock_left_by_a_build_killed_midway_does_not_block_the_next_one() -> N
 def test_the_kernels_command_fails_only_when_required_and_not_built(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`python -m ...cpu_paged [--require]`: the image's build uses --require to fail without the kernel."""
-    monkeypatch.setattr(cpu_paged, "status", lambda: (None, "no C++ compiler"))
-    assert cpu_paged.main([]) == 0
-    assert cpu_paged.main(["--require"]) == 1
+    """`python -m ...cpu_kernels [--require]`: the image's build uses --require to fail without the kernel."""
+    monkeypatch.setattr(cpu_kernels, "status", lambda: (None, "no C++ compiler"))
+    assert cpu_kernels.main([]) == 0
+    assert cpu_kernels.main(["--require"]) == 1
     assert "did not build: no C++ compiler" in capsys.readouterr().out
-    monkeypatch.setattr(cpu_paged, "status", lambda: (SimpleNamespace(), ""))
-    assert cpu_paged.main(["--require"]) == 0
+    monkeypatch.setattr(cpu_kernels, "status", lambda: (SimpleNamespace(), ""))
+    assert cpu_kernels.main(["--require"]) == 0

@@ -22,7 +22,7 @@ import transformers
 
 from services.engine.core.params import SamplingParams, StoppingParams
 from services.engine.core.request import PLACEHOLDER, Request
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.model_runner import ModelRunner
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE, VOCAB, make_model_dir
@@ -226,8 +226,8 @@ def _cases() -> list[object]:
 def test_engine_logits_match_transformers(
     model_dirs: dict[str, Path], model: str, dtype: str, backend: str
 ) -> None:
-    if backend == "cpu" and cpu_paged.load() is None:
-        pytest.skip(f"the CPU paged kernel does not run here: {cpu_paged.status()[1]}")
+    if backend == "cpu" and cpu_kernels.load() is None:
+        pytest.skip(f"the CPU paged kernel does not run here: {cpu_kernels.status()[1]}")
     torch_dtype, tol = DTYPES[dtype]
     runner = make_runner(model_dirs[model], dtype, backend)
     assert runner.dtype == torch_dtype and runner.kv[0][0].dtype == torch_dtype

@@ -1,5 +1,5 @@
 """oneDNN's prepacked linear layers (`--cpu-linear`): the same products as `nn.Linear`, which layers are
-packed, and when none are."""
+packed, and when none are; steps of few rows on the C++ kernel `linear_rows`, a tied head's included."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import torch
 from torch import nn
 
 from services.engine.executor import cpu_linear
-from services.engine.executor.cpu_linear import PackedLinear, pack_linears, why_not
+from services.engine.executor.cpu_linear import PackedLinear, SharedLinear, pack_linears, why_not
+from services.engine.executor.kernels import cpu_kernels
 from sluice.launcher import parse_args, plan_children
 
 CPU = torch.device("cpu")
 HAS_ONEDNN = why_not("auto", CPU, torch.float32, "none") == ""
 needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this torch has no oneDNN")
+needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not build here")
 
 
 @needs_onednn
@@ -102,7 +104,8 @@ def test_pack_linears_packs_all_but_a_tied_head_and_keeps_the_outputs() -> None:
         want = model(ids)
     assert pack_linears(model, "auto", CPU, torch.float32, "none") == 2
     assert isinstance(model.up, PackedLinear) and isinstance(model.down, PackedLinear)
-    assert isinstance(model.head, nn.Linear) and model.head.weight is model.embed.weight
+    assert isinstance(model.head, SharedLinear) and model.head.weight is model.embed.weight
+    assert isinstance(model.head, nn.Linear)  # to whoever asks (transformers' output embeddings)
     assert not any(name.startswith(("up.", "down.")) for name, _ in model.named_parameters())
     with torch.inference_mode():
         torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
@@ -177,3 +180,114 @@ def test_a_compiled_graph_multiplies_through_the_custom_op(
             torch.testing.assert_close(fn(x), torch.relu(linear(x)) * 2.0, rtol=1e-5, atol=1e-5)
     targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert "sluice.packed_linear.default" in targets, targets
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_rows_kernel_computes_what_linear_does(dtype: torch.dtype) -> None:
+    """Every row count up to FEW_ROWS, output sizes that are and are not multiples of 4, with and without
+    a bias, a non-contiguous input; a weight large enough to be split over two threads."""
+    kernel = cpu_kernels.load().linear_rows
+    gen = torch.Generator().manual_seed(2)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for rows, out, inner, bias in [
+            (1, 256, 64, False),
+            (3, 130, 96, True),
+            (7, 5, 40, True),
+            (2, 1024, 1024, True),
+        ]:
+            x = torch.randn(rows, inner, generator=gen).to(dtype)
+            w = torch.randn(out, inner, generator=gen).to(dtype)
+            b = torch.randn(out, generator=gen).to(dtype) if bias else None
+            want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+            got = kernel(x, w, b)
+            assert got.shape == (rows, out) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * 10)
+        x = torch.randn(64, 3, generator=gen).to(dtype).t()  # (3, 64), not contiguous
+        w = torch.randn(8, 64, generator=gen).to(dtype)
+        torch.testing.assert_close(
+            kernel(x, w, None).float(), x.float() @ w.float().t(), rtol=tol, atol=tol * 10
+        )
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        kernel(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16), None)
+
+
+class _Counting:
+    """Wraps a layer's rows kernel, counting its calls."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.calls = kernel, 0
+
+    def __call__(self, *args: torch.Tensor | None) -> torch.Tensor:
+        self.calls += 1
+        return self.kernel(*args)  # type: ignore[operator]
+
+
+@needs_onednn
+@needs_kernels
+def test_steps_of_few_rows_run_on_the_kernel_and_others_on_onednn() -> None:
+    """A small weight's steps of fewer than FEW_ROWS rows go to the kernel (its dense copy), the rest to
+    oneDNN; a tied head (SharedLinear) likewise on its shared weight, the rest on torch's GEMM."""
+    torch.manual_seed(0)
+    model = _Tied().eval()
+    pack_linears(model, "auto", CPU, torch.float32, "none")
+    for layer in (model.up, model.head):
+        layer.rows_kernel = _Counting(layer.rows_kernel)
+    for rows, calls in [(1, 1), (cpu_linear.FEW_ROWS - 1, 2), (cpu_linear.FEW_ROWS, 2), (40, 2)]:
+        for layer, inner in ((model.up, model.up.in_features), (model.head, model.head.in_features)):
+            x = torch.randn(rows, inner)
+            with torch.inference_mode():
+                want = torch.nn.functional.linear(x, _weight(layer), layer.bias)
+                torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+            assert layer.rows_kernel.calls == calls, (layer, rows)
+
+
+def _weight(layer: nn.Module) -> torch.Tensor:
+    return layer.dense if isinstance(layer, PackedLinear) else layer.weight.detach()
+
+
+@needs_onednn
+def test_without_the_kernels_few_rows_run_on_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
+    torch.manual_seed(0)
+    model = _Tied().eval()
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        want = model(ids)
+    pack_linears(model, "auto", CPU, torch.float32, "none")
+    assert model.up.rows_kernel is None and model.head.rows_kernel is None
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_a_compiled_graph_calls_a_shared_heads_kernel_through_its_op() -> None:
+    """Under torch.compile a tied head's few-row product is `sluice::linear_rows` (opcheck: fake shapes
+    and schema), and the graph computes what the eager layer does."""
+    gen = torch.Generator().manual_seed(3)
+    embed = nn.Embedding(48, 64)
+    head = nn.Linear(64, 48, bias=False)
+    head.weight = embed.weight
+    shared = SharedLinear(head)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+    fn = torch.compile(lambda x: shared(torch.tanh(x)), backend=backend, fullgraph=True, dynamic=False)
+    weight = embed.weight.detach()
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 64, generator=gen)
+        torch.library.opcheck(cpu_linear.linear_rows_op, (x, weight, None))
+        with torch.inference_mode():
+            torch.testing.assert_close(fn(x), torch.tanh(x) @ weight.t(), rtol=1e-5, atol=1e-5)
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert "sluice.linear_rows.default" in targets, targets

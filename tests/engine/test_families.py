@@ -17,7 +17,7 @@ import transformers
 
 from services.engine.core.engine import LLMEngine
 from services.engine.executor.capabilities import check_config
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.settings import EngineSettings
 from sluice.model.families import FAMILIES, FAMILY_NAMES
 from tests.conftest import FAMILY_VOCAB
@@ -269,7 +269,7 @@ def gpt_oss_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "triton"])
 def test_sinks_match_generate(backend: str, gpt_oss_dir: Path) -> None:
-    if backend == "cpu" and (TEST_DEVICE != "cpu" or cpu_paged.load() is None):
+    if backend == "cpu" and (TEST_DEVICE != "cpu" or cpu_kernels.load() is None):
         pytest.skip("the CPU paged kernel does not run here")
     items = family_workload(seed=7, n=6 if backend == "torch" else 4)
     engine = family_engine(gpt_oss_dir, attention_backend=backend)

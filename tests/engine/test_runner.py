@@ -13,7 +13,7 @@ import torch
 
 from services.engine.core.engine import LLMEngine
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.model_runner import ModelRunner, resolve_backend
 from services.engine.settings import EngineSettings
 from tests.engine.conftest import TEST_DEVICE
@@ -35,7 +35,7 @@ JOIN_AND_LEAVE: Workload = [
 
 
 def test_auto_on_a_cpu_is_the_cpu_kernel_where_it_builds_and_torch_is_always_torch() -> None:
-    assert resolve_backend("auto", CPU) == ("cpu" if cpu_paged.load() is not None else "torch")
+    assert resolve_backend("auto", CPU) == ("cpu" if cpu_kernels.load() is not None else "torch")
     assert resolve_backend("torch", CPU) == "torch"
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.kernels.paged_attention import paged_decode_attention
 
 ATTN_NAME = "sluice_paged"
@@ -293,7 +293,7 @@ def _decode(
             raise RuntimeError(
                 f"the {meta.backend} attention backend needs block_tables and seq_lens in the step metadata"
             )
-        kernel = cpu_paged.paged_decode if meta.backend == "cpu" else paged_decode_attention
+        kernel = cpu_kernels.paged_decode if meta.backend == "cpu" else paged_decode_attention
         kernel(
             q[:, :nd].transpose(0, 1),
             k_pool,

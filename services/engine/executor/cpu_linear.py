@@ -7,6 +7,9 @@ in padded to a few sizes (`row_bucket`), in pieces of at most `MAX_ROWS`. In a c
 opaque custom op `sluice::packed_linear` (naming the layer by a number): inductor fuses what lies between
 the products, oneDNN does them. Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32
 or bf16 weights without quantization; onednn does the same, else raises ValueError; torch never packs.
+Steps of few rows (FEW_ROWS) multiply a small weight's dense copy, and a tied lm_head's weight
+(`SharedLinear`), on the C++ kernel `linear_rows` (kernels/cpu_kernels.py; torch's GEMM where it is not
+built), which reads a weight from cache at 35-40 GB/s where torch's GEMM and oneDNN read it at 11-14.
 Why, and the kernels' memory: docs/architecture.md ("Where the cycles go").
 """
 
@@ -16,11 +19,13 @@ import itertools
 import logging
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.settings import CPU_LINEAR_MODES as MODES
 
 log = logging.getLogger(__name__)
@@ -29,12 +34,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 # A weight of at most this many elements also keeps its dense copy, which steps of fewer than FEW_ROWS
-# rows multiply with torch's GEMM: with two threads waiting passively (as `sluice up` runs them), oneDNN's
-# parallel region around a small matrix-vector product cost more than the product (tiny model, batch 1:
-# 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM; one 256 x 704 weight, two threads: 66 µs against 13).
-# Larger weights go to oneDNN at any row count: from 1024 x 1024 on, torch's matrix-vector product reads
-# the weight at about 20 GB/s, oneDNN's at 35-47 (h1024's batch-1 step 19-21 -> 16-17 ms when this
-# limit went from 2^20 to 2^19).
+# rows multiply with the C++ kernel `linear_rows` (before it, torch's GEMM): with two threads waiting
+# passively (as `sluice up` runs them), oneDNN's parallel region around a small matrix-vector product cost
+# more than the product (tiny model, batch 1: 8.0-8.7 ms a step against 3.6-5.4 on torch's GEMM; one
+# 256 x 704 weight, two threads: 66 µs against 13). Larger weights go to oneDNN at any row count: from
+# 1024 x 1024 on, torch's matrix-vector product reads the weight at about 20 GB/s, oneDNN's at 35-47
+# (h1024's batch-1 step 19-21 -> 16-17 ms when this limit went from 2^20 to 2^19).
 DENSE_MAX_ELEMENTS = 1 << 19
 FEW_ROWS = 8
 MAX_ROWS = 2048  # rows of one oneDNN call (the default step budget); more go in pieces
@@ -59,6 +64,29 @@ ROW_BUCKETS = sorted({row_bucket(n) for n in range(1, MAX_ROWS + 1)})
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's x W^T + b, W as `_reorder_linear_weight` packed it: (rows, in) -> (rows, out)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@torch.library.custom_op("sluice::linear_rows", mutates_args=())
+def linear_rows_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The C++ kernel's x W^T + b: (n, in) -> (n, out), a new tensor (W contiguous, one dtype); what a
+    compiled step calls (a traced graph cannot call the module's function itself)."""
+    module = cpu_kernels.load()
+    assert module is not None, "linear_rows_op without the CPU kernels"
+    return module.linear_rows(x, weight, bias)
+
+
+@linear_rows_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def rows_kernel(weight: torch.Tensor | None) -> Callable[..., torch.Tensor] | None:
+    """The C++ kernel's `linear_rows(x, W, b)` for steps of few rows on `weight` (dense, (out, in)), or None
+    where it does not run: not built, another dtype, a non-contiguous weight."""
+    if weight is None or weight.dtype not in DTYPES or not weight.is_contiguous():
+        return None
+    module = cpu_kernels.load()
+    return None if module is None else module.linear_rows
 
 
 # Every PackedLinear of the process by its number: what the custom op multiplies by (a packed weight is an
@@ -94,6 +122,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight, None))
         small = weight.numel() <= DENSE_MAX_ELEMENTS
         self.register_buffer("dense", weight if small else None)
+        self.rows_kernel = rows_kernel(self.dense)  # for steps of few rows; None: torch's GEMM
         bias = None if linear.bias is None else linear.bias.detach()
         self.register_buffer("bias", bias)
 
@@ -105,7 +134,10 @@ class PackedLinear(nn.Module):
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b: (..., in_features) -> (..., out_features)."""
         if self.dense is not None and x.numel() < FEW_ROWS * self.in_features:
-            return F.linear(x, self.dense, self.bias)
+            if self.rows_kernel is None:
+                return F.linear(x, self.dense, self.bias)
+            y = self.rows_kernel(x.reshape(-1, self.in_features), self.dense, self.bias)  # (n, out)
+            return y.view(*x.shape[:-1], self.out_features)
         rows = x.reshape(-1, self.in_features)  # (n, in)
         n = rows.shape[0]
         if n <= MAX_ROWS:
@@ -125,6 +157,32 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         bias = self.bias is not None
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
+
+
+class SharedLinear(nn.Linear):
+    """A linear layer whose weight another module shares (a tied lm_head), left dense and shared: steps of
+    few rows on `few_rows`, others on torch's GEMM. Still an `nn.Linear` to whoever asks."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Module.__init__(self)  # nn.Linear's own would allocate a weight: this one takes `linear`'s
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight  # the shared Parameter itself: the tie holds
+        self.bias = linear.bias
+        self.rows_kernel = rows_kernel(self.weight.detach())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is None or x.numel() >= FEW_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, self.in_features)  # (n, in)
+        if torch.compiler.is_compiling():
+            y = linear_rows_op(rows, self.weight, self.bias)
+        else:  # the op's dispatch costs as much as a small product: eager calls the kernel itself
+            y = self.rows_kernel(rows, self.weight, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, shared weight"
 
 
 def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: str) -> str:
@@ -162,12 +220,23 @@ def pack_linears(
         log.info("linear layers: torch's (%s)", reason)
         return 0
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and uses[id(m.weight)] == 1 and m.weight.dtype in DTYPES
+    linears = [
+        (name, m) for name, m in model.named_modules() if type(m) is nn.Linear and m.weight.dtype in DTYPES
     ]
-    for name, linear in targets:
-        model.set_submodule(name, PackedLinear(linear))
-    log.info("linear layers: %d on oneDNN's prepacked weights", len(targets))
-    return len(targets)
+    shared = 0
+    for name, linear in linears:
+        if uses[id(linear.weight)] == 1:
+            model.set_submodule(name, PackedLinear(linear))
+        else:
+            model.set_submodule(name, SharedLinear(linear))
+            shared += 1
+    built = cpu_kernels.load() is not None
+    kernel = "the C++ kernel" if built else "torch's GEMM (the CPU kernels are not built)"
+    log.info(
+        "linear layers: %d on oneDNN's prepacked weights, %d sharing their weight left dense; steps of few "
+        "rows on %s",
+        len(linears) - shared,
+        shared,
+        kernel,
+    )
+    return len(linears) - shared

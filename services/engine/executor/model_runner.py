@@ -34,7 +34,7 @@ from services.engine.executor.attention import (
 )
 from services.engine.executor.cpu_linear import pack_linears
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
-from services.engine.executor.kernels import cpu_paged
+from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.kv_sizing import KVLayout, group_layers, initial_kv_cache_gb
 from services.engine.executor.moe import ExpertLoad, choose_experts_implementation, experts_modules
 from services.engine.executor.quantization import check_quantization, quantize_model
@@ -114,7 +114,7 @@ PAGED_BACKENDS = ("triton", "cpu")  # decode attention reading block tables and 
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """The decode attention backend: "triton", "cpu" or "torch". auto = triton on CUDA when usable, the
-    C++ paged kernel on a CPU when it builds (kernels/cpu_paged.py), else torch; "triton" or "cpu" where
+    C++ paged kernel on a CPU when it builds (kernels/cpu_kernels.py), else torch; "triton" or "cpu" where
     the kernel cannot run raises ValueError saying why."""
     if name == "torch":
         return "torch"
@@ -123,12 +123,12 @@ def resolve_backend(name: str, device: torch.device) -> str:
     if name == "cpu" or (name == "auto" and device.type == "cpu"):
         if device.type != "cpu":
             raise ValueError(f"attention_backend cpu cannot run on device {device}")
-        module, why = cpu_paged.status()
+        module, why = cpu_kernels.status()
         if module is not None:
             return "cpu"
         if name == "cpu":
             raise ValueError(f"attention_backend cpu cannot run: {why}")
-        return "torch"  # the reason is logged by cpu_paged
+        return "torch"  # the reason is logged by cpu_kernels
     if name == "auto" and device.type != "cuda":
         return "torch"
     usable, why = triton_status(device)

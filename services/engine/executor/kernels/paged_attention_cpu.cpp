@@ -1,5 +1,5 @@
 // Paged decode attention on a CPU: each decode row's K/V read in place from the pool through its block
-// table (no gather), built by services/engine/executor/kernels/cpu_paged.py. Per row: every query head's
+// table (no gather), built by services/engine/executor/kernels/cpu_kernels.py. Per row: every query head's
 // scores over the row's context (the window's last keys), soft-capped, a softmax whose denominator holds
 // exp(sink) when there are sinks, times V; fp32 accumulation; a row of length 0 gives zeros. The
 // rows are spread over torch's intra-op threads (at::parallel_for), one row at a time: by KV head when
@@ -221,4 +221,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode); }
+// linear_rows_cpu.cpp, built into the same module
+torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode);
+  m.def("linear_rows", &linear_rows);
+}

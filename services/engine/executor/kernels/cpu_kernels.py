@@ -1,10 +1,12 @@
-"""The CPU paged decode kernel (paged_attention_cpu.cpp beside this file): built with the machine's C++
-compiler at first use through torch.utils.cpp_extension (ninja), for this CPU (-march=native; the build's
-name carries a hash of the CPU's flags and the source, so a cached build never runs on another CPU), cached
-in torch's extension directory ($TORCH_EXTENSIONS_DIR) and loaded from there afterwards. `load()` logs the
-build or load once and returns the module, or None with the reason logged when it cannot be built;
-`paged_decode` runs it with the Triton kernel's arguments (services/engine/executor/kernels/
-paged_attention.py): every decode row reads its K/V in place through its block table."""
+"""The CPU kernels, one C++ module of the sources beside this file: the paged decode attention
+(paged_attention_cpu.cpp) and the linear layers' product for a few rows (linear_rows_cpu.cpp). Built with
+the machine's C++ compiler at first use through torch.utils.cpp_extension (ninja), for this CPU
+(-march=native; the build's name carries a hash of the CPU's flags and the sources, so a cached build never
+runs on another CPU), cached in torch's extension directory ($TORCH_EXTENSIONS_DIR) and loaded from there
+afterwards. `load()` logs the build or load once and returns the module, or None with the reason logged
+when it cannot be built. `paged_decode` runs the attention with the Triton kernel's arguments
+(services/engine/executor/kernels/paged_attention.py): every decode row reads its K/V in place through its
+block table. `linear_rows` is the custom op `sluice::linear_rows` (executor/cpu_linear.py calls it)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "linear_rows_cpu.cpp"))
 CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17"]  # fast-math: compile only
 DISABLE_ENV = "SLUICE_CPU_KERNEL"  # "0": never build nor use the kernel
 
@@ -41,8 +43,8 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256((_cpu_flags() + SOURCE.read_text() + " ".join(CFLAGS)).encode()).hexdigest()
-    return f"sluice_paged_cpu_{digest[:12]}"
+    text = _cpu_flags() + "".join(source.read_text() for source in SOURCES) + " ".join(CFLAGS)
+    return f"sluice_cpu_kernels_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
 def _ninja_on_path() -> bool:
@@ -78,7 +80,7 @@ def status() -> tuple[ModuleType | None, str]:
         with _build_lock(build_dir):
             module = cpp_extension.load(
                 name,
-                [str(SOURCE)],
+                [str(source) for source in SOURCES],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-lmvec"],
                 build_directory=str(build_dir),
@@ -86,7 +88,7 @@ def status() -> tuple[ModuleType | None, str]:
             )
     except Exception as exc:  # a compiler or linker error: the torch path serves instead
         return _unavailable(f"the build failed: {type(exc).__name__}: {str(exc)[-500:]}")
-    log.info("CPU paged attention kernel ready in %.1f s: %s", time.monotonic() - start, module.__file__)
+    log.info("CPU kernels ready in %.1f s: %s", time.monotonic() - start, module.__file__)
     return module, ""
 
 
@@ -105,7 +107,11 @@ def _build_lock(build_dir: Path) -> Iterator[None]:
 
 
 def _unavailable(why: str) -> tuple[None, str]:
-    log.warning("CPU paged attention kernel unavailable, decode attention gathers K/V instead: %s", why)
+    log.warning(
+        "CPU kernels unavailable, decode attention gathers K/V and few-row products run on torch's GEMM "
+        "instead: %s",
+        why,
+    )
     return None, why
 
 
@@ -138,13 +144,13 @@ def paged_decode(
 
 
 def main(argv: list[str]) -> int:
-    """`python -m services.engine.executor.kernels.cpu_paged [--require]`: builds the kernel once, so that
+    """`python -m services.engine.executor.kernels.cpu_kernels [--require]`: builds the kernel once, so that
     no engine start pays for it (`make install`, the image's build); with `--require`, exits 1 naming why
     when it does not build (the image must carry it; a host without a compiler may do without)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     module, why = status()
     if module is None and "--require" in argv:
-        print(f"the CPU paged kernel did not build: {why}")
+        print(f"the CPU kernels did not build: {why}")
         return 1
     return 0
 
