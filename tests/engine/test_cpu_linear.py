@@ -232,7 +232,7 @@ class _Counting:
 @needs_kernels
 def test_steps_of_few_rows_run_on_the_kernel_and_others_on_onednn() -> None:
     """A small weight's steps of fewer than FEW_ROWS rows go to the kernel (its dense copy), the rest to
-    oneDNN; a tied head (SharedLinear) likewise on its shared weight, the rest on torch's GEMM."""
+    oneDNN; a tied head (SharedLinear) likewise on its shared weight, the rest on its packed copy."""
     torch.manual_seed(0)
     model = _Tied().eval()
     pack_linears(model, "auto", CPU, torch.float32, "none")
@@ -291,3 +291,33 @@ def test_a_compiled_graph_calls_a_shared_heads_kernel_through_its_op() -> None:
             torch.testing.assert_close(fn(x), torch.tanh(x) @ weight.t(), rtol=1e-5, atol=1e-5)
     targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
     assert "sluice.linear_rows.default" in targets, targets
+
+
+@needs_onednn
+@pytest.mark.parametrize("small", [True, False], ids=["packed-copy", "torch-gemm"])
+def test_a_tied_heads_steps_of_many_rows_go_to_a_packed_copy_when_small(
+    small: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tied head of at most TIED_PACK_MAX_ELEMENTS gets a packed copy for steps of FEW_ROWS or more
+    (oneDNN sees them), a larger one stays on torch's GEMM; the tie holds and the products are equal."""
+    calls: list[int] = []
+    real = cpu_linear.onednn_linear
+
+    def recording(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return real(x, packed, bias)
+
+    monkeypatch.setattr(cpu_linear, "onednn_linear", recording)
+    if not small:
+        monkeypatch.setattr(cpu_linear, "TIED_PACK_MAX_ELEMENTS", 100)
+    torch.manual_seed(0)
+    model = _Tied().eval()
+    pack_linears(model, "auto", CPU, torch.float32, "none")
+    head = model.head
+    assert isinstance(head, SharedLinear) and head.weight is model.embed.weight
+    assert (head.packed is not None) == small
+    calls.clear()
+    x = torch.randn(40, head.in_features)
+    with torch.inference_mode():
+        torch.testing.assert_close(head(x), x @ model.embed.weight.detach().t(), rtol=1e-5, atol=1e-5)
+    assert calls == ([40] if small else [])

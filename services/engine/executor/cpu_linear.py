@@ -2,7 +2,8 @@
 
 `pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
 reordered once into oneDNN's blocked layout; the dense weight is dropped (kept by small layers, for steps of
-few rows: `DENSE_MAX_ELEMENTS`); a tied lm_head stays. oneDNN keeps a kernel per input shape, so the rows go
+few rows: `DENSE_MAX_ELEMENTS`); a tied lm_head keeps its shared weight (`SharedLinear`, with a packed
+copy when small: `TIED_PACK_MAX_ELEMENTS`). oneDNN keeps a kernel per input shape, so the rows go
 in padded to a few sizes (`row_bucket`), in pieces of at most `MAX_ROWS`. In a compiled step a layer is the
 opaque custom op `sluice::packed_linear` (naming the layer by a number): inductor fuses what lies between
 the products, oneDNN does them. Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32
@@ -159,9 +160,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={bias}"
 
 
+# A tied lm_head of at most this many elements also gets a packed copy for steps of FEW_ROWS rows or more
+# (64 MB in fp32): oneDNN multiplies the tiny model's 4096 x 256 head at 8-128 rows 1.4-2.3x faster than
+# torch's GEMM (64 rows, weight out of cache: 1.5 against 2.7 ms). A larger head stays on torch's GEMM
+# rather than take a second copy of its size.
+TIED_PACK_MAX_ELEMENTS = 1 << 24
+
+
 class SharedLinear(nn.Linear):
-    """A linear layer whose weight another module shares (a tied lm_head), left dense and shared: steps of
-    few rows on `few_rows`, others on torch's GEMM. Still an `nn.Linear` to whoever asks."""
+    """A linear layer whose weight another module shares (a tied lm_head): the weight stays dense and
+    shared; steps of few rows on the C++ kernel, others on a packed copy (`packed`, a PackedLinear) when
+    the weight has at most TIED_PACK_MAX_ELEMENTS, else on torch's GEMM. Still an `nn.Linear` to whoever
+    asks."""
 
     def __init__(self, linear: nn.Linear) -> None:
         nn.Module.__init__(self)  # nn.Linear's own would allocate a weight: this one takes `linear`'s
@@ -170,19 +180,24 @@ class SharedLinear(nn.Linear):
         self.weight = linear.weight  # the shared Parameter itself: the tie holds
         self.bias = linear.bias
         self.rows_kernel = rows_kernel(self.weight.detach())
+        small = linear.weight.numel() <= TIED_PACK_MAX_ELEMENTS
+        self.packed = PackedLinear(linear) if small else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_kernel is None or x.numel() >= FEW_ROWS * self.in_features:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, self.in_features)  # (n, in)
-        if torch.compiler.is_compiling():
-            y = linear_rows_op(rows, self.weight, self.bias)
-        else:  # the op's dispatch costs as much as a small product: eager calls the kernel itself
-            y = self.rows_kernel(rows, self.weight, self.bias)
-        return y.view(*x.shape[:-1], self.out_features)
+        if self.rows_kernel is not None and x.numel() < FEW_ROWS * self.in_features:
+            rows = x.reshape(-1, self.in_features)  # (n, in)
+            if torch.compiler.is_compiling():
+                y = linear_rows_op(rows, self.weight, self.bias)
+            else:  # the op's dispatch costs as much as a small product: eager calls the kernel itself
+                y = self.rows_kernel(rows, self.weight, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.packed is not None:
+            return self.packed(x)
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, shared weight"
+        copy = ", packed copy" if self.packed is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, shared weight{copy}"
 
 
 def why_not(mode: str, device: torch.device, dtype: torch.dtype, quantization: str) -> str:
@@ -233,10 +248,11 @@ def pack_linears(
     built = cpu_kernels.load() is not None
     kernel = "the C++ kernel" if built else "torch's GEMM (the CPU kernels are not built)"
     log.info(
-        "linear layers: %d on oneDNN's prepacked weights, %d sharing their weight left dense; steps of few "
-        "rows on %s",
+        "linear layers: %d on oneDNN's prepacked weights, %d sharing their weight kept dense (a packed copy "
+        "up to %d elements); steps of few rows on %s",
         len(linears) - shared,
         shared,
+        TIED_PACK_MAX_ELEMENTS,
         kernel,
     )
     return len(linears) - shared
