@@ -196,3 +196,14 @@ def tokenizer_eos_id(model_dir: Path) -> int | None:
     if isinstance(vocab, dict) and isinstance(vocab.get(eos), int):
         return int(vocab[eos])
     return None
+
+
+def tokenizer_size(model_dir: Path) -> int | None:
+    """How many ids tokenizer.json knows (its vocabulary with the added tokens, as the detokenizer counts
+    them: the ids it can turn into text), or None without one."""
+    path = model_dir / "tokenizer.json"
+    if not path.exists():
+        return None
+    from tokenizers import Tokenizer
+
+    return int(Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True))

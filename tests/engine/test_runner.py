@@ -6,16 +6,21 @@ requests join and leave across the padded sizes."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
+from services.common.models import tokenizer_size
 from services.engine.core.engine import LLMEngine
 from services.engine.executor.cuda_graphs import Staging, StaticDecode
 from services.engine.executor.kernels import cpu_kernels
 from services.engine.executor.model_runner import ModelRunner, resolve_backend
 from services.engine.settings import EngineSettings
+from sluice.bench import engine_driver as drv
+from sluice.model.presets import FIRST_PLAIN_ID
 from tests.engine.conftest import TEST_DEVICE
 from tests.engine.test_model import Workload, reference, run_engine, workload
 
@@ -128,3 +133,30 @@ def test_padded_static_decode_matches_generate(
     rows = {b for b, _ in padded}
     assert {1, 2, 3, 4} <= rows, f"decode batches seen: {sorted(rows)}"
     assert all(n == b for b, n in padded), "the logits of the real rows only"
+
+
+def test_rows_past_the_tokenizers_ids_are_never_sampled(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A model whose vocabulary has rows past its tokenizer's ids (embeddings padded to a round size),
+    those rows made to win every argmax (+-10x copies of the first rows): the engine never samples them,
+    where transformers' argmax does, so no request ends on an id the detokenizer cannot decode."""
+    size = tokenizer_size(tiny_model_dir)
+    assert size is not None
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    k = 32
+    model.resize_token_embeddings(size + 2 * k, mean_resizing=False)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[size : size + k] = 10 * head[:k]
+        head[size + k :] = -10 * head[:k]
+    out = tmp_path / "padded"
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (tiny_model_dir / name).exists():
+            shutil.copy(tiny_model_dir / name, out / name)
+    prompt = [FIRST_PLAIN_ID + i for i in range(12)]
+    with torch.inference_mode():
+        assert int(model(torch.tensor([prompt])).logits[0, -1].argmax()) >= size  # the premise
+    engine = drv.make_engine(drv.engine_settings(out, "cpu", "float32", [len(prompt) + 16]))
+    assert engine.runner.sampled_vocab == size < engine.runner.vocab_size
+    (tokens,), _ = drv.generate(engine, [prompt], [16])
+    assert len(tokens) == 16 and max(tokens) < size, tokens

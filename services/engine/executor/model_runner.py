@@ -21,7 +21,7 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id
+from services.common.models import eos_token_ids, resolve_model_dir, tokenizer_eos_id, tokenizer_size
 from services.engine.core.request import Request
 from services.engine.executor import capabilities, compiled, host_malloc, kv_sizing
 from services.engine.executor.attention import (
@@ -85,6 +85,22 @@ def read_eos_ids(model_dir: Path, config: transformers.PretrainedConfig) -> froz
     """The ids that stop a generation: the same rule as the tokenizer's (models.eos_token_ids, with the
     tokenizer's eos token), so the two agree."""
     return frozenset(eos_token_ids(model_dir, tokenizer_eos_id(model_dir)))
+
+
+def sampled_vocab(model_dir: Path, vocab_size: int) -> int:
+    """The ids a step may sample: [0, this). A model whose vocabulary has more rows than its tokenizer has
+    ids (embeddings padded to a round size) never samples the rows past the tokenizer's, which nothing could
+    turn into text; `vocab_size` where the tokenizer has as many or there is none."""
+    size = tokenizer_size(model_dir)
+    if size is None or size >= vocab_size:
+        return vocab_size
+    log.info(
+        "vocabulary: %d rows, the tokenizer %d ids; ids from %d on are never sampled",
+        vocab_size,
+        size,
+        size,
+    )
+    return size
 
 
 def checkpoint_dtype(config: transformers.PretrainedConfig) -> torch.dtype | None:
@@ -212,6 +228,7 @@ class ModelRunner:
         self.expert_load = ExpertLoad(moe_layers, self.device, settings.max_num_seqs) if moe_layers else None
         self.eos_ids = read_eos_ids(self.model_dir, config)
         self.vocab_size = int(config.vocab_size)
+        self.sampled_vocab = sampled_vocab(self.model_dir, self.vocab_size)
         block_size = self.block_size = settings.block_size
         element = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.kv_layout = KVLayout(
@@ -447,7 +464,8 @@ class ModelRunner:
         self, scheduled: Sequence[tuple[Request, int]], prev_tokens: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[Request]]:
         """Runs the model on the step's tokens and returns the logits (N, V) of the requests that sample
-        (a request samples when its chunk reaches its last token) and those requests, in row order.
+        (a request samples when its chunk reaches its last token) and those requests, in row order; the
+        columns past `sampled_vocab` are -inf.
         A request with drafts (`draft_ids`, speculative decoding) computes its last token and the drafts
         as one chunk and gets 1 + len(draft_ids) consecutive rows, its name repeated once per row.
 
@@ -509,6 +527,8 @@ class ModelRunner:
                 offset += len(rows)
         if self.expert_load is not None:
             self.expert_load.end()
+        if self.sampled_vocab < logits.shape[-1]:
+            logits[:, self.sampled_vocab :] = float("-inf")  # rows no tokenizer id stands for (sampled_vocab)
         self._stop_timer(timer)
         return logits, [r for r, _ in keep_rows]
 
