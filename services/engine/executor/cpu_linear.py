@@ -1,17 +1,14 @@
 """Linear layers on oneDNN's prepacked weights, on a CPU (`--cpu-linear`).
 
-`pack_linears(model, mode, ...)` replaces each `nn.Linear` of a loaded model by a `PackedLinear`: its weight
-reordered once into oneDNN's blocked layout; the dense weight is dropped (kept by small layers, for steps of
-few rows: `DENSE_MAX_ELEMENTS`); a tied lm_head keeps its shared weight (`SharedLinear`, with a packed
-copy when small: `TIED_PACK_MAX_ELEMENTS`). oneDNN keeps a kernel per input shape, so the rows go
-in padded to a few sizes (`row_bucket`), in pieces of at most `MAX_ROWS`. In a compiled step a layer is the
-opaque custom op `sluice::packed_linear` (naming the layer by a number): inductor fuses what lies between
-the products, oneDNN does them. Modes: auto (the default) packs on a CPU where torch has oneDNN, for fp32
-or bf16 weights without quantization; onednn does the same, else raises ValueError; torch never packs.
-Steps of few rows (FEW_ROWS) multiply a small weight's dense copy, and a tied lm_head's weight
-(`SharedLinear`), on the C++ kernel `linear_rows` (kernels/cpu_kernels.py; torch's GEMM where it is not
-built), which reads a weight from cache at 35-40 GB/s where torch's GEMM and oneDNN read it at 11-14.
-Why, and the kernels' memory: docs/architecture.md ("Where the cycles go").
+`pack_linears(model, mode, ...)` replaces each `nn.Linear` by a `PackedLinear` (its weight reordered once into
+oneDNN's blocked layout, the dense one dropped but by small layers: `DENSE_MAX_ELEMENTS`) and a tied lm_head
+by a `SharedLinear` (the shared weight, a packed copy when small). Steps of fewer than FEW_ROWS rows run on
+the C++ kernel `linear_rows` (kernels/cpu_kernels.py; torch's GEMM where it is not built); oneDNN keeps a
+kernel per input shape, so its rows go in padded to a few sizes (`row_bucket`), in pieces of `MAX_ROWS`. In
+a compiled step a layer is the opaque custom op `sluice::packed_linear` (or `sluice::linear_rows`), so
+inductor fuses what lies between the products. Modes: auto (the default) packs on a CPU where torch has
+oneDNN, for fp32 or bf16 weights without quantization; onednn does the same, else raises ValueError; torch
+never packs. Why, and the measurements: docs/architecture.md ("Where the cycles go").
 """
 
 from __future__ import annotations
