@@ -242,7 +242,7 @@ def test_docker_compose_v1_runs_the_stack(image: str, stack_env: dict[str, str],
         print(f"\ndocker-compose 1.29: up and ready in {took:.0f} s (ready wait {ready:.0f} s)")
         check_serving(stack_env)
         engine_log = compose(V1, stack_env, "logs", "--no-color", "engine-cpu")
-        assert "CPU paged attention kernel ready" in engine_log, engine_log[-4000:]
+        assert "CPU kernels ready" in engine_log, engine_log[-4000:]
     finally:
         compose(V1, stack_env, "down", "-t", "10")
 
