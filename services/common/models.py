@@ -12,6 +12,7 @@ The cache's layout and `sluice up`'s single resolution: README ("Running"), docs
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -198,9 +199,11 @@ def tokenizer_eos_id(model_dir: Path) -> int | None:
     return None
 
 
+@functools.cache
 def tokenizer_size(model_dir: Path) -> int | None:
     """How many ids tokenizer.json knows (its vocabulary with the added tokens, as the detokenizer counts
-    them: the ids it can turn into text), or None without one."""
+    them: the ids it can turn into text), or None without one. Cached: the engine's runner and grammar
+    compiler both ask, and building a large tokenizer takes about a second."""
     path = model_dir / "tokenizer.json"
     if not path.exists():
         return None

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
-from tokenizers import Tokenizer
 
 from services.common.constraints import JSON_WHITESPACE, closed_schema
 from services.common.errors import INTERNAL, INVALID_ARGUMENT
+from services.common.models import tokenizer_size
 
 if TYPE_CHECKING:
     import torch
@@ -315,7 +315,7 @@ class GrammarCompiler:
         models pad their output layer), with the model's `eos_ids` (the engine passes its runner's).
         Building the tokenizer's index takes about 25 ms at 8k tokens and 1 s at 152k."""
         text = (Path(model_dir) / "tokenizer.json").read_text()
-        n_vocab = max(vocab_size, Tokenizer.from_str(text).get_vocab_size(with_added_tokens=True))
+        n_vocab = max(vocab_size, tokenizer_size(Path(model_dir)) or 0)
         tokenizer = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=sorted(eos_ids) or None)
         return cls(tokenizer, frozenset(tokenizer.eos_tokens), **kwargs)
 
