@@ -37,14 +37,23 @@ def _port_free(port: int) -> bool:
     return True
 
 
+# Every port free_ports handed out in this process: services launched together have not bound theirs
+# yet when the next ones are chosen, so a port free now may be promised already (a gateway that found
+# another service's health service where its engine should be served requests nothing could answer).
+_HANDED_OUT: set[int] = set()
+
+
 def free_ports(stage_ports: int = 3) -> tuple[int, int]:
     """An HTTP port and a gRPC base port whose next `stage_ports` ports (one per stage replica: see
-    `sluice up --help`) are free too; all below Linux's default range for outgoing connections' local
-    ports (32768-60999), where a client connection could take a restarted child's port."""
+    `sluice up --help`) are free too and were never handed out before in this process; all below
+    Linux's default range for outgoing connections' local ports (32768-60999), where a client
+    connection could take a restarted child's port."""
     rng = random.Random()
     while True:
         http, base = rng.randrange(10000, 20000), rng.randrange(20000, 32000)
-        if all(_port_free(p) for p in (http, *range(base, base + stage_ports + 1))):
+        ports = (http, *range(base, base + stage_ports + 1))
+        if _HANDED_OUT.isdisjoint(ports) and all(_port_free(p) for p in ports):
+            _HANDED_OUT.update(ports)
             return http, base
 
 

@@ -55,14 +55,29 @@ def stream_prompts(ws_url: str) -> dict[str, dict[str, Any]]:
     return asyncio.run(generate_all(ws_url, greedy_requests(PROMPTS, MAX_TOKENS)))
 
 
-def stream_prompts_to_all(ws_urls: Sequence[str]) -> list[dict[str, dict[str, Any]]]:
-    """`stream_prompts` to every pipeline at once, their results in order."""
+def stream_prompts_to_all(ws_urls: Sequence[str]) -> list[dict[str, dict[str, Any]] | BaseException]:
+    """`stream_prompts` to every pipeline at once: per URL in order, its results or what it raised."""
 
-    async def run() -> list[dict[str, dict[str, Any]]]:
+    async def run() -> list[dict[str, dict[str, Any]] | BaseException]:
         requests = greedy_requests(PROMPTS, MAX_TOKENS)
-        return list(await asyncio.gather(*(generate_all(url, requests) for url in ws_urls)))
+        return list(
+            await asyncio.gather(*(generate_all(url, requests) for url in ws_urls), return_exceptions=True)
+        )
 
     return asyncio.run(run())
+
+
+NOTABLE = ("WARNING", "ERROR", "Traceback", "Error:")
+
+
+def notable_output(name: str, service: Pipeline) -> str:
+    """`service`'s warnings, errors and tracebacks (their lines and the 12 after each), then its last 20
+    lines: what says why one of its requests failed, short enough to survive a truncated CI log."""
+    lines = service.output().splitlines()
+    starts = [i for i, line in enumerate(lines) if any(word in line for word in NOTABLE)]
+    keep = sorted({j for i in starts for j in range(i, i + 13)})
+    picked = [lines[j] for j in keep if j < len(lines)]
+    return "\n".join([f"--- {name}: notable lines", *picked[-150:], f"--- {name}: last lines", *lines[-20:]])
 
 
 def assert_equals_generate(model_dir: Path, family: str, got: dict[str, dict[str, Any]]) -> None:
@@ -99,22 +114,20 @@ def test_every_family_streams_greedy_text_equal_to_generate(
     front = launch_pipeline(model_dirs[first], "--engine-threads", "1", env=ENGINE_ENV)
     tokenizer, detokenizer = (f"127.0.0.1:{front.grpc_base_port + i}" for i in (1, 3))
     gateways: dict[str, tuple[str, Pipeline]] = {}
-    services = []
+    engines: dict[str, Pipeline] = {}
     for family in others:
         http, base = free_ports(2)
         engine = f"127.0.0.1:{base + 1}"
-        services.append(
-            launch_service(
-                "engine", "--model", str(model_dirs[family]), "--port", str(base + 1), "--threads", "1",
-                env=ENGINE_ENV,
-            )
+        engines[family] = launch_service(
+            "engine", "--model", str(model_dirs[family]), "--port", str(base + 1), "--threads", "1",
+            env=ENGINE_ENV,
         )  # fmt: skip
         gateway = launch_service(
             "gateway", "--port", str(http), "--grpc-port", str(base), "--tokenizer", tokenizer,
             "--engine", engine, "--detokenizer", detokenizer,
         )  # fmt: skip
         gateways[family] = (f"http://127.0.0.1:{http}", gateway)
-        services.append(gateway)
+    services = [*engines.values(), *(gateway for _, gateway in gateways.values())]
     try:
         if not front.ready.wait(STARTUP_DEADLINE_S) or front.proc.poll() is not None:
             pytest.fail(f"sluice up did not become ready:\n{front.output()}")
@@ -122,11 +135,14 @@ def test_every_family_streams_greedy_text_equal_to_generate(
         for url, gateway in gateways.values():
             wait_ready(url, gateway, deadline)
         urls = [front.ws_url] + [url.replace("http://", "ws://") + "/v1/ws" for url, _ in gateways.values()]
-        try:
-            results = stream_prompts_to_all(urls)
-        except AssertionError as exc:  # which service said what: every engine's and gateway's last output
-            logs = "\n".join(f"--- {' '.join(s.proc.args[3:6])}\n{s.output()[-3000:]}" for s in services)
-            pytest.fail(f"{exc}\n{logs}\n--- sluice up\n{front.output()[-3000:]}")
+        results = stream_prompts_to_all(urls)
+        failed = {f: r for f, r in zip(DENSE, results, strict=True) if isinstance(r, BaseException)}
+        if failed:  # which family failed how, and what its engine and gateway said
+            logs = [notable_output("sluice up", front)] if first in failed else []
+            for family in failed.keys() - {first}:
+                logs += [notable_output(f"{family} engine", engines[family])]
+                logs += [notable_output(f"{family} gateway", gateways[family][1])]
+            pytest.fail("\n".join([*(f"{f}: {r!r}" for f, r in failed.items()), *logs]))
     finally:
         codes = [service.stop() for service in [*services, front]]
     assert codes == [0] * len(codes), "\n".join(s.output() for s in [*services, front])
