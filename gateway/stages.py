@@ -48,6 +48,16 @@ DetokLink = StreamLink[
 ]
 OnBroken = Callable[[EngineLink | DetokLink, str], None]
 TOKEN_PIECE_CACHE = 200_000  # token id → piece entries kept for logprobs
+# The gRPC service whose health each stage's replicas report (every sluice server registers its own):
+# a replica is SERVING only when the server at its address is that stage.
+HEALTH_SERVICES = {
+    kind: module.DESCRIPTOR.services_by_name[name].full_name
+    for kind, module, name in (
+        ("tokenizer", tokenizer_pb2, "Tokenizer"),
+        ("engine", engine_pb2, "Engine"),
+        ("detokenizer", detokenizer_pb2, "Detokenizer"),
+    )
+}
 
 
 @dataclass(frozen=True)
@@ -82,11 +92,16 @@ class Stages:
             settings.routing, self.engine_load, settings.routing_margin, settings.routing_margin_ratio
         )
         self.engines = Replicas(
-            "engine", settings.engine, tls, picker=engine_picker, resolve_interval_s=interval
-        )
+            "engine", settings.engine, tls, picker=engine_picker, resolve_interval_s=interval,
+            health_service=HEALTH_SERVICES["engine"],
+        )  # fmt: skip
         pooled = {"channels_per_replica": settings.channels_per_replica, "resolve_interval_s": interval}
-        self.tokenizers = Replicas("tokenizer", settings.tokenizer, tls, **pooled)
-        self.detokenizers = Replicas("detokenizer", settings.detokenizer, tls, **pooled)
+        self.tokenizers = Replicas(
+            "tokenizer", settings.tokenizer, tls, health_service=HEALTH_SERVICES["tokenizer"], **pooled
+        )
+        self.detokenizers = Replicas(
+            "detokenizer", settings.detokenizer, tls, health_service=HEALTH_SERVICES["detokenizer"], **pooled
+        )
         self._engine_links: dict[str, EngineLink] = {}
         self._detok_links: dict[str, DetokLink] = {}
         self._links = {"engine": self._engine_links, "detokenizer": self._detok_links}  # by kind

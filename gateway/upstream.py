@@ -93,10 +93,13 @@ class Replicas:
     there (streams included) given up to RETIRE_GRACE_S to finish. Over TLS, the certificate of a resolved
     replica must name the host of its endpoint.
 
-    Health: every member's grpc.health.v1 status is watched (one `Watch` call per member, reopened
-    whenever its channel is READY again). A member whose status is known and not SERVING (a replica
-    draining, or an engine whose loop failed) gets no new work until it reports SERVING; a member
-    not yet heard from, or whose server has no health service, counts by its channel alone.
+    Health: every member's grpc.health.v1 status of `health_service` (the stage's gRPC service, e.g.
+    "sluice.v1.Engine"; "" for the server as a whole) is watched (one `Watch` call per member, reopened
+    whenever its channel is READY again); a server that does not serve that service (another stage's at
+    a wrong address) reports SERVICE_UNKNOWN and counts as not SERVING. A member whose status is known
+    and not SERVING (a replica draining, or an engine whose loop failed) gets no new work until it
+    reports SERVING; a member not yet heard from, or whose server has no health service, counts by its
+    channel alone.
     """
 
     def __init__(
@@ -109,10 +112,12 @@ class Replicas:
         channels_per_replica: int = 1,
         resolve_interval_s: float = 10.0,
         resolve: Resolve | None = None,
+        health_service: str = "",
     ) -> None:
         assert endpoints, f"{kind}: no address"
         assert channels_per_replica >= 1
         self.kind = kind
+        self.health_service = health_service
         self.endpoints = [Endpoint.parse(e) for e in endpoints]
         self.channels: dict[str, grpc.aio.Channel] = {}
         self.addresses: tuple[str, ...] = ()
@@ -301,13 +306,18 @@ class Replicas:
         its channel is READY; the status is unknown between calls. Ends when the server has no health
         service (the member then counts by its channel alone)."""
         channel = self.channels[key]
-        request = health_pb2.HealthCheckRequest(service="")
+        request = health_pb2.HealthCheckRequest(service=self.health_service)
         serving = health_pb2.HealthCheckResponse.SERVING
         while True:
             await until_ready(channel)
             call = health_pb2_grpc.HealthStub(channel).Watch(request)
             try:
                 async for reply in call:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+                        log.warning(
+                            "%s %s serves no %s: is it another service's address?",
+                            self.kind, key, self.health_service,
+                        )  # fmt: skip
                     self._set_serving(key, reply.status == serving)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -381,7 +391,9 @@ class Replicas:
         async def check(key: str) -> bool:
             stub = health_pb2_grpc.HealthStub(self.channels[key])
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+                reply = await stub.Check(
+                    health_pb2.HealthCheckRequest(service=self.health_service), timeout=timeout_s
+                )
             except grpc.aio.AioRpcError:
                 return False
             return reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -56,6 +56,21 @@ async def test_readyz_needs_one_serving_replica_of_every_stage_and_names_no_addr
     assert "127.0.0.1" not in response.text
 
 
+async def test_readyz_counts_no_engine_where_another_stage_serves(
+    make_gateway, upstreams: FakeUpstreams
+) -> None:  # type: ignore[no-untyped-def]
+    """An engine address where the detokenizer serves (two services given overlapping ports): that server
+    answers health for itself, not for sluice.v1.Engine, so the gateway is not ready and routes nothing
+    there, rather than failing every request with a call the server does not have."""
+    server = await make_gateway(engine=(upstreams.addresses["detokenizer"],), readyz_cache_s=0.0)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=WAIT_S) as http:
+        response = await http.get("/readyz")
+    assert response.status_code == 503
+    stages = response.json()["stages"]
+    assert stages["engine"] == {"ready": False, "serving": 0, "replicas": [False]}
+    assert stages["detokenizer"]["ready"] is True
+
+
 async def test_readyz_checks_the_upstreams_at_most_once_per_cache_period(
     make_gateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:  # type: ignore[no-untyped-def]
