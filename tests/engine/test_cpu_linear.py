@@ -217,6 +217,18 @@ def test_the_rows_kernel_computes_what_linear_does(dtype: torch.dtype) -> None:
         kernel(torch.randn(1, 8), torch.randn(4, 8).to(torch.bfloat16), None)
 
 
+@needs_kernels
+def test_the_kernels_spread_over_torchs_threads() -> None:
+    """The module is built with OpenMP: a parallel region runs on every intra-op thread (built with the
+    SIMD pragmas alone, each region ran on the calling thread, with no error to say so)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert cpu_kernels.load().parallel_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 class _Counting:
     """Wraps a layer's rows kernel, counting its calls."""
 

@@ -28,7 +28,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("paged_attention_cpu.cpp", "linear_rows_cpu.cpp"))
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-std=c++17"]  # fast-math: compile only
+# -fopenmp: at::parallel_for spreads over torch's intra-op threads only in code built with OpenMP; with
+# -fopenmp-simd alone (until 2026-12-02) every region ran on the calling thread (`parallel_threads` says
+# which). fast-math: compile only.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-std=c++17"]
 DISABLE_ENV = "SLUICE_CPU_KERNEL"  # "0": never build nor use the kernel
 
 

@@ -5,7 +5,9 @@
 // that lives in L3 at 11-14 GB/s here, this loop at 35-40 (the tiny model's 29 products of one token:
 // 1.1-1.5 ms against 0.40-0.45); from memory 6-9 GB/s against 14-15.
 // A weight of at least kChunkBytes * 2 is split over torch's intra-op threads; a smaller one runs on the
-// calling thread (a parallel region costs more than the product of a small matrix).
+// calling thread (a parallel region costs more than the product of a small matrix). Two threads, one row,
+// h1024's 56 layer weights from memory: 12-16 ms a pass (24-31 GB/s) against 25-26 on one thread, oneDNN's
+// packed weights 17-22 ms.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>

@@ -224,7 +224,16 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 // linear_rows_cpu.cpp, built into the same module
 torch::Tensor linear_rows(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 
+// The threads one at::parallel_for region of this module runs on: torch's intra-op threads when the module
+// was built with OpenMP (cpu_kernels.CFLAGS), 1 when the region silently ran on the calling thread alone.
+int64_t parallel_threads() {
+  std::vector<char> seen(static_cast<size_t>(at::get_num_threads()), 0);
+  at::parallel_for(0, 1 << 16, 1, [&](int64_t, int64_t) { seen[at::get_thread_num()] = 1; });
+  return std::count(seen.begin(), seen.end(), 1);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode);
   m.def("linear_rows", &linear_rows);
+  m.def("parallel_threads", &parallel_threads);
 }
