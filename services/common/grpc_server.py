@@ -101,9 +101,10 @@ class ServerHandle(Generic[ServerT, CoreT]):
     and `release`, which frees what the core holds (threads, the engine's loop, channels) once the
     server has stopped.
 
-    `start()` starts the server and marks it SERVING; `stop(grace_s)` marks it NOT_SERVING for good, stops the
-    server (calls in flight get `grace_s` seconds; None: cancelled at once), then releases the core.
-    Whoever calls `create_server` calls `stop` once, started or not."""
+    `start()` starts the server (its health NOT_SERVING, never unknown, until then) and marks it
+    SERVING; `stop(grace_s)` marks it NOT_SERVING for good, stops the server (calls in flight get
+    `grace_s` seconds; None: cancelled at once), then releases the core. Whoever calls `create_server`
+    calls `stop` once, started or not."""
 
     server: ServerT
     port: int
@@ -113,6 +114,7 @@ class ServerHandle(Generic[ServerT, CoreT]):
     release: Callable[[], Awaitable[None]]
 
     async def start(self) -> None:
+        await self.health.set_serving(False)  # every name known before the first call: never UNKNOWN
         await self.server.start()
         await self.health.set_serving(True)
 
