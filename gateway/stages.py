@@ -26,7 +26,7 @@ from gateway.events import GenerateInput, TokenPiece
 from gateway.routing import Picker
 from gateway.settings import GatewaySettings
 from gateway.upstream import Replicas, StreamLink
-from services.common.grpc_server import ChannelTls
+from services.common.grpc_server import STAGE_SERVICES, ChannelTls
 from services.common.pb import (
     common_pb2,
     detokenizer_pb2,
@@ -48,16 +48,6 @@ DetokLink = StreamLink[
 ]
 OnBroken = Callable[[EngineLink | DetokLink, str], None]
 TOKEN_PIECE_CACHE = 200_000  # token id → piece entries kept for logprobs
-# The gRPC service whose health each stage's replicas report (every sluice server registers its own):
-# a replica is SERVING only when the server at its address is that stage.
-HEALTH_SERVICES = {
-    kind: module.DESCRIPTOR.services_by_name[name].full_name
-    for kind, module, name in (
-        ("tokenizer", tokenizer_pb2, "Tokenizer"),
-        ("engine", engine_pb2, "Engine"),
-        ("detokenizer", detokenizer_pb2, "Detokenizer"),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -93,14 +83,14 @@ class Stages:
         )
         self.engines = Replicas(
             "engine", settings.engine, tls, picker=engine_picker, resolve_interval_s=interval,
-            health_service=HEALTH_SERVICES["engine"],
+            health_service=STAGE_SERVICES["engine"],
         )  # fmt: skip
         pooled = {"channels_per_replica": settings.channels_per_replica, "resolve_interval_s": interval}
         self.tokenizers = Replicas(
-            "tokenizer", settings.tokenizer, tls, health_service=HEALTH_SERVICES["tokenizer"], **pooled
+            "tokenizer", settings.tokenizer, tls, health_service=STAGE_SERVICES["tokenizer"], **pooled
         )
         self.detokenizers = Replicas(
-            "detokenizer", settings.detokenizer, tls, health_service=HEALTH_SERVICES["detokenizer"], **pooled
+            "detokenizer", settings.detokenizer, tls, health_service=STAGE_SERVICES["detokenizer"], **pooled
         )
         self._engine_links: dict[str, EngineLink] = {}
         self._detok_links: dict[str, DetokLink] = {}

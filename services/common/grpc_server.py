@@ -29,9 +29,21 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import priority, telemetry
 from services.common.metrics import ServiceMetrics
+from services.common.pb import detokenizer_pb2, engine_pb2, tokenizer_pb2
 from services.common.settings import StageTlsSettings
 
 log = logging.getLogger(__name__)
+
+# Each stage's gRPC service, from the protos: the name its server registers (health included) and the
+# health the gateway asks a replica of that stage for.
+STAGE_SERVICES = {
+    kind: module.DESCRIPTOR.services_by_name[name].full_name
+    for kind, module, name in (
+        ("tokenizer", tokenizer_pb2, "Tokenizer"),
+        ("engine", engine_pb2, "Engine"),
+        ("detokenizer", detokenizer_pb2, "Detokenizer"),
+    )
+}
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, int]] = [

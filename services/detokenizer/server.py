@@ -15,7 +15,7 @@ from services.detokenizer.incremental import Vocabulary
 from services.detokenizer.servicer import DetokenizerServicer
 from services.detokenizer.settings import DetokenizerSettings
 
-SERVICE_NAME = "sluice.v1.Detokenizer"
+SERVICE_NAME = grpc_server.STAGE_SERVICES["detokenizer"]
 
 
 async def create_server(

@@ -23,7 +23,7 @@ from services.engine.observability import EngineObserver
 from services.engine.servicer import EngineServicer
 from services.engine.settings import EngineSettings
 
-SERVICE_NAME = "sluice.v1.Engine"
+SERVICE_NAME = grpc_server.STAGE_SERVICES["engine"]
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from services.tokenizer.core import TokenizerCore
 from services.tokenizer.servicer import TokenizerServicer
 from services.tokenizer.settings import TokenizerSettings
 
-SERVICE_NAME = "sluice.v1.Tokenizer"
+SERVICE_NAME = grpc_server.STAGE_SERVICES["tokenizer"]
 
 
 async def create_server(
