@@ -152,8 +152,9 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
     tiny_model_dir: Path,
 ) -> None:
     """A real tokenizer process with `--workers 2` (SO_REUSEPORT) behind a gateway that opens 16
-    connections to it: after a batch of requests, each worker's own /metrics counts Tokenize calls.
-    (All 16 connections landing on one worker: odds 2 in 65,536.)"""
+    connections to it: once all 16 are up, a batch of requests; each worker's own /metrics counts
+    Tokenize calls. (All 16 connections landing on one worker: odds 2 in 65,536. Sent before they
+    are all up, the requests share the first few, which may well be on one worker.)"""
     metrics = _free_run(2)  # worker i serves /metrics on metrics + i
     tokenizer = start_service(
         "tokenizer", tiny_model_dir, os.environ, "--workers", "2", "--metrics-port", str(metrics)
@@ -170,6 +171,10 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
         )
         server = await create_server(settings)
         await server.start()
+        tokenizers = server.core._stages.tokenizers  # type: ignore[attr-defined]
+        async with asyncio.timeout(STARTUP_S):  # every connection open, not only the first few up
+            while len(tokenizers.connected()) < 16:
+                await asyncio.sleep(0.05)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as http:
             replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(32)))
