@@ -21,7 +21,7 @@ from sluice.launcher import parse_args
 from sluice.plan import busy_port, plan_children
 from tests.e2e.conftest import _port_free, start_pipeline
 from tests.e2e.test_up import generate_all
-from tests.gateway.conftest import gateway_settings
+from tests.gateway.conftest import gateway_settings, until
 from tests.gateway.fakes import MODEL, start_upstreams
 from tests.observability.processes import Service, scrape, start_service
 
@@ -162,9 +162,7 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
     fakes = await start_upstreams()
     server = None
     try:
-        async with asyncio.timeout(STARTUP_S):
-            while not _listening(tokenizer, 2):  # both workers accept before the gateway connects
-                await asyncio.sleep(0.05)
+        await until(lambda: _listening(tokenizer, 2), STARTUP_S, 0.05)  # both workers accept first
         address = f"127.0.0.1:{tokenizer.port}"
         settings = gateway_settings(
             fakes, tokenizer=(address,), channels_per_replica=16, served_model_name=MODEL
@@ -172,9 +170,8 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
         server = await create_server(settings)
         await server.start()
         tokenizers = server.core._stages.tokenizers  # type: ignore[attr-defined]
-        async with asyncio.timeout(STARTUP_S):  # every connection open, not only the first few up
-            while len(tokenizers.connected()) < 16:
-                await asyncio.sleep(0.05)
+        # every connection open, not only the first few up
+        await until(lambda: len(tokenizers.connected()) >= 16, STARTUP_S, 0.05)
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as http:
             replies = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(32)))

@@ -125,3 +125,10 @@ async def collect(
 
 async def wait_for(event: asyncio.Event) -> None:
     await asyncio.wait_for(event.wait(), WAIT_S)
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = WAIT_S, poll_s: float = 0.01) -> None:
+    """Returns once `condition()` holds, checking every `poll_s`; TimeoutError after `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while not condition():
+            await asyncio.sleep(poll_s)

@@ -7,23 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import httpx
 import pytest
 
 from gateway.server import GatewayHandle, create_server
-from tests.gateway.conftest import WAIT_S, dead_address, gateway_settings
+from tests.gateway.conftest import WAIT_S, dead_address, gateway_settings, until
 from tests.gateway.fakes import MODEL, FakeUpstreams, expected_text, start_upstreams
 
 BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

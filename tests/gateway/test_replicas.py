@@ -31,7 +31,7 @@ from services.common.pb import (
     tokenizer_pb2_grpc,
 )
 from services.common.settings import StageTlsSettings
-from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, send
+from tests.gateway.conftest import WAIT_S, collect, dead_address, gateway_settings, send, until
 from tests.gateway.fakes import (
     MODEL,
     FakeDetokenizer,
@@ -274,12 +274,6 @@ async def start_stage_on(stage: str, host: str, port: int) -> tuple[grpc.aio.Ser
     await server.start()
     await health.set_serving(True)
     return server, servicer, bound
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(WAIT_S):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 async def test_the_gateway_uses_every_replica_a_name_resolves_to_and_re_resolves(

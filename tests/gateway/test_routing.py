@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import replace
 
 import pytest
@@ -18,7 +18,7 @@ from gateway.server import GatewayHandle, create_server
 from gateway.settings import GatewaySettings
 from services.common.block_keys import chain_hashes
 from services.common.pb import common_pb2, engine_pb2
-from tests.gateway.conftest import WAIT_S, gateway_settings
+from tests.gateway.conftest import WAIT_S, gateway_settings, until
 from tests.gateway.fakes import FakeUpstreams, encode, expected_text, start_upstreams
 from tests.gateway.test_replicas import start_stage
 
@@ -188,13 +188,6 @@ async def start_gateway(first: FakeUpstreams, second: FakeUpstreams, **overrides
     await server.start()
     await until(lambda: len(server.core._stages.engines.connected()) == 2)  # else all go to the first up
     return server
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Waits (bounded) for an in-process condition of the gateway or the fakes."""
-    async with asyncio.timeout(WAIT_S):
-        while not condition():
-            await asyncio.sleep(0.005)
 
 
 async def events(generation: Generation) -> list[Event]:
