@@ -23,11 +23,13 @@ from collections.abc import Callable, Mapping
 from services.common.grpc_server import CONFIG_ERROR_STATUS, ChannelTls
 from services.engine.settings import COMPILE_MODES, CPU_LINEAR_MODES
 from sluice.plan import (
+    AUTO,
     EMBEDDED_MODEL_NAME,
     LIGHT_NICE,
     STAGES,
     busy_port,
     child_env,
+    engines_flag,
     ephemeral_ports,
     ephemeral_warning,
     host_load,
@@ -35,6 +37,7 @@ from sluice.plan import (
     planned_ports,
     policy_line,
     port_clash,
+    resolve_engines,
 )
 from sluice.supervise import (
     HEALTH_TIMEOUT_S,
@@ -50,6 +53,11 @@ from sluice.supervise import (
 )
 
 STANDBY_DEFAULT = 1
+
+ENGINES_HELP = (
+    "engine replicas, each a process on its own port (default: auto: on a CPU one per usable core, one "
+    "less on a busy host, as many as fit in memory, each with one torch thread; on a GPU one)"
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -79,6 +87,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "in that order (one of each: B+1, B+2, B+3; default: 50050)",
     )
     for stage in STAGES:
+        if stage == "engine":
+            add("--engines", type=engines_flag, default=AUTO, metavar="N|auto", help=ENGINES_HELP)
+            continue
         add(
             f"--{stage}s",
             type=int,
@@ -98,18 +109,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=0,
         metavar="N",
-        help="engine torch threads (default: one per core this process may run on, one less when the "
-        "host's load average is 1 or more before the services start)",
+        help="torch threads of each engine (default: the cores this process may run on, one less when the "
+        "host's load average is 1 or more before the services start, shared out among the --engines)",
     )
     add(
         "--light-nice",
         type=int,
-        default=LIGHT_NICE,
+        default=None,
         choices=range(0, 20),
         metavar="N",
         help="added to the nice value of the tokenizers, detokenizers and gateway once they serve (they "
         f"start at the engine's), so that they yield the cores to it (0-19; 0 = the engine's priority; "
-        f"default: {LIGHT_NICE})",
+        f"default: {LIGHT_NICE} beside one engine, 0 beside several)",
     )
     parser.add_argument(
         "--startup-timeout", type=float, default=STARTUP_TIMEOUT_S, help="seconds to wait for all services"
@@ -165,6 +176,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "restart of a replica of its kind instead of a cold start (default: 1; 0 = cold restarts)",
     )
     args = parser.parse_args(argv)
+    args.start_load = host_load()  # before any child starts: other work only
+    resolve_engines(args, args.start_load)
     if args.standby < 0:
         parser.error("--standby must be at least 0")
     for stage in STAGES:
@@ -194,7 +207,7 @@ def main(argv: list[str]) -> int:
 async def _run(args: argparse.Namespace) -> int:
     """plan → spawn → wait → stop; the exit status of `sluice up` (see `main`)."""
     model = resolve_model(args.model, args.revision)  # plan
-    load = host_load()  # before any child starts: other work only
+    load = args.start_load
     children = plan_children(args, model, load)
     if not _ports_usable(args):
         return 1

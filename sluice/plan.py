@@ -5,8 +5,8 @@ started here. Invariants: the stages' gRPC ports are consecutive from `--grpc-ba
 order (tokenizers, engines, detokenizers), their metrics ports likewise from `--metrics-base-port`; the
 gateway takes `--port` and `--grpc-base-port` and is given every replica's address; a replica is named
 `engine` when alone, else `engine-1` ... `engine-N`; every planned port has one use (`port_clash`). The
-engine gets a thread per usable core (one less when the load average shows other work: BUSY_LOAD) at the
-launcher's priority, the light stages `--light-nice` (LIGHT_NICE) lower, every child
+engines share the usable cores as torch threads (one core less when the load average shows other work:
+BUSY_LOAD) at the launcher's priority, the light stages `--light-nice` (LIGHT_NICE) lower, every child
 `OMP_WAIT_POLICY=PASSIVE` unless set: docs/architecture.md ("`sluice up`") has why and the measurement.
 """
 
@@ -152,43 +152,134 @@ def host_load() -> float:
         return 0.0
 
 
-def default_engine_threads(load: float | None = None) -> int:
-    """Torch threads for the engine of `sluice up`: one per usable core while the host is otherwise
-    idle (`load`, the 1-minute load average before any child starts, default `host_load()`, below
-    BUSY_LOAD), else one less (at least one): on a host already busy with other work a second thread's
-    barriers wait for a core that work holds. The light stages yield to the engine by priority
-    (`light_nice`). docs/architecture.md ("`sluice up`") and docs/benchmarks.md ("Cores to the engine")
-    have the measurements."""
+AUTO = 0  # --engines auto, before `resolve_engines`
+GPU_DEVICE_FILE = Path("/dev/nvidiactl")  # present where a CUDA driver exposes a device
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+ENGINE_OVERHEAD_BYTES = 3 << 29  # an engine besides its weights: its KV pool (0.5 GiB) and runtime (1 GiB)
+MEMORY_SHARE = 0.8  # auto engines fit in this share of the memory available at start-up
+# Weights up to this size make a step that Python and dispatch dominate: one engine per core pays
+# (tiny, 16 MB: 1.3x at 64 streams); past it the products dominate and one engine on every core does as
+# well with better batch-1 latency (h1024, 377 MB: 0.97x, batch 1 0.77x). docs/benchmarks.md has both.
+SMALL_MODEL_BYTES = 64 << 20
+
+
+def engines_flag(value: str) -> int:
+    """`--engines`: a count of at least 1, or `auto` (AUTO)."""
+    if value == "auto":
+        return AUTO
+    count = int(value)
+    if count < 1:
+        raise ValueError(value)
+    return count
+
+
+def available_memory() -> int:
+    """Bytes of memory available for new processes now (psutil's `available`)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def weight_bytes(model: str) -> int:
+    """The size of the weight files of the model directory `model` (0 for the embedded model, "",
+    and for a Hub id not yet resolved)."""
+    path = Path(model).expanduser() if model else None
+    if path is None or not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
+
+
+def auto_engines(args: argparse.Namespace, load: float | None = None) -> tuple[int, str]:
+    """The engine count of `--engines auto`, with why. On a GPU (`--device cuda`, or `auto`/none where
+    GPU_DEVICE_FILE exists): one. On a CPU, for a model of at most SMALL_MODEL_BYTES of weights (the
+    embedded one is): one engine per usable core, one core less on a busy host (as
+    `default_engine_threads`), each then a one-thread engine: such a model's step is mostly one Python
+    thread, so one-thread engines use the cores that one multi-thread engine leaves idle between its
+    parallel regions (docs/benchmarks.md, "Cores to the engine"); at most as many as fit in
+    MEMORY_SHARE of the available memory, an engine counted as twice its weight files (oneDNN's packed
+    copy) plus ENGINE_OVERHEAD_BYTES. A larger model, or a Hub id not yet downloaded: one engine."""
+    device = args.device or "auto"
+    if device == "cuda" or (device == "auto" and GPU_DEVICE_FILE.exists()):
+        return 1, "one on a GPU"
+    load = host_load() if load is None else load
+    cores = usable_cores() if load < BUSY_LOAD else usable_cores() - 1
+    cores = max(1, cores)
+    if args.model and not Path(args.model).expanduser().is_dir():
+        return 1, "one: the model's size is unknown before it is resolved"
+    weights = weight_bytes(args.model)
+    if weights > SMALL_MODEL_BYTES:
+        return 1, f"one: {weights >> 20} MB of weights, over {SMALL_MODEL_BYTES >> 20} MB"
+    per_engine = 2 * weights + ENGINE_OVERHEAD_BYTES
+    fit = max(1, int(MEMORY_SHARE * available_memory() // per_engine))
+    if fit < cores:
+        return fit, f"as many as fit in memory, {per_engine / 2**30:.1f} GiB each"
+    busy = "" if load < BUSY_LOAD else f", less one: load average {load:.2f} >= {BUSY_LOAD:g}"
+    return cores, f"one per usable core{busy}"
+
+
+def resolve_engines(args: argparse.Namespace, load: float | None = None) -> None:
+    """Replaces `--engines auto` in `args` with its count (`auto_engines`), kept with why in
+    `args.engines_why`; a count given stays, with why "--engines"."""
+    if args.engines == AUTO:
+        args.engines, args.engines_why = auto_engines(args, load)
+    else:
+        args.engines_why = "--engines"
+
+
+def default_engine_threads(load: float | None = None, engines: int = 1) -> int:
+    """Torch threads for each of the `engines` engines of `sluice up`: the usable cores shared out
+    among them (at least one each), while the host is otherwise idle (`load`, the 1-minute load average
+    before any child starts, default `host_load()`, below BUSY_LOAD), else one core less: on a host
+    already busy with other work a second thread's barriers wait for a core that work holds, and
+    engines with more threads than their share of the cores wait on each other likewise. The light
+    stages yield to the engines by priority (`light_nice`). docs/architecture.md ("`sluice up`") and
+    docs/benchmarks.md ("Cores to the engine") have the measurements."""
     cores = usable_cores()
     load = host_load() if load is None else load
-    return cores if load < BUSY_LOAD else max(1, cores - 1)
+    cores = cores if load < BUSY_LOAD else cores - 1
+    return max(1, cores // max(1, engines))
 
 
 def engine_threads(args: argparse.Namespace, load: float | None = None) -> int:
-    """`--engine-threads` when given (> 0), else `default_engine_threads(load)`."""
-    return args.engine_threads or default_engine_threads(load)
+    """`--engine-threads` when given (> 0), else `default_engine_threads(load, --engines)`."""
+    return args.engine_threads or default_engine_threads(load, args.engines)
 
 
 def light_nice(args: argparse.Namespace) -> int:
     """What the light stages (tokenizer, detokenizer, gateway) add to their nice value: `--light-nice`
-    (0 = the engine's priority), LIGHT_NICE when the flags have none."""
-    return int(getattr(args, "light_nice", LIGHT_NICE))
+    (0 = the engine's priority) when given; else LIGHT_NICE beside one engine, whose threads leave the
+    cores idle between their parallel regions for the light stages to fill, and 0 beside several
+    engines, which keep every core busy: there +10 starved the light stages that the engines wait on
+    (p99 TTFT above 2.4 s in half the runs against 0.9-1.3 s at 0; docs/benchmarks.md, "Engines per
+    core")."""
+    nice = getattr(args, "light_nice", None)
+    if nice is not None:
+        return int(nice)
+    return LIGHT_NICE if getattr(args, "engines", 1) <= 1 else 0
 
 
 def policy_line(args: argparse.Namespace, load: float | None = None) -> str:
     """The start-up line naming the CPU policy: the engine's threads (and why) and the light stages'
     nice; `load` as for `default_engine_threads`."""
     load = host_load() if load is None else load
-    threads, cores = engine_threads(args, load), usable_cores()
+    threads, cores, engines = engine_threads(args, load), usable_cores(), args.engines
+    share = f", shared by {engines} engines" if engines > 1 else ""
     if args.engine_threads:
         why = "--engine-threads"
-    elif threads == cores:
-        why = f"one per usable core, {cores}; load average {load:.2f} < {BUSY_LOAD:g}"
+    elif load < BUSY_LOAD:
+        why = f"one per usable core, {cores}{share}; load average {load:.2f} < {BUSY_LOAD:g}"
     else:
-        why = f"one less than the {cores} usable cores: load average {load:.2f} >= {BUSY_LOAD:g}"
+        why = f"one less than the {cores} usable cores{share}: load average {load:.2f} >= {BUSY_LOAD:g}"
     nice = light_nice(args)
     light = f"at nice +{nice} (--light-nice)" if nice else "at the engine's priority (--light-nice 0)"
-    return f"sluice up: engine: {threads} torch thread(s) ({why}), nice +0; the other services {light}"
+    if getattr(args, "light_nice", None) is None and engines > 1:
+        light = "at the engine's priority (beside several engines; --light-nice)"
+    each = " each" if engines > 1 else ""
+    count = f"{engines} engine{'s' if engines > 1 else ''} ({getattr(args, 'engines_why', '--engines')})"
+    return (
+        f"sluice up: engine: {threads} torch thread(s){each} ({why}), nice +0, {count}; "
+        f"the other services {light}"
+    )
 
 
 def child_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:

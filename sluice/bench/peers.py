@@ -34,7 +34,8 @@ from sluice.bench import sweep as sw
 from sluice.bench.common import int_range, names, positive_float, positive_int
 from sluice.bench.report import format_peers, peers_json, write_json
 from sluice.bench.serve_data import BenchRequest, uniform_requests
-from sluice.bench.stack import POLL_S, free_port_run, process_cpu_s, tail
+from sluice.bench.stack import POLL_S, process_cpu_s, tail
+from sluice.ports import free_port
 
 SLUICE = "sluice"
 # name → (label in the table, start script, the build the script needs under PEERS_DIR)
@@ -103,7 +104,7 @@ class ScriptServer:
         env: dict[str, str] | None = None,
     ) -> None:
         self.name, self.script, self.model = name, script, model
-        self.port = free_port_run(1)
+        self.port = free_port()
         self.openai_url = f"http://127.0.0.1:{self.port}/v1"
         self.command = ["bash", str(script), model, str(self.port), *extra]
         self.env = {**os.environ, **(env or {}), "PEERS_DIR": str(peers_dir), "PYTHONUNBUFFERED": "1"}
@@ -232,8 +233,10 @@ def measure(
     return PeerFigures(many.summary(), one.summary())
 
 
-def label(name: str) -> str:
-    return PEERS[name][0] if name in PEERS else f"{SLUICE} (`sluice up`)"
+def label(name: str, up_flags: str = "") -> str:
+    if name in PEERS:
+        return PEERS[name][0]
+    return f"{SLUICE} (`sluice up{' ' + up_flags if up_flags else ''}`)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--settle-load", type=float, default=SETTLE_LOAD, metavar="LOAD", help=about)
     about = f"at most this long (default {SETTLE_TIMEOUT_S:g})"
     add("--settle-timeout", type=positive_float, default=SETTLE_TIMEOUT_S, metavar="S", help=about)
+    about = 'more `sluice up` flags for sluice\'s row, e.g. "--engines 2 --engine-threads 1"'
+    add("--up-flags", default="", metavar="FLAGS", help=about)
     helps = {"num_requests": "concurrent streaming requests of the first run (default 64)"}
     sw.add_sweep_flags(parser, 64, **helps)
     return parser
@@ -279,7 +284,9 @@ def openers(args: argparse.Namespace, model: str, engine_flags: list[str]) -> di
     systems: dict[str, sw.Opener] = {}
     for name in args.servers:
         if name == SLUICE:
-            systems[name] = partial(sw.stack_endpoint, model, engine_flags)
+            up_flags = tuple(shlex.split(args.up_flags))  # none: `sluice up`'s defaults, --engines auto
+            opener = partial(sw.stack_endpoint, model, engine_flags, engines=0, up_flags=up_flags)
+            systems[name] = opener
         else:
             systems[name] = partial(peer_endpoint, name, peer_layout(args, name), model, args)
     return systems
@@ -303,7 +310,7 @@ def main(argv: list[str]) -> int:
         lambda _s, e, _p, _k: measure(e, streams, batch1, progress),
         settle=settle,
     )
-    labels = {name: label(name) for name in runs}
+    labels = {name: label(name, args.up_flags) for name in runs}
     print("\n" + format_peers(runs, len(streams), labels))
     meta = sw.sweep_meta("sweep peers", argv, model, peers_dir=str(args.peers_dir))
     write_json(args.json, peers_json(runs, meta, labels, NOT_INSTALLED), announce=True)

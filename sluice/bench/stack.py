@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import dataclasses
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,24 +22,12 @@ from typing import IO, Self
 import psutil
 
 from sluice.launcher import parse_args
-from sluice.plan import Child, busy_port, child_env, plan_children
+from sluice.plan import Child, child_env, plan_children
+from sluice.ports import free_port_run
 from sluice.supervise import Supervisor, with_nice
 
 TAIL_LINES = 20  # lines of a failed child's output quoted in the error
 POLL_S = 0.2
-
-
-def free_port_run(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
-    """The first of `count` consecutive ports that are free on `host` now (the first found by binding
-    port 0, the others as the services bind: plan.busy_port). Raises RuntimeError when no such run turns up
-    in `attempts` tries."""
-    for _ in range(attempts):
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            first = sock.getsockname()[1]
-        if first + count - 1 <= 65535 and busy_port(host, list(range(first + 1, first + count))) is None:
-            return first
-    raise RuntimeError(f"no run of {count} free ports found on {host}")
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -77,7 +64,7 @@ class StackOptions:
     host: str = "127.0.0.1"
     metrics: bool = True  # tokenizer/engine/detokenizer --metrics-port on free ports
     env: Mapping[str, str] | None = None  # extra environment for every child
-    engines: int = 1  # engine replicas (sluice up --engines)
+    engines: int = 1  # engine replicas (sluice up --engines; 0: its default, auto)
     up_flags: tuple[str, ...] = ()  # more `sluice up` flags, e.g. ("--engine-threads", "1")
     startup_timeout_s: float = 300.0
 
@@ -128,7 +115,7 @@ class Stack:
         ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
         ports += ["--metrics-base-port", str(metrics_base)]
         flags = ["--model", options.model, "--host", host, *ports]
-        flags += ["--engines", str(engines)] if engines > 1 else []
+        flags += ["--engines", str(engines)] if engines else []
         flags += ["--batching", options.batching] if options.batching else []
         plan = parse_args([*flags, *options.up_flags])
         more = options.engine_flags

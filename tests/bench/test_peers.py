@@ -243,3 +243,14 @@ def test_the_load_at_each_start_is_recorded_and_shown(capsys: pytest.CaptureFixt
     table = format_peers(runs, 6, {"a": "A", "b": "B"})
     rows = [re.split(r"\s{2,}", line) for line in table.splitlines()[2:]]
     assert [row[5] for row in rows] == ["1.00", "0.75"] and rows[1][6] == "failed"
+
+
+def test_up_flags_reach_sluices_stack_and_its_label() -> None:
+    """`--up-flags` go to `sluice up` for sluice's row only, and the row's label names them."""
+    args = peers.build_parser().parse_args(
+        ["--servers", "sluice", "--up-flags", "--engines 2 --engine-threads 1"]
+    )
+    opener = peers.openers(args, "/m", [])["sluice"]
+    assert opener.keywords == {"engines": 0, "up_flags": ("--engines", "2", "--engine-threads", "1")}  # type: ignore[attr-defined]
+    assert peers.label("sluice", args.up_flags) == "sluice (`sluice up --engines 2 --engine-threads 1`)"
+    assert peers.label("sluice") == "sluice (`sluice up`)"

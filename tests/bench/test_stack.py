@@ -11,8 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sluice.bench.stack import Stack, StackOptions, free_port_run
+from sluice.bench.stack import Stack, StackOptions
 from sluice.plan import LIGHT_NICE
+from sluice.ports import free_port_run
 
 pytestmark = pytest.mark.e2e
 SERVICES = {"tokenizer", "engine", "detokenizer", "gateway"}

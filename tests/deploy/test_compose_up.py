@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,6 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 import websockets
+
+from sluice.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = f"sluicecompose{os.getpid()}"
@@ -37,12 +38,6 @@ pytestmark = pytest.mark.timeout(int(BUILD_TIMEOUT_S + UP_DEADLINE_S + 4 * REQUE
 
 V1 = ["docker-compose"]
 V2 = ["docker", "compose"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -310,6 +310,7 @@ def test_launcher_flags_parse_for_every_child(
 ) -> None:
     monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     flags = ["--port", "8100", "--grpc-base-port", "51000", "--engine-threads", str(engine_threads)]
+    flags += ["--engines", "1"]  # auto: tests/test_plan.py
     args = parse_up_args(flags + (["--batching", batching] if batching else []))
     children = plan_children(args, "/models/m")
     assert [c.name for c in children] == [*STAGES, "gateway"]
@@ -333,16 +334,29 @@ def test_the_engine_gets_every_usable_core_and_the_light_stages_a_lower_priority
 ) -> None:
     """By default the engine has a torch thread per core this process may run on (its affinity, not
     the host's count) at the launcher's priority, and the tokenizer, detokenizer and gateway run
-    LIGHT_NICE lower; --engine-threads and --light-nice override, and the start-up line says which."""
+    LIGHT_NICE lower beside one engine (the engine's priority beside several); --engine-threads and
+    --light-nice override, and the start-up line says which."""
     monkeypatch.setattr(plan.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     monkeypatch.setattr(plan.os, "cpu_count", lambda: 8)
     monkeypatch.setattr(plan.os, "getloadavg", lambda: (0.2, 0.5, 0.5))
     assert default_engine_threads() == default_engine_threads(0.0) == 3
     assert default_engine_threads(plan.BUSY_LOAD) == default_engine_threads(9.0) == 2  # a busy host
-    busy = parse_up_args([])
+    busy = parse_up_args(["--engines", "1"])
     assert settings_for("engine", list(plan_children(busy, "/m", load=5.0)[1].flags)).threads == 2
     assert "one less than the 3 usable cores: load average 5.00" in policy_line(busy, load=5.0)
-    args = parse_up_args(["--tokenizers", "2"])
+    # Engines share the cores: none oversubscribes them (two threads each would wait on each other).
+    assert default_engine_threads(0.0, engines=2) == 1 and default_engine_threads(0.0, engines=5) == 1
+    two = parse_up_args(["--engines", "2"])
+    engines = [c for c in plan_children(two, "/m", load=0.0) if c.kind == "engine"]
+    assert [settings_for("engine", list(c.flags)).threads for c in engines] == [1, 1]
+    assert "1 torch thread(s) each (one per usable core, 3, shared by 2 engines" in policy_line(two, load=0.0)
+    # Beside several engines the light stages keep the engines' priority unless --light-nice says.
+    assert {c.nice for c in plan_children(two, "/m", load=0.0)} == {0}
+    assert "at the engine's priority (beside several engines" in policy_line(two, load=0.0)
+    niced = parse_up_args(["--engines", "2", "--light-nice", "5"])
+    assert {c.kind: c.nice for c in plan_children(niced, "/m", load=0.0)}["gateway"] == 5
+    assert "at nice +5 (--light-nice)" in policy_line(niced, load=0.0)
+    args = parse_up_args(["--tokenizers", "2", "--engines", "1"])
     children = plan_children(args, "/models/m")
     parsed = {c.name: settings_for(c.kind, list(c.flags)) for c in children}
     assert parsed["engine"].threads == 3
@@ -356,7 +370,7 @@ def test_the_engine_gets_every_usable_core_and_the_light_stages_a_lower_priority
     assert LIGHT_NICE > 0
     assert "3 torch thread(s) (one per usable core, 3; load average 0.20" in policy_line(args)
     assert f"nice +{LIGHT_NICE}" in policy_line(args)
-    old = parse_up_args(["--engine-threads", "1", "--light-nice", "0"])
+    old = parse_up_args(["--engine-threads", "1", "--light-nice", "0", "--engines", "1"])
     children = plan_children(old, "/models/m")
     assert settings_for("engine", list(children[1].flags)).threads == 1
     assert {c.nice for c in children} == {0}
@@ -385,6 +399,8 @@ def test_launcher_passes_tracing_and_metrics_settings() -> None:
             "--otlp-endpoint",
             "http://127.0.0.1:4317",
             "--trace-console",
+            "--engines",
+            "1",
         ]
     )
     parsed = {c.name: settings_for(c.name, list(c.flags)) for c in plan_children(args, "/models/m")}

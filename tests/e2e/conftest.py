@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,39 +20,17 @@ import pytest
 
 from sluice.launcher import parse_args
 from sluice.plan import STAGES
+from sluice.ports import free_port_run
 
 STARTUP_DEADLINE_S = 300.0
 READY_MARK = "sluice is up"
 STARTED = re.compile(r"sluice up: ([\w-]+) started \(pid (\d+)\)")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-# Every port free_ports handed out in this process: services launched together have not bound theirs
-# yet when the next ones are chosen, so a port free now may be promised already (a gateway that found
-# another service's health service where its engine should be served requests nothing could answer).
-_HANDED_OUT: set[int] = set()
-
-
 def free_ports(stage_ports: int = 3) -> tuple[int, int]:
     """An HTTP port and a gRPC base port whose next `stage_ports` ports (one per stage replica: see
-    `sluice up --help`) are free too and were never handed out before in this process; all below
-    Linux's default range for outgoing connections' local ports (32768-60999), where a client
-    connection could take a restarted child's port."""
-    rng = random.Random()
-    while True:
-        http, base = rng.randrange(10000, 20000), rng.randrange(20000, 32000)
-        ports = (http, *range(base, base + stage_ports + 1))
-        if _HANDED_OUT.isdisjoint(ports) and all(_port_free(p) for p in ports):
-            _HANDED_OUT.update(ports)
-            return http, base
+    `sluice up --help`) are free too; never handed out before in this process (sluice.ports)."""
+    return free_port_run(1), free_port_run(stage_ports + 1)
 
 
 def stage_port_count(extra: tuple[str, ...]) -> int:
@@ -150,9 +126,13 @@ def launch_pipeline(model_dir: Path, *extra: str, env: Mapping[str, str] | None 
     """Starts `sluice up` (with `env` added to the environment) and returns at once; `ready` is set
     when it prints its ready line or exits. Without `--standby` in `extra` it runs with none: a warm
     standby costs every start an engine's imports, and only the tests of standbys, restarts, faults
-    and chaos need one (they pass `--standby 1`, `sluice up`'s default)."""
+    and chaos need one (they pass `--standby 1`, `sluice up`'s default). Without `--engines` it runs
+    one engine: `sluice up`'s default, one per core, costs every start a model load per core, and
+    the tests of replicas and of the default pass their own."""
     if "--standby" not in extra:
         extra = (*extra, "--standby", "0")
+    if not any(flag.split("=")[0] == "--engines" for flag in extra):
+        extra = (*extra, "--engines", "1")
     http, base = free_ports(stage_port_count(extra))
     cmd = [
         sys.executable,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from sluice.model.moe import make_moe_model
-from tests.e2e.conftest import _port_free, start_pipeline
+from sluice.ports import free_port_run
+from tests.e2e.conftest import start_pipeline
 from tests.e2e.test_families import assert_equals_generate, stream_prompts
 from tests.observability.processes import scrape
 
@@ -28,17 +29,10 @@ ENGINE_ENV = {
 EXPERT_TOKENS = "sluice_moe_expert_tokens_total"
 
 
-def _free_run(count: int) -> int:
-    first = 20000
-    while not all(_port_free(first + i) for i in range(count)):
-        first += count
-    return first
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "gpt_oss"])
 def test_streamed_greedy_text_equals_generate(family: str, tmp_path: Path) -> None:
     model_dir = make_moe_model(tmp_path / family, family)
-    metrics_base = _free_run(3)  # tokenizer, engine, detokenizer
+    metrics_base = free_port_run(3)  # tokenizer, engine, detokenizer
     pipeline = start_pipeline(
         model_dir, "--standby", "0", "--metrics-base-port", str(metrics_base), env=ENGINE_ENV
     )

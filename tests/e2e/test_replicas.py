@@ -19,7 +19,8 @@ from gateway.settings import GatewaySettings
 from services.common.settings import load_settings
 from sluice.launcher import parse_args
 from sluice.plan import busy_port, plan_children
-from tests.e2e.conftest import _port_free, start_pipeline
+from sluice.ports import free_port_run
+from tests.e2e.conftest import start_pipeline
 from tests.e2e.test_up import generate_all
 from tests.gateway.conftest import gateway_settings, until
 from tests.gateway.fakes import MODEL, start_upstreams
@@ -66,13 +67,6 @@ def test_up_plans_every_replica_on_consecutive_ports_and_gives_the_gateway_each(
         parse_args(["--engines", "0"])
 
 
-def _free_run(count: int) -> int:
-    first = 20000
-    while not all(_port_free(first + i) for i in range(count)):
-        first += count
-    return first
-
-
 def _requests() -> list[dict[str, Any]]:
     """Mixed prompt and output lengths (4 to 40 tokens, EOS ignored so every length is exact)."""
     prompts = ("Hi", "Once upon a time", "The quick brown fox jumps over the lazy dog and then")
@@ -116,7 +110,7 @@ def test_two_engines_each_serve_a_fair_share_of_the_tokens(tiny_model_dir: Path)
     count 35-65% of the generated tokens. Then requests sharing a long context all go to one engine
     (prefix_affinity, the default, with the load level). Then engine-2 is killed: the launcher
     restarts it alone."""
-    metrics_base = _free_run(4)  # tokenizer, engine-1, engine-2, detokenizer
+    metrics_base = free_port_run(4)  # tokenizer, engine-1, engine-2, detokenizer
     running = start_pipeline(tiny_model_dir, "--engines", "2", "--metrics-base-port", str(metrics_base))
     try:
         assert {"engine-1", "engine-2"} <= running.pids().keys()
@@ -155,7 +149,7 @@ async def test_a_tokenizer_with_two_workers_gets_work_on_both_through_the_gatewa
     connections to it: once all 16 are up, a batch of requests; each worker's own /metrics counts
     Tokenize calls. (All 16 connections landing on one worker: odds 2 in 65,536. Sent before they
     are all up, the requests share the first few, which may well be on one worker.)"""
-    metrics = _free_run(2)  # worker i serves /metrics on metrics + i
+    metrics = free_port_run(2)  # worker i serves /metrics on metrics + i
     tokenizer = start_service(
         "tokenizer", tiny_model_dir, os.environ, "--workers", "2", "--metrics-port", str(metrics)
     )
@@ -190,6 +184,6 @@ def test_a_busy_planned_port_is_named_before_anything_starts() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         taken = sock.getsockname()[1]
-        free = _free_run(1)
+        free = free_port_run(1)
         assert busy_port("127.0.0.1", [free, taken]) == taken
     assert busy_port("127.0.0.1", [free]) is None

@@ -200,3 +200,30 @@ def test_the_light_stages_run_at_a_lower_priority_than_the_engine(pipeline: Pipe
     assert f"nice +{LIGHT_NICE}" in line
     engine_cmdline = psutil.Process(pipeline.pids()["engine"]).cmdline()
     assert engine_cmdline[engine_cmdline.index("--threads") + 1] == str(threads)
+
+
+def test_the_default_engines_are_the_ones_named_and_serve_greedy_text(tiny_model_dir: Path) -> None:
+    """`--engines auto` (`sluice up`'s default): the engines started are those its start-up line counts,
+    each with the threads that line names, the light stages at their priority (LIGHT_NICE lower beside
+    one engine, the same beside several), and greedy text through them equals `generate`."""
+    running = start_pipeline(tiny_model_dir, "--engines", "auto")
+    try:
+        line = next(line for line in running.lines if "torch thread(s)" in line)
+        count = int(line.split("nice +0, ")[1].split()[0])
+        threads = line.split("engine: ")[1].split()[0]
+        engines = plan.replica_names("engine", count)
+        assert sorted(n for n in running.pids() if n.startswith("engine")) == engines, running.output()
+        for name in engines:
+            cmdline = psutil.Process(running.pids()[name]).cmdline()
+            assert cmdline[cmdline.index("--threads") + 1] == threads
+        launcher_nice = _nice(running.proc.pid)
+        light = launcher_nice if count > 1 else min(19, launcher_nice + LIGHT_NICE)
+        nice = {name: _nice(pid) for name, pid in running.pids().items() if not name.startswith("engine")}
+        assert set(nice.values()) == {light}, (nice, line)
+        prompts = PROMPTS * 2  # more requests than engines: the gateway spreads them
+        results = asyncio.run(generate_all(running.ws_url, greedy_requests(prompts, MAX_TOKENS)))
+    finally:
+        code = running.stop()
+    assert code == 0, running.output()
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"]["text"] == reference(tiny_model_dir, prompt, MAX_TOKENS)[0]

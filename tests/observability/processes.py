@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +17,6 @@ import httpx
 
 LISTENING = re.compile(r"listening on port (\d+)")
 START_DEADLINE_S = 120.0
-
-
-def free_port() -> int:
-    """A port free now on 127.0.0.1 (for servers that cannot bind port 0 themselves, e.g. metrics)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def otel_env(endpoint: str) -> dict[str, str]:

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.observability.processes import Service, free_port, otel_env, scrape, start_service
+from sluice.ports import free_port
+from tests.observability.processes import Service, otel_env, scrape, start_service
 from tests.observability.receiver import ReceivedSpan, TraceReceiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import pytest
 import websockets
 
+from sluice.ports import free_port_run
 from tests.e2e.conftest import Pipeline, start_pipeline
 from tests.observability.processes import scrape
 from tests.observability.receiver import ReceivedSpan, TraceReceiver
@@ -25,25 +25,6 @@ PARENT_ID = "b7ad6b7169203331"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
 SERVICES = {"sluice-gateway", "sluice-tokenizer", "sluice-engine", "sluice-detokenizer"}
 MAX_TOKENS = 8
-
-
-def free_port_run(count: int) -> int:
-    """The first of `count` consecutive ports free now."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        if first + count < 65536 and all(_free(first + i) for i in range(count)):
-            return first
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb import engine_pb2, engine_pb2_grpc
 from sluice.plan import default_engine_threads
+from sluice.ports import free_port
 
 SERVICES = ("gateway", "tokenizer", "engine", "detokenizer")
 WAIT_S = 30.0  # upper bound on one wait for a reply; replies normally come in milliseconds
@@ -57,15 +57,8 @@ class Quiet:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct loopback ports that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    """`count` distinct loopback ports, free now and never handed out before in this process."""
+    return [free_port() for _ in range(count)]
 
 
 class RealStack:
