@@ -22,7 +22,7 @@ from typing import IO, Self
 import psutil
 
 from sluice.launcher import parse_args
-from sluice.plan import Child, child_env, plan_children
+from sluice.plan import STAGES, Child, child_env, plan_children
 from sluice.ports import free_port_run
 from sluice.supervise import Supervisor, with_nice
 
@@ -107,17 +107,18 @@ class Stack:
 
     def __init__(self, options: StackOptions) -> None:
         self.options, host, engines = options, options.host, options.engines
-        http_port, grpc_base = free_port_run(1, host), free_port_run(3 + engines, host)
-        metrics_base = free_port_run(2 + engines, host) if options.metrics else 0
-        self.http_url = f"http://{host}:{http_port}"
-        self.openai_url = f"{self.http_url}/v1"
-        self.grpc_address = f"{host}:{grpc_base}"
-        ports = ["--port", str(http_port), "--grpc-base-port", str(grpc_base)]
-        ports += ["--metrics-base-port", str(metrics_base)]
-        flags = ["--model", options.model, "--host", host, *ports]
+        flags = ["--model", options.model, "--host", host]
         flags += ["--engines", str(engines)] if engines else []
         flags += ["--batching", options.batching] if options.batching else []
         plan = parse_args([*flags, *options.up_flags])
+        # Ports once the plan has counted the replicas (`--engines auto` resolved): a run per stage
+        # replica after the gateway's gRPC port, and one metrics port per replica.
+        replicas = sum(getattr(plan, f"{stage}s") for stage in STAGES)
+        plan.port, plan.grpc_base_port = free_port_run(1, host), free_port_run(1 + replicas, host)
+        plan.metrics_base_port = free_port_run(replicas, host) if options.metrics else 0
+        self.http_url = f"http://{host}:{plan.port}"
+        self.openai_url = f"{self.http_url}/v1"
+        self.grpc_address = f"{host}:{plan.grpc_base_port}"
         more = options.engine_flags
         self._children = [
             dataclasses.replace(c, flags=(*c.flags, *more)) if c.kind == "engine" and more else c
@@ -126,8 +127,9 @@ class Stack:
         self._env = child_env(plan, {**os.environ, **(options.env or {})})
         self.metrics_urls: dict[str, str] = {"gateway": f"{self.http_url}/metrics"}
         if options.metrics:
-            names = ["tokenizer", *(c.name for c in self._children if c.kind == "engine"), "detokenizer"]
-            self.metrics_urls |= {n: f"http://{host}:{metrics_base + k}/metrics" for k, n in enumerate(names)}
+            names = [c.name for c in self._children if c.kind != "gateway"]  # in port order
+            base = plan.metrics_base_port
+            self.metrics_urls |= {n: f"http://{host}:{base + k}/metrics" for k, n in enumerate(names)}
         self.pids: dict[str, int] = {}
         self._supervisor: _LoggedSupervisor | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None

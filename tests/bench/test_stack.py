@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from sluice import launcher, plan, ports
 from sluice.bench.stack import Stack, StackOptions
 from sluice.plan import LIGHT_NICE
 from sluice.ports import free_port_run
@@ -81,4 +82,26 @@ def test_up_flags_set_the_stacks_cpu_policy(tiny_model_dir: Path) -> None:
         "engine": 0,
         "detokenizer": LIGHT_NICE,
         "gateway": LIGHT_NICE,
+    }
+
+
+def test_ports_are_reserved_for_every_replica_auto_engines_start(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `--engines auto` (engines=0) the replicas are counted after the plan resolves them: every
+    child's gRPC and metrics port is distinct and reserved by the picker, and each replica's metrics URL
+    is its own port (nothing is started)."""
+    monkeypatch.setattr(launcher, "host_load", lambda: 0.0)
+    monkeypatch.setattr(plan, "usable_cores", lambda: 3)
+    stack = Stack(StackOptions(str(tiny_model_dir), engines=0, up_flags=("--tokenizers", "2")))
+    replicas = [c for c in stack._children if c.kind != "gateway"]
+    assert [c.kind for c in replicas].count("engine") == 3 and len(replicas) == 6
+    metrics = [int(c.flags[c.flags.index("--metrics-port") + 1]) for c in replicas]
+    grpc = [c.grpc_port for c in stack._children]
+    http = int(stack.http_url.rsplit(":", 1)[1])
+    used = [*grpc, *metrics, http]
+    assert len(set(used)) == len(used)
+    assert set(used) <= ports._handed_out
+    assert stack.metrics_urls == {"gateway": f"{stack.http_url}/metrics"} | {
+        c.name: f"http://127.0.0.1:{port}/metrics" for c, port in zip(replicas, metrics, strict=True)
     }

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sluice.launcher import parse_args
-from sluice.plan import STAGES
+from sluice.plan import STAGES, usable_cores
 from sluice.ports import free_port_run
 
 STARTUP_DEADLINE_S = 300.0
@@ -34,9 +34,12 @@ def free_ports(stage_ports: int = 3) -> tuple[int, int]:
 
 
 def stage_port_count(extra: tuple[str, ...]) -> int:
-    """The stage replicas (hence gRPC ports after the base) that `sluice up` with `extra` starts."""
+    """The stage replicas (hence gRPC ports after the base) that `sluice up` with `extra` may start:
+    with `--engines auto` one engine per usable core, the most it resolves to (it counts one less on a
+    busy host, and the load may change before the launcher counts)."""
     args = parse_args(list(extra))
-    return sum(getattr(args, f"{stage}s") for stage in STAGES)
+    engines = args.engines if args.engines_why == "--engines" else max(args.engines, usable_cores())
+    return sum(getattr(args, f"{stage}s") for stage in STAGES) - args.engines + engines
 
 
 @dataclass
