@@ -144,6 +144,20 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+def engine_cores(load: float | None = None) -> int:
+    """The cores the engines may use: the usable ones while the host is otherwise idle (`load`, the
+    1-minute load average before any child starts, default `host_load()`, below BUSY_LOAD), else one
+    less; at least 1."""
+    load = host_load() if load is None else load
+    return max(1, usable_cores() if load < BUSY_LOAD else usable_cores() - 1)
+
+
+def replica_count(args: argparse.Namespace) -> int:
+    """The stage replicas `args` plan (tokenizers, engines, detokenizers): one gRPC port each after
+    --grpc-base-port, and one metrics port each from --metrics-base-port."""
+    return sum(getattr(args, f"{stage}s") for stage in STAGES)
+
+
 def host_load() -> float:
     """The host's 1-minute load average (0.0 where the OS has none)."""
     try:
@@ -192,8 +206,8 @@ def weight_bytes(model: str) -> int:
 def auto_engines(args: argparse.Namespace, load: float | None = None) -> tuple[int, str]:
     """The engine count of `--engines auto`, with why. On a GPU (`--device cuda`, or `auto`/none where
     GPU_DEVICE_FILE exists): one. On a CPU, for a model of at most SMALL_MODEL_BYTES of weights (the
-    embedded one is): one engine per usable core, one core less on a busy host (as
-    `default_engine_threads`), each then a one-thread engine: such a model's step is mostly one Python
+    embedded one is): one engine per core of `engine_cores` (one less on a busy
+    host), each then a one-thread engine: such a model's step is mostly one Python
     thread, so one-thread engines use the cores that one multi-thread engine leaves idle between its
     parallel regions (docs/benchmarks.md, "Cores to the engine"); at most as many as fit in
     MEMORY_SHARE of the available memory, an engine counted as twice its weight files (oneDNN's packed
@@ -202,8 +216,7 @@ def auto_engines(args: argparse.Namespace, load: float | None = None) -> tuple[i
     if device == "cuda" or (device == "auto" and GPU_DEVICE_FILE.exists()):
         return 1, "one on a GPU"
     load = host_load() if load is None else load
-    cores = usable_cores() if load < BUSY_LOAD else usable_cores() - 1
-    cores = max(1, cores)
+    cores = engine_cores(load)
     if args.model and not Path(args.model).expanduser().is_dir():
         return 1, "one: the model's size is unknown before it is resolved"
     weights = weight_bytes(args.model)
@@ -234,10 +247,7 @@ def default_engine_threads(load: float | None = None, engines: int = 1) -> int:
     engines with more threads than their share of the cores wait on each other likewise. The light
     stages yield to the engines by priority (`light_nice`). docs/architecture.md ("`sluice up`") and
     docs/benchmarks.md ("Cores to the engine") have the measurements."""
-    cores = usable_cores()
-    load = host_load() if load is None else load
-    cores = cores if load < BUSY_LOAD else cores - 1
-    return max(1, cores // max(1, engines))
+    return max(1, engine_cores(load) // max(1, engines))
 
 
 def engine_threads(args: argparse.Namespace, load: float | None = None) -> int:

@@ -22,7 +22,7 @@ from typing import IO, Self
 import psutil
 
 from sluice.launcher import parse_args
-from sluice.plan import STAGES, Child, child_env, plan_children
+from sluice.plan import Child, child_env, plan_children, replica_count
 from sluice.ports import free_port_run
 from sluice.supervise import Supervisor, with_nice
 
@@ -113,7 +113,7 @@ class Stack:
         plan = parse_args([*flags, *options.up_flags])
         # Ports once the plan has counted the replicas (`--engines auto` resolved): a run per stage
         # replica after the gateway's gRPC port, and one metrics port per replica.
-        replicas = sum(getattr(plan, f"{stage}s") for stage in STAGES)
+        replicas = replica_count(plan)
         plan.port, plan.grpc_base_port = free_port_run(1, host), free_port_run(1 + replicas, host)
         plan.metrics_base_port = free_port_run(replicas, host) if options.metrics else 0
         self.http_url = f"http://{host}:{plan.port}"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sluice.launcher import parse_args
-from sluice.plan import STAGES, usable_cores
+from sluice.plan import replica_count, usable_cores
 from sluice.ports import free_port_run
 
 STARTUP_DEADLINE_S = 300.0
@@ -39,7 +39,7 @@ def stage_port_count(extra: tuple[str, ...]) -> int:
     busy host, and the load may change before the launcher counts)."""
     args = parse_args(list(extra))
     engines = args.engines if args.engines_why == "--engines" else max(args.engines, usable_cores())
-    return sum(getattr(args, f"{stage}s") for stage in STAGES) - args.engines + engines
+    return replica_count(args) - args.engines + engines
 
 
 @dataclass
