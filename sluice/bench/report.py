@@ -560,7 +560,8 @@ def format_medians(medians: dict[str, dict[str, float]], num_rounds: int) -> str
 
 def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str]) -> str:
     """`sweep peers`' side-by-side table: a row per server (`labels`: its name as shown), its figures, or
-    dashes and why it has none, and the host's load average as it started."""
+    dashes and why it has none, the host's load average as it started, and its setup (the note, with any
+    failed requests)."""
     rows: list[Sequence[object]] = [
         ("server", f"{streams} streams tok/s", "p99 TTFT", "batch-1 tok/s", "batch-1 ITL p50", "load", "note")
     ]
@@ -578,7 +579,8 @@ def format_peers(runs: dict[str, SystemRun], streams: int, labels: dict[str, str
             fmt(f.batch1_tok_s, ",.0f"),
             f"{fmt(f.batch1_itl_p50_ms, '.1f')} ms",
         )
-        rows.append((labels[name], *cells, load, f"{f.failed} requests failed" if f.failed else ""))
+        failed = f"{f.failed} requests failed" if f.failed else ""
+        rows.append((labels[name], *cells, load, "; ".join(n for n in (run.setup, failed) if n)))
     return format_table(rows)
 
 
@@ -596,6 +598,7 @@ def peers_json(
             "error": run.error,
             "not_installed": bool(run.error and run.error.startswith(not_installed)),
             "load_at_start": run.load_at_start,
+            "setup": run.setup,
             **{key: f and getattr(f, key) for key in heads},
             **(dataclasses.asdict(f) if f else {}),
         }

@@ -14,7 +14,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Self
@@ -52,6 +52,12 @@ def process_cpu_s(pid: int) -> float:
             times = proc.cpu_times()
             total += times.user + times.system
     return total
+
+
+def flag_value(flags: Sequence[str], name: str) -> str | None:
+    """The value of the last `name VALUE` in `flags` (the one argparse keeps), None when absent."""
+    values = [flags[k + 1] for k in range(len(flags) - 1) if flags[k] == name]
+    return values[-1] if values else None
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,21 @@ class Stack:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    @property
+    def setup(self) -> str:
+        """How the engines run, for a table's note: "1 engine, 2 threads" or "2 engines, 1 thread each",
+        then the dtype where one is asked for (the engines' --dtype, else SLUICE_DTYPE in their
+        environment)."""
+        engines = [c for c in self._children if c.kind == "engine"]
+        flags = engines[0].flags if engines else ()
+        threads = flag_value(flags, "--threads")
+        many = len(engines) > 1
+        text = f"{len(engines)} engine{'s' if many else ''}"
+        if threads is not None:
+            text += f", {threads} thread{'' if threads == '1' else 's'}{' each' if many else ''}"
+        dtype = flag_value(flags, "--dtype") or self._env.get("SLUICE_DTYPE")
+        return f"{text}, {dtype}" if dtype else text
 
     def cpu_seconds(self) -> dict[str, float]:
         """User + system CPU seconds each service has used so far (with its worker processes)."""

@@ -45,6 +45,7 @@ class Endpoint:
     model: str | None  # the OpenAI "model" field; None = the first of GET /models
     cpu_seconds: Callable[[], dict[str, float]]  # CPU seconds per process so far ({} when unknown)
     metrics_urls: Mapping[str, str] = field(default_factory=dict)  # process → its /metrics URL
+    setup: str = ""  # how it runs, where the system says (sluice: its engines, threads and dtype)
 
 
 Opener = Callable[[], AbstractContextManager[Endpoint]]
@@ -58,6 +59,7 @@ class SystemRun(Generic[R]):
     points: list[R] = field(default_factory=list)
     error: str | None = None
     load_at_start: float | None = None  # the host's 1-minute load average as the system started
+    setup: str = ""  # its Endpoint's setup
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,7 @@ class Settle:
 def stack_endpoint(model: str, engine_flags: Sequence[str] = (), **options: Any) -> Iterator[Endpoint]:
     """The whole sluice pipeline on `model` (`options`: other StackOptions fields), for the context's life."""
     with Stack(StackOptions(model, engine_flags=tuple(engine_flags), **options)) as stack:
-        yield Endpoint(stack.openai_url, None, stack.cpu_seconds, stack.metrics_urls)
+        yield Endpoint(stack.openai_url, None, stack.cpu_seconds, stack.metrics_urls, stack.setup)
 
 
 def sweep(
@@ -114,6 +116,7 @@ def sweep(
         run.load_at_start = settle(name)
         try:
             with opener() as endpoint:
+                run.setup = endpoint.setup
                 for k, point in enumerate(points):
                     bar.set_postfix_str(f"{name} @ {point}")
                     run.points.append(measure(name, endpoint, point, k))

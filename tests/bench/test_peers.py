@@ -235,14 +235,20 @@ def test_the_load_at_each_start_is_recorded_and_shown(capsys: pytest.CaptureFixt
 
     @contextlib.contextmanager
     def system() -> Iterator[sw.Endpoint]:
-        yield sw.Endpoint("http://127.0.0.1:1/v1", None, dict)
+        yield sw.Endpoint("http://127.0.0.1:1/v1", None, dict, setup="1 engine, 2 threads")
 
     runs = sw.sweep({"a": system, "b": system}, [0], lambda *_: None, settle=_settle(host, 0.0))
     assert [run.load_at_start for run in runs.values()] == [1.0, 0.75]
+    assert [run.setup for run in runs.values()] == ["1 engine, 2 threads"] * 2
     runs["a"].error, runs["b"].error = "not installed at /x", "failed"
     table = format_peers(runs, 6, {"a": "A", "b": "B"})
     rows = [re.split(r"\s{2,}", line) for line in table.splitlines()[2:]]
     assert [row[5] for row in rows] == ["1.00", "0.75"] and rows[1][6] == "failed"
+    summary = {"output_throughput": 10.0, "completed": 4, "failed": 2}
+    summary |= {"ttft_ms": {"p99": 5.0}, "itl_ms": {"p50": 1.0}}
+    runs["a"].error, runs["a"].points = None, [peers.PeerFigures(summary, summary)]
+    lines = format_peers(runs, 6, {"a": "A", "b": "B"}).splitlines()
+    assert re.split(r"\s{2,}", lines[2])[6] == "1 engine, 2 threads; 4 requests failed"
 
 
 def test_up_flags_reach_sluices_stack_and_its_label() -> None:

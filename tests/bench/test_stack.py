@@ -105,3 +105,22 @@ def test_ports_are_reserved_for_every_replica_auto_engines_start(
     assert stack.metrics_urls == {"gateway": f"{stack.http_url}/metrics"} | {
         c.name: f"http://127.0.0.1:{port}/metrics" for c, port in zip(replicas, metrics, strict=True)
     }
+
+
+def test_the_setup_names_the_engines_threads_and_dtype(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Stack.setup`, the note of sluice's row in a side-by-side table, says what the plan gave the engines:
+    their count and threads, and the dtype asked for (an engine flag over SLUICE_DTYPE); nothing starts."""
+    monkeypatch.setattr(launcher, "host_load", lambda: 0.0)
+    monkeypatch.setattr(plan, "usable_cores", lambda: 2)
+    monkeypatch.delenv("SLUICE_DTYPE", raising=False)
+    model = str(tiny_model_dir)
+    assert Stack(StackOptions(model, up_flags=("--engine-threads", "2"))).setup == "1 engine, 2 threads"
+    assert Stack(StackOptions(model, engines=0)).setup == "2 engines, 1 thread each"
+    env = {"SLUICE_DTYPE": "bfloat16"}
+    assert Stack(StackOptions(model, env=env, up_flags=("--engine-threads", "1"))).setup == (
+        "1 engine, 1 thread, bfloat16"
+    )
+    asked = StackOptions(model, env=env, engine_flags=("--dtype", "float32", "--threads", "2"))
+    assert Stack(asked).setup == "1 engine, 2 threads, float32"
