@@ -21,6 +21,7 @@ from typing import IO, Self
 
 import psutil
 
+from services.common.settings import env_name, flag_name
 from sluice.launcher import parse_args
 from sluice.plan import Child, child_env, plan_children, replica_count
 from sluice.ports import free_port_run
@@ -192,12 +193,12 @@ class Stack:
         environment)."""
         engines = [c for c in self._children if c.kind == "engine"]
         flags = engines[0].flags if engines else ()
-        threads = flag_value(flags, "--threads")
+        threads = flag_value(flags, flag_name("threads"))
         many = len(engines) > 1
         text = f"{len(engines)} engine{'s' if many else ''}"
         if threads is not None:
             text += f", {threads} thread{'' if threads == '1' else 's'}{' each' if many else ''}"
-        dtype = flag_value(flags, "--dtype") or self._env.get("SLUICE_DTYPE")
+        dtype = flag_value(flags, flag_name("dtype")) or self._env.get(env_name("dtype"))
         return f"{text}, {dtype}" if dtype else text
 
     def cpu_seconds(self) -> dict[str, float]:
